@@ -1,0 +1,47 @@
+"""ncclpy: a thin, fast, honest Python layer over NVIDIA NCCL.
+
+``import ncclpy`` needs neither a GPU, CuPy, NCCL nor torch: heavy pieces load on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (loaded lazily on first attribute access)
+_LAZY = {
+    # errors
+    **{n: "ncclpy.errors" for n in (
+        "NcclpyError", "ArgumentError", "ArgumentTypeError", "UnsupportedError", "VersionError",
+        "MissingDependencyError", "RendezvousError", "LaunchError", "ProcessRaisedException",
+        "StoreError", "StoreTimeout", "StoreConnectionError", "StoreAuthError",
+        "StoreProtocolError", "StoreRequestError", "NcclError")},
+    # ops and dtypes
+    **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},
+    # store
+    "StoreServer": "ncclpy.store", "TCPStore": "ncclpy.store", "barrier": "ncclpy.store",
+    # rendezvous and launch
+    "RendezvousInfo": "ncclpy.rendezvous", "resolve": "ncclpy.rendezvous",
+    "Bootstrap": "ncclpy.bootstrap", "bootstrap": "ncclpy.bootstrap",
+    "spawn": "ncclpy.launch.spawn",
+    # communicator
+    "init": "ncclpy.comm", "Communicator": "ncclpy.comm", "Config": "ncclpy.comm",
+    "Work": "ncclpy.work", "group": "ncclpy.comm",
+    "Buffer": "ncclpy.buffers",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ncclpy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,160 @@
+"""The ncclpy exception hierarchy.
+
+Every error ncclpy raises derives from :class:`NcclpyError`.  Argument errors are also
+``ValueError``/``TypeError`` so generic handlers keep working; NCCL result codes map to one
+class each so callers can catch exactly what they expect.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "NcclpyError", "ArgumentError", "ArgumentTypeError", "UnsupportedError", "VersionError",
+    "MissingDependencyError", "RendezvousError", "LaunchError", "ProcessRaisedException",
+    "StoreError", "StoreTimeout", "StoreConnectionError", "StoreAuthError", "StoreProtocolError",
+    "StoreRequestError",
+    "NcclError", "NcclUnhandledCudaError", "NcclSystemError", "NcclInternalError",
+    "NcclInvalidArgument", "NcclInvalidUsage", "NcclRemoteError", "NcclInProgress",
+    "NcclTimeoutError", "nccl_error_from_code", "NCCL_RESULT_NAMES",
+]
+
+
+class NcclpyError(Exception):
+    """Base class of every error raised by ncclpy."""
+
+
+class ArgumentError(NcclpyError, ValueError):
+    """A bad argument value: the message names the argument, what was given and what was expected."""
+
+
+class ArgumentTypeError(NcclpyError, TypeError):
+    """An argument of the wrong type (e.g. not a buffer, not a stream)."""
+
+
+class UnsupportedError(ArgumentError):
+    """A valid request that NCCL (or this NCCL version) cannot do, e.g. BAND, int16, AVG on bool."""
+
+
+class VersionError(NcclpyError, RuntimeError):
+    """The loaded NCCL (or CuPy) is too old for the requested function."""
+
+
+class MissingDependencyError(NcclpyError, ImportError):
+    """CuPy or NCCL is not installed; the message names the pip extra to install."""
+
+
+class RendezvousError(NcclpyError, RuntimeError):
+    """Rank / world size / store address could not be resolved, or the uid exchange failed."""
+
+
+class LaunchError(NcclpyError, RuntimeError):
+    """The launcher or spawn could not start or keep its ranks."""
+
+
+class ProcessRaisedException(LaunchError):
+    """A child started by :func:`ncclpy.spawn` raised; carries its rank and formatted traceback."""
+
+    def __init__(self, rank: int, exitcode: Optional[int], tb: str) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = tb
+        super().__init__(f"rank {rank} raised an exception (exit code {exitcode}):\n{tb}")
+
+
+class StoreError(NcclpyError, RuntimeError):
+    """Base class of TCP store errors."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A store call did not complete in time; names key, address and seconds waited."""
+
+
+class StoreConnectionError(StoreError, ConnectionError):
+    """The store server could not be reached or the connection broke."""
+
+
+class StoreAuthError(StoreError, PermissionError):
+    """The store rejected this client's token (or the client gave none)."""
+
+
+class StoreProtocolError(StoreError):
+    """A malformed frame was received."""
+
+
+class StoreRequestError(StoreError):
+    """The server refused a well-formed request (e.g. key or value over the size limit)."""
+
+
+NCCL_RESULT_NAMES = {
+    0: "ncclSuccess",
+    1: "ncclUnhandledCudaError",
+    2: "ncclSystemError",
+    3: "ncclInternalError",
+    4: "ncclInvalidArgument",
+    5: "ncclInvalidUsage",
+    6: "ncclRemoteError",
+    7: "ncclInProgress",
+    8: "ncclTimeout",
+}
+
+
+class NcclError(NcclpyError, RuntimeError):
+    """An NCCL call returned a non-success result.
+
+    Attributes: ``code`` (ncclResult_t), ``call`` (the NCCL function), ``last_error``
+    (``ncclGetLastError`` text, possibly empty).
+    """
+
+    code: int = -1
+
+    def __init__(self, code: int, call: str = "", last_error: str = "") -> None:
+        self.code = code
+        self.call = call
+        self.last_error = last_error
+        name = NCCL_RESULT_NAMES.get(code, f"ncclResult {code}")
+        msg = f"{call or 'NCCL call'} failed: {name} ({code})"
+        if last_error:
+            msg += f": {last_error}"
+        super().__init__(msg)
+
+
+class NcclUnhandledCudaError(NcclError):
+    code = 1
+
+
+class NcclSystemError(NcclError):
+    code = 2
+
+
+class NcclInternalError(NcclError):
+    code = 3
+
+
+class NcclInvalidArgument(NcclError):
+    code = 4
+
+
+class NcclInvalidUsage(NcclError):
+    code = 5
+
+
+class NcclRemoteError(NcclError):
+    code = 6
+
+
+class NcclInProgress(NcclError):
+    code = 7
+
+
+class NcclTimeoutError(NcclError):
+    code = 8
+
+
+_BY_CODE = {cls.code: cls for cls in (
+    NcclUnhandledCudaError, NcclSystemError, NcclInternalError, NcclInvalidArgument,
+    NcclInvalidUsage, NcclRemoteError, NcclInProgress, NcclTimeoutError)}
+
+
+def nccl_error_from_code(code: int, call: str = "", last_error: str = "") -> NcclError:
+    """Build the NcclError subclass for ``code`` (unknown codes give a plain NcclError)."""
+    return _BY_CODE.get(int(code), NcclError)(int(code), call, last_error)

@@ -1,0 +1,135 @@
+"""The data a plan is made of: exact NCCL calls, device copies, placeholders.
+
+A :class:`Plan` is what planning produces from user arguments without touching a GPU, and what
+execution runs in a few thin lines.  Arguments are in NCCL's C order, up to but excluding
+``comm`` and ``stream`` (the executor appends those), e.g. ``AllReduce`` is
+``(sendbuff, recvbuff, count, datatype, op)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+__all__ = ["NcclCall", "Copy", "Scratch", "PremulSpec", "PREMUL_OP", "Plan", "PlanContext",
+           "Step", "NCCL_FUNCTIONS"]
+
+#: NCCL functions a plan may name (without the ``nccl`` prefix) and their arguments.
+NCCL_FUNCTIONS = {
+    "AllReduce": ("sendbuff", "recvbuff", "count", "datatype", "op"),
+    "Reduce": ("sendbuff", "recvbuff", "count", "datatype", "op", "root"),
+    "Broadcast": ("sendbuff", "recvbuff", "count", "datatype", "root"),
+    "ReduceScatter": ("sendbuff", "recvbuff", "recvcount", "datatype", "op"),
+    "AllGather": ("sendbuff", "recvbuff", "sendcount", "datatype"),
+    "AlltoAll": ("sendbuff", "recvbuff", "count", "datatype"),
+    "Gather": ("sendbuff", "recvbuff", "count", "datatype", "root"),
+    "Scatter": ("sendbuff", "recvbuff", "count", "datatype", "root"),
+    "Send": ("sendbuff", "count", "datatype", "peer"),
+    "Recv": ("recvbuff", "count", "datatype", "peer"),
+}
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A pointer into the plan's scratch allocation (``Plan.scratch_bytes``), at ``offset``."""
+
+    offset: int = 0
+
+
+class _PremulOp:
+    """Placeholder for the ncclRedOp_t the executor creates from ``Plan.premul``."""
+
+    _inst = None
+
+    def __new__(cls):  # singleton
+        if cls._inst is None:
+            cls._inst = super().__new__(cls)
+        return cls._inst
+
+    def __repr__(self) -> str:
+        return "PREMUL_OP"
+
+
+PREMUL_OP = _PremulOp()
+
+
+@dataclass(frozen=True)
+class NcclCall:
+    """One NCCL call: function name (no ``nccl`` prefix) and its C-order args before comm."""
+
+    fn: str
+    args: Tuple
+
+    def __post_init__(self) -> None:
+        want = NCCL_FUNCTIONS.get(self.fn)
+        if want is None:
+            raise ValueError(f"unknown NCCL function {self.fn!r}")
+        if len(self.args) != len(want):
+            raise ValueError(f"nccl{self.fn} takes {len(want)} args {want}, got {self.args!r}")
+
+    def arg(self, name: str):
+        """Argument by its NCCL parameter name."""
+        return self.args[NCCL_FUNCTIONS[self.fn].index(name)]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A device-to-device ``cudaMemcpyAsync`` on the call's stream (list forms, staging)."""
+
+    dst: Union[int, Scratch]
+    src: Union[int, Scratch]
+    nbytes: int
+
+
+Step = Union[NcclCall, Copy]
+
+
+@dataclass(frozen=True)
+class PremulSpec:
+    """``ncclRedOpCreatePreMulSum`` inputs: the scalar already encoded in ``datatype``."""
+
+    scalar: bytes
+    datatype: int
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What planning needs to know about the communicator (no GPU handle)."""
+
+    rank: int
+    world_size: int
+    device: int = 0
+    nccl_version: int = 23203
+    #: force the grouped send/recv path even where NCCL has a native call (tests, benchmarks)
+    force_fallback: bool = False
+
+    def has_native(self, fn: str) -> bool:
+        """Whether the loaded NCCL has ncclGather/ncclScatter/ncclAlltoAll natively."""
+        from .native import NATIVE_MIN_VERSION
+        need = NATIVE_MIN_VERSION.get(fn, 0)
+        return not self.force_fallback and self.nccl_version >= need
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The exact work for one user call.
+
+    ``steps`` run in order; if ``group`` the NCCL calls among them are wrapped in
+    ncclGroupStart/End (copies that precede or follow are issued outside the group, in order).
+    ``premul`` asks the executor to create a PreMulSum op, substitute it for ``PREMUL_OP`` and
+    destroy it after the (outermost) group ends.  ``scratch_bytes`` of device memory back the
+    ``Scratch`` pointers.  ``path`` says which path was chosen, e.g. "native" or "p2p".
+    """
+
+    collective: str
+    steps: Tuple[Step, ...]
+    group: bool = False
+    premul: Optional[PremulSpec] = None
+    scratch_bytes: int = 0
+    path: str = "native"
+    #: bytes this rank sends / receives (for logs and the bench)
+    nbytes: int = 0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def calls(self) -> Tuple[NcclCall, ...]:
+        return tuple(s for s in self.steps if isinstance(s, NcclCall))
