@@ -101,6 +101,9 @@ class PlanContext:
     nccl_version: int = 23203
     #: force the grouped send/recv path even where NCCL has a native call (tests, benchmarks)
     force_fallback: bool = False
+    #: the call is issued inside a user group (``with comm.group()``): send/recv to self is
+    #: then allowed, as NCCL pairs it with a recv from self in the same group
+    in_group: bool = False
 
     def has_native(self, fn: str) -> bool:
         """Whether the loaded NCCL has ncclGather/ncclScatter/ncclAlltoAll natively."""

@@ -1,0 +1,213 @@
+"""The Backend interface the sweep drives, and the buffer layout every backend shares.
+
+A backend owns one communicator and the device buffers of one rank.  The sweep calls, per size:
+``alloc`` (send/recv buffers out of place, one buffer in place, laid out as NCCL and nccl-tests
+lay them out), ``fill`` (this rank's verifiable input, recv zeroed), ``run`` (enqueue one
+collective), ``sync`` (wait for the stream), ``output`` (this rank's result on the host).  Graph
+capture and event timing are optional.  Host data is always numpy: the dtype's own numpy type, or
+its unsigned-int view for bfloat16 and float8 (which numpy lacks).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+
+from ncclpy import registry
+from ncclpy.dtypes import DTYPES
+from ncclpy.errors import ArgumentError
+
+__all__ = ["Layout", "layout", "Buffers", "Backend", "get_backend", "host_dtype", "BACKEND_MODULES"]
+
+BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyBackend",
+                   "cupy": "bench.backends.cupy_raw:CupyBackend",
+                   "torch": "bench.backends.torch_dist:TorchBackend"}
+
+
+def host_dtype(name: str) -> np.dtype:
+    """numpy dtype holding ``name`` on the host (uint view for bfloat16/float8)."""
+    d = DTYPES[name]
+    return np.dtype(d.numpy or d.view)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Element counts of one rank for one size, in nccl-tests' conventions.
+
+    ``count`` is the count passed to NCCL (the table's "count" column); ``send``/``recv`` the
+    out-of-place buffer lengths; ``whole`` the in-place buffer and ``ip_send``/``ip_recv`` the
+    (offset, length) of the send and receive sides inside it (NCCL's in-place rules: all_gather's
+    input sits at ``rank*count`` of the output, reduce_scatter's output at ``rank*count`` of the
+    input, and likewise gather/scatter).
+    """
+
+    total: int
+    count: int
+    send: int
+    recv: int
+    whole: int
+    ip_send: Tuple[int, int]
+    ip_recv: Tuple[int, int]
+
+    def nbytes(self, itemsize: int) -> int:
+        """The table's "size" column: max(send, recv) bytes."""
+        return max(self.send, self.recv) * itemsize
+
+
+def layout(collective: str, total: int, world: int, rank: int) -> Layout:
+    """:class:`Layout` for ``total`` elements (size / itemsize) on ``rank`` of ``world``."""
+    c = registry.get(collective)
+    send, recv = c.send_elems(total, world), c.recv_elems(total, world)
+    count = c.param_count(total, world)
+    whole = max(send, recv)
+    ip_send, ip_recv = (0, send), (0, recv)
+    if send < recv:        # all_gather, gather: my block of the output is my input
+        ip_send = (rank * send, send)
+    elif recv < send:      # reduce_scatter, scatter: my block of the input is my output
+        ip_recv = (rank * recv, recv)
+    return Layout(total, count, send, recv, whole, ip_send, ip_recv)
+
+
+@dataclass
+class Buffers:
+    """One rank's buffers for one (collective, size, dtype): backend-native arrays."""
+
+    collective: str
+    dtype: str
+    layout: Layout
+    send: Any
+    recv: Any
+    whole: Any
+    ip_send: Any
+    ip_recv: Any
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def pair(self, in_place: bool) -> Tuple[Any, Any]:
+        """(send, recv) arrays for one placement."""
+        return (self.ip_send, self.ip_recv) if in_place else (self.send, self.recv)
+
+
+class Backend:
+    """Base class: subclasses implement the array primitives and ``run``."""
+
+    name = "base"
+    #: shown in headers, e.g. "torch/gloo"
+    label = "base"
+    #: can capture its iterations into a CUDA graph
+    supports_graphs = False
+    #: can time with CUDA events
+    supports_events = False
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world = 1
+        self.device: Optional[int] = None
+        self.store = None
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def setup(self, rank: int, world: int, device: Optional[int], store: Any, *,
+              master_addr: str = "127.0.0.1", timeout: float = 300.0) -> None:
+        """Create the communicator.  ``device`` is a CUDA ordinal or None for CPU; ``store`` is
+        the harness's key-value store (rank 0 hosts it), for exchanging ids and ports."""
+        self.rank, self.world, self.device, self.store = rank, world, device, store
+
+    def teardown(self) -> None:
+        """Destroy the communicator and free buffers."""
+
+    def nccl_version(self) -> int:
+        """Version code of the NCCL this backend calls (0 where none, e.g. gloo)."""
+        return 0
+
+    def device_info(self) -> Dict[str, str]:
+        """``device_hex`` (PCI bus id) and ``device_info`` (name) of this rank's device."""
+        return {"device_hex": "0000:00:00", "device_info": "cpu"}
+
+    # ---- capabilities -------------------------------------------------------------------
+    def unsupported(self, collective: str, dtype: str, op: str) -> Optional[str]:
+        """Why this backend cannot run the case, or None."""
+        return None
+
+    def checks_in_place(self, collective: str) -> bool:
+        """Whether the in-place result is defined (else #wrong is N/A, as nccl-tests does for
+        in-place alltoall)."""
+        return True
+
+    def output_defined(self, collective: str, rank: int, root: int, in_place: bool) -> bool:
+        """Whether this rank's output is specified by the library (the reference's own None
+        entries aside); False skips its check."""
+        return True
+
+    # ---- buffers ------------------------------------------------------------------------
+    def empty(self, n: int, dtype: str) -> Any:
+        """A zeroed device array of ``n`` elements of host_dtype(dtype)."""
+        raise NotImplementedError
+
+    def view(self, arr: Any, offset: int, n: int) -> Any:
+        return arr[offset:offset + n]
+
+    def alloc(self, collective: str, total: int, dtype: str) -> Buffers:
+        lay = layout(collective, total, self.world, self.rank)
+        send, recv, whole = (self.empty(lay.send, dtype), self.empty(lay.recv, dtype),
+                             self.empty(lay.whole, dtype))
+        return Buffers(collective, dtype, lay, send, recv, whole,
+                       self.view(whole, *lay.ip_send), self.view(whole, *lay.ip_recv))
+
+    def zero(self, arr: Any) -> None:
+        raise NotImplementedError
+
+    def upload(self, arr: Any, host: np.ndarray) -> None:
+        """Copy ``host`` (same length) into device ``arr``."""
+        raise NotImplementedError
+
+    def download(self, arr: Any) -> np.ndarray:
+        """Host copy of device ``arr`` (after the stream is synchronised)."""
+        raise NotImplementedError
+
+    def fill(self, bufs: Buffers, host: Optional[np.ndarray], in_place: bool) -> None:
+        """Zero the receive side and put ``host`` (this rank's input) on the send side."""
+        if in_place:
+            self.zero(bufs.whole)
+        else:
+            self.zero(bufs.recv)
+        send, _ = bufs.pair(in_place)
+        if host is not None:
+            self.upload(send, host)
+        self.sync()
+
+    def output(self, bufs: Buffers, in_place: bool) -> np.ndarray:
+        self.sync()
+        return self.download(bufs.pair(in_place)[1])
+
+    # ---- running ------------------------------------------------------------------------
+    def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:
+        """Enqueue one collective (asynchronous where the backend is)."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Wait until everything enqueued has completed."""
+
+    def capture(self, fn: Callable[[], None]) -> Any:
+        """Capture what ``fn`` enqueues into a CUDA graph; returns a handle for ``replay``."""
+        raise ArgumentError(f"backend {self.label}: CUDA graphs are unsupported here")
+
+    def replay(self, graph: Any) -> None:
+        raise NotImplementedError
+
+    def release(self, graph: Any) -> None:
+        """Free a captured graph."""
+
+    def event_timer(self) -> Tuple[Callable[[], None], Callable[[], float]]:
+        """(start, stop) where stop() returns seconds between them measured on the stream."""
+        raise ArgumentError(f"backend {self.label}: CUDA event timing is unsupported here")
+
+
+def get_backend(name: str) -> Backend:
+    """Instantiate a backend by name (its module is imported only now)."""
+    try:
+        mod, _, cls = BACKEND_MODULES[name].partition(":")
+    except KeyError:
+        raise ArgumentError(f"backend {name!r} is unknown; expected one of "
+                            f"{', '.join(BACKEND_MODULES)}") from None
+    return getattr(importlib.import_module(mod), cls)()

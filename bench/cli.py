@@ -1,0 +1,283 @@
+"""Command line of ``python -m bench``: nccl-tests' flags, plus ncclpy's launch and backend options.
+
+The flags that mean the same as nccl-tests' have the same letters, long names, defaults and size
+syntax (``K``/``M``/``G`` are powers of 1024), so an ``all_reduce_perf`` command line works with
+``python -m bench all_reduce`` in front of it.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import List, Optional, Sequence
+
+from ncclpy import registry
+from ncclpy.dtypes import DTYPES, dtype_name
+from ncclpy.errors import ArgumentError, NcclpyError
+
+from bench.sweep import SweepConfig, launched_world
+
+__all__ = ["parse_size", "size_list", "build_parser", "parse_args", "main",
+           "TESTS_TYPE_NAMES", "parse_collectives", "parse_dtypes", "parse_ops",
+           "parse_backends", "BACKENDS"]
+
+#: ncclpy dtype name -> nccl-tests' type name (the "type" column and ``-d`` values)
+TESTS_TYPE_NAMES = {
+    "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
+    "uint64": "uint64", "float16": "half", "float32": "float", "float64": "double",
+    "bfloat16": "bfloat16", "float8_e4m3": "f8e4m3", "float8_e5m2": "f8e5m2",
+}
+_FROM_TESTS = {v: k for k, v in TESTS_TYPE_NAMES.items()}
+OPS = ("sum", "prod", "max", "min", "avg")
+BACKENDS = ("ncclpy", "cupy", "torch")
+_BACKEND_ALIASES = {"cupy_raw": "cupy", "torch_dist": "torch", "gloo": "torch",
+                    "torch.distributed": "torch"}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """Bytes from nccl-tests' size syntax: ``8``, ``1K``, ``1.5M``, ``2G`` (powers of 1024).
+
+    Like nccl-tests only the first letter of the unit counts, so ``1KB``/``1KiB`` also mean 1024.
+    """
+    m = _SIZE.match(str(text))
+    unit = m.group(2)[:1].lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ArgumentError(f"{name}: expected a size such as 8, 64K, 1.5M or 2G (K/M/G are "
+                            f"powers of 1024), got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def size_list(minbytes: int, maxbytes: int, stepfactor: int = 1, stepbytes: int = 1 << 20,
+              ) -> List[int]:
+    """The sizes nccl-tests visits: from ``minbytes`` while ``<= maxbytes``, multiplying by
+    ``stepfactor`` when it is > 1, else adding ``stepbytes``."""
+    if minbytes < 0 or maxbytes < 0:
+        raise ArgumentError(f"sizes must be >= 0, got minbytes={minbytes} maxbytes={maxbytes}")
+    if minbytes > maxbytes:
+        raise ArgumentError(f"invalid sizes for 'minbytes' and 'maxbytes': {minbytes} > "
+                            f"{maxbytes}")
+    if stepfactor > 1 and minbytes == 0 and maxbytes > 0:
+        raise ArgumentError("-f/--stepfactor with -b/--minbytes 0 never grows; start at 1 or more")
+    if stepfactor <= 1 and stepbytes <= 0 and maxbytes > minbytes:
+        raise ArgumentError("-i/--stepbytes must be > 0 when -f/--stepfactor is not > 1")
+    out, size = [], minbytes
+    while size <= maxbytes:
+        out.append(size)
+        if maxbytes == minbytes:
+            break
+        size = size * stepfactor if stepfactor > 1 else size + stepbytes
+    return out
+
+
+def parse_collectives(text: str) -> List[str]:
+    """Registry names from a collective, a comma-separated list, or ``all``."""
+    if text.strip().lower() == "all":
+        return list(registry.names())
+    out = []
+    for part in text.split(","):
+        coll = registry.get(part)
+        if not coll.data:
+            raise ArgumentError(f"collective {coll.name!r} moves no data and has no bandwidth; "
+                                f"expected one of {', '.join(registry.names())}")
+        if coll.name not in out:
+            out.append(coll.name)
+    return out
+
+
+def parse_dtypes(text: str) -> List[str]:
+    """``-d`` values: nccl-tests names (float, half, f8e4m3, ...), ncclpy names, ``all``."""
+    if text.strip().lower() == "all":
+        return list(DTYPES)
+    out = []
+    for part in text.split(","):
+        key = part.strip()
+        key = _FROM_TESTS.get(key.lower(), key)
+        try:
+            name = dtype_name(key)
+        except NcclpyError as e:
+            raise ArgumentError(f"-d/--datatype: {e}") from None
+        if name not in DTYPES:
+            raise ArgumentError(f"-d/--datatype: {part!r} is not an NCCL type; expected one of "
+                                f"{', '.join(TESTS_TYPE_NAMES.values())} or all")
+        out.append(name)
+    return out
+
+
+def parse_ops(text: str) -> List[str]:
+    """``-o`` values: sum, prod, max, min, avg (comma-separated) or ``all``."""
+    if text.strip().lower() == "all":
+        return list(OPS)
+    out = []
+    for part in text.split(","):
+        key = part.strip().lower()
+        if key in ("mulsum", "premul_sum"):
+            raise ArgumentError("-o/--op: mulsum (premul_sum) is not benchmarked; use sum, prod, "
+                                "max, min, avg or all")
+        if key not in OPS:
+            raise ArgumentError(f"-o/--op: expected sum, prod, max, min, avg or all, got {part!r}")
+        out.append(key)
+    return out
+
+
+def parse_backends(text: str) -> List[str]:
+    out = []
+    for part in text.split(","):
+        key = part.strip().lower()
+        key = _BACKEND_ALIASES.get(key, key)
+        if key not in BACKENDS:
+            raise ArgumentError(f"--backend: expected a comma-separated list of "
+                                f"{', '.join(BACKENDS)}, got {part!r}")
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="nccl-tests-compatible collective benchmark over ncclpy, raw CuPy NCCL and "
+                    "torch.distributed. Sizes take K/M/G suffixes (powers of 1024).",
+        epilog="Examples: python -m bench all_reduce -b 8 -e 128M -f 2 --nproc 2 | "
+               "python -m bench all_gather --backend ncclpy,torch -J out.json --plot out.png | "
+               "python -m bench all_reduce --device cpu --backend torch --nproc 2 -b 1K -e 1M -f 4")
+    p.add_argument("collective", help="collective to run: " + ", ".join(registry.names())
+                   + " (nccl-tests stems such as all_reduce_perf or alltoall also work); a "
+                   "comma-separated list or 'all' runs several in turn, one table each, and "
+                   "-J/--plot files get the collective's name before their extension")
+    g = p.add_argument_group("nccl-tests options")
+    g.add_argument("-b", "--minbytes", default="32M", help="minimum size (default 32M)")
+    g.add_argument("-e", "--maxbytes", default="32M", help="maximum size (default 32M)")
+    g.add_argument("-i", "--stepbytes", default="1M",
+                   help="fixed increment between sizes when -f is not > 1 (default 1M)")
+    g.add_argument("-f", "--stepfactor", type=int, default=1,
+                   help="multiplication factor between sizes (default: disabled)")
+    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
+    g.add_argument("-w", "--warmup_iters", type=int, default=1,
+                   help="warm-up iterations per size, not timed (default 1)")
+    g.add_argument("-c", "--check", type=int, default=1,
+                   help="check iterations: 0 disables the correctness check (default 1)")
+    g.add_argument("-o", "--op", default="sum",
+                   help="sum, prod, max, min, avg or all (default sum)")
+    g.add_argument("-d", "--datatype", default="float",
+                   help="nccl-tests type name (int8 uint8 int32 uint32 int64 uint64 half float "
+                        "double bfloat16 f8e4m3 f8e5m2), ncclpy name, or all (default float)")
+    g.add_argument("-r", "--root", default="0", help="root rank, or all (default 0)")
+    g.add_argument("-G", "--cudagraph", type=int, default=0,
+                   help="capture the iterations into a CUDA graph and replay it this many times "
+                        "(GPU only; default 0: no graph)")
+    g.add_argument("-a", "--average", type=int, default=1, choices=(0, 1, 2, 3),
+                   help="time reported across ranks: 0=rank 0, 1=average, 2=min, 3=max (default 1)")
+    g.add_argument("-J", "--output_file", default=None, metavar="FILE",
+                   help="write results as JSON in nccl-tests' schema (see bench/schema.json)")
+    x = p.add_argument_group("ncclpy options")
+    x.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="start N ranks here (ncclpy.spawn); without it, run as the ranks of an "
+                        "outer launcher (ncclpy run, torchrun, mpirun, srun) or as a single rank")
+    x.add_argument("--backend", default=None,
+                   help="comma-separated backends: ncclpy, cupy (raw cupy.cuda.nccl), torch "
+                        "(torch.distributed: NCCL on cuda, gloo on cpu). Several alternate per "
+                        "size and ratios are printed. Default: ncclpy on cuda, torch on cpu")
+    x.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where buffers live (default auto: cuda when a GPU is visible)")
+    x.add_argument("--timer", default="host", choices=("host", "events"),
+                   help="host: wall clock around the iterations and a stream sync, as nccl-tests; "
+                        "events: CUDA events recorded on the stream (GPU only)")
+    x.add_argument("--csv", default=None, metavar="FILE", help="also write results as CSV")
+    x.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot bus bandwidth and latency against size (needs matplotlib)")
+    x.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for other ranks at set-up and synchronisation points")
+    x.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    # test-only hook: corrupt this many elements of rank 0's checked output (never in a real run)
+    x.add_argument("--test-corrupt", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+def _gpu_visible() -> bool:
+    try:
+        from ncclpy.launch.placement import visible_gpu_count
+        return visible_gpu_count() > 0
+    except Exception:  # pragma: no cover - placement absent or broken: assume none
+        return False
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
+    """Parse a command line into a :class:`~bench.sweep.SweepConfig` (ArgumentError if invalid)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    collectives = parse_collectives(a.collective)
+    minb = parse_size(a.minbytes, "-b/--minbytes")
+    maxb = parse_size(a.maxbytes, "-e/--maxbytes")
+    stepb = parse_size(a.stepbytes, "-i/--stepbytes")
+    for name, val, lo in (("-n/--iters", a.iters, 1), ("-w/--warmup_iters", a.warmup_iters, 0),
+                          ("-c/--check", a.check, 0), ("-G/--cudagraph", a.cudagraph, 0),
+                          ("-f/--stepfactor", a.stepfactor, 0)):
+        if val < lo:
+            raise ArgumentError(f"{name}: expected an integer >= {lo}, got {val}")
+    sizes = size_list(minb, maxb, a.stepfactor, stepb)
+    root_text = str(a.root).strip().lower()
+    if root_text == "all":
+        root = -1
+    else:
+        try:
+            root = int(root_text, 0)
+        except ValueError:
+            raise ArgumentError(f"-r/--root: expected a rank or all, got {a.root!r}") from None
+        if root < 0:
+            raise ArgumentError(f"-r/--root: expected a rank >= 0 or all, got {a.root!r}")
+    device = a.device
+    if device == "auto":
+        device = "cuda" if _gpu_visible() else "cpu"
+    backends = parse_backends(a.backend) if a.backend else (
+        ["ncclpy"] if device == "cuda" else ["torch"])
+    if device == "cpu":
+        bad = [b for b in backends if b != "torch"]
+        if bad:
+            raise ArgumentError(f"--backend {','.join(bad)} needs --device cuda (a GPU); on cpu "
+                                f"only the torch backend (gloo) runs")
+        if a.cudagraph:
+            raise ArgumentError("-G/--cudagraph: CUDA graphs are unsupported with --device cpu")
+        if a.timer == "events":
+            raise ArgumentError("--timer events: CUDA events are unsupported with --device cpu")
+    if a.nproc is not None and a.nproc < 1:
+        raise ArgumentError(f"--nproc: expected N >= 1, got {a.nproc}")
+    return SweepConfig(
+        collectives=collectives, sizes=sizes, minbytes=minb, maxbytes=maxb, stepbytes=stepb,
+        stepfactor=a.stepfactor, iters=a.iters, warmup_iters=a.warmup_iters, check=a.check,
+        ops=parse_ops(a.op), dtypes=parse_dtypes(a.datatype), root=root,
+        cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
+        nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
+        plot=a.plot, timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
+        argv=["python -m bench", *argv])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: parse, then run as this process's rank or spawn ``--nproc`` ranks."""
+    from bench import sweep
+    try:
+        cfg = parse_args(argv)
+    except ArgumentError as e:
+        print(f"python -m bench: error: {e}", file=sys.stderr)
+        return 2
+    world = launched_world()
+    if cfg.nproc is not None and world is None and cfg.nproc > 1:
+        try:
+            return sweep.spawn_ranks(cfg)
+        except NcclpyError as e:
+            print(f"python -m bench: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+    if cfg.nproc is not None and world is not None and world != cfg.nproc:
+        print(f"python -m bench: error: --nproc {cfg.nproc} but the launcher started "
+              f"{world} ranks; drop --nproc under a launcher", file=sys.stderr)
+        return 2
+    try:
+        return sweep.run_rank(cfg)
+    except NcclpyError as e:
+        print(f"python -m bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""Results out: nccl-tests' text table, its JSON file format (version 2), CSV and a plot.
+
+The table and JSON follow nccl-tests' ``src/util.cu`` field for field (column widths, number
+formatting, the "Avg bus bandwidth" footer; JSON keys, booleans written as "true"/"false"
+strings, ``root`` as the ``%6i`` string), so tools that read nccl-tests' output read ours.  What
+nccl-tests has no place for (several backends, ratios) goes into extra row columns after the
+standard ones and into a top-level ``"ncclpy"`` object in the JSON; see ``bench/schema.json``.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+__all__ = ["Side", "Row", "float_str", "header_lines", "table_header", "format_row",
+           "footer_lines", "ratio_rows", "ratio_lines", "build_json", "write_json",
+           "write_csv", "write_plot", "CSV_FIELDS", "safe_env", "JSON_VERSION"]
+
+JSON_VERSION = 2
+_TIME_FMT = "%Y-%m-%d %H:%M:%S"
+
+
+@dataclass
+class Side:
+    """One half of a row: out-of-place or in-place."""
+
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: Optional[int]  # None: not checked (printed N/A, JSON null)
+
+
+@dataclass
+class Row:
+    backend: str
+    size: int
+    count: int
+    type: str        # nccl-tests type name ("float")
+    dtype: str       # ncclpy dtype name ("float32")
+    redop: str       # "sum", ..., or "none"
+    root: int        # -1 where the collective has none
+    oop: Side
+    ip: Side
+    iters: int = 0
+    extra: Dict[str, object] = field(default_factory=dict)
+
+
+def float_str(value: float, width: int) -> str:
+    """nccl-tests' getFloatStr: as many decimals as fit in ``width`` characters."""
+    power, val = 0, 1
+    while value >= val and power < 40:
+        power += 1
+        val *= 10
+    if power < width - 2:
+        return f"{value:{width}.2f}"
+    if power < width - 1:
+        return f"{value:{width}.1f}"
+    if power < width + 1:
+        return f"{value:{width}.0f}"
+    if width >= 7:
+        return f"{value:{width}.1e}"
+    return f"{value:{width}.0e}"
+
+
+def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: int,
+                 maxbytes: int, stepfactor: int, stepbytes: int, warmup: int, iters: int,
+                 check: int, graph: int, devices: Sequence[Dict[str, object]],
+                 version: str) -> List[str]:
+    """The preamble nccl-tests prints before the table (run parameters and devices)."""
+    step = f"{stepfactor}(factor)" if stepfactor > 1 else f"{stepbytes}(bytes)"
+    out = [f"# ncclpy bench {version} (nccl-tests format) backend={backends} "
+           f"nccl-library={nccl_version}",
+           f"# Collective test starting: {program}",
+           f"# nThread 1 nGpus 1 minBytes {minbytes} maxBytes {maxbytes} step: {step} "
+           f"warmup iters: {warmup} iters: {iters} agg iters: 1 validation: {check} "
+           f"graph: {graph}",
+           "#", "# Using devices"]
+    for d in devices:
+        out.append(f"#  Rank {d['rank']:2d} Group {0:2d} Pid {d['pid']:6d} on "
+                   f"{str(d['hostname']):>10s} device {d['device']:2d} [{d['device_hex']}] "
+                   f"{d['device_info']}")
+    out.append("#")
+    return out
+
+
+def table_header(multi: bool = False) -> List[str]:
+    e = ("", "", "", "", "")
+    tail = "  backend" if multi else ""
+    return [
+        "#",
+        "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place"
+        "          " % e,
+        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s " % (
+            "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
+            "time", "algbw", "busbw", "#wrong") + tail,
+        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s " % (
+            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)",
+            "(GB/s)", ""),
+    ]
+
+
+def _side(s: Side) -> str:
+    body = "  %7s  %6s  %6s" % (float_str(s.time_us, 7), float_str(s.algbw, 6),
+                                float_str(s.busbw, 6))
+    return body + ("    N/A" if s.wrong is None else "  %6g" % s.wrong)
+
+
+def format_row(r: Row, multi: bool = False) -> str:
+    """One line of the table, as nccl-tests prints it (backend appended when several)."""
+    line = "%12d  %12d  %8s  %6s  %6s" % (r.size, r.count, r.type, r.redop, "%6i" % r.root)
+    line += _side(r.oop) + _side(r.ip)
+    return line + (f"  {r.backend}" if multi else "")
+
+
+def out_of_bounds(rows: Iterable[Row]) -> int:
+    """nccl-tests' error count: one per timed half whose check found wrong elements."""
+    return sum((r.oop.wrong or 0) > 0 for r in rows) + sum((r.ip.wrong or 0) > 0 for r in rows)
+
+
+def avg_busbw(rows: Sequence[Row]) -> float:
+    """Mean bus bandwidth over every half of every row (nccl-tests' "Avg bus bandwidth")."""
+    vals = [s.busbw for r in rows for s in (r.oop, r.ip)]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def footer_lines(rows_by_backend: Dict[str, List[Row]], program: str,
+                 min_bw: Optional[float] = None) -> Tuple[List[str], bool]:
+    """The footer and whether the run passed (no wrong elements, bandwidth above the
+    ``NCCL_TESTS_MIN_BW`` floor when one is given)."""
+    all_rows = [r for rows in rows_by_backend.values() for r in rows]
+    errors = out_of_bounds(all_rows)
+    ok = errors == 0
+    out = ["# %-20s : %d %s" % ("Out of bounds values", errors, "FAILED" if errors else "OK")]
+    multi = len(rows_by_backend) > 1
+    for name, rows in rows_by_backend.items():
+        bw = avg_busbw(rows)
+        verdict = ""
+        if min_bw is not None:
+            good = bw >= min_bw * 0.9
+            ok = ok and good
+            verdict = "OK" if good else "FAILED"
+        tag = f" {name}" if multi else ""
+        out.append(("# %-20s : %g %s" % ("Avg bus bandwidth", bw, verdict)).rstrip() + tag)
+    out += ["#", f"# Collective test concluded: {program}", "#"]
+    return out, ok
+
+
+def ratio_rows(rows_by_backend: Dict[str, List[Row]]) -> List[Dict[str, object]]:
+    """For each backend after the first: per (type, op, root, size), first/other ratios of
+    bus bandwidth (>1: the first is faster) and of time (<1: the first is faster)."""
+    names = list(rows_by_backend)
+    if len(names) < 2:
+        return []
+    base = {(r.type, r.redop, r.root, r.size): r for r in rows_by_backend[names[0]]}
+    out = []
+    for other in names[1:]:
+        for r in rows_by_backend[other]:
+            b = base.get((r.type, r.redop, r.root, r.size))
+            if b is None:
+                continue
+            out.append({
+                "numerator": names[0], "denominator": other, "size": r.size, "type": r.type,
+                "redop": r.redop, "root": r.root,
+                "out_of_place_busbw": _div(b.oop.busbw, r.oop.busbw),
+                "in_place_busbw": _div(b.ip.busbw, r.ip.busbw),
+                "out_of_place_time": _div(b.oop.time_us, r.oop.time_us),
+                "in_place_time": _div(b.ip.time_us, r.ip.time_us)})
+    return out
+
+
+def _div(a: float, b: float) -> Optional[float]:
+    return a / b if b else None
+
+
+def ratio_lines(ratios: List[Dict[str, object]]) -> List[str]:
+    if not ratios:
+        return []
+    out = []
+    pairs = sorted({(x["numerator"], x["denominator"]) for x in ratios},
+                   key=lambda p: [x["denominator"] for x in ratios].index(p[1]))
+    for num, den in pairs:
+        out += ["#", f"# Ratios {num} / {den} (busbw > 1 and time < 1: {num} is faster)",
+                "# %10s  %8s  %6s  %6s  %9s  %9s  %9s  %9s" % (
+                    "size", "type", "redop", "root", "oop_busbw", "ip_busbw", "oop_time",
+                    "ip_time")]
+        for x in ratios:
+            if (x["numerator"], x["denominator"]) != (num, den):
+                continue
+            vals = [("%9.3f" % v if v is not None else "%9s" % "N/A") for v in (
+                x["out_of_place_busbw"], x["in_place_busbw"], x["out_of_place_time"],
+                x["in_place_time"])]
+            out.append("%12d  %8s  %6s  %6i  %s" % (x["size"], x["type"], x["redop"],
+                                                     x["root"], "  ".join(vals)))
+    return out
+
+
+# ---------------------------------------------------------------------------------- JSON
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|KEY|AUTH", re.I)
+_ENV_PREFIXES = ("NCCL", "CUDA", "NVIDIA", "UCX", "OMPI_COMM_WORLD", "PMI_", "SLURM_",
+                 "TORCH", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LD_LIBRARY_PATH",
+                 "CUPY", "GLOO")
+
+
+def safe_env(env: Optional[Dict[str, str]] = None) -> List[str]:
+    """``KEY=VALUE`` lines for the JSON ``env`` list: only variables that shape communication,
+    never anything that looks like a secret (nccl-tests dumps the whole environment; we don't)."""
+    env = dict(os.environ if env is None else env)
+    out = []
+    for k in sorted(env):
+        if not k.startswith(_ENV_PREFIXES):
+            continue
+        out.append(f"{k}=<redacted>" if _SECRET.search(k) else f"{k}={env[k]}")
+    return out
+
+
+def _jnum(x: float):
+    return "nan" if x != x else float(x)
+
+
+def _jside(s: Side) -> Dict[str, object]:
+    return {"time": _jnum(s.time_us), "alg_bw": _jnum(s.algbw), "bus_bw": _jnum(s.busbw),
+            "nwrong": None if s.wrong is None else float(s.wrong)}
+
+
+def _jbool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
+               nccl_version: int, config: Dict[str, object], devices: List[Dict[str, object]],
+               start_time: str, extension: Dict[str, object], min_bw: Optional[float] = None,
+               errors: Sequence[str] = ()) -> Dict[str, object]:
+    """The JSON document: nccl-tests' version-2 layout plus the ``ncclpy`` extension."""
+    all_rows = [r for rows in rows_by_backend.values() for r in rows]
+    first = next(iter(rows_by_backend.values()), [])
+    bw = avg_busbw(first)
+    oob = out_of_bounds(all_rows)
+    results = []
+    for r in all_rows:
+        results.append({"size": r.size, "count": r.count, "type": r.type, "redop": r.redop,
+                        "root": "%6i" % r.root, "out_of_place": _jside(r.oop),
+                        "in_place": _jside(r.ip), "actual_iterations": r.iters,
+                        "experiment_name": r.backend})
+    ext = dict(extension)
+    ext["average_bus_bandwidth_by_backend"] = {k: avg_busbw(v) for k, v in
+                                               rows_by_backend.items()}
+    ext["ratios"] = ratio_rows(rows_by_backend)
+    cfg = dict(config)
+    cfg["devices"] = devices
+    return {
+        "version": JSON_VERSION,
+        "start_time": start_time,
+        "args": list(args),
+        "env": safe_env(),
+        "nccl_version": int(nccl_version),
+        "config": cfg,
+        "results": results,
+        "out_of_bounds": {"count": oob, "okay": _jbool(oob == 0)},
+        "average_bus_bandwidth": {
+            "bandwidth": _jnum(bw),
+            "okay": "unchecked" if min_bw is None else _jbool(bw >= min_bw * 0.9)},
+        "errors": list(errors),
+        "end_time": now(),
+        "ncclpy": ext,
+    }
+
+
+def now() -> str:
+    return datetime.datetime.now().strftime(_TIME_FMT)
+
+
+def write_json(path: str, doc: Dict[str, object]) -> str:
+    """Write like nccl-tests: never overwrite; an existing ``path`` becomes ``path.0``, ``.1``...
+    Returns the path written."""
+    try_path, n = path, 0
+    while True:
+        try:
+            with open(try_path, "x") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+            return try_path
+        except FileExistsError:
+            try_path = f"{path}.{n}"
+            n += 1
+
+
+# ---------------------------------------------------------------------------------- CSV
+CSV_FIELDS = ("backend", "collective", "nranks", "size", "count", "type", "redop", "root",
+              "oop_time_us", "oop_algbw_GBps", "oop_busbw_GBps", "oop_wrong",
+              "ip_time_us", "ip_algbw_GBps", "ip_busbw_GBps", "ip_wrong", "iters", "graph",
+              "device")
+
+
+def write_csv(path: str, rows: Iterable[Row], *, collective: str, nranks: int, graph: int,
+              device: str, append: bool = False) -> None:
+    """One header line, one line per row and backend (empty #wrong: not checked); ``append``
+    adds rows (of another collective) under an existing header."""
+    with open(path, "a" if append else "w", newline="") as f:
+        w = csv.writer(f)
+        if not append:
+            w.writerow(CSV_FIELDS)
+        for r in rows:
+            w.writerow([r.backend, collective, nranks, r.size, r.count, r.type, r.redop, r.root,
+                        f"{r.oop.time_us:.3f}", f"{r.oop.algbw:.6f}", f"{r.oop.busbw:.6f}",
+                        "" if r.oop.wrong is None else r.oop.wrong,
+                        f"{r.ip.time_us:.3f}", f"{r.ip.algbw:.6f}", f"{r.ip.busbw:.6f}",
+                        "" if r.ip.wrong is None else r.ip.wrong, r.iters, graph, device])
+
+
+# ---------------------------------------------------------------------------------- plot
+def write_plot(path: str, rows_by_backend: Dict[str, List[Row]], *, title: str) -> None:
+    """busbw and latency against size, log axes, one colour per backend (solid: out of place,
+    dashed: in place); a line per type/op/root when a run has several."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2"])
+    for i, (name, rows) in enumerate(rows_by_backend.items()):
+        groups: Dict[Tuple[str, str, int], List[Row]] = {}
+        for r in rows:
+            groups.setdefault((r.type, r.redop, r.root), []).append(r)
+        for key, grp in groups.items():
+            grp = sorted((r for r in grp if r.size > 0), key=lambda r: r.size)
+            if not grp:
+                continue
+            label = name if len(groups) == 1 else f"{name} {key[0]} {key[1]} root={key[2]}"
+            xs = [r.size for r in grp]
+            col = colours[i % len(colours)]
+            for attr, style, suffix in (("oop", "-", ""), ("ip", "--", " (in place)")):
+                bw = [getattr(r, attr).busbw for r in grp]
+                t = [getattr(r, attr).time_us for r in grp]
+                ax_bw.plot(xs, [b if b > 0 else float("nan") for b in bw], style, marker="o",
+                           markersize=3, color=col, label=label + suffix)
+                ax_t.plot(xs, [v if v > 0 else float("nan") for v in t], style, marker="o",
+                          markersize=3, color=col, label=label + suffix)
+    for ax, ylabel in ((ax_bw, "bus bandwidth (GB/s)"), (ax_t, "time per call (µs)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

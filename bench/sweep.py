@@ -1,0 +1,491 @@
+"""The sweep: sizes x dtypes x ops x roots, timed as nccl-tests times them, on one or more backends.
+
+Per case (dtype, op, root): a warm-up at every power-of-two size from ``-b`` to ``-e``, then per
+size and per backend (backends alternate at each size) an out-of-place and an in-place
+measurement.  Each measurement, as nccl-tests' ``BenchTime``: fill verifiable data, one call and a
+stream synchronisation, a barrier, ``-n`` calls back to back (or ``-G`` replays of a CUDA graph
+holding them), a stream synchronisation, time per call = elapsed / calls, aggregated across ranks
+by ``-a``; then ``-c`` check iterations on fresh inputs compared with the numpy reference.
+
+Ranks coordinate on the host through ncclpy's TCP store (barriers, aggregation, the device
+report), never through the communicator being measured.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from ncclpy import registry
+from ncclpy.dtypes import DTYPES
+from ncclpy.errors import ArgumentError
+
+from bench import output, verify
+from bench.backends import Backend, Buffers, get_backend, layout
+from bench.output import Row, Side
+
+__all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "warmup_sizes",
+           "launched_world", "per_collective_path"]
+
+AVERAGE_NAMES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
+_TYPE_NAMES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32",
+               "int64": "int64", "uint64": "uint64", "float16": "half", "float32": "float",
+               "float64": "double", "bfloat16": "bfloat16", "float8_e4m3": "f8e4m3",
+               "float8_e5m2": "f8e5m2"}
+
+
+@dataclass
+class SweepConfig:
+    """Everything one run needs; built by :func:`bench.cli.parse_args`, picklable for spawn."""
+
+    collectives: List[str]
+    sizes: List[int]
+    minbytes: int = 32 << 20
+    maxbytes: int = 32 << 20
+    stepbytes: int = 1 << 20
+    stepfactor: int = 1
+    iters: int = 20
+    warmup_iters: int = 1
+    check: int = 1
+    ops: List[str] = field(default_factory=lambda: ["sum"])
+    dtypes: List[str] = field(default_factory=lambda: ["float32"])
+    root: int = 0                       # -1: every root
+    cudagraph: int = 0
+    average: int = 1
+    output_file: Optional[str] = None
+    nproc: Optional[int] = None
+    backends: List[str] = field(default_factory=lambda: ["torch"])
+    device: str = "cpu"
+    timer: str = "host"
+    csv: Optional[str] = None
+    plot: Optional[str] = None
+    timeout: float = 300.0
+    quiet: bool = False
+    test_corrupt: int = 0
+    argv: List[str] = field(default_factory=list)
+
+    @property
+    def collective(self) -> str:
+        return self.collectives[0]
+
+
+def warmup_sizes(minbytes: int, maxbytes: int) -> List[int]:
+    """nccl-tests warms up at every doubling from minbytes to maxbytes."""
+    out, s = [], minbytes
+    while s <= maxbytes:
+        out.append(s)
+        s = s * 2 if s else 1
+    return out
+
+
+# ------------------------------------------------------------------------ coordination
+class Coord:
+    """Host-side collectives over the store: rank 0 gathers, reduces, publishes."""
+
+    def __init__(self, store: Any, rank: int, world: int, timeout: float) -> None:
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.seq = 0
+
+    def _exchange(self, payload: bytes, reducer) -> bytes:
+        self.seq += 1
+        if self.world == 1:
+            return reducer([payload])
+        key = f"bench/c/{self.seq}"
+        self.store.set(f"{key}/{self.rank}", payload)
+        if self.rank == 0:
+            vals = [self.store.get(f"{key}/{r}", timeout=self.timeout) for r in range(self.world)]
+            result = reducer(vals)
+            self.store.set(f"{key}/out", result)
+            for r in range(self.world):
+                self.store.delete(f"{key}/{r}")
+            if self.seq > 1:  # every rank has read the previous result: it posted this one
+                self.store.delete(f"bench/c/{self.seq - 1}/out")
+            return result
+        return self.store.get(f"{key}/out", timeout=self.timeout)
+
+    def reduce(self, value: float, how: str) -> float:
+        """All ranks get ``how`` in {rank0, avg, min, max, sum} over every rank's value."""
+        def red(vals: List[bytes]) -> bytes:
+            xs = [float(v) for v in vals]
+            r = {"rank0": xs[0], "avg": sum(xs) / len(xs), "min": min(xs), "max": max(xs),
+                 "sum": sum(xs)}[how]
+            return repr(r).encode()
+        return float(self._exchange(repr(float(value)).encode(), red))
+
+    def any(self, text: Optional[str]) -> Optional[str]:
+        """The first non-empty ``text`` over ranks (e.g. a reason to skip), for every rank."""
+        def red(vals: List[bytes]) -> bytes:
+            return next((v for v in vals if v), b"")
+        out = self._exchange((text or "").encode(), red).decode()
+        return out or None
+
+    def gather(self, payload: bytes) -> List[bytes]:
+        """Every rank's payload, in rank order, on rank 0 (others get [])."""
+        box: List[List[bytes]] = []
+
+        def red(vals: List[bytes]) -> bytes:
+            box.append(vals)
+            return b""
+        self._exchange(payload, red)
+        return box[0] if box else []
+
+    def barrier(self) -> None:
+        self._exchange(b"", lambda vals: b"")
+
+
+# ------------------------------------------------------------------------ launching
+def spawn_ranks(cfg: SweepConfig) -> int:
+    """Start ``cfg.nproc`` ranks with ncclpy.spawn; non-zero if any rank failed."""
+    from ncclpy.launch.spawn import spawn
+    try:
+        spawn(_spawned, cfg.nproc, args=(cfg,))
+    except Exception as e:
+        print(f"python -m bench: a rank failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _spawned(rank: int, cfg: SweepConfig) -> None:
+    code = run_rank(cfg)
+    if code:
+        raise SystemExit(code)
+
+
+def launched_world() -> Optional[int]:
+    """World size if an outer launcher started this process (its rank variables are set)."""
+    for r, w in (("NCCLPY_RANK", "NCCLPY_WORLD_SIZE"), ("RANK", "WORLD_SIZE"),
+                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        if os.environ.get(r) is not None and os.environ.get(w):
+            try:
+                return int(os.environ[w])
+            except ValueError:
+                return None
+    return None
+
+
+def _rendezvous():
+    """(rank, world, local_rank, master_addr, master_port, device-from-launcher)."""
+    if launched_world() is None:
+        return 0, 1, 0, "127.0.0.1", 0, None
+    from ncclpy.rendezvous import resolve
+    info = resolve()
+    return (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port,
+            info.device)
+
+
+def _make_store(rank: int, world: int, addr: str, port: int, timeout: float):
+    """The harness's store client: rank 0 hosts the server (a lone rank a private one)."""
+    from ncclpy.store import TCPStore
+    if world == 1 or not port:
+        return TCPStore("127.0.0.1", 0, timeout=timeout, is_server=True)
+    return TCPStore(addr, port, timeout=timeout, is_server=(rank == 0))
+
+
+def _pick_device(kind: str, local_rank: int, launcher_device: Optional[int]):
+    """CUDA ordinal for this rank (None on cpu): the launcher's choice, else local_rank mod GPUs."""
+    if kind != "cuda":
+        return None
+    if launcher_device is not None:
+        return int(launcher_device)
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        raise ArgumentError(f"--device cuda: no usable CUDA device ({e})") from None
+    if n < 1:
+        raise ArgumentError("--device cuda: no CUDA device is visible")
+    return local_rank % n
+
+
+# ------------------------------------------------------------------------ one rank
+class _Rank:
+    """The state of one rank's run."""
+
+    def __init__(self, cfg: SweepConfig, collective: str, rank: int, world: int, coord: Coord,
+                 backends: List[Backend]) -> None:
+        self.cfg, self.rank, self.world, self.coord = cfg, rank, world, coord
+        self.backends = backends
+        self.coll = registry.get(collective)
+        self.rows: Dict[str, List[Row]] = {b.name: [] for b in backends}
+        self.skipped: List[str] = []
+        self.multi = len(backends) > 1
+        self._expected_cache: Dict[tuple, Any] = {}
+
+    def say(self, line: str = "") -> None:
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def progress(self, text: str) -> None:
+        if self.rank == 0 and not self.cfg.quiet:
+            print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+    # -- one measurement (nccl-tests' BenchTime) --
+    def bench_time(self, b: Backend, bufs: Buffers, op: str, root: int, in_place: bool,
+                   seed_base: int = 1000) -> Side:
+        cfg, coll = self.cfg, self.coll
+        name = coll.name
+
+        def once() -> None:
+            b.run(name, bufs, op, root, in_place)
+
+        if cfg.check:
+            b.fill(bufs, self.input_for(bufs, op, 99), in_place)
+        once()
+        b.sync()
+        self.coord.barrier()
+        graph = None
+        calls = cfg.iters
+        if cfg.cudagraph:
+            graph = b.capture(lambda: [once() for _ in range(cfg.iters)])
+            self.coord.barrier()
+            calls = cfg.iters * cfg.cudagraph
+        if cfg.timer == "events":
+            begin, stop = b.event_timer()
+            begin()
+            self._loop(b, once, graph)
+            elapsed = stop()
+        else:
+            t0 = time.perf_counter()
+            self._loop(b, once, graph)
+            b.sync()
+            elapsed = time.perf_counter() - t0
+        if graph is not None:
+            b.release(graph)
+        seconds = self.coord.reduce(elapsed / calls, AVERAGE_NAMES[cfg.average])
+        nbytes = bufs.layout.nbytes(DTYPES[bufs.dtype].itemsize)
+        alg, bus = coll.bandwidths(nbytes, seconds, self.world)
+        wrong: Optional[int] = None
+        if cfg.check and (not in_place or b.checks_in_place(name)):
+            wrong = 0
+            for c in range(cfg.check):
+                # the same seeds for every backend at this size: one reference serves them all
+                seed = seed_base + 2 * c + int(in_place)
+                b.fill(bufs, self.input_for(bufs, op, seed), in_place)
+                once()
+                out = b.output(bufs, in_place)
+                mine = 0
+                if b.output_defined(name, self.rank, root, in_place):
+                    mine = self.count_wrong(bufs, op, root, in_place, seed, out)
+                wrong = int(self.coord.reduce(mine, "sum"))
+                if wrong:
+                    break
+        return Side(seconds * 1e6, alg, bus, wrong)
+
+    def _loop(self, b: Backend, once, graph) -> None:
+        if graph is not None:
+            for _ in range(self.cfg.cudagraph):
+                b.replay(graph)
+        else:
+            for _ in range(self.cfg.iters):
+                once()
+
+    # -- verification --
+    def input_for(self, bufs: Buffers, op: str, seed: int):
+        return verify.rank_input(self.coll.name, bufs.dtype, op, self.rank, self.world,
+                                 bufs.layout.send, seed)
+
+    def count_wrong(self, bufs: Buffers, op: str, root: int, in_place: bool, seed: int,
+                    out) -> int:
+        lay = bufs.layout
+        key = (bufs.dtype, op, root, in_place, seed, lay.total)
+        if key not in self._expected_cache:
+            if any(k[:3] != key[:3] or k[5] != lay.total for k in self._expected_cache):
+                self._expected_cache.clear()  # a new size or case: the old ones are done
+            inputs = [verify.rank_input(self.coll.name, bufs.dtype, op, r, self.world,
+                                        layout(self.coll.name, lay.total, self.world, r).send,
+                                        seed) for r in range(self.world)]
+            self._expected_cache[key] = verify.expected(
+                self.coll.name, inputs, bufs.dtype, op, root, self.world, in_place)[self.rank]
+        exp = self._expected_cache[key]
+        if exp is None:  # NCCL leaves this rank's output undefined (e.g. reduce off root)
+            return 0
+        if self.cfg.test_corrupt and self.rank == 0:
+            out = verify.corrupt(out, self.cfg.test_corrupt)
+        return verify.count_wrong(out, exp, bufs.dtype, op)
+
+    # -- the whole sweep --
+    def case_ok(self, b: Backend, dtype: str, op: str, root: int) -> bool:
+        reason = self.coord.any(b.unsupported(self.coll.name, dtype, op))
+        if reason:
+            self.note_skip(b, dtype, op, root, reason)
+            return False
+        err = ""
+        try:  # warm-up, nccl-tests style: out of place at every doubling of the size range
+            for size in warmup_sizes(self.cfg.sizes[0], self.cfg.sizes[-1]):
+                bufs = b.alloc(self.coll.name, size // DTYPES[dtype].itemsize, dtype)
+                for _ in range(self.cfg.warmup_iters):
+                    b.run(self.coll.name, bufs, op, root, False)
+                b.sync()
+        except Exception as e:  # e.g. a dtype/op the library refuses: same on every rank
+            err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        reason = self.coord.any(err)
+        if reason:
+            self.note_skip(b, dtype, op, root, reason)
+            return False
+        return True
+
+    def note_skip(self, b: Backend, dtype: str, op: str, root: int, reason: str) -> None:
+        text = (f"{b.label}: skipped {self.coll.name} {_TYPE_NAMES[dtype]} "
+                f"{op} root {root}: {reason}")
+        self.skipped.append(text)
+        self.say(f"# {text}")
+
+    def sweep(self) -> None:
+        cfg, coll = self.cfg, self.coll
+        ops = cfg.ops if coll.reduces else ["none"]
+        if coll.rooted:
+            roots = list(range(self.world)) if cfg.root == -1 else [cfg.root]
+        else:
+            roots = [-1]
+        for dtype in cfg.dtypes:
+            item = DTYPES[dtype].itemsize
+            for op in ops:
+                for root in roots:
+                    active = [b for b in self.backends if self.case_ok(b, dtype, op, root)]
+                    for i, size in enumerate(cfg.sizes):
+                        total = size // item
+                        for b in active:
+                            t0 = time.perf_counter()
+                            bufs = b.alloc(coll.name, total, dtype)
+                            seed = 1000 * (i + 1)
+                            oop = self.bench_time(b, bufs, op, root, False, seed)
+                            ip = self.bench_time(b, bufs, op, root, True, seed)
+                            row = Row(b.name, bufs.layout.nbytes(item), bufs.layout.count,
+                                      _TYPE_NAMES[dtype], dtype, op, root, oop, ip, cfg.iters)
+                            self.rows[b.name].append(row)
+                            self.say(output.format_row(row, self.multi))
+                            self.progress(f"{b.label} {_TYPE_NAMES[dtype]} {op} root {root} "
+                                          f"size {size} B ({i + 1}/{len(cfg.sizes)}) "
+                                          f"{time.perf_counter() - t0:.2f} s")
+                            del bufs
+
+
+def run_rank(cfg: SweepConfig) -> int:
+    """Run the sweep as this process's rank; rank 0 prints and writes the files.  Returns the
+    exit status (non-zero when a check found wrong elements or the bandwidth floor failed).
+    Several collectives run one after the other, each with its own table, as if the nccl-tests
+    binaries had been run in turn."""
+    rank, world, local_rank, addr, port, ldev = _rendezvous()
+    for name in cfg.collectives:
+        if registry.get(name).rooted and cfg.root >= world:
+            raise ArgumentError(f"-r/--root: {cfg.root} is not a rank of a world of {world}")
+    store = _make_store(rank, world, addr, port, cfg.timeout)
+    coord = Coord(store, rank, world, cfg.timeout)
+    device = _pick_device(cfg.device, local_rank, ldev)
+    backends: List[Backend] = []
+    try:
+        for name in cfg.backends:
+            b = get_backend(name)
+            b.setup(rank, world, device, store, master_addr=addr, timeout=cfg.timeout)
+            backends.append(b)
+            if cfg.cudagraph and not b.supports_graphs:
+                raise ArgumentError(f"-G/--cudagraph: backend {b.label} cannot capture graphs")
+            if cfg.timer == "events" and not b.supports_events:
+                raise ArgumentError(f"--timer events: backend {b.label} has no CUDA events")
+        devices = _device_report(coord, rank, backends[0], device)
+        nccl_version = backends[0].nccl_version()
+        label = ",".join(b.label for b in backends)
+        code = 0
+        for n, name in enumerate(cfg.collectives):
+            start = output.now()
+            state = _Rank(cfg, name, rank, world, coord, backends)
+            program = f"{state.coll.tests_name}_perf"
+            if rank == 0:
+                if n:
+                    print()
+                for line in output.header_lines(
+                        program=program, backends=label, nccl_version=nccl_version,
+                        minbytes=cfg.minbytes, maxbytes=cfg.maxbytes, stepfactor=cfg.stepfactor,
+                        stepbytes=cfg.stepbytes, warmup=cfg.warmup_iters, iters=cfg.iters,
+                        check=cfg.check, graph=cfg.cudagraph, devices=devices,
+                        version=_version()):
+                    print(line)
+                for line in output.table_header(state.multi):
+                    print(line, flush=True)
+            state.sweep()
+            if rank == 0:
+                code = max(code, _finish(cfg, state, program, nccl_version, devices, start,
+                                         backends, world, first=(n == 0)))
+        code = int(coord.reduce(code, "max"))  # also the final barrier before rank 0 leaves
+        return code
+    finally:
+        for b in reversed(backends):
+            try:
+                b.teardown()
+            except Exception as e:  # pragma: no cover - best effort at exit
+                print(f"[bench] rank {rank}: {b.label} teardown: {e}", file=sys.stderr)
+        store.close()
+
+
+def per_collective_path(path: str, collective: str, several: bool) -> str:
+    """``results.json`` -> ``results.all_reduce.json`` when a run covers several collectives."""
+    if not several:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{collective}{ext}"
+
+
+def _version() -> str:
+    try:
+        import ncclpy
+        return ncclpy.__version__
+    except Exception:  # pragma: no cover
+        return "?"
+
+
+def _device_report(coord: Coord, rank: int, backend: Backend, device) -> List[Dict[str, Any]]:
+    import json
+    info = {"rank": rank, "group": 0, "pid": os.getpid(), "hostname": socket.gethostname(),
+            "device": -1 if device is None else int(device)}
+    info.update(backend.device_info())
+    got = coord.gather(json.dumps(info).encode())
+    return [json.loads(x) for x in got]
+
+
+def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
+            devices, start: str, backends: Sequence[Backend], world: int, first: bool) -> int:
+    env_bw = os.environ.get("NCCL_TESTS_MIN_BW")
+    min_bw = float(env_bw) if env_bw else None
+    for line in output.ratio_lines(output.ratio_rows(state.rows)):
+        print(line)
+    footer, ok = output.footer_lines(state.rows, program, min_bw)
+    for line in footer:
+        print(line)
+    all_rows = [r for rows in state.rows.values() for r in rows]
+    several = len(cfg.collectives) > 1
+    if cfg.output_file:
+        config = {"nthreads": 1, "ngpus": 1, "minimum_bytes": cfg.minbytes,
+                  "maximum_bytes": cfg.maxbytes}
+        if cfg.stepfactor > 1:
+            config["step_factor"] = cfg.stepfactor
+        else:
+            config["step_bytes"] = cfg.stepbytes
+        config.update({"warmup_iters": cfg.warmup_iters, "iterations": cfg.iters,
+                       "aggregated_iterations": 1, "validation": cfg.check,
+                       "graph": cfg.cudagraph, "blocking_collectives": "false",
+                       "per_iter_timing": "false", "parallel_init": "false"})
+        ext = {"bench_version": _version(), "collective": state.coll.name, "program": program,
+               "world_size": world, "device": cfg.device,
+               "average": AVERAGE_NAMES[cfg.average], "timer": cfg.timer,
+               "backends": [{"name": b.name, "label": b.label,
+                             "nccl_version": b.nccl_version()} for b in backends],
+               "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped}
+        doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,
+                                nccl_version=nccl_version, config=config, devices=devices,
+                                start_time=start, extension=ext, min_bw=min_bw)
+        path = output.write_json(per_collective_path(cfg.output_file, state.coll.name,
+                                                     several), doc)
+        print(f"# Writing JSON output to {path}")
+    if cfg.csv:
+        output.write_csv(cfg.csv, all_rows, collective=state.coll.name, nranks=world,
+                         graph=cfg.cudagraph, device=cfg.device, append=not first)
+        print(f"# Writing CSV output to {cfg.csv}")
+    if cfg.plot:
+        path = per_collective_path(cfg.plot, state.coll.name, several)
+        output.write_plot(path, state.rows, title=f"{program} on {world} ranks ({cfg.device})")
+        print(f"# Writing plot to {path}")
+    sys.stdout.flush()
+    return 0 if ok else 1

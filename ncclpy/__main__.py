@@ -1,0 +1,9 @@
+"""``python -m ncclpy``: the same command line as the ``ncclpy`` console script."""
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

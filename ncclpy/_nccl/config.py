@@ -1,0 +1,185 @@
+"""``Config``: NCCL communicator options, marshalled to an ``ncclConfig_t``.
+
+Unset fields (``None``) keep NCCL's defaults: they are written as ``NCCL_CONFIG_UNDEF_INT``
+(INT_MIN) or NULL, exactly what ``NCCL_CONFIG_INITIALIZER`` writes.  The struct ncclpy declares is
+the NCCL 2.28 layout (``ncclConfig_v22800``, fields up to ``nvlinkCentricSched``) with
+``version = 22800``: NCCL copies ``min(size, its own sizeof)`` bytes and keeps its initializer's
+defaults for every later field, so a newer NCCL reads exactly these fields and an older one reads
+the prefix it knows.  A field the loaded NCCL does not know is refused with a VersionError rather
+than silently ignored.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import ArgumentError, ArgumentTypeError, VersionError
+from ..ops import format_version
+
+__all__ = ["Config", "NcclConfigStruct", "CONFIG_FIELDS", "CONFIG_MAGIC", "CONFIG_VERSION",
+           "CONFIG_UNDEF_INT", "CTA_POLICY_DEFAULT", "CTA_POLICY_EFFICIENCY", "CTA_POLICY_ZERO"]
+
+CONFIG_MAGIC = 0xCAFEBEEF          # NCCL_API_MAGIC
+CONFIG_VERSION = 22800             # NCCL_VERSION(2, 28, 0): the layout declared below
+CONFIG_UNDEF_INT = -(2 ** 31)      # NCCL_CONFIG_UNDEF_INT == INT_MIN
+CTA_POLICY_DEFAULT = 0x00
+CTA_POLICY_EFFICIENCY = 0x01
+CTA_POLICY_ZERO = 0x02
+
+
+class NcclConfigStruct(ctypes.Structure):
+    """``struct ncclConfig_v22800`` (nccl.h of NCCL 2.28; later NCCLs append fields)."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+        ("splitShare", ctypes.c_int),
+        ("trafficClass", ctypes.c_int),
+        ("commName", ctypes.c_char_p),
+        ("collnetEnable", ctypes.c_int),
+        ("CTAPolicy", ctypes.c_int),
+        ("shrinkShare", ctypes.c_int),
+        ("nvlsCTAs", ctypes.c_int),
+        ("nChannelsPerNetPeer", ctypes.c_int),
+        ("nvlinkCentricSched", ctypes.c_int),
+    ]
+
+
+#: python field -> (C field, kind, first NCCL version that reads it).  Versions follow NCCL's
+#: own parseCommConfig gates (2.14 blocking; 2.17 CGA/CTAs/netName; 2.25 trafficClass; 2.27
+#: collnet/CTA policy/shrinkShare/nvlsCTAs; 2.28 nChannelsPerNetPeer/nvlinkCentricSched),
+#: splitShare arrived with ncclCommSplit (2.18); commName is gated with trafficClass (2.25).
+CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
+    "blocking": ("blocking", "bool", 21400),
+    "cga_cluster_size": ("cgaClusterSize", "int", 21700),
+    "min_ctas": ("minCTAs", "int", 21700),
+    "max_ctas": ("maxCTAs", "int", 21700),
+    "net_name": ("netName", "str", 21700),
+    "split_share": ("splitShare", "bool", 21800),
+    "traffic_class": ("trafficClass", "int", 22500),
+    "comm_name": ("commName", "str", 22500),
+    "collnet_enable": ("collnetEnable", "bool", 22700),
+    "cta_policy": ("CTAPolicy", "int", 22700),
+    "shrink_share": ("shrinkShare", "bool", 22700),
+    "nvls_ctas": ("nvlsCTAs", "int", 22700),
+    "n_channels_per_net_peer": ("nChannelsPerNetPeer", "int", 22800),
+    "nvlink_centric_sched": ("nvlinkCentricSched", "bool", 22800),
+}
+
+_CTA_POLICIES = {"default": CTA_POLICY_DEFAULT, "efficiency": CTA_POLICY_EFFICIENCY,
+                 "zero": CTA_POLICY_ZERO}
+_POSITIVE = {"min_ctas", "max_ctas", "nvls_ctas", "n_channels_per_net_peer"}
+
+
+@dataclass
+class Config:
+    """NCCL communicator options; ``None`` keeps NCCL's default (and its NCCL_* env override).
+
+    ``blocking=False`` makes a nonblocking communicator: ncclpy then polls
+    ``ncclCommGetAsyncError`` after init and after each call, with the communicator's timeout.
+    ``cta_policy`` takes 0/1/2 or "default"/"efficiency"/"zero".
+    """
+
+    blocking: Optional[bool] = None
+    cga_cluster_size: Optional[int] = None
+    min_ctas: Optional[int] = None
+    max_ctas: Optional[int] = None
+    net_name: Optional[str] = None
+    split_share: Optional[bool] = None
+    traffic_class: Optional[int] = None
+    comm_name: Optional[str] = None
+    collnet_enable: Optional[bool] = None
+    cta_policy: Optional[Any] = None
+    shrink_share: Optional[bool] = None
+    nvls_ctas: Optional[int] = None
+    n_channels_per_net_peer: Optional[int] = None
+    nvlink_centric_sched: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, self._check(f.name, getattr(self, f.name)))
+        if (self.min_ctas is not None and self.max_ctas is not None
+                and self.min_ctas > self.max_ctas):
+            raise ArgumentError(f"Config: min_ctas={self.min_ctas} is larger than "
+                                f"max_ctas={self.max_ctas}; expected min_ctas <= max_ctas")
+
+    @staticmethod
+    def _check(name: str, value: Any) -> Any:
+        if value is None:
+            return None
+        kind = CONFIG_FIELDS[name][1]
+        if name == "cta_policy" and isinstance(value, str):
+            key = value.strip().lower()
+            if key not in _CTA_POLICIES:
+                raise ArgumentError(f"Config.cta_policy: {value!r} is not a CTA policy; expected "
+                                    f"one of {', '.join(_CTA_POLICIES)} or 0/1/2")
+            return _CTA_POLICIES[key]
+        if kind == "str":
+            if not isinstance(value, str):
+                raise ArgumentTypeError(f"Config.{name}: expected a str or None, got "
+                                        f"{type(value).__name__} {value!r}")
+            if "\x00" in value:
+                raise ArgumentError(f"Config.{name}: {value!r} contains a NUL character")
+            return value
+        if kind == "bool":
+            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+                return bool(value)
+            raise ArgumentTypeError(f"Config.{name}: expected True, False or None, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"Config.{name}: expected an int or None, got "
+                                    f"{type(value).__name__} {value!r}")
+        if not CONFIG_UNDEF_INT < value < 2 ** 31:
+            raise ArgumentError(f"Config.{name}: {value} does not fit a C int (INT_MIN is "
+                                f"reserved for 'unset': use None)")
+        if name in _POSITIVE and value <= 0:
+            raise ArgumentError(f"Config.{name}: expected a positive int, got {value}")
+        if name == "cga_cluster_size" and value < 0:
+            raise ArgumentError(f"Config.cga_cluster_size: expected >= 0, got {value}")
+        if name == "cta_policy" and value not in _CTA_POLICIES.values():
+            raise ArgumentError(f"Config.cta_policy: {value} is not a CTA policy; expected 0 "
+                                f"(default), 1 (efficiency) or 2 (zero)")
+        return value
+
+    @property
+    def nonblocking(self) -> bool:
+        return self.blocking is False
+
+    def set_fields(self) -> Dict[str, Any]:
+        """The fields given a value (not None)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    def check_version(self, nccl_version: int) -> None:
+        """VersionError naming the first set field the loaded NCCL does not read."""
+        for name, value in self.set_fields().items():
+            need = CONFIG_FIELDS[name][2]
+            if nccl_version < need:
+                raise VersionError(f"Config.{name}={value!r} needs NCCL >= "
+                                   f"{format_version(need)}; the loaded NCCL is "
+                                   f"{format_version(nccl_version)}")
+
+    def to_struct(self, nccl_version: Optional[int] = None) -> NcclConfigStruct:
+        """The ``ncclConfig_t`` for this config (checked against ``nccl_version`` if given).
+
+        The struct keeps the encoded strings alive (ctypes stores them in ``_objects``).
+        """
+        if nccl_version is not None:
+            self.check_version(nccl_version)
+        s = NcclConfigStruct()
+        s.size = ctypes.sizeof(NcclConfigStruct)
+        s.magic = CONFIG_MAGIC
+        s.version = CONFIG_VERSION
+        for name, (cname, kind, _need) in CONFIG_FIELDS.items():
+            value = getattr(self, name)
+            if kind == "str":
+                setattr(s, cname, None if value is None else value.encode())
+            else:
+                setattr(s, cname, CONFIG_UNDEF_INT if value is None else int(value))
+        return s

@@ -1,0 +1,180 @@
+"""Creating communicators and their dispatch tables (used by :mod:`ncclpy.comm`).
+
+The dispatch table maps each NCCL function a plan may name (``AllReduce``, ..., ``GroupEnd``) to
+a callable ``(*args, stream)`` built once per communicator: CuPy's bound method where CuPy wraps
+the call and created the communicator, otherwise the ctypes function of the same libnccl with the
+raw ``ncclComm_t``.  Both raise ncclpy's NcclError subclass with ``ncclGetLastError``'s text.
+"""
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any, Callable, Dict
+
+from ..errors import ArgumentError, ArgumentTypeError, VersionError
+from ..plan.types import NCCL_FUNCTIONS
+from .lib import NCCL_IN_PROGRESS, CudaUnavailableError
+
+__all__ = ["CUPY_METHODS", "build_dispatch", "lib_group", "int_arg", "uid_bytes",
+           "require_device", "cupy_init", "cupy_stream_for"]
+
+#: NCCL function (plan name) -> CuPy NcclCommunicator method with the same C-order arguments
+CUPY_METHODS = {"AllReduce": "allReduce", "Reduce": "reduce", "Broadcast": "broadcast",
+                "ReduceScatter": "reduceScatter", "AllGather": "allGather", "Send": "send",
+                "Recv": "recv"}
+
+
+def _depth() -> int:
+    from ..execute import group_state
+    return group_state().depth
+
+
+def _ctypes_call(comm: Any, lib: Any, handle: int, name: str) -> Callable[..., None]:
+    try:
+        f = lib.fn(name)
+    except VersionError as e:
+        msg = str(e)
+
+        def unavailable(*args: Any, stream: int) -> None:
+            raise VersionError(msg)
+        return unavailable
+
+    def call(*args: Any, stream: int) -> None:
+        code = f(*args, handle, stream)
+        if code:
+            if code != NCCL_IN_PROGRESS:
+                raise lib.error(code, name, handle)
+            if _depth() == 0:          # nonblocking communicator: wait before the next call
+                comm._wait_ready(name)
+    return call
+
+
+def _cupy_call(lib: Any, handle: int, method: Any, name: str) -> Callable[..., None]:
+    nccl_error = lib.cupy_nccl.NcclError
+
+    def call(*args: Any, stream: int) -> None:
+        try:
+            method(*args, stream)
+        except nccl_error as e:
+            raise lib.error(e.status, name, handle) from None
+    return call
+
+
+def _cupy_group(lib: Any, fn: Any, name: str) -> Callable[[], int]:
+    nccl_error = lib.cupy_nccl.NcclError
+
+    def call() -> int:
+        try:
+            fn()
+        except nccl_error as e:
+            if e.status == NCCL_IN_PROGRESS:
+                return NCCL_IN_PROGRESS
+            raise lib.error(e.status, name) from None
+        return 0
+    return call
+
+
+def lib_group(lib: Any, name: str) -> Callable[[], int]:
+    """ncclGroupStart/ncclGroupEnd through ctypes: returns 0 or ncclInProgress, raises else."""
+    f = lib.fn(name)
+
+    def call() -> int:
+        return lib.check(f(), name, None, in_progress_ok=True)
+    return call
+
+
+def build_dispatch(comm: Any, lib: Any, handle: int, nc: Any) -> Dict[str, Callable]:
+    """The table for one communicator (``nc``: CuPy's NcclCommunicator or None)."""
+    table: Dict[str, Callable] = {}
+    for fn in NCCL_FUNCTIONS:
+        if nc is not None and fn in CUPY_METHODS:
+            table[fn] = _cupy_call(lib, handle, getattr(nc, CUPY_METHODS[fn]), "nccl" + fn)
+        else:
+            table[fn] = _ctypes_call(comm, lib, handle, "nccl" + fn)
+    if nc is not None:
+        table["GroupStart"] = _cupy_group(lib, lib.cupy_nccl.groupStart, "ncclGroupStart")
+        table["GroupEnd"] = _cupy_group(lib, lib.cupy_nccl.groupEnd, "ncclGroupEnd")
+    else:
+        table["GroupStart"] = lib_group(lib, "ncclGroupStart")
+        table["GroupEnd"] = lib_group(lib, "ncclGroupEnd")
+    return table
+
+
+# -- creation helpers ---------------------------------------------------------------------
+
+def int_arg(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (ArgumentTypeError / ArgumentError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise ArgumentTypeError(f"{name}: expected an int, got {type(value).__name__} "
+                                    f"{value!r}") from None
+    if value < minimum:
+        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def uid_bytes(uid: Any) -> bytes:
+    """The 128-byte uid from bytes (CuPy >= 14) or a tuple of C chars (CuPy <= 13)."""
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        b = bytes(uid)
+    elif isinstance(uid, (tuple, list)):
+        try:
+            b = bytes((int(x) + 256) % 256 for x in uid)
+        except (TypeError, ValueError):
+            raise ArgumentTypeError("uid: a tuple uid must hold ints (CuPy <= 13 form)") from None
+    else:
+        raise ArgumentTypeError(f"uid: expected the 128-byte NCCL unique id (bytes, or CuPy<=13's "
+                                f"tuple of ints), got {type(uid).__name__}")
+    if len(b) != 128:
+        raise ArgumentError(f"uid: expected 128 bytes (ncclUniqueId), got {len(b)}")
+    return b
+
+
+def require_device(device: int) -> None:
+    """Clear errors before NCCL sees a device that cannot work."""
+    from cupy.cuda import runtime
+    try:
+        n = runtime.getDeviceCount()
+    except Exception as e:
+        raise CudaUnavailableError(
+            f"Communicator(device={device}): no usable CUDA device ({type(e).__name__}: {e}); "
+            f"NCCL communicators need an NVIDIA GPU with a working driver") from None
+    if device >= n:
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ArgumentError(f"device: {device} is out of range; {n} CUDA device(s) visible"
+                            + (f" (CUDA_VISIBLE_DEVICES={vis!r})" if vis is not None else ""))
+
+
+def cupy_init(cnccl: Any, world_size: int, uid: bytes, rank: int) -> Any:
+    """``NcclCommunicator(ndev, uid, rank)``: bytes on CuPy >= 14, a tuple of C chars before."""
+    try:
+        return cnccl.NcclCommunicator(world_size, uid, rank)
+    except TypeError:
+        signed = tuple(b - 256 if b > 127 else b for b in uid)
+        return cnccl.NcclCommunicator(world_size, signed, rank)
+
+
+class _StreamProto:
+    __slots__ = ("h",)
+
+    def __init__(self, h: int) -> None:
+        self.h = h
+
+    def __cuda_stream__(self):
+        return (0, self.h)
+
+
+def cupy_stream_for(handle: int, device: int) -> Any:
+    """A CuPy stream object for a raw handle (made current while allocating scratch, so CuPy's
+    pool reuses that memory in the order of this stream)."""
+    import cupy
+    S = cupy.cuda.Stream
+    if handle == 0:
+        return S.null
+    if handle == 2 and hasattr(S, "ptds"):
+        return S.ptds
+    if hasattr(S, "from_external"):
+        return S.from_external(_StreamProto(handle))
+    return cupy.cuda.ExternalStream(handle, device)

@@ -1,0 +1,367 @@
+"""The loaded libnccl, bound with ctypes: the very copy CuPy loaded, never a second one.
+
+CuPy (>= 14) loads NCCL through cuda-pathfinder from the nvidia-nccl-cu12/cu13 wheel when
+``cupy.cuda.nccl`` is imported.  ncclpy imports that module first, then finds the path of the
+libnccl already mapped into this process (``/proc/self/maps``, or ``dl_iterate_phdr`` where
+there is no procfs) and opens that same path with ``RTLD_NOLOAD`` so the dynamic loader hands back
+the existing copy instead of loading another.  Every binding is gated on the loaded NCCL's
+version with a :class:`~ncclpy.errors.VersionError` that names the version it needs.
+
+Nothing here runs at ``import ncclpy``: :func:`get_lib` loads on first use and raises
+:class:`~ncclpy.errors.MissingDependencyError` (naming the pip extra) when CuPy or NCCL is absent.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..errors import (MissingDependencyError, NcclError, NcclpyError, VersionError,
+                      nccl_error_from_code)
+from ..ops import format_version
+
+__all__ = ["NcclLib", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
+           "UniqueId", "require_version", "CudaUnavailableError", "INSTALL_HINT",
+           "NCCL_SUCCESS", "is_loaded", "NCCL_IN_PROGRESS", "NCCL_SPLIT_NOCOLOR",
+           "SCALAR_HOST_IMMEDIATE"]
+
+log = logging.getLogger(__name__)
+
+NCCL_SUCCESS = 0
+NCCL_IN_PROGRESS = 7
+NCCL_SPLIT_NOCOLOR = -1
+SCALAR_HOST_IMMEDIATE = 1  # ncclScalarHostImmediate
+UNIQUE_ID_BYTES = 128
+
+INSTALL_HINT = ("install the CUDA extra that matches your driver: pip install 'ncclpy[cu13]' "
+                "(CUDA 13) or pip install 'ncclpy[cu12]' (CUDA 12)")
+
+
+class CudaUnavailableError(NcclpyError, RuntimeError):
+    """No usable CUDA device/driver for a communicator (the CUDA error is in the message)."""
+
+
+def nccl_version_code(major: int, minor: int, patch: int = 0) -> int:
+    """NCCL's ``NCCL_VERSION(X, Y, Z)`` macro (the encoding changed after 2.8)."""
+    if major <= 2 and minor <= 8:
+        return major * 1000 + minor * 100 + patch
+    return major * 10000 + minor * 100 + patch
+
+
+class UniqueId(ctypes.Structure):
+    """``ncclUniqueId``: 128 opaque bytes, passed to ncclCommInitRankConfig by value."""
+
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "UniqueId":
+        uid = cls()
+        ctypes.memmove(ctypes.addressof(uid), bytes(data), UNIQUE_ID_BYTES)
+        return uid
+
+    def to_bytes(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), UNIQUE_ID_BYTES)
+
+
+_R = ctypes.c_int            # ncclResult_t
+_I = ctypes.c_int
+_P = ctypes.c_void_p         # pointers, ncclComm_t, cudaStream_t
+_Z = ctypes.c_size_t
+_PI = ctypes.POINTER(ctypes.c_int)
+_PP = ctypes.POINTER(ctypes.c_void_p)
+_V = nccl_version_code
+
+#: name -> (restype, argtypes, first NCCL version code that has it)
+FUNCTIONS: Dict[str, Tuple[object, Tuple, int]] = {
+    "ncclGetVersion": (_R, (_PI,), _V(2, 3, 4)),
+    "ncclGetUniqueId": (_R, (ctypes.POINTER(UniqueId),), 0),
+    "ncclGetErrorString": (ctypes.c_char_p, (_I,), 0),
+    "ncclGetLastError": (ctypes.c_char_p, (_P,), _V(2, 13, 0)),
+    "ncclCommInitRankConfig": (_R, (_PP, _I, UniqueId, _I, _P), _V(2, 14, 0)),
+    "ncclCommFinalize": (_R, (_P,), _V(2, 14, 0)),
+    "ncclCommDestroy": (_R, (_P,), 0),
+    "ncclCommAbort": (_R, (_P,), _V(2, 4, 0)),
+    "ncclCommGetAsyncError": (_R, (_P, _PI), _V(2, 4, 0)),
+    "ncclCommCount": (_R, (_P, _PI), 0),
+    "ncclCommCuDevice": (_R, (_P, _PI), 0),
+    "ncclCommUserRank": (_R, (_P, _PI), 0),
+    "ncclCommSplit": (_R, (_P, _I, _I, _PP, _P), _V(2, 18, 0)),
+    "ncclRedOpCreatePreMulSum": (_R, (_PI, _P, _I, _I, _P), _V(2, 11, 0)),
+    "ncclRedOpDestroy": (_R, (_I, _P), _V(2, 11, 0)),
+    "ncclCommRegister": (_R, (_P, _P, _Z, _PP), _V(2, 19, 0)),
+    "ncclCommDeregister": (_R, (_P, _P), _V(2, 19, 0)),
+    "ncclMemAlloc": (_R, (_PP, _Z), _V(2, 19, 0)),
+    "ncclMemFree": (_R, (_P,), _V(2, 19, 0)),
+    "ncclGroupStart": (_R, (), _V(2, 0, 0)),
+    "ncclGroupEnd": (_R, (), _V(2, 0, 0)),
+    # collectives: (C-order args..., comm, stream)
+    "ncclAllReduce": (_R, (_P, _P, _Z, _I, _I, _P, _P), 0),
+    "ncclReduce": (_R, (_P, _P, _Z, _I, _I, _I, _P, _P), 0),
+    "ncclBroadcast": (_R, (_P, _P, _Z, _I, _I, _P, _P), _V(2, 2, 0)),
+    "ncclReduceScatter": (_R, (_P, _P, _Z, _I, _I, _P, _P), 0),
+    "ncclAllGather": (_R, (_P, _P, _Z, _I, _P, _P), 0),
+    "ncclSend": (_R, (_P, _Z, _I, _I, _P, _P), _V(2, 7, 0)),
+    "ncclRecv": (_R, (_P, _Z, _I, _I, _P, _P), _V(2, 7, 0)),
+    "ncclAlltoAll": (_R, (_P, _P, _Z, _I, _P, _P), _V(2, 28, 0)),
+    "ncclGather": (_R, (_P, _P, _Z, _I, _I, _P, _P), _V(2, 28, 0)),
+    "ncclScatter": (_R, (_P, _P, _Z, _I, _I, _P, _P), _V(2, 28, 0)),
+}
+
+
+def require_version(name: str, loaded: int, path: str = "") -> None:
+    """Raise VersionError if NCCL function ``name`` is newer than the ``loaded`` version code."""
+    if name not in FUNCTIONS:
+        raise KeyError(f"{name} is not an NCCL function ncclpy binds")
+    need = FUNCTIONS[name][2]
+    if need and loaded < need:
+        where = f" ({path})" if path else ""
+        raise VersionError(f"{name} needs NCCL >= {format_version(need)}; the loaded NCCL is "
+                           f"{format_version(loaded)}{where}; upgrade the nvidia-nccl wheel "
+                           f"(ncclpy[cu12] / ncclpy[cu13]) or the system NCCL")
+
+
+_LIB_RE = re.compile(r"libnccl\.so(\.\d+)*$")
+
+
+def _maps_paths() -> Optional[List[str]]:
+    try:
+        with open("/proc/self/maps", "r") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out: List[str] = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6:
+            continue
+        path = parts[5].strip()
+        if path.endswith(" (deleted)") or not path.startswith("/"):
+            continue
+        if _LIB_RE.search(os.path.basename(path)) and path not in out:
+            out.append(path)
+    return out
+
+
+class _DlPhdrInfo(ctypes.Structure):
+    _fields_ = [("dlpi_addr", ctypes.c_void_p), ("dlpi_name", ctypes.c_char_p)]
+
+
+def _phdr_paths() -> List[str]:
+    """Loaded objects via ``dl_iterate_phdr`` (libc), for systems without /proc."""
+    libc = ctypes.CDLL(None)
+    cb_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_DlPhdrInfo), ctypes.c_size_t,
+                            ctypes.c_void_p)
+    out: List[str] = []
+
+    def cb(info, size, data):
+        name = info.contents.dlpi_name
+        if name:
+            path = os.fsdecode(name)
+            if _LIB_RE.search(os.path.basename(path)) and path not in out:
+                out.append(path)
+        return 0
+
+    libc.dl_iterate_phdr.argtypes = [cb_t, ctypes.c_void_p]
+    libc.dl_iterate_phdr.restype = ctypes.c_int
+    libc.dl_iterate_phdr(cb_t(cb), None)
+    return out
+
+
+def loaded_nccl_paths(method: str = "auto") -> List[str]:
+    """Paths of every libnccl mapped into this process, in load order.
+
+    ``method``: "maps" (/proc/self/maps), "phdr" (dl_iterate_phdr) or "auto" (maps, else phdr).
+    """
+    if method in ("auto", "maps"):
+        paths = _maps_paths()
+        if paths is not None or method == "maps":
+            return paths or []
+    return _phdr_paths()
+
+
+def _import_cupy_nccl():
+    try:
+        import cupy  # noqa: F401  (imported for its error, if any)
+    except Exception as e:  # ImportError, or a broken CUDA install raising on import
+        raise MissingDependencyError(
+            f"ncclpy needs CuPy to load NCCL, and importing cupy failed ({type(e).__name__}: "
+            f"{e}); {INSTALL_HINT}") from e
+    try:
+        from cupy.cuda import nccl
+    except Exception as e:
+        raise MissingDependencyError(
+            f"CuPy is installed but cupy.cuda.nccl could not be imported ({type(e).__name__}: "
+            f"{e}); {INSTALL_HINT}") from e
+    if not getattr(nccl, "available", False):
+        raise MissingDependencyError(
+            "CuPy is installed but could not load libnccl (cupy.cuda.nccl.available is False); "
+            f"the NCCL wheel is missing or does not match CuPy's CUDA: {INSTALL_HINT}")
+    return nccl
+
+
+class NcclLib:
+    """The process's libnccl: path, runtime version, and version-gated ctypes bindings."""
+
+    def __init__(self) -> None:
+        self.cupy_nccl = _import_cupy_nccl()
+        paths = loaded_nccl_paths()
+        if not paths:
+            raise MissingDependencyError(
+                "cupy.cuda.nccl imported but no libnccl.so is mapped into this process, so "
+                f"ncclpy cannot bind the copy CuPy uses; {INSTALL_HINT}")
+        if len(paths) > 1:
+            log.warning("several libnccl copies are loaded in this process: %s; ncclpy binds "
+                        "the first (the one CuPy loaded first)", paths)
+        self.path: str = paths[0]
+        mode = os.RTLD_NOW | getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_GLOBAL
+        try:
+            self.cdll = ctypes.CDLL(self.path, mode=mode)
+        except OSError as e:  # pragma: no cover - the path came from the loader itself
+            raise MissingDependencyError(f"cannot reopen the loaded libnccl {self.path}: {e}; "
+                                         f"{INSTALL_HINT}") from e
+        self._fns: Dict[str, Callable] = {}
+        v = ctypes.c_int(0)
+        res = self.fn("ncclGetVersion", check_version=False)(ctypes.byref(v))
+        if res != NCCL_SUCCESS:  # pragma: no cover
+            raise nccl_error_from_code(res, "ncclGetVersion")
+        self.version: int = v.value
+        try:
+            self.cupy_version: int = int(self.cupy_nccl.get_version())
+        except Exception:  # pragma: no cover
+            self.cupy_version = -1
+        if self.cupy_version not in (-1, self.version):  # pragma: no cover
+            log.warning("CuPy reports NCCL %s but %s reports %s", self.cupy_version, self.path,
+                        self.version)
+        log.debug("bound libnccl %s (NCCL %s)", self.path, format_version(self.version))
+
+    # -- bindings -------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        """Whether the loaded NCCL is new enough for ``name`` and exports it."""
+        try:
+            self.fn(name)
+        except (VersionError, KeyError):
+            return False
+        return True
+
+    def fn(self, name: str, check_version: bool = True) -> Callable:
+        """The ctypes function ``name`` with argtypes/restype set (VersionError if too old)."""
+        f = self._fns.get(name)
+        if f is not None:
+            return f
+        if check_version:
+            require_version(name, self.version, self.path)
+        restype, argtypes, need = FUNCTIONS[name]
+        try:
+            f = getattr(self.cdll, name)
+        except AttributeError:
+            raise VersionError(f"{self.path} (NCCL {format_version(self.version)}) does not "
+                               f"export {name} (needs NCCL >= {format_version(need)})") from None
+        f.restype = restype
+        f.argtypes = list(argtypes)
+        self._fns[name] = f
+        return f
+
+    def __getattr__(self, name: str):
+        if name.startswith("nccl") and name in FUNCTIONS:
+            return self.fn(name)
+        raise AttributeError(name)
+
+    # -- errors ---------------------------------------------------------------------------
+    def error_string(self, code: int) -> str:
+        s = self.fn("ncclGetErrorString")(int(code))
+        return s.decode(errors="replace") if s else ""
+
+    def last_error(self, comm: Optional[int] = None) -> str:
+        """``ncclGetLastError(comm)`` text ('' where NCCL is too old or has none)."""
+        if self.version < FUNCTIONS["ncclGetLastError"][2]:
+            return ""
+        try:
+            s = self.fn("ncclGetLastError")(comm or None)
+        except Exception:  # pragma: no cover
+            return ""
+        return s.decode(errors="replace") if s else ""
+
+    def error(self, code: int, call: str, comm: Optional[int] = None) -> NcclError:
+        text = self.last_error(comm) or self.error_string(code)
+        return nccl_error_from_code(code, call, text)
+
+    def check(self, code: int, call: str, comm: Optional[int] = None,
+              in_progress_ok: bool = False) -> int:
+        """Raise the NcclError subclass for ``code`` unless success (or in-progress if ok)."""
+        if code == NCCL_SUCCESS or (in_progress_ok and code == NCCL_IN_PROGRESS):
+            return code
+        raise self.error(code, call, comm)
+
+    # -- small wrappers -------------------------------------------------------------------
+    def get_unique_id(self) -> bytes:
+        uid = UniqueId()
+        self.check(self.fn("ncclGetUniqueId")(ctypes.byref(uid)), "ncclGetUniqueId")
+        return uid.to_bytes()
+
+    def async_error(self, comm: int) -> int:
+        st = ctypes.c_int(0)
+        self.check(self.fn("ncclCommGetAsyncError")(comm, ctypes.byref(st)),
+                   "ncclCommGetAsyncError", comm)
+        return st.value
+
+    def comm_query(self, name: str, comm: int) -> int:
+        """ncclCommCount / ncclCommUserRank / ncclCommCuDevice."""
+        out = ctypes.c_int(-1)
+        self.check(self.fn(name)(comm, ctypes.byref(out)), name, comm)
+        return out.value
+
+    def comm_init_rank_config(self, nranks: int, uid: bytes, rank: int,
+                              config_struct) -> Tuple[int, int]:
+        """ncclCommInitRankConfig -> (comm handle, result: 0 or ncclInProgress)."""
+        h = ctypes.c_void_p(0)
+        cfg = ctypes.addressof(config_struct) if config_struct is not None else None
+        res = self.fn("ncclCommInitRankConfig")(ctypes.byref(h), int(nranks),
+                                                UniqueId.from_bytes(uid), int(rank), cfg)
+        if res not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            err = self.error(res, "ncclCommInitRankConfig", h.value)
+            self.repair_group_depth()
+            raise err
+        return h.value or 0, res
+
+    def repair_group_depth(self) -> int:
+        """Close NCCL group levels a failed init left open; returns how many were closed.
+
+        A failed ncclCommInitRank[Config] (e.g. a CUDA failure) can return with this thread's
+        NCCL group depth still raised, which would silently defer every later call of the
+        thread into a group.  Only done when ncclpy has no group open on this thread.
+        """
+        from ..execute import group_state
+        if group_state().depth:
+            return 0
+        end = self.fn("ncclGroupEnd")
+        closed = 0
+        while closed < 16 and end() == NCCL_SUCCESS:  # ncclInvalidUsage: not in a group
+            closed += 1
+        if closed:
+            log.debug("closed %d NCCL group level(s) left open by a failed init", closed)
+        return closed
+
+    def __repr__(self) -> str:
+        return f"NcclLib({self.path!r}, NCCL {format_version(self.version)})"
+
+
+_lock = threading.Lock()
+_lib: Optional[NcclLib] = None
+
+
+def get_lib() -> NcclLib:
+    """The process-wide :class:`NcclLib` (loaded on first call; thread-safe)."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = NcclLib()
+    return _lib
+
+
+def is_loaded() -> bool:
+    """Whether :func:`get_lib` already ran (for ``ncclpy info`` and tests)."""
+    return _lib is not None

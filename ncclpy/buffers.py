@@ -1,0 +1,493 @@
+"""Device buffers: what ncclpy accepts as a send or receive buffer, parsed into one form.
+
+:func:`as_buffer` turns a CuPy array, a torch CUDA tensor, any object exposing
+``__cuda_array_interface__`` (v2/v3) or DLPack, or a raw :class:`Buffer` into a
+:class:`BufferSpec`: pointer, element count of the logical dtype, dtype name, device and the
+original object (the executor reads the framework's current stream from it).  Parsing never
+touches the GPU and never imports torch or CuPy: pointers are only read, never dereferenced.
+
+Rejected here, each with a message naming the argument: host memory (numpy arrays, CPU tensors,
+DLPack CPU/pinned buffers), non-contiguous or negative strides, CAI masks, dtypes NCCL cannot
+carry, NULL pointers of non-empty buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+from .dtypes import LOGICAL, dtype_name
+from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError
+
+__all__ = ["BufferSpec", "Buffer", "as_buffer", "DEVICE_HOST", "DEVICE_UNKNOWN",
+           "parse_dlpack_capsule", "DLPackInfo"]
+
+log = logging.getLogger(__name__)
+
+#: ``BufferSpec.device`` of host memory (always rejected by the planners)
+DEVICE_HOST = -1
+#: ``BufferSpec.device`` when the object does not say (pure CAI objects): the executor resolves it
+DEVICE_UNKNOWN = -2
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One parsed buffer.
+
+    ``count`` is in elements of the logical ``dtype`` (a complex64 element is one element here
+    and two float32 on the wire); ``device`` is the CUDA ordinal, -1 for host memory, -2 when
+    unknown; ``framework`` in {'cupy', 'torch', 'cai', 'dlpack', 'raw'}; ``obj`` is the user's
+    object (kept alive by the executor until the work completes).
+    """
+
+    ptr: int
+    count: int
+    dtype: str
+    device: int
+    shape: Tuple[int, ...] = ()
+    framework: str = "raw"
+    contiguous: bool = True
+    obj: Any = field(default=None, compare=False, repr=False)
+    #: the producer marked the memory read-only (CAI data[1], DLPack READ_ONLY flag)
+    readonly: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per logical element."""
+        return LOGICAL[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+    @property
+    def strides_ok(self) -> bool:
+        """Alias of ``contiguous`` (the name used in docs/design.md)."""
+        return self.contiguous
+
+    def offset(self, elements: int) -> int:
+        """Pointer ``elements`` logical elements past ``ptr``."""
+        return self.ptr + elements * self.itemsize
+
+
+def _int_arg(name: str, what: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name}: {what} must be an int, got the bool {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"{name}: {what} must be an int, got {value!r} "
+                                f"({type(value).__name__})") from None
+    if v < minimum:
+        raise ArgumentError(f"{name}: {what} must be >= {minimum}, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A raw device pointer: ``count`` elements of ``dtype`` on CUDA device ``device``.
+
+    ncclpy cannot check what lies behind a raw pointer; it is the caller's promise that
+    ``ptr`` is device memory of at least ``count * itemsize`` bytes on ``device``.
+    """
+
+    ptr: int
+    count: int
+    dtype: Any = "float32"
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        ptr = _int_arg("Buffer", "ptr", self.ptr, 0)
+        count = _int_arg("Buffer", "count", self.count, 0)
+        device = _int_arg("Buffer", "device", self.device, 0)
+        try:
+            dt = dtype_name(self.dtype)
+        except NcclpyError as e:
+            raise type(e)(f"Buffer: dtype: {e}") from None
+        if ptr == 0 and count:
+            raise ArgumentError(f"Buffer: ptr is NULL (0) but count is {count}; only an empty "
+                                f"buffer (count 0) may have a NULL pointer")
+        object.__setattr__(self, "ptr", ptr)
+        object.__setattr__(self, "count", count)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", dt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * LOGICAL[self.dtype].itemsize
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _prod(shape: Sequence[int]) -> int:
+    return int(math.prod(int(s) for s in shape))
+
+
+def _check_layout(name: str, shape: Tuple[int, ...], strides: Optional[Sequence[int]],
+                  unit: int, unit_name: str) -> None:
+    """Raise unless ``strides`` (in ``unit_name``) describe a C-contiguous ``shape``."""
+    if strides is None:
+        return
+    strides = tuple(int(s) for s in strides)
+    if len(strides) != len(shape):
+        raise ArgumentError(f"{name}: strides {strides} do not match shape {shape}")
+    if _prod(shape) == 0:
+        return
+    for n, s in zip(shape, strides):
+        if n > 1 and s < 0:
+            raise ArgumentError(
+                f"{name}: negative strides {strides} ({unit_name}) for shape {shape}; NCCL "
+                f"needs one contiguous block: pass a contiguous copy")
+    expect = unit
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expect:
+            want = _c_strides(shape, unit)
+            raise ArgumentError(
+                f"{name}: not C-contiguous: shape {shape} has strides {strides} ({unit_name}); "
+                f"expected {want}; NCCL needs one contiguous block: pass a contiguous copy "
+                f"(e.g. .contiguous() / cupy.ascontiguousarray)")
+        expect *= n
+
+
+def _c_strides(shape: Tuple[int, ...], unit: int) -> Tuple[int, ...]:
+    out, acc = [], unit
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _dtype(name: str, what: Any) -> str:
+    """Logical dtype name of ``what`` with errors naming the buffer; unknown dtypes of real
+    buffers are unsupported (not a type error)."""
+    try:
+        return dtype_name(what)
+    except UnsupportedError as e:
+        raise UnsupportedError(f"{name}: {e}") from None
+    except ArgumentTypeError:
+        raise UnsupportedError(
+            f"{name}: dtype {str(what)!r} cannot be carried by NCCL; expected one of "
+            f"{', '.join(LOGICAL)}") from None
+
+
+def _device_of(obj: Any, hint: Optional[int], known: Optional[int] = None) -> int:
+    """The object's own device (``known``, else ``obj.device`` as an int, ``.id`` (CuPy) or
+    ``.index`` (torch)); the caller's ``hint`` only where the object does not say."""
+    if known is None:
+        d = getattr(obj, "device", None)
+        for v in (d, getattr(d, "id", None), getattr(d, "index", None)):
+            if isinstance(v, int) and not isinstance(v, bool):
+                known = v
+                break
+    if known is not None:
+        return known
+    if hint is not None:
+        return _int_arg("device", "device", hint, 0)
+    return DEVICE_UNKNOWN
+
+
+def _host_error(name: str, what: str, expected: str) -> ArgumentError:
+    return ArgumentError(f"{name}: {what} is in host memory; NCCL needs device memory: "
+                         f"expected {expected}")
+
+
+def _mro_modules(obj: Any) -> Tuple[str, ...]:
+    return tuple((getattr(c, "__module__", "") or "").split(".")[0] for c in type(obj).__mro__)
+
+
+def _is_torch(obj: Any) -> bool:
+    return "torch" in _mro_modules(obj)
+
+
+# -- torch -------------------------------------------------------------------------------------
+def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
+    dev = getattr(obj, "device", None)
+    dtype_str = str(getattr(obj, "dtype", "?"))
+    dev_type = str(getattr(dev, "type", dev))
+    if dev_type != "cuda":
+        if dev_type == "cpu":
+            raise _host_error(name, f"a torch tensor on device 'cpu' ({dtype_str})",
+                              "a CUDA tensor (e.g. tensor.cuda())")
+        raise UnsupportedError(f"{name}: a torch tensor on device {dev_type!r}; expected a "
+                               f"CUDA tensor")
+    layout = str(getattr(obj, "layout", "torch.strided"))
+    if layout != "torch.strided":
+        raise UnsupportedError(f"{name}: torch layout {layout} is not supported; expected a "
+                               f"dense (torch.strided) CUDA tensor (use .to_dense())")
+    for flag, fix in (("is_conj", "resolve_conj()"), ("is_neg", "resolve_neg()")):
+        f = getattr(obj, flag, None)
+        if callable(f) and f():
+            raise ArgumentError(f"{name}: the tensor is a lazy {flag[3:]} view whose memory "
+                                f"does not hold its values; call .{fix} first")
+    dt = _dtype(name, dtype_str)
+    shape = tuple(int(s) for s in obj.shape)
+    _check_layout(name, shape, tuple(obj.stride()), 1, "elements")
+    count = _prod(shape)
+    ptr = int(obj.data_ptr() or 0)
+    if count and not ptr:
+        raise ArgumentError(f"{name}: the tensor has {count} elements but a NULL data pointer")
+    return BufferSpec(ptr, count, dt, _device_of(obj, hint), shape, "torch", True, obj)
+
+
+# -- __cuda_array_interface__ ------------------------------------------------------------------
+def _cai_dtype(name: str, obj: Any, typestr: Any) -> str:
+    import numpy as np
+    if not isinstance(typestr, str) or len(typestr) < 3:
+        raise ArgumentError(f"{name}: __cuda_array_interface__ typestr {typestr!r} is "
+                            f"malformed; expected e.g. '<f4'")
+    order, kind = typestr[0], typestr[1]
+    try:
+        size = int(typestr[2:])
+    except ValueError:
+        raise ArgumentError(f"{name}: __cuda_array_interface__ typestr {typestr!r} is "
+                            f"malformed; expected e.g. '<f4'") from None
+    if order == ">" and size > 1:
+        raise UnsupportedError(f"{name}: typestr {typestr!r} is big-endian; CUDA devices are "
+                               f"little-endian: expected '<{kind}{size}'")
+    if kind == "V":
+        # opaque: bfloat16 ('<V2', torch / ml_dtypes) and float8 ('|V1', ml_dtypes) travel
+        # this way; believe them only when the object's own dtype says what they are
+        own = getattr(obj, "dtype", None)
+        if own is not None:
+            try:
+                dt = dtype_name(own)
+            except NcclpyError:
+                dt = ""
+            if dt and LOGICAL[dt].itemsize == size:
+                return dt
+        raise UnsupportedError(
+            f"{name}: __cuda_array_interface__ typestr {typestr!r} is an opaque {size}-byte "
+            f"type; ncclpy reads it as bfloat16/float8 only when the object's dtype says so "
+            f"(got dtype {str(own)!r})")
+    try:
+        npdt = np.dtype(typestr)
+    except TypeError:
+        raise UnsupportedError(f"{name}: typestr {typestr!r} is not a dtype NCCL can carry; "
+                               f"expected one of {', '.join(LOGICAL)}") from None
+    return _dtype(name, npdt.name)
+
+
+def _from_cai(obj: Any, cai: Any, name: str, hint: Optional[int], framework: str) -> BufferSpec:
+    if not isinstance(cai, dict):
+        raise ArgumentTypeError(f"{name}: __cuda_array_interface__ must be a dict, got "
+                                f"{type(cai).__name__}")
+    missing = [k for k in ("shape", "typestr", "data") if k not in cai]
+    if missing:
+        raise ArgumentError(f"{name}: __cuda_array_interface__ lacks {', '.join(missing)}")
+    version = cai.get("version", 0)
+    if not isinstance(version, int) or version > 3 or version < 0:
+        raise UnsupportedError(f"{name}: __cuda_array_interface__ version {version!r} is not "
+                               f"supported; expected 0..3")
+    if cai.get("mask") is not None:
+        raise UnsupportedError(f"{name}: masked arrays (__cuda_array_interface__ 'mask' is "
+                               f"set) cannot be communicated; expected mask None")
+    dt = _cai_dtype(name, obj, cai["typestr"])
+    shape = tuple(int(s) for s in cai["shape"])
+    if any(s < 0 for s in shape):
+        raise ArgumentError(f"{name}: negative extent in shape {shape}")
+    data = cai["data"]
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise ArgumentError(f"{name}: __cuda_array_interface__ data must be (ptr, readonly), "
+                            f"got {data!r}")
+    ptr, readonly = int(data[0] or 0), bool(data[1])
+    count = _prod(shape)
+    _check_layout(name, shape, cai.get("strides"), LOGICAL[dt].itemsize, "bytes")
+    if count and not ptr:
+        raise ArgumentError(f"{name}: {count} elements but a NULL data pointer")
+    return BufferSpec(ptr, count, dt, _device_of(obj, hint), shape, framework, True, obj,
+                      readonly)
+
+
+# -- DLPack ------------------------------------------------------------------------------------
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_ROCM_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 11, 13
+_DL_DEVICE_NAMES = {1: "kDLCPU", 2: "kDLCUDA", 3: "kDLCUDAHost", 4: "kDLOpenCL",
+                    7: "kDLVulkan", 8: "kDLMetal", 9: "kDLVPI", 10: "kDLROCM",
+                    11: "kDLROCMHost", 12: "kDLExtDev", 13: "kDLCUDAManaged", 14: "kDLOneAPI",
+                    15: "kDLWebGPU", 16: "kDLHexagon", 17: "kDLMAIA"}
+#: (code, bits) -> logical dtype; codes from dlpack.h
+_DL_DTYPES = {
+    (0, 8): "int8", (0, 32): "int32", (0, 64): "int64",
+    (1, 8): "uint8", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
+    (4, 16): "bfloat16", (5, 32): "complex32", (5, 64): "complex64", (5, 128): "complex128",
+    (6, 8): "bool", (10, 8): "float8_e4m3", (12, 8): "float8_e5m2",
+}
+_DL_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat",
+                  5: "complex", 6: "bool", 7: "float8_e3m4", 8: "float8_e4m3 (with inf)",
+                  9: "float8_e4m3b11fnuz", 10: "float8_e4m3fn", 11: "float8_e4m3fnuz",
+                  12: "float8_e5m2", 13: "float8_e5m2fnuz", 14: "float8_e8m0fnu",
+                  15: "float6_e2m3fn", 16: "float6_e3m2fn", 17: "float4_e2m1fn"}
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
+                ("dl_tensor", DLTensor)]
+
+
+@dataclass(frozen=True)
+class DLPackInfo:
+    """What a DLPack capsule describes (pointer already includes ``byte_offset``)."""
+
+    ptr: int
+    device_type: int
+    device_id: int
+    shape: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]]   # elements; None: compact row-major
+    code: int
+    bits: int
+    lanes: int
+    readonly: bool
+    versioned: bool
+
+
+def _capsule_api():
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype = ctypes.c_char_p
+    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    return api
+
+
+def parse_dlpack_capsule(capsule: Any, name: str = "buffer") -> DLPackInfo:
+    """Read a ``dltensor`` or ``dltensor_versioned`` capsule without consuming it.
+
+    The capsule is neither renamed nor its deleter called here: when the caller drops it, the
+    producer's capsule destructor frees the managed tensor, while the data stays owned by the
+    producing object.
+    """
+    if type(capsule).__name__ != "PyCapsule":
+        raise ArgumentTypeError(f"{name}: __dlpack__() returned {type(capsule).__name__}, "
+                                f"expected a PyCapsule")
+    api = _capsule_api()
+    cname = api.PyCapsule_GetName(capsule)
+    if cname == b"dltensor":
+        mt = DLManagedTensor.from_address(api.PyCapsule_GetPointer(capsule, cname))
+        t, readonly, versioned = mt.dl_tensor, False, False
+    elif cname == b"dltensor_versioned":
+        mv = DLManagedTensorVersioned.from_address(api.PyCapsule_GetPointer(capsule, cname))
+        if mv.version.major != 1:
+            raise UnsupportedError(f"{name}: DLPack ABI version {mv.version.major}."
+                                   f"{mv.version.minor} is not supported; expected 1.x")
+        t, readonly, versioned = mv.dl_tensor, bool(mv.flags & 1), True
+    else:
+        raise ArgumentError(f"{name}: DLPack capsule named {cname!r} (already consumed?); "
+                            f"expected 'dltensor' or 'dltensor_versioned'")
+    ndim = int(t.ndim)
+    if ndim < 0:
+        raise ArgumentError(f"{name}: DLPack ndim {ndim} is negative")
+    shape = tuple(int(t.shape[i]) for i in range(ndim)) if ndim else ()
+    strides = tuple(int(t.strides[i]) for i in range(ndim)) if ndim and t.strides else None
+    return DLPackInfo(int(t.data or 0) + int(t.byte_offset), int(t.device.device_type),
+                      int(t.device.device_id), shape, strides, int(t.dtype.code),
+                      int(t.dtype.bits), int(t.dtype.lanes), readonly, versioned)
+
+
+def _dlpack_dtype(name: str, code: int, bits: int, lanes: int) -> str:
+    if lanes != 1:
+        raise UnsupportedError(f"{name}: DLPack vector dtype ({lanes} lanes) is not supported; "
+                               f"expected lanes 1")
+    dt = _DL_DTYPES.get((code, bits))
+    if dt is None:
+        kind = _DL_CODE_NAMES.get(code, f"type code {code}")
+        raise UnsupportedError(f"{name}: DLPack dtype {kind}{bits} cannot be carried by NCCL; "
+                               f"expected one of {', '.join(LOGICAL)}")
+    return dt
+
+
+def _from_dlpack(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
+    dev_fn = getattr(obj, "__dlpack_device__", None)
+    if dev_fn is None:
+        raise ArgumentTypeError(f"{name}: object has __dlpack__ but no __dlpack_device__")
+    dev_type, dev_id = (int(x) for x in dev_fn())
+    dev_name = _DL_DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
+    if dev_type in (_DL_CPU, _DL_CUDA_HOST, _DL_ROCM_HOST):
+        raise _host_error(name, f"a DLPack buffer on {dev_name}",
+                          "a CUDA device buffer (DLPack kDLCUDA)")
+    if dev_type != _DL_CUDA:
+        raise UnsupportedError(f"{name}: a DLPack buffer on {dev_name} is not supported; "
+                               f"expected a CUDA device buffer (kDLCUDA)")
+    try:   # -1: no synchronisation, only the metadata is read here
+        cap = obj.__dlpack__(stream=-1)
+    except TypeError:
+        cap = obj.__dlpack__()
+    info = parse_dlpack_capsule(cap, name)
+    del cap
+    if info.device_type != _DL_CUDA:
+        raise ArgumentError(f"{name}: __dlpack_device__ says kDLCUDA but the capsule says "
+                            f"{_DL_DEVICE_NAMES.get(info.device_type, info.device_type)}")
+    dt = _dlpack_dtype(name, info.code, info.bits, info.lanes)
+    _check_layout(name, info.shape, info.strides, 1, "elements")
+    count = _prod(info.shape)
+    if count and not info.ptr:
+        raise ArgumentError(f"{name}: {count} elements but a NULL data pointer")
+    return BufferSpec(info.ptr, count, dt, _device_of(obj, hint, info.device_id), info.shape,
+                      "dlpack", True, obj, info.readonly)
+
+
+# -- entry point -------------------------------------------------------------------------------
+_ACCEPTED = ("a CuPy array, a torch CUDA tensor, an object with __cuda_array_interface__ or "
+             "__dlpack__, or ncclpy.Buffer(ptr, count, dtype, device)")
+
+
+def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> BufferSpec:
+    """Parse ``obj`` into a :class:`BufferSpec` (see the module docstring).
+
+    ``device`` is a hint for objects that do not say where they live (pure
+    ``__cuda_array_interface__`` objects); without it such buffers get ``device`` -2 and the
+    executor resolves it.  Objects that do say (CuPy, torch, DLPack) keep their own device.
+    """
+    if isinstance(obj, BufferSpec):
+        return obj
+    if isinstance(obj, Buffer):
+        return BufferSpec(obj.ptr, obj.count, obj.dtype, obj.device, (obj.count,), "raw", True,
+                          obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, list, tuple, dict)):
+        hint = " (for a raw pointer use ncclpy.Buffer(ptr, count, dtype, device))" \
+            if isinstance(obj, int) and not isinstance(obj, bool) else ""
+        raise ArgumentTypeError(f"{name}: expected {_ACCEPTED}; got {type(obj).__name__}"
+                                f"{hint}")
+    if _is_torch(obj) and callable(getattr(obj, "data_ptr", None)):
+        return _from_torch(obj, name, device)
+    mods = _mro_modules(obj)
+    if "numpy" in mods:
+        raise _host_error(name, f"a numpy array ({getattr(obj, 'dtype', '?')})",
+                          "a device array (e.g. cupy.asarray(x))")
+    try:
+        cai = obj.__cuda_array_interface__
+    except AttributeError:
+        cai = None
+    if cai is not None:
+        return _from_cai(obj, cai, name, device, "cupy" if "cupy" in mods else "cai")
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, name, device)
+    if hasattr(obj, "__array_interface__"):
+        raise _host_error(name, f"a {type(obj).__name__} exposing __array_interface__",
+                          "a device array")
+    raise ArgumentTypeError(f"{name}: expected {_ACCEPTED}; got {type(obj).__name__}")

@@ -1,0 +1,11 @@
+"""``ncclpy check``: every collective through torch.distributed and ncclpy on identical seeded
+inputs, compared byte for byte with each other and with :mod:`ncclpy.reference`.
+
+Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (the per-rank worker),
+:mod:`.compare` (byte and ULP comparison), :mod:`.report` (table and JSON), :mod:`.cli`
+(``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples as data).
+Importing this package imports neither torch nor CuPy.
+"""
+from __future__ import annotations
+
+__all__: list = []

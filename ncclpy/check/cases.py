@@ -1,0 +1,306 @@
+"""The ``ncclpy check`` matrix: collectives x dtypes x ops x sizes x roots x in/out of place.
+
+Also the two tables that make the matrix honest:
+
+* :data:`GLOO_UNSUPPORTED` - what torch.distributed's gloo backend (torch 2.13, found by running
+  every collective x dtype x op at 1 and 2 ranks) refuses, with the error it gives.  On CPU the
+  matrix leaves those combinations out and ``ncclpy check --list-skips`` prints why.
+* :data:`DIVERGENCES` - cases where torch is known to differ from NCCL's semantics; they are
+  reported as "torch divergence: <reason>" and never counted as a pass or a failure.
+
+A case's ``count`` follows nccl-tests' per-rank block convention: all_reduce/reduce/broadcast/
+send_recv move ``count`` elements per rank, all_gather and gather send ``count`` (receive
+``n*count``), reduce_scatter and scatter receive ``count`` (send ``n*count``), all_to_all moves
+``count`` per peer.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..dtypes import ALL_DTYPE_NAMES, LOGICAL, dtype_name
+from ..errors import ArgumentError
+from .. import registry
+
+__all__ = ["Case", "build_matrix", "parse_sizes", "exact_claim", "gloo_skip_reason",
+           "divergence", "GLOO_UNSUPPORTED", "DIVERGENCES", "DEFAULT_SIZES_CPU",
+           "DEFAULT_SIZES_GPU", "ALL_DTYPES", "REDUCING_OPS", "PREMUL_SCALAR",
+           "uneven_counts", "ulp_tolerance", "COLLECTIVES"]
+
+#: every logical dtype the matrix knows (NCCL's 12 plus torch's bool and complex mappings)
+ALL_DTYPES: Tuple[str, ...] = ALL_DTYPE_NAMES + ("bool", "complex32", "complex64", "complex128")
+REDUCING_OPS = ("sum", "prod", "min", "max", "avg", "premul_sum")
+#: the premul_sum scalar of the default matrix (a power of two keeps results exact)
+PREMUL_SCALAR = 2.0
+DEFAULT_SIZES_CPU = "0,1,7,1024,1MiB"
+DEFAULT_SIZES_GPU = "0,1,7,1024,65537,1MiB"
+#: the collectives in matrix order (the registry's, barrier last)
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
+               "all_to_all", "gather", "scatter", "send_recv", "barrier")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the matrix."""
+
+    collective: str
+    dtype: Optional[str]
+    op: Optional[str] = None
+    scalar: Optional[float] = None
+    count: int = 0
+    size_label: str = "0"
+    root: Optional[int] = None
+    in_place: bool = False
+    variant: str = ""          # all_to_all: "even" / "uneven"
+
+    @property
+    def key(self) -> str:
+        """A stable identifier (also the seed tag of the inputs)."""
+        op = self.op or "-"
+        if self.op == "premul_sum":
+            op = f"premul_sum({self.scalar:g})"
+        return (f"{self.collective}/{self.dtype or '-'}/{op}/{self.count}/"
+                f"{'-' if self.root is None else self.root}/{'ip' if self.in_place else 'oop'}"
+                f"{'/' + self.variant if self.variant else ''}")
+
+    def op_obj(self):
+        """The ncclpy RedOp of this case (None for data movement)."""
+        if self.op is None:
+            return None
+        from ..ops import RedOp
+        return RedOp(self.op, self.scalar if self.op == "premul_sum" else None)
+
+
+# -- gloo support (torch 2.13, measured) ------------------------------------------------------
+_GLOO_NO_DTYPE = ("gloo: 'Invalid scalar type' - ProcessGroupGloo has no dispatch for "
+                  "uint32/uint64/float8")
+#: (collective or "*", dtype or "*", op or "*") -> reason gloo refuses it
+GLOO_UNSUPPORTED: Dict[Tuple[str, str, str], str] = {
+    ("*", "uint32", "*"): _GLOO_NO_DTYPE,
+    ("*", "uint64", "*"): _GLOO_NO_DTYPE,
+    ("*", "float8_e4m3", "*"): _GLOO_NO_DTYPE,
+    ("*", "float8_e5m2", "*"): _GLOO_NO_DTYPE,
+    ("*", "*", "premul_sum"): "gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
+    ("*", "int8", "avg"): "gloo: AVG divides the sum by n in place: 'result type Float can't be "
+                          "cast to the desired output type' for integer tensors",
+    ("*", "uint8", "avg"): "gloo: AVG on integer tensors: 'result type Float can't be cast'",
+    ("*", "int32", "avg"): "gloo: AVG on integer tensors: 'result type Float can't be cast'",
+    ("*", "int64", "avg"): "gloo: AVG on integer tensors: 'result type Float can't be cast'",
+    ("*", "bool", "avg"): "torch: AVG is not defined for bool (gloo: 'result type Float can't "
+                          "be cast to Bool')",
+    ("reduce", "complex32", "avg"): "gloo: '\"div_cpu\" not implemented for ComplexHalf'",
+    ("reduce_scatter", "complex32", "avg"): "gloo: '\"div_cpu\" not implemented for "
+                                            "ComplexHalf'",
+    ("gather", "complex32", "*"): "gloo: gather has no complex dispatch ('Invalid scalar type')",
+    ("gather", "complex64", "*"): "gloo: gather has no complex dispatch ('Invalid scalar type')",
+    ("gather", "complex128", "*"): "gloo: gather has no complex dispatch ('Invalid scalar type')",
+}
+
+
+def gloo_skip_reason(collective: str, dtype: Optional[str], op: Optional[str]) -> str:
+    """Why gloo cannot run this combination ('' if it can)."""
+    for c in (collective, "*"):
+        for d in (dtype or "-", "*"):
+            for o in (op or "-", "*"):
+                r = GLOO_UNSUPPORTED.get((c, d, o))
+                if r:
+                    return r
+    return ""
+
+
+# -- known torch divergences ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Divergence:
+    """A documented way torch differs from NCCL's semantics.
+
+    ``when``: "always" - the case is reported as a divergence whatever the bytes say;
+    "mismatch" - only when torch's result differs from the reference (the reason explains it).
+    """
+
+    backend: str        # "nccl", "gloo" or "*"
+    collectives: Tuple[str, ...]
+    dtypes: Tuple[str, ...]
+    ops: Tuple[str, ...]
+    reason: str
+    when: str = "always"
+    world_size: str = "*"   # "*" or "not_pow2"
+
+
+_RED = ("all_reduce", "reduce", "reduce_scatter")
+DIVERGENCES: Tuple[Divergence, ...] = (
+    Divergence("nccl", _RED, ("bfloat16",), ("premul_sum",),
+               "torch passes the premul_sum factor to ncclRedOpCreatePreMulSum as a float for a "
+               "bfloat16 op (NCCL reads 2 bytes of it: usually 0), so results are zeros"),
+    Divergence("gloo", _RED, ("float16", "float32", "float64", "bfloat16", "complex32",
+                              "complex64", "complex128"), ("avg",),
+               "gloo's AVG sums, then divides by n (NCCL multiplies each input by 1/n rounded "
+               "to the dtype, then sums)", when="mismatch", world_size="not_pow2"),
+    Divergence("gloo", _RED, ("bool",), ("sum",),
+               "gloo adds bool bytes (a bool tensor holding 2); NCCL backend maps SUM to MAX",
+               when="mismatch"),
+)
+
+
+def divergence(backend: str, case: Case, world_size: int) -> Optional[Divergence]:
+    """The documented divergence that applies to ``case``, if any."""
+    for d in DIVERGENCES:
+        if d.backend not in ("*", backend):
+            continue
+        if case.collective in d.collectives and case.dtype in d.dtypes and case.op in d.ops:
+            if d.world_size == "not_pow2" and world_size & (world_size - 1) == 0:
+                continue
+            return d
+    return None
+
+
+# -- exactness ------------------------------------------------------------------------------
+def exact_claim(case: Case, world_size: int) -> bool:
+    """Whether the reference's result is claimed bit for bit for this case's verifiable inputs
+    (otherwise the ULP distance is reported and compared with :func:`ulp_tolerance`)."""
+    if case.op is None or case.dtype is None:
+        return True
+    wire = LOGICAL[case.dtype].wire
+    if wire.kind != "float":
+        return True
+    if case.op in ("sum", "prod", "min", "max"):
+        return True
+    if case.op == "premul_sum":
+        s = abs(case.scalar or 0.0)
+        return s == 0.0 or math.frexp(s)[0] == 0.5
+    if case.op == "avg":
+        n = world_size
+        return n & (n - 1) == 0 or n == 3
+    return False
+
+
+def ulp_tolerance(case: Case, world_size: int) -> float:
+    """ULPs allowed between a result and the reference when exactness is not claimed: one per
+    rounding step of the fold (n)."""
+    return float(max(1, world_size))
+
+
+# -- sizes ----------------------------------------------------------------------------------
+_UNITS = {"": None, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000 ** 2, "mib": 1024 ** 2,
+          "gb": 1000 ** 3, "gib": 1024 ** 3, "k": 1024, "m": 1024 ** 2}
+
+
+def parse_sizes(spec: str) -> List[Tuple[str, Optional[int], Optional[int]]]:
+    """'0,1,7,1024,1MiB' -> [(label, elements or None, bytes or None)]: a bare number counts
+    elements, a number with a unit (B, KiB, MiB, GiB, KB, MB, GB) counts bytes per block."""
+    out = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if not tok:
+            continue
+        m = re.fullmatch(r"(\d+)\s*([A-Za-z]*)", tok)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ArgumentError(f"--sizes: {tok!r} is not a size; expected an element count "
+                                f"(e.g. 1024) or bytes with a unit (e.g. 1MiB, 64KB)")
+        num, unit = int(m.group(1)), m.group(2).lower()
+        if unit == "":
+            out.append((tok, num, None))
+        else:
+            out.append((tok, None, num * _UNITS[unit]))
+    if not out:
+        raise ArgumentError("--sizes: no size given")
+    return out
+
+
+def _count_for(size: Tuple[str, Optional[int], Optional[int]], dtype: Optional[str]) -> int:
+    label, elems, nbytes = size
+    if elems is not None:
+        return elems
+    item = LOGICAL[dtype].itemsize if dtype else 1
+    return max(1, nbytes // item)
+
+
+def uneven_counts(count: int, n: int) -> List[List[int]]:
+    """send_counts[s][d] for the uneven all_to_all case of block size ``count``: sizes vary
+    between 0 and 2*count (some blocks empty), every rank sends and receives something."""
+    if count == 0:
+        return [[0] * n for _ in range(n)]
+    pattern = [0, 1, 2, 1]
+    return [[pattern[(s + 2 * d) % 4] * count + (1 if s == d else 0) for d in range(n)]
+            for s in range(n)]
+
+
+# -- matrix ---------------------------------------------------------------------------------
+def _ops_for(collective: str, dtype: str, ops: Sequence[str]) -> List[Optional[str]]:
+    if not registry.get(collective).reduces:
+        return [None]
+    lg = LOGICAL[dtype]
+    return [o for o in ops if lg.ops is None or o in lg.ops]
+
+
+def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequence[str]] = None,
+                 dtypes: Optional[Sequence[str]] = None, ops: Optional[Sequence[str]] = None,
+                 sizes: Optional[str] = None, roots: Optional[Sequence[int]] = None,
+                 in_place: Optional[Sequence[bool]] = None,
+                 premul_scalar: float = PREMUL_SCALAR) -> Tuple[List[Case], List[dict]]:
+    """(cases, skipped) for ``world_size`` ranks on ``backend`` ("gloo" or "nccl").
+
+    ``skipped`` lists what the filters allow but the backend cannot run, with the reason.
+    ``in_place`` None: both variants where they differ for the side being tested (on gloo only
+    all_gather and reduce_scatter, whose torch calls differ; torch's all_reduce, reduce and
+    broadcast are in place by nature, gather/scatter take lists).
+    """
+    n = world_size
+    colls = [registry.get(c).name for c in (collectives or COLLECTIVES)]
+    dts = [dtype_name(d) for d in (dtypes or ALL_DTYPES)]
+    opl = list(ops or REDUCING_OPS)
+    for o in opl:
+        if o not in REDUCING_OPS:
+            raise ArgumentError(f"--ops: {o!r} is not one of {', '.join(REDUCING_OPS)}")
+    size_list = parse_sizes(sizes or (DEFAULT_SIZES_GPU if backend == "nccl"
+                                      else DEFAULT_SIZES_CPU))
+    root_list = sorted(set(roots if roots is not None else (0, n - 1)))
+    for r in root_list:
+        if not 0 <= r < n:
+            raise ArgumentError(f"--roots: {r} is not a rank of 0..{n - 1}")
+    cases: List[Case] = []
+    skipped: List[dict] = []
+    seen_skip = set()
+
+    def skip(coll: str, dt: Optional[str], op: Optional[str], why: str) -> None:
+        k = (coll, dt, op)
+        if k not in seen_skip:
+            seen_skip.add(k)
+            skipped.append({"collective": coll, "dtype": dt, "op": op, "reason": why})
+
+    for coll in colls:
+        c = registry.get(coll)
+        if coll == "barrier":
+            cases.append(Case("barrier", None))
+            continue
+        if coll == "send_recv" and n < 2:
+            skip(coll, None, None, "send_recv needs at least 2 ranks")
+            continue
+        for dt in dts:
+            for op in _ops_for(coll, dt, opl):
+                if backend == "gloo":
+                    why = gloo_skip_reason(coll, dt, op)
+                    if why:
+                        skip(coll, dt, op, why)
+                        continue
+                if in_place is not None:
+                    ips = list(in_place)
+                elif coll in ("send_recv",):
+                    ips = [False]
+                elif backend == "gloo":
+                    ips = [False, True] if coll in ("all_gather", "reduce_scatter") else \
+                        ([True] if coll in ("all_reduce", "reduce", "broadcast") else [False])
+                else:
+                    ips = [False, True]
+                variants = ["even", "uneven"] if coll == "all_to_all" else [""]
+                for size in size_list:
+                    count = _count_for(size, dt)
+                    for rt in (root_list if c.rooted else [None]):
+                        for ip in ips:
+                            for v in variants:
+                                if v == "uneven" and count == 0:
+                                    continue
+                                cases.append(Case(coll, dt, op,
+                                                  premul_scalar if op == "premul_sum" else None,
+                                                  count, size[0], rt, ip, v))
+    return cases, skipped

@@ -1,0 +1,106 @@
+"""The ``ncclpy check`` table (printed as it runs), its summary line and the JSON file."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Dict, Iterable, Optional
+
+__all__ = ["COLUMNS", "format_header_row", "format_row", "summarize", "summary_line",
+           "write_json", "STATUS_COUNTED", "mark"]
+
+#: (title, width) of the table columns
+COLUMNS = (("collective", 14), ("dtype", 11), ("op", 15), ("size", 8), ("root", 4),
+           ("inplace", 7), ("ncclpy==torch", 13), ("ncclpy==ref", 11), ("torch==ref", 10),
+           ("max ULP", 7), ("status", 0))
+
+#: statuses that count as a pass or a failure (divergences and unsupported cases do not)
+STATUS_COUNTED = {"pass": "passed", "fail": "failed", "error": "failed"}
+
+
+def mark(value: Optional[bool], gpu: bool = True) -> str:
+    """A table cell for a comparison: yes / NO / - (nothing to compare) / needs GPU."""
+    if not gpu:
+        return "needs GPU"
+    if value is None:
+        return "-"
+    return "yes" if value else "NO"
+
+
+def _cell(text: str, width: int) -> str:
+    return text if width == 0 else f"{text:<{width}.{width}}" if len(text) > width else \
+        f"{text:<{width}}"
+
+
+def format_header_row() -> str:
+    return " ".join(_cell(t, w) for t, w in COLUMNS).rstrip()
+
+
+def _ulp(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    if math.isinf(v):
+        return "inf"
+    return f"{v:g}"
+
+
+def format_row(rec: Dict[str, Any]) -> str:
+    """One table line for a case record (see :mod:`ncclpy.check.runner`)."""
+    c = rec["case"]
+    gpu = rec.get("ncclpy_ran", False)
+    op = c.get("op") or "-"
+    if op == "premul_sum":
+        op = f"premul_sum({c.get('scalar'):g})"
+    size = c.get("size_label", str(c.get("count", "")))
+    if c.get("variant") == "uneven":
+        size += "~"
+    root = "-" if c.get("root") is None else str(c["root"])
+    status = rec["status"]
+    if rec.get("reason"):
+        status = f"{status}: {rec['reason']}"
+    cells = [c["collective"], c.get("dtype") or "-", op, size, root,
+             "yes" if c.get("in_place") else "no",
+             mark(rec.get("ncclpy_torch"), gpu), mark(rec.get("ncclpy_ref"), gpu),
+             mark(rec.get("torch_ref")), _ulp(rec.get("max_ulp")), status]
+    return " ".join(_cell(t, w) for t, (_, w) in zip(cells, COLUMNS)).rstrip()
+
+
+def summarize(records: Iterable[Dict[str, Any]], skipped: int = 0) -> Dict[str, int]:
+    """Counts by outcome."""
+    out = {"cases": 0, "passed": 0, "failed": 0, "torch_divergence": 0, "unsupported": 0,
+           "skipped": skipped}
+    for r in records:
+        out["cases"] += 1
+        s = r["status"]
+        if s in STATUS_COUNTED:
+            out[STATUS_COUNTED[s]] += 1
+        elif s == "torch divergence":
+            out["torch_divergence"] += 1
+        else:
+            out["unsupported"] += 1
+    return out
+
+
+def summary_line(counts: Dict[str, int], seconds: float, backend: str, world_size: int) -> str:
+    return (f"ncclpy check: {counts['cases']} cases on {world_size} ranks ({backend}) in "
+            f"{seconds:.1f} s: {counts['passed']} passed, {counts['failed']} failed, "
+            f"{counts['torch_divergence']} torch divergences, {counts['unsupported']} "
+            f"unsupported, {counts['skipped']} skipped (backend cannot run them)")
+
+
+def write_json(path: str, doc: Dict[str, Any]) -> None:
+    """Write the run as JSON (``-`` for stdout); infinities become the string "inf"."""
+    def fix(o: Any) -> Any:
+        if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
+            return str(o)
+        if isinstance(o, dict):
+            return {k: fix(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [fix(v) for v in o]
+        return o
+    text = json.dumps(fix(doc), indent=1, default=str)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    with open(path, "w") as f:
+        f.write(text + "\n")

@@ -1,0 +1,81 @@
+"""The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``.
+
+``main(argv)`` returns the exit code; the console script and ``python -m ncclpy`` call it.
+Subcommand modules are imported lazily so ``ncclpy info`` works even where a colleague module
+(``ncclpy.check``) is missing or broken.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with the ``run``, ``info`` and ``check`` subcommands."""
+    from . import __version__
+    from .launch.launcher import add_run_arguments
+
+    p = argparse.ArgumentParser(
+        prog="ncclpy", description="ncclpy: a Python layer over NVIDIA NCCL.")
+    p.add_argument("--version", action="version", version=f"ncclpy {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser(
+        "run", help="start N ranks with the rendezvous environment (like torchrun)",
+        description="Start N local ranks of PROGRAM with the ncclpy/torchrun rendezvous "
+                    "environment; rank-prefixed output, SIGINT/SIGTERM forwarding, fail-fast.")
+    add_run_arguments(run)
+    info = sub.add_parser("info", help="report ncclpy, CuPy, NCCL, CUDA, GPUs and environment",
+                          description="Report versions, the libnccl loaded, CUDA, visible GPUs "
+                                      "and the NCCL_*/rendezvous variables in force.")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    info.add_argument("--torch", action="store_true",
+                      help="also import torch and report its CUDA and NCCL versions")
+    sub.add_parser("check", help="cross-check ncclpy against references (see 'ncclpy check -h')",
+                   add_help=False)
+    return p
+
+
+def _check(argv: Sequence[str]) -> int:
+    try:
+        mod = importlib.import_module("ncclpy.check.cli")
+    except ImportError as e:
+        print(f"ncclpy check: not available in this installation "
+              f"(could not import ncclpy.check.cli: {e})", file=sys.stderr)
+        return 2
+    rc = mod.main(list(argv))
+    return int(rc or 0)
+
+
+def _info(ns: argparse.Namespace) -> int:
+    from .info import collect, format_info
+    d = collect(import_torch=ns.torch)
+    if ns.json:
+        print(json.dumps(d, indent=2, sort_keys=False, default=str))
+    else:
+        print(format_info(d))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``ncclpy`` command line with ``argv`` (default ``sys.argv[1:]``); the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "check":   # pass everything through untouched
+        return _check(argv[1:])
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "run":
+        from .launch.launcher import run_from_args
+        return run_from_args(ns, parser=parser)
+    if ns.command == "info":
+        return _info(ns)
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,565 @@
+"""``Communicator``: every NCCL collective and point-to-point call on raw device buffers.
+
+Creation: without a :class:`Config`, through CuPy's ``cupy.cuda.nccl.NcclCommunicator`` (inside
+``cupy.cuda.Device(device)``); with one, through ``ncclCommInitRankConfig`` bound with ctypes
+from the same libnccl (a nonblocking config is polled with ``ncclCommGetAsyncError`` until ready,
+within ``timeout``).  Each communicator builds, once, a dispatch table ``NCCL name ->
+callable(*args, stream)`` (:mod:`ncclpy._nccl.dispatch`): CuPy's bound methods where CuPy wraps
+the call and the communicator came from CuPy, ctypes functions on the raw ``ncclComm_t``
+otherwise (AlltoAll, Gather, Scatter, and everything on a ctypes-created communicator).  NCCL
+errors from either path become ncclpy's NcclError subclass with the code, the call and
+``ncclGetLastError``'s text.
+
+Each method: parse buffers (``ncclpy.buffers.as_buffer``), plan (pure, ``ncclpy.plan``), resolve
+the stream (``ncclpy.streams``), execute (``ncclpy.execute``) -> :class:`~ncclpy.work.Work`.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+from . import registry as _registry
+from ._nccl.config import Config
+from ._nccl.dispatch import (build_dispatch, cupy_init, cupy_stream_for, int_arg, lib_group,
+                             require_device, uid_bytes)
+from ._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE, get_lib,
+                        require_version)
+from .errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
+from .execute import execute, group_scope, group_state
+from .plan.types import PlanContext
+from .streams import resolve_stream
+from .work import Work
+
+__all__ = ["Communicator", "Config", "Registration", "init", "group"]
+
+log = logging.getLogger(__name__)
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """A buffer registered with ``ncclCommRegister`` (pass it to ``deregister``)."""
+
+    handle: int
+    ptr: int
+    nbytes: int
+
+
+class Communicator:
+    """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``."""
+
+    def __init__(self, world_size: int, rank: int, uid: Any, device: int,
+                 config: Optional[Config] = None, *, timeout: float = 300.0) -> None:
+        world_size = int_arg("world_size", world_size, 1)
+        rank = int_arg("rank", rank, 0)
+        if rank >= world_size:
+            raise ArgumentError(f"rank: {rank} is out of range for world_size {world_size}; "
+                                f"expected 0 <= rank < {world_size}")
+        device = int_arg("device", device, 0)
+        uid = uid_bytes(uid)
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentTypeError(f"config: expected ncclpy.Config or None, got "
+                                    f"{type(config).__name__}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ArgumentError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        lib = get_lib()
+        cfg_struct = None
+        if config is not None:
+            require_version("ncclCommInitRankConfig", lib.version, lib.path)
+            cfg_struct = config.to_struct(lib.version)
+        require_device(device)
+        import cupy
+        nc = None
+        code = 0
+        with cupy.cuda.Device(device):
+            if config is None:
+                try:
+                    nc = cupy_init(lib.cupy_nccl, world_size, uid, rank)
+                except lib.cupy_nccl.NcclError as e:
+                    err = lib.error(e.status, "ncclCommInitRank")
+                    lib.repair_group_depth()
+                    raise err from None
+                handle = int(nc.comm)
+            else:
+                handle, code = lib.comm_init_rank_config(world_size, uid, rank, cfg_struct)
+        self._setup(lib, handle, nc, rank, world_size, device, config, float(timeout),
+                    cfg_struct)
+        if config is not None and (config.nonblocking or code == NCCL_IN_PROGRESS):
+            try:
+                self._wait_ready("ncclCommInitRankConfig")
+            except BaseException:
+                self.abort()
+                raise
+
+    @classmethod
+    def from_bootstrap(cls, bs: Any, config: Optional[Config] = None, *,
+                       timeout: float = 300.0) -> "Communicator":
+        """A communicator from an :class:`ncclpy.bootstrap.Bootstrap` hand-over."""
+        comm = cls(bs.world_size, bs.rank, bs.uid, bs.device, config, timeout=timeout)
+        comm.bootstrap = bs
+        comm.name = getattr(bs, "name", "default")
+        return comm
+
+    @classmethod
+    def _wrap(cls, lib: Any, handle: int, nc: Any, device: int, config: Optional[Config],
+              nonblocking: bool, timeout: float, name: str) -> "Communicator":
+        """A Communicator around an existing handle (split children)."""
+        obj = cls.__new__(cls)
+        obj._setup(lib, handle, nc, 0, 1, device, config, timeout, None)
+        obj._nonblocking = nonblocking
+        if nonblocking:
+            obj._wait_ready("ncclCommSplit")
+        obj._rank = lib.comm_query("ncclCommUserRank", handle)
+        obj._world_size = lib.comm_query("ncclCommCount", handle)
+        obj._ctx = PlanContext(obj._rank, obj._world_size, device, lib.version)
+        obj.name = name
+        return obj
+
+    def _setup(self, lib: Any, handle: int, nc: Any, rank: int, world_size: int, device: int,
+               config: Optional[Config], timeout: float, cfg_struct: Any) -> None:
+        self._lib = lib
+        self._handle = handle
+        self._nc = nc
+        self._rank = rank
+        self._world_size = world_size
+        self._device = device
+        self._config = config
+        self._cfg_struct = cfg_struct        # NCCL may keep pointers to its strings
+        self._nonblocking = bool(config is not None and config.nonblocking)
+        self._timeout = timeout
+        self._ctx = PlanContext(rank, world_size, device, lib.version)
+        self._closed = self._finalized = self._aborted = False
+        self._premul_ops: set = set()
+        self._registrations: Dict[int, Registration] = {}
+        self._allocations: Dict[int, int] = {}
+        self._captured: List[Any] = []       # scratch used by CUDA-graph captures
+        self._barrier_buf: Any = None
+        self.bootstrap: Any = None
+        self.name = "default"
+        self._dispatch = build_dispatch(self, lib, handle, nc)
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    @property
+    def nccl_version(self) -> int:
+        """The loaded NCCL's version code, e.g. 23203 for 2.32.3."""
+        return self._lib.version
+
+    @property
+    def config(self) -> Optional[Config]:
+        return self._config
+
+    @property
+    def nonblocking(self) -> bool:
+        return self._nonblocking
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def handle(self) -> int:
+        """The raw ``ncclComm_t`` (0 once closed)."""
+        return 0 if self._closed else self._handle
+
+    @property
+    def nccl_comm(self) -> Any:
+        """CuPy's NcclCommunicator when CuPy created this communicator, else None."""
+        return self._nc
+
+    @property
+    def force_fallback(self) -> bool:
+        """Use grouped send/recv for gather/scatter/all_to_all even where NCCL is native."""
+        return self._ctx.force_fallback
+
+    @force_fallback.setter
+    def force_fallback(self, value: bool) -> None:
+        self._ctx = dataclasses.replace(self._ctx, force_fallback=bool(value))
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise NcclpyError(f"{what}: the communicator (rank {self._rank}) is "
+                              f"{'aborted' if self._aborted else 'closed'}")
+        if self._finalized:
+            raise NcclpyError(f"{what}: the communicator (rank {self._rank}) is finalized; only "
+                              f"close() is allowed")
+
+    def _wait_ready(self, call: str) -> None:
+        """Poll ncclCommGetAsyncError until not in progress (nonblocking communicators)."""
+        deadline = time.monotonic() + self._timeout
+        delay = 1e-5
+        while True:
+            st = self._lib.async_error(self._handle)
+            if st != NCCL_IN_PROGRESS:
+                break
+            if time.monotonic() > deadline:
+                raise NcclTimeoutError(8, call, f"communicator still in progress after "
+                                       f"{self._timeout:g} s (ncclCommGetAsyncError)")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        if st:
+            raise self._lib.error(st, call, self._handle)
+
+    def _raise_async_error(self) -> None:
+        if self._closed:
+            return
+        st = self._lib.async_error(self._handle)
+        if st not in (0, NCCL_IN_PROGRESS):
+            raise self._lib.error(st, "ncclCommGetAsyncError", self._handle)
+
+    # -- resources used by the executor ---------------------------------------------------
+    def _alloc_scratch(self, nbytes: int, stream: int) -> Any:
+        import cupy
+        from cupy.cuda import runtime
+        with cupy.cuda.Device(self._device), cupy_stream_for(stream, self._device):
+            mem = cupy.cuda.alloc(nbytes)
+        try:
+            capturing = bool(runtime.streamIsCapturing(stream))
+        except Exception:
+            capturing = False
+        if capturing:  # a graph replays into it later: the communicator keeps it
+            self._captured.append(mem)
+        return mem
+
+    def _premul_create(self, spec: Any) -> int:
+        lib = self._lib
+        scalar = ctypes.create_string_buffer(bytes(spec.scalar), max(len(spec.scalar), 8))
+        op = ctypes.c_int(0)
+        code = lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), scalar, int(spec.datatype),
+                                            SCALAR_HOST_IMMEDIATE, self._handle)
+        lib.check(code, "ncclRedOpCreatePreMulSum", self._handle, in_progress_ok=True)
+        if code == NCCL_IN_PROGRESS and group_state().depth == 0:
+            self._wait_ready("ncclRedOpCreatePreMulSum")
+        self._premul_ops.add(op.value)
+        return op.value
+
+    def _premul_destroy(self, op: int) -> None:
+        if op not in self._premul_ops or self._closed:
+            return
+        self._premul_ops.discard(op)
+        code = self._lib.ncclRedOpDestroy(op, self._handle)
+        self._lib.check(code, "ncclRedOpDestroy", self._handle, in_progress_ok=True)
+        if code == NCCL_IN_PROGRESS and group_state().depth == 0:
+            self._wait_ready("ncclRedOpDestroy")
+
+    # -- calls ----------------------------------------------------------------------------
+    def _run(self, name: str, stream: Any, specs: List[Any], *args: Any, **kwargs: Any) -> Work:
+        self._check_usable(name)
+        plan = _registry.get(name).plan(self._ctx, *args, **kwargs)
+        return execute(self, plan, resolve_stream(stream, specs, self._device), keep=specs)
+
+    def _run_p2p(self, planner: str, stream: Any, spec: Any, peer: Any) -> Work:
+        self._check_usable(planner)
+        from .plan import collectives
+        plan = getattr(collectives, "plan_" + planner)(self._ctx, spec, peer)
+        return execute(self, plan, resolve_stream(stream, [spec], self._device), keep=[spec])
+
+    def all_reduce(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
+                   stream: Any = None) -> Work:
+        """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None)."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("all_reduce", stream, _flat(s, r), s, r, op=op)
+
+    def reduce(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, op: Any = "sum", *,
+               stream: Any = None) -> Work:
+        """``root`` gets ``op`` over all ranks' ``sendbuf``."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("reduce", stream, _flat(s, r), s, r, root=root, op=op)
+
+    def broadcast(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
+                  stream: Any = None) -> Work:
+        """Every rank gets ``root``'s ``sendbuf``."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("broadcast", stream, _flat(s, r), s, r, root=root)
+
+    def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> Work:
+        """``recvbuf`` (N*count, or a list of N) gets every rank's ``sendbuf`` in rank order;
+        ``sendbuf`` None: in place (this rank's block of recvbuf is its input)."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("all_gather", stream, _flat(s, r), s, r)
+
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
+                       stream: Any = None) -> Work:
+        """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list)."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("reduce_scatter", stream, _flat(s, r), s, r, op=op)
+
+    def all_to_all(self, sendbuf: Any, recvbuf: Any = None, send_counts: Any = None,
+                   recv_counts: Any = None, *, stream: Any = None) -> Work:
+        """Block d of this rank's ``sendbuf`` goes to rank d (even, uneven counts, lists)."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("all_to_all", stream, _flat(s, r), s, r, send_counts=send_counts,
+                         recv_counts=recv_counts)
+
+    def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
+               stream: Any = None) -> Work:
+        """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("gather", stream, _flat(s, r), s, r, root=root)
+
+    def scatter(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
+                stream: Any = None) -> Work:
+        """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf``."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("scatter", stream, _flat(s, r), s, r, root=root)
+
+    def send(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
+        """Send ``buf`` to ``peer`` (which must post a matching recv)."""
+        return self._run_p2p("send", stream, _parse(buf, "buf"), peer)
+
+    def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
+        """Receive into ``buf`` from ``peer``."""
+        return self._run_p2p("recv", stream, _parse(buf, "buf"), peer)
+
+    def send_recv(self, sendbuf: Any, recvbuf: Any, send_peer: int, recv_peer: int, *,
+                  stream: Any = None) -> Work:
+        """Send ``sendbuf`` to ``send_peer``, receive ``recvbuf`` from ``recv_peer`` (grouped)."""
+        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
+        return self._run("send_recv", stream, _flat(s, r), s, r, send_peer, recv_peer)
+
+    def barrier(self, *, stream: Any = None) -> Work:
+        """Block the host until every rank has reached the barrier."""
+        self._check_usable("barrier")
+        if self._barrier_buf is None:
+            import cupy
+            with cupy.cuda.Device(self._device):
+                arr = cupy.zeros(1, dtype=cupy.float32)
+            self._barrier_buf = _parse(arr, "barrier buffer")
+        buf = self._barrier_buf
+        work = self._run("barrier", stream, [buf], buf)
+        work.wait()
+        return work
+
+    def group(self):
+        """``with comm.group():`` fuse the calls inside into one NCCL group."""
+        self._check_usable("group")
+        return group_scope(self._dispatch["GroupStart"], self._dispatch["GroupEnd"], self)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def split(self, color: int, key: int) -> Optional["Communicator"]:
+        """ncclCommSplit: ranks with the same ``color`` form a new communicator, ordered by
+        ``key``; ``color`` < 0 (NCCL_SPLIT_NOCOLOR) joins none and returns None."""
+        self._check_usable("split")
+        color = int_arg("color", color, -(2 ** 31) + 1)
+        key = int_arg("key", key, -(2 ** 31) + 1)
+        if color < 0:
+            color = NCCL_SPLIT_NOCOLOR
+        lib = self._lib
+        require_version("ncclCommSplit", lib.version, lib.path)
+        import cupy
+        name = f"{self.name}/split{color}"
+        with cupy.cuda.Device(self._device):
+            if self._nc is not None and hasattr(self._nc, "commSplit"):
+                try:
+                    child = self._nc.commSplit(color, key)
+                except lib.cupy_nccl.NcclError as e:
+                    raise lib.error(e.status, "ncclCommSplit", self._handle) from None
+                if child is None:
+                    return None
+                return Communicator._wrap(lib, int(child.comm), child, self._device, None,
+                                          False, self._timeout, name)
+            newh = ctypes.c_void_p(0)
+            code = lib.ncclCommSplit(self._handle, color, key, ctypes.byref(newh), None)
+            lib.check(code, "ncclCommSplit", self._handle, in_progress_ok=True)
+            if not newh.value:
+                if self._nonblocking or code == NCCL_IN_PROGRESS:
+                    self._wait_ready("ncclCommSplit")
+                return None
+            return Communicator._wrap(lib, newh.value, None, self._device, self._config,
+                                      self._nonblocking or code == NCCL_IN_PROGRESS,
+                                      self._timeout, name)
+
+    def register(self, buf: Any) -> Registration:
+        """ncclCommRegister ``buf`` (freed by ``deregister`` or ``close``)."""
+        self._check_usable("register")
+        spec = _parse(buf, "buf")
+        if isinstance(spec, list):
+            raise ArgumentTypeError("register: expected one buffer, got a list")
+        nbytes = int(spec.count) * _itemsize(spec.dtype)
+        h = ctypes.c_void_p(0)
+        self._lib.check(self._lib.ncclCommRegister(self._handle, spec.ptr, nbytes,
+                                                   ctypes.byref(h)), "ncclCommRegister",
+                        self._handle)
+        reg = Registration(h.value or 0, int(spec.ptr), nbytes)
+        self._registrations[reg.handle] = reg
+        return reg
+
+    def deregister(self, reg: Any) -> None:
+        """Undo ``register`` (a Registration or its handle)."""
+        self._check_usable("deregister")
+        handle = reg.handle if isinstance(reg, Registration) else reg
+        if handle not in self._registrations:
+            raise ArgumentError(f"deregister: {reg!r} is not a registration of this communicator")
+        self._registrations.pop(handle)
+        self._lib.check(self._lib.ncclCommDeregister(self._handle, handle),
+                        "ncclCommDeregister", self._handle)
+
+    def mem_alloc(self, count: int, dtype: Any = "uint8") -> Any:
+        """``ncclMemAlloc`` ``count`` elements of ``dtype`` on this device -> ncclpy.Buffer."""
+        self._check_usable("mem_alloc")
+        from .buffers import Buffer
+        from .dtypes import dtype_name
+        count = int_arg("count", count, 0)
+        name = dtype_name(dtype)
+        nbytes = count * _itemsize(name)
+        p = ctypes.c_void_p(0)
+        import cupy
+        with cupy.cuda.Device(self._device):
+            self._lib.check(self._lib.ncclMemAlloc(ctypes.byref(p), max(nbytes, 1)),
+                            "ncclMemAlloc")
+        self._allocations[p.value] = nbytes
+        return Buffer(p.value, count, name, self._device)
+
+    def mem_free(self, buf: Any) -> None:
+        """``ncclMemFree`` a buffer from ``mem_alloc`` (a Buffer or its pointer)."""
+        ptr = int(getattr(buf, "ptr", buf))
+        if ptr not in self._allocations:
+            raise ArgumentError(f"mem_free: {buf!r} was not allocated by this communicator's "
+                                f"mem_alloc")
+        self._allocations.pop(ptr)
+        import cupy
+        with cupy.cuda.Device(self._device):
+            self._lib.check(self._lib.ncclMemFree(ptr), "ncclMemFree")
+
+    def _finalize_now(self) -> None:
+        code = self._lib.ncclCommFinalize(self._handle)
+        self._lib.check(code, "ncclCommFinalize", self._handle, in_progress_ok=True)
+        if code == NCCL_IN_PROGRESS or self._nonblocking:
+            self._wait_ready("ncclCommFinalize")
+        self._finalized = True
+
+    def finalize(self) -> None:
+        """ncclCommFinalize: flush outstanding work (collective); then only close() is allowed."""
+        self._check_usable("finalize")
+        self._finalize_now()
+
+    def abort(self) -> None:
+        """ncclCommAbort: stop outstanding work and free the communicator (local, no hang)."""
+        if self._closed:
+            return
+        self._closed = self._aborted = True
+        try:
+            if self._nc is not None:
+                self._nc.abort()
+            else:
+                self._lib.check(self._lib.ncclCommAbort(self._handle), "ncclCommAbort")
+        finally:
+            self._registrations.clear()
+            self._premul_ops.clear()
+            self._free_owned()
+
+    def close(self) -> None:
+        """Free what the communicator owns, finalize and destroy it (idempotent; every rank
+        should call it)."""
+        if self._closed:
+            return
+        lib, h = self._lib, self._handle
+        for reg in list(self._registrations.values()):
+            try:
+                lib.check(lib.ncclCommDeregister(h, reg.handle), "ncclCommDeregister", h)
+            except Exception as e:
+                log.warning("close: deregistering %s failed: %s", reg, e)
+        self._registrations.clear()
+        for op in list(self._premul_ops):
+            try:
+                self._premul_destroy(op)
+            except Exception as e:
+                log.warning("close: ncclRedOpDestroy(%s) failed: %s", op, e)
+        if not self._finalized:
+            try:
+                self._finalize_now()
+            except BaseException:
+                self.abort()
+                raise
+        self._closed = True
+        try:
+            if self._nc is not None:
+                try:
+                    self._nc.destroy()
+                except lib.cupy_nccl.NcclError as e:
+                    raise lib.error(e.status, "ncclCommDestroy", h) from None
+            else:
+                lib.check(lib.ncclCommDestroy(h), "ncclCommDestroy", h)
+        finally:
+            self._free_owned()
+
+    def _free_owned(self) -> None:
+        import cupy
+        with cupy.cuda.Device(self._device):
+            for ptr in list(self._allocations):
+                code = self._lib.ncclMemFree(ptr)
+                if code:
+                    log.warning("ncclMemFree(%#x) failed: %s", ptr, self._lib.error_string(code))
+            self._allocations.clear()
+            self._captured.clear()
+            self._barrier_buf = None
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # peers may be gone: a collective close() could hang
+            self.abort()
+
+    def __repr__(self) -> str:
+        state = "aborted" if self._aborted else "closed" if self._closed else "open"
+        how = "cupy" if self._nc is not None else "ctypes"
+        return (f"<ncclpy.Communicator {self.name!r} rank {self._rank}/{self._world_size} "
+                f"device {self._device} ({how}, {state})>")
+
+
+def _parse(obj: Any, name: str) -> Any:
+    if obj is None:
+        return None
+    from .buffers import as_buffer
+    if isinstance(obj, (list, tuple)):
+        return [as_buffer(o, f"{name}[{i}]") for i, o in enumerate(obj)]
+    return as_buffer(obj, name)
+
+
+def _flat(*parts: Any) -> List[Any]:
+    out: List[Any] = []
+    for p in parts:
+        if isinstance(p, list):
+            out.extend(x for x in p if x is not None)
+        elif p is not None:
+            out.append(p)
+    return out
+
+
+def _itemsize(dtype: Any) -> int:
+    from .dtypes import logical
+    return logical(dtype).itemsize
+
+
+def group():
+    """``with ncclpy.group():`` an NCCL group across every communicator of this thread."""
+    lib = get_lib()
+    return group_scope(lib_group(lib, "ncclGroupStart"), lib_group(lib, "ncclGroupEnd"))
+
+
+def init(name: str = "default", config: Optional[Config] = None, timeout: float = 300.0,
+         **resolve_kwargs: Any) -> Communicator:
+    """Bootstrap (rendezvous + uid exchange) and create the communicator; makes its device
+    CuPy's current device."""
+    get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
+    from .bootstrap import bootstrap
+    bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
+    comm = Communicator.from_bootstrap(bs, config, timeout=timeout)
+    import cupy
+    cupy.cuda.Device(comm.device).use()
+    return comm

@@ -1,0 +1,203 @@
+"""The thin executor: run a :class:`~ncclpy.plan.types.Plan` on a communicator, and groups.
+
+``execute`` allocates the plan's scratch, creates its PreMulSum op, issues its steps (device
+copies with ``cudaMemcpyAsync``, NCCL calls through the communicator's dispatch table, grouped
+when the plan says so), destroys the op and records the Work's event.
+
+Groups are thread-local, like NCCL's own: inside ``with group():`` NCCL only launches the work
+at the outermost ``ncclGroupEnd``, so everything that must follow the launch (copies out of
+scratch, destroying PreMulSum ops, recording Work events, polling nonblocking communicators)
+is deferred until then.  The group end is called even when the block raises; the block's
+exception is the one that propagates.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+from .plan.types import PREMUL_OP, Copy, NcclCall, Scratch
+from .work import Work
+
+__all__ = ["execute", "group_scope", "group_state", "segments", "Resources"]
+
+log = logging.getLogger(__name__)
+_MEMCPY_D2D = 3  # cudaMemcpyDeviceToDevice
+
+_tls = threading.local()
+
+
+class GroupState:
+    """This thread's ncclpy group nesting and what waits for the outermost group end."""
+
+    __slots__ = ("depth", "pending", "comms")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: List[Callable[[Optional[BaseException]], None]] = []
+        self.comms: dict = {}
+
+
+def group_state() -> GroupState:
+    st = getattr(_tls, "state", None)
+    if st is None:
+        st = _tls.state = GroupState()
+    return st
+
+
+def _group_exit(st: GroupState, end: Callable[[], int]) -> None:
+    st.depth -= 1
+    err: Optional[BaseException] = None
+    try:
+        end()
+    except BaseException as e:  # noqa: B902 - re-raised below after the bookkeeping
+        err = e
+    if st.depth > 0:
+        if err is not None:
+            raise err
+        return
+    comms, st.comms = list(st.comms.values()), {}
+    pending, st.pending = st.pending, []
+    if err is None:
+        for c in comms:
+            if getattr(c, "nonblocking", False) and not c.closed:
+                try:
+                    c._wait_ready("ncclGroupEnd")
+                except BaseException as e:  # noqa: B902
+                    err = err or e
+    for fn in pending:
+        try:
+            fn(err)
+        except BaseException as e:  # noqa: B902
+            log.warning("deferred group step failed: %s", e)
+            err = err or e
+    if err is not None:
+        raise err
+
+
+@contextmanager
+def group_scope(start: Callable[[], int], end: Callable[[], int],
+                comm: Any = None) -> Iterator[GroupState]:
+    """``ncclGroupStart`` ... ``ncclGroupEnd`` with ncclpy's deferral (see module docstring)."""
+    st = group_state()
+    start()
+    st.depth += 1
+    if comm is not None:
+        st.comms[id(comm)] = comm
+    try:
+        yield st
+    except BaseException:
+        try:
+            _group_exit(st, end)
+        except Exception:
+            log.warning("ncclGroupEnd failed while the group's block was raising; the block's "
+                        "exception is re-raised", exc_info=True)
+        raise
+    _group_exit(st, end)
+
+
+def segments(steps: Sequence[Any]) -> List[Tuple[bool, Tuple[Any, ...]]]:
+    """Split plan steps into maximal runs: ``[(is_nccl_call, steps), ...]`` in order."""
+    out: List[Tuple[bool, List[Any]]] = []
+    for s in steps:
+        is_call = isinstance(s, NcclCall)
+        if not is_call and not isinstance(s, Copy):
+            raise TypeError(f"plan step {s!r} is neither NcclCall nor Copy")
+        if out and out[-1][0] == is_call:
+            out[-1][1].append(s)
+        else:
+            out.append((is_call, [s]))
+    return [(k, tuple(v)) for k, v in out]
+
+
+class Resources:
+    """A plan's scratch memory and PreMulSum op; resolves Scratch/PREMUL_OP placeholders."""
+
+    __slots__ = ("comm", "scratch", "base", "op")
+
+    def __init__(self, comm: Any, plan: Any, stream: int) -> None:
+        self.comm = comm
+        self.scratch = comm._alloc_scratch(plan.scratch_bytes, stream) if plan.scratch_bytes \
+            else None
+        self.base = int(self.scratch.ptr) if self.scratch is not None else 0
+        self.op = comm._premul_create(plan.premul) if plan.premul is not None else None
+
+    def value(self, a: Any) -> Any:
+        if a is PREMUL_OP:
+            if self.op is None:
+                raise ValueError("plan uses PREMUL_OP but has no premul spec")
+            return self.op
+        if isinstance(a, Scratch):
+            return self.base + a.offset
+        return 0 if a is None else a
+
+    def args(self, call: NcclCall) -> Tuple[Any, ...]:
+        return tuple(self.value(a) for a in call.args)
+
+    def copy(self, steps: Sequence[Copy], stream: int) -> None:
+        from cupy.cuda import runtime
+        for s in steps:
+            if s.nbytes:
+                runtime.memcpyAsync(self.value(s.dst), self.value(s.src), s.nbytes, _MEMCPY_D2D,
+                                    stream)
+
+    def release(self, err: Optional[BaseException] = None) -> None:
+        op, self.op = self.op, None
+        if op is not None:
+            self.comm._premul_destroy(op)
+
+
+def _finish(res: Resources, work: Work, err: Optional[BaseException]) -> None:
+    try:
+        res.release()
+    finally:
+        if err is None:
+            work._record()
+        else:
+            work._fail(err)
+
+
+def _late_copies(res: Resources, steps: Sequence[Copy], stream: int,
+                 err: Optional[BaseException]) -> None:
+    if err is None:
+        res.copy(steps, stream)
+
+
+def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
+    """Run ``plan`` on ``comm`` on ``stream``; returns the call's Work."""
+    st = group_state()
+    outer = st.depth > 0            # inside a user group: NCCL launches at its outermost end
+    table = comm._dispatch
+    res = Resources(comm, plan, stream)
+    work = Work(comm, comm.device, stream, plan, keep=(res, keep))
+    issued = False
+    try:
+        if outer:
+            st.comms[id(comm)] = comm
+        for is_call, steps in segments(plan.steps):
+            if not is_call:
+                if issued and outer:
+                    st.pending.append(partial(_late_copies, res, steps, stream))
+                else:
+                    res.copy(steps, stream)
+            elif plan.group:
+                with group_scope(table["GroupStart"], table["GroupEnd"], comm):
+                    for c in steps:
+                        table[c.fn](*res.args(c), stream=stream)
+            else:
+                for c in steps:
+                    table[c.fn](*res.args(c), stream=stream)
+            issued = issued or is_call
+    except BaseException:
+        if outer:   # NCCL may still launch what was enqueued: keep the op until the group ends
+            st.pending.append(res.release)
+        else:
+            res.release()
+        raise
+    if outer:
+        st.pending.append(partial(_finish, res, work))
+    else:
+        _finish(res, work, None)
+    return work

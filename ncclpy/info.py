@@ -1,0 +1,291 @@
+"""``ncclpy info``: what ncclpy, CuPy, NCCL, CUDA and the environment look like from here.
+
+``collect()`` gathers everything into a JSON-able dict, section by section: a section that fails
+records its error and the rest is still reported.  Nothing here needs a GPU; without one the
+report says so plainly.  torch is never imported unless ``collect(import_torch=True)``.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+from typing import Any, Mapping, Optional
+
+__all__ = ["collect", "format_info", "loaded_library_path", "rendezvous_env", "ENV_NAMES",
+           "ENV_PREFIXES", "MASKED"]
+
+#: Exact variable names reported (rendezvous and device selection).
+ENV_NAMES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+)
+#: Variable prefixes reported.
+ENV_PREFIXES = ("NCCL_", "NCCLPY_", "OMPI_COMM_WORLD_", "PMI_")
+#: Variables whose value is never shown.
+MASKED = ("NCCLPY_STORE_TOKEN",)
+
+_INSTALL_HINT = "pip install 'ncclpy[cu13]' (CUDA 13) or 'ncclpy[cu12]' (CUDA 12)"
+
+
+def _version_str(code: int) -> str:
+    from .ops import format_version
+    return format_version(int(code))
+
+
+def _cuda_version_str(code: int) -> str:
+    """'13.2' from CUDA's 13020."""
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def loaded_library_path(stem: str = "libnccl.so") -> Optional[str]:
+    """Path of the shared library whose file name starts with ``stem`` mapped into this process.
+
+    Reads ``/proc/self/maps`` (Linux); None when not mapped or not readable.
+    """
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    path = parts[5].strip()
+                    if os.path.basename(path).startswith(stem):
+                        return path
+    except OSError:
+        return None
+    return None
+
+
+def rendezvous_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The NCCL_* and rendezvous variables in ``env`` (default os.environ), secrets masked."""
+    env = os.environ if env is None else env
+    out = {}
+    for k in sorted(env):
+        if k in ENV_NAMES or k.startswith(ENV_PREFIXES):
+            v = env[k]
+            out[k] = "<set, hidden>" if k in MASKED else v
+    return out
+
+
+def _cupy_section() -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    if importlib.util.find_spec("cupy") is None:
+        d["installed"] = False
+        d["hint"] = _INSTALL_HINT
+        return d
+    try:
+        import cupy
+    except Exception as e:
+        d.update(installed=True, error=f"import cupy failed: {type(e).__name__}: {e}",
+                 hint=_INSTALL_HINT)
+        return d
+    d.update(installed=True, version=cupy.__version__)
+    return d
+
+
+def _nccl_section() -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    try:
+        from cupy.cuda import nccl
+    except Exception as e:
+        d["error"] = f"cupy.cuda.nccl unavailable: {type(e).__name__}: {e}"
+        return d
+    if not getattr(nccl, "available", True):
+        d["error"] = ("CuPy cannot load libnccl "
+                      "(install nvidia-nccl-cu12/cu13 or set LD_LIBRARY_PATH)")
+        return d
+    for key, fn in (("runtime", "get_version"), ("build", "get_build_version")):
+        try:
+            code = int(getattr(nccl, fn)())
+            d[key] = code
+            d[key + "_str"] = _version_str(code)
+        except Exception as e:
+            d[key + "_error"] = f"{type(e).__name__}: {e}"
+    d["library"] = loaded_library_path("libnccl.so")
+    return d
+
+
+def _cuda_section() -> dict[str, Any]:
+    d: dict[str, Any] = {"gpus": []}
+    try:
+        from cupy.cuda import runtime
+    except Exception as e:
+        d["error"] = f"CUDA runtime unavailable (CuPy: {type(e).__name__}: {e})"
+        d["gpus_note"] = "none visible (CuPy not usable)"
+        return d
+    try:
+        drv = int(runtime.driverGetVersion())
+        d["driver"] = drv
+        d["driver_str"] = _cuda_version_str(drv) if drv else "no CUDA driver"
+    except Exception as e:
+        drv = 0
+        d["driver"] = 0
+        d["driver_str"] = f"no CUDA driver ({type(e).__name__}: {e})"
+    try:
+        rt = int(runtime.runtimeGetVersion())
+        d["runtime"] = rt
+        d["runtime_str"] = _cuda_version_str(rt)
+    except Exception as e:
+        d["runtime_error"] = f"{type(e).__name__}: {e}"
+    if not drv:
+        d["gpus_note"] = "none visible (no CUDA driver)"
+        return d
+    try:
+        n = int(runtime.getDeviceCount())
+    except Exception as e:
+        d["gpus_note"] = f"none visible ({type(e).__name__}: {e})"
+        return d
+    if n == 0:
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        d["gpus_note"] = ("none visible" + (f" (CUDA_VISIBLE_DEVICES={cvd!r})"
+                                             if cvd is not None else ""))
+        return d
+    for i in range(n):
+        g: dict[str, Any] = {"index": i}
+        try:
+            p = runtime.getDeviceProperties(i)
+            name = p.get("name", b"?")
+            g["name"] = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            g["memory_bytes"] = int(p.get("totalGlobalMem", 0))
+            g["compute_capability"] = f"{p.get('major', '?')}.{p.get('minor', '?')}"
+            g["pci_bus_id"] = (f"{p.get('pciDomainID', 0):04x}:{p.get('pciBusID', 0):02x}:"
+                               f"{p.get('pciDeviceID', 0):02x}")
+        except Exception as e:
+            g["error"] = f"{type(e).__name__}: {e}"
+        d["gpus"].append(g)
+    return d
+
+
+def _torch_section(import_torch: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {"installed": importlib.util.find_spec("torch") is not None}
+    if not d["installed"]:
+        return d
+    d["version"] = _dist_version("torch")
+    if import_torch:
+        try:
+            import torch
+            d["version"] = torch.__version__
+            d["cuda_available"] = bool(torch.cuda.is_available())
+            d["cuda"] = torch.version.cuda
+            try:
+                v = torch.cuda.nccl.version()
+                d["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+            except Exception as e:
+                d["nccl"] = f"unavailable ({type(e).__name__})"
+        except Exception as e:
+            d["error"] = f"import torch failed: {type(e).__name__}: {e}"
+    return d
+
+
+def _safe(fn: Any) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as e:  # pragma: no cover - defensive: one broken section, not the report
+        return {"error": f"{type(e).__name__}: {e}", "gpus": []}
+
+
+def collect(import_torch: bool = False) -> dict[str, Any]:
+    """Everything ``ncclpy info`` reports, as a JSON-able dict."""
+    from . import __version__
+    try:
+        import numpy
+        np_version: Optional[str] = numpy.__version__
+    except Exception:
+        np_version = None
+    d: dict[str, Any] = {
+        "ncclpy": __version__,
+        "python": sys.version.split()[0],
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "numpy": np_version,
+    }
+    d["cupy"] = _safe(_cupy_section)
+    if d["cupy"].get("version"):
+        d["nccl"] = _safe(_nccl_section)
+        d["cuda"] = _safe(_cuda_section)
+    else:
+        why = "CuPy is not installed" if not d["cupy"].get("installed") else "CuPy is not usable"
+        d["nccl"] = {"error": f"{why}; {_INSTALL_HINT}"}
+        d["cuda"] = {"error": why, "gpus": [], "gpus_note": f"none visible ({why})"}
+    d["torch"] = _torch_section(import_torch)
+    d["env"] = rendezvous_env()
+    return d
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def format_info(d: Mapping[str, Any]) -> str:
+    """Human-readable report of a :func:`collect` dict."""
+    lines = []
+
+    def row(k: str, v: Any) -> None:
+        lines.append(f"{k + ':':<22}{v}")
+
+    row("ncclpy", d.get("ncclpy"))
+    row("Python", f"{d.get('python')} ({d.get('python_executable')})")
+    row("platform", d.get("platform"))
+    row("numpy", d.get("numpy") or "not installed")
+    cp = d.get("cupy", {})
+    if cp.get("version"):
+        row("CuPy", cp["version"])
+    elif cp.get("installed"):
+        row("CuPy", f"not importable: {cp.get('error')} ({cp.get('hint')})")
+    else:
+        row("CuPy", f"not installed ({cp.get('hint', _INSTALL_HINT)})")
+    nc = d.get("nccl", {})
+    if nc.get("error"):
+        row("NCCL", nc["error"])
+    else:
+        row("NCCL runtime", nc.get("runtime_str") or f"unknown ({nc.get('runtime_error')})")
+        row("NCCL build (CuPy)", nc.get("build_str") or f"unknown ({nc.get('build_error')})")
+        row("libnccl loaded", nc.get("library") or "not found in /proc/self/maps")
+    cu = d.get("cuda", {})
+    if cu.get("error"):
+        row("CUDA", cu["error"])
+    else:
+        row("CUDA driver", cu.get("driver_str", "unknown"))
+        row("CUDA runtime", cu.get("runtime_str") or f"unknown ({cu.get('runtime_error')})")
+    gpus = cu.get("gpus") or []
+    if not gpus:
+        row("GPUs", cu.get("gpus_note", "none visible"))
+    else:
+        row("GPUs", len(gpus))
+        for g in gpus:
+            if "error" in g:
+                lines.append(f"  GPU {g['index']}: {g['error']}")
+            else:
+                lines.append(f"  GPU {g['index']}: {g['name']}, {_gib(g['memory_bytes'])}, "
+                             f"compute {g['compute_capability']}, PCI {g['pci_bus_id']}")
+    t = d.get("torch", {})
+    if not t.get("installed"):
+        row("torch", "not installed")
+    else:
+        extra = []
+        if "cuda_available" in t:
+            extra.append(f"CUDA available: {t['cuda_available']}")
+            extra.append(f"CUDA {t.get('cuda')}")
+            extra.append(f"NCCL {t.get('nccl')}")
+        if t.get("error"):
+            extra.append(t["error"])
+        suffix = f" ({', '.join(extra)})" if extra else ""
+        row("torch", (t.get("version") or "installed") + suffix)
+    env = d.get("env", {})
+    if env:
+        lines.append("environment:")
+        for k, v in env.items():
+            lines.append(f"  {k}={v}")
+    else:
+        lines.append("environment:          no NCCL_* or rendezvous variables set")
+    return "\n".join(lines)

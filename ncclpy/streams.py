@@ -1,0 +1,95 @@
+"""Which CUDA stream a call runs on.
+
+``stream=`` accepts a CuPy stream (``.ptr``), a torch stream (``.cuda_stream``), any object with
+``__cuda_stream__`` (the CUDA stream protocol: returns ``(version, handle)``) or a raw integer
+``cudaStream_t``.  Without it, a call runs on the caller's current stream of the buffers'
+framework: torch's current stream for torch tensors (torch is only touched when a buffer is a
+tensor), the ``stream`` of a ``__cuda_array_interface__`` v3 export when it carries one, and
+CuPy's current stream otherwise (CuPy arrays, raw :class:`ncclpy.Buffer` pointers).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Optional
+
+from .errors import ArgumentTypeError
+
+__all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream"]
+
+
+def as_stream_handle(stream: Any, name: str = "stream") -> int:
+    """The raw ``cudaStream_t`` (an int) of a stream-like object."""
+    if isinstance(stream, bool):
+        raise ArgumentTypeError(f"{name}: expected a CUDA stream, got the bool {stream!r}")
+    if isinstance(stream, int):
+        if stream < 0:
+            raise ArgumentTypeError(f"{name}: a raw stream handle must be >= 0, got {stream}")
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise ArgumentTypeError(f"{name}: __cuda_stream__ of {type(stream).__name__} returned "
+                                    f"{value!r}; expected a (version, handle) tuple")
+        return int(value[1])
+    for attr in ("cuda_stream", "ptr", "handle"):  # torch, CuPy, cuda.core
+        h = getattr(stream, attr, None)
+        if isinstance(h, int) and not isinstance(h, bool):
+            return h
+    raise ArgumentTypeError(
+        f"{name}: {type(stream).__name__} is not a CUDA stream; expected a CuPy or torch stream, "
+        f"an object with __cuda_stream__, or a raw cudaStream_t int")
+
+
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] == "torch" and "torch" in sys.modules
+
+
+def _cai_stream(obj: Any) -> Optional[int]:
+    try:
+        cai = obj.__cuda_array_interface__
+    except Exception:
+        return None
+    if not isinstance(cai, dict):
+        return None
+    s = cai.get("stream")
+    if s is None or isinstance(s, bool) or not isinstance(s, int):
+        return None
+    return 0 if s == 1 else s  # 1 = legacy default stream (handle 0); 2 = per-thread default
+
+
+def cupy_stream(device: int) -> int:
+    """CuPy's current stream on ``device``."""
+    import cupy
+    try:
+        return int(cupy.cuda.get_current_stream(device).ptr)
+    except TypeError:  # older CuPy: no device argument
+        with cupy.cuda.Device(device):
+            return int(cupy.cuda.get_current_stream().ptr)
+
+
+def default_stream(buffers: Iterable[Any], device: int) -> int:
+    """The caller's current stream for the first buffer (see module docstring)."""
+    for spec in buffers:
+        if spec is None:
+            continue
+        obj = getattr(spec, "obj", spec)
+        fw = str(getattr(spec, "framework", "") or "").lower()
+        if fw == "torch" or _is_torch(obj):
+            torch = sys.modules.get("torch")
+            if torch is None:  # pragma: no cover - a tensor implies torch is imported
+                import torch
+            return int(torch.cuda.current_stream(device).cuda_stream)
+        if fw != "cupy" and not type(obj).__module__.startswith("cupy"):
+            s = _cai_stream(obj)
+            if s is not None:
+                return s
+        break
+    return cupy_stream(device)
+
+
+def resolve_stream(stream: Any, buffers: Iterable[Any], device: int) -> int:
+    """``stream`` as a handle, or the default stream for ``buffers`` when it is None."""
+    if stream is None:
+        return default_stream(buffers, device)
+    return as_stream_handle(stream)

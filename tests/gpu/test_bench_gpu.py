@@ -1,0 +1,108 @@
+"""``python -m bench`` on a GPU: every collective on the ncclpy and cupy backends at 2 ranks on one
+GPU with #wrong = 0, graph mode, the torch backend, and the overhead benchmark.  Skipped with a
+reason where CUDA is absent."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_util import requires_gpu
+
+from ncclpy import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)
+
+
+def _run(module, *args, timeout=600):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _results(path):
+    doc = json.loads(Path(path).read_text())
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, json.loads((ROOT / "bench" / "schema.json").read_text()))
+    return doc
+
+
+def _all_right(doc, cp):
+    assert doc["results"], cp.stdout + cp.stderr
+    for r in doc["results"]:
+        for side in ("out_of_place", "in_place"):
+            assert r[side]["nwrong"] in (0, None), (r, cp.stdout)
+        assert r["out_of_place"]["nwrong"] == 0, (r, cp.stdout)
+        assert r["out_of_place"]["time"] > 0
+
+
+@requires_gpu
+@pytest.mark.parametrize("coll", registry.names())
+def test_sweep_every_collective_ncclpy_and_cupy(coll, tmp_path):
+    js = tmp_path / "r.json"
+    extra = ["-o", "all"] if registry.get(coll).reduces else []
+    cp = _run("bench", coll, "--nproc", "2", "--device", "cuda", "--backend", "ncclpy,cupy",
+              "-b", "8", "-e", "1M", "-f", "32", "-n", "5", "-w", "2", "-c", "2", "-q",
+              "-J", str(js), *extra)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = _results(js)
+    _all_right(doc, cp)
+    assert {r["experiment_name"] for r in doc["results"]} == {"ncclpy", "cupy"}
+    assert "# Ratios ncclpy / cupy" in cp.stdout
+
+
+@requires_gpu
+def test_sweep_all_dtypes_all_reduce(tmp_path):
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cuda", "--backend",
+              "ncclpy,cupy", "-b", "64", "-e", "64K", "-f", "32", "-n", "3", "-d", "all",
+              "-o", "all", "-q", "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    _all_right(_results(js), cp)
+
+
+@requires_gpu
+@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "all_to_all"])
+def test_graph_mode_runs(coll, tmp_path):
+    js = tmp_path / "r.json"
+    cp = _run("bench", coll, "--nproc", "2", "--device", "cuda", "--backend", "ncclpy,cupy",
+              "-b", "1K", "-e", "256K", "-f", "16", "-n", "4", "-G", "3", "-q", "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = _results(js)
+    assert doc["config"]["graph"] == 3
+    _all_right(doc, cp)
+
+
+@requires_gpu
+def test_torch_nccl_backend_and_events_timer(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cuda", "--backend",
+              "ncclpy,torch", "-b", "1K", "-e", "1M", "-f", "32", "-n", "5", "--timer",
+              "events", "-q", "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = _results(js)
+    _all_right(doc, cp)
+    assert {r["experiment_name"] for r in doc["results"]} == {"ncclpy", "torch"}
+
+
+@requires_gpu
+def test_overhead_benchmark_runs(tmp_path):
+    js = tmp_path / "o.json"
+    cp = _run("bench.overhead", "--backend", "ncclpy,cupy", "--calls", "200", "--sizes", "8,4K",
+              "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = json.loads(js.read_text())
+    modes = {(r["backend"], r["mode"]) for r in doc["results"]}
+    assert modes == {(b, m) for b in ("ncclpy", "cupy") for m in ("eager", "capture", "graph")}
+    assert all(r["median_us"] > 0 for r in doc["results"])
+    assert {d["size"] for d in doc["derived"]} == {8, 4096}

@@ -1,0 +1,422 @@
+"""``python -m bench``: flags, size sweeps, nccl-tests' bandwidth formulas and formatting, the JSON
+schema, and real sweeps on torch.distributed's gloo backend at 2 ranks (CPU, real processes)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ncclpy import registry
+from ncclpy.errors import ArgumentError
+
+from bench import output
+from bench.backends import layout
+from bench.cli import parse_args, parse_size, size_list
+from bench.output import Row, Side
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "bench" / "schema.json").read_text())
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(module, *args, timeout=120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("NCCL_TESTS_MIN_BW", None)
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _validate(doc):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, SCHEMA)
+
+
+# ---------------------------------------------------------------------------- flags and sizes
+@pytest.mark.parametrize("text,expected", [
+    ("8", 8), ("0", 0), ("1K", 1024), ("64k", 64 << 10), ("1M", 1 << 20), ("1.5M", 3 << 19),
+    ("2G", 2 << 30), ("1KB", 1024), ("4KiB", 4096), (" 16 ", 16), ("32m", 32 << 20)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "1T", "-1", "1.2.3", "K"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ArgumentError, match="K/M/G"):
+        parse_size(bad, "-b/--minbytes")
+
+
+def test_size_sweeps_like_nccl_tests():
+    assert size_list(8, 128, 2) == [8, 16, 32, 64, 128]
+    assert size_list(8, 100, 2) == [8, 16, 32, 64]               # stops before passing -e
+    assert size_list(1 << 10, 4 << 10, 1, 1 << 10) == [1024, 2048, 3072, 4096]   # -i
+    assert size_list(1000, 2500, 1, 1000) == [1000, 2000]
+    assert size_list(32 << 20, 32 << 20) == [32 << 20]           # nccl-tests' defaults
+    assert size_list(8, 8, 2) == [8]
+    assert size_list(0, 0, 2) == [0]
+    assert size_list(1, 4096, 8) == [1, 8, 64, 512, 4096]
+
+
+@pytest.mark.parametrize("args,match", [
+    ((4096, 8, 2), "minbytes"), ((0, 64, 2), "never grows"), ((8, 64, 1, 0), "stepbytes")])
+def test_size_sweep_errors(args, match):
+    with pytest.raises(ArgumentError, match=match):
+        size_list(*args)
+
+
+def test_parse_args_defaults_are_nccl_tests():
+    cfg = parse_args(["all_reduce", "--device", "cpu"])
+    assert cfg.collective == "all_reduce"
+    assert cfg.sizes == [32 << 20] and cfg.minbytes == cfg.maxbytes == 32 << 20
+    assert (cfg.iters, cfg.warmup_iters, cfg.check, cfg.average) == (20, 1, 1, 1)
+    assert cfg.stepbytes == 1 << 20 and cfg.stepfactor == 1
+    assert cfg.ops == ["sum"] and cfg.dtypes == ["float32"] and cfg.root == 0
+    assert cfg.cudagraph == 0 and cfg.backends == ["torch"] and cfg.device == "cpu"
+
+
+def test_parse_args_short_and_long_flags_agree():
+    short = parse_args(["all_gather", "--device", "cpu", "-b", "8", "-e", "1M", "-f", "4",
+                        "-n", "7", "-w", "3", "-c", "2", "-o", "max", "-d", "half", "-r", "1",
+                        "-a", "3", "-J", "x.json"])
+    long_ = parse_args(["all_gather", "--device", "cpu", "--minbytes", "8", "--maxbytes", "1M",
+                        "--stepfactor", "4", "--iters", "7", "--warmup_iters", "3", "--check",
+                        "2", "--op", "max", "--datatype", "half", "--root", "1", "--average",
+                        "3", "--output_file", "x.json"])
+    for cfg in (short, long_):
+        assert cfg.sizes == [8, 32, 128, 512, 2048, 8192, 32768, 131072, 524288]
+        assert (cfg.iters, cfg.warmup_iters, cfg.check, cfg.average) == (7, 3, 2, 3)
+        assert cfg.ops == ["max"] and cfg.dtypes == ["float16"] and cfg.root == 1
+        assert cfg.output_file == "x.json"
+
+
+def test_parse_args_all_and_names():
+    cfg = parse_args(["all_reduce_perf", "--device", "cpu", "-o", "all", "-d", "all", "-r", "all",
+                      "-i", "4K", "-b", "4K", "-e", "12K"])
+    assert cfg.collective == "all_reduce"
+    assert cfg.ops == ["sum", "prod", "max", "min", "avg"]
+    assert cfg.dtypes == ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16",
+                          "float32", "float64", "bfloat16", "float8_e4m3", "float8_e5m2"]
+    assert cfg.root == -1 and cfg.sizes == [4096, 8192, 12288]
+    assert parse_args(["alltoall", "--device", "cpu"]).collective == "all_to_all"
+    assert parse_args(["sendrecv", "--device", "cpu"]).collective == "send_recv"
+    assert parse_args(["gather", "--device", "cpu", "-d", "f8e4m3,bfloat16"]).dtypes == \
+        ["float8_e4m3", "bfloat16"]
+    assert parse_args(["all_reduce", "--device", "cpu", "--backend", "gloo"]).backends == ["torch"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["all_reduce", "--device", "cpu", "--backend", "ncclpy"], "needs --device cuda"),
+    (["all_reduce", "--device", "cpu", "-G", "2"], "unsupported with --device cpu"),
+    (["all_reduce", "--device", "cpu", "--timer", "events"], "unsupported with --device cpu"),
+    (["all_reduce", "--device", "cpu", "-o", "band"], "-o/--op"),
+    (["all_reduce", "--device", "cpu", "-o", "mulsum"], "mulsum"),
+    (["all_reduce", "--device", "cpu", "-d", "int16"], "-d/--datatype"),
+    (["all_reduce", "--device", "cpu", "-d", "complex64"], "not an NCCL type"),
+    (["all_reduce", "--device", "cpu", "-r", "x"], "-r/--root"),
+    (["all_reduce", "--device", "cpu", "-n", "0"], "-n/--iters"),
+    (["all_reduce", "--device", "cpu", "--backend", "mpi"], "--backend"),
+    (["barrier", "--device", "cpu"], "no data"),
+    (["nope", "--device", "cpu"], "unknown"),
+])
+def test_parse_args_errors(argv, match):
+    with pytest.raises(ArgumentError, match=match):
+        parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- bandwidth formulas
+# nccl-tests' definitions, written out here independently of ncclpy's registry: for a run at
+# "size" S bytes (count = S / typesize elements), getCollByteCount gives NCCL's count and the
+# reported size, and GetBw turns seconds into algbw (GB/s, 1e9) and busbw.
+def _nccl_tests(coll, count, n, ts, sec):
+    per = count // n
+    if coll == "all_reduce":
+        nccl_count, size, base, factor = count, count * ts, count * ts, 2 * (n - 1) / n
+    elif coll in ("reduce", "broadcast"):
+        nccl_count, size, base, factor = count, count * ts, count * ts, 1.0
+    elif coll == "send_recv":
+        nccl_count, size, base, factor = count, count * ts, count * ts, 1.0
+    elif coll in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        nccl_count, size, base, factor = per, per * n * ts, per * n * ts, (n - 1) / n
+    else:
+        raise AssertionError(coll)
+    alg = base / 1e9 / sec
+    return nccl_count, size, alg, alg * factor
+
+
+@pytest.mark.parametrize("coll", ["all_reduce", "reduce", "broadcast", "all_gather",
+                                  "reduce_scatter", "all_to_all", "gather", "scatter",
+                                  "send_recv"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_bandwidth_formulas_match_nccl_tests(coll, n):
+    c = registry.get(coll)
+    for count, ts, sec in ((1 << 20, 4, 1e-3), (1000, 2, 2.5e-5), (7, 8, 1e-6), (1, 1, 1e-6)):
+        lay = layout(coll, count, n, rank=0)
+        want_count, want_size, want_alg, want_bus = _nccl_tests(coll, count, n, ts, sec)
+        assert lay.count == want_count
+        assert lay.nbytes(ts) == want_size
+        alg, bus = c.bandwidths(lay.nbytes(ts), sec, n)
+        assert alg == pytest.approx(want_alg, rel=1e-12)
+        assert bus == pytest.approx(want_bus, rel=1e-12, abs=1e-15)
+
+
+def test_busbw_factors_by_name():
+    n = 4
+    assert registry.get("all_reduce").busbw_factor(n) == pytest.approx(1.5)
+    for name in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        assert registry.get(name).busbw_factor(n) == pytest.approx(0.75)
+    for name in ("reduce", "broadcast", "send_recv"):
+        assert registry.get(name).busbw_factor(n) == 1.0
+
+
+def test_in_place_layout_follows_nccl():
+    lay = layout("all_gather", 4096, 4, rank=2)      # input sits at rank*count of the output
+    assert (lay.count, lay.whole, lay.ip_send, lay.ip_recv) == (1024, 4096, (2048, 1024),
+                                                                (0, 4096))
+    lay = layout("reduce_scatter", 4096, 4, rank=3)  # output sits at rank*count of the input
+    assert (lay.count, lay.whole, lay.ip_send, lay.ip_recv) == (1024, 4096, (0, 4096),
+                                                                (3072, 1024))
+    lay = layout("all_reduce", 10, 4, rank=1)
+    assert (lay.count, lay.whole, lay.ip_send, lay.ip_recv) == (10, 10, (0, 10), (0, 10))
+
+
+# ---------------------------------------------------------------------------- formatting
+def test_float_str_is_nccl_tests_getFloatStr():
+    assert output.float_str(9.62, 7) == "   9.62"
+    assert output.float_str(123.456, 7) == " 123.46"
+    assert output.float_str(12345.6, 7) == "12345.6"
+    assert output.float_str(1234567.0, 7) == "1234567"
+    assert output.float_str(123456789.0, 7) == "1.2e+08"
+    assert output.float_str(0.0, 6) == "  0.00"
+    assert output.float_str(1234.5, 6) == "1234.5"
+    assert output.float_str(99999.0, 6) == " 99999"
+
+
+def _row(backend="torch", size=1024, wrong=0, busbw=1.5):
+    return Row(backend, size, size // 4, "float", "float32", "sum", -1,
+               Side(12.34, 0.08, busbw, wrong), Side(11.0, 0.09, busbw * 1.1, None), iters=20)
+
+
+def test_row_and_header_format():
+    line = output.format_row(_row())
+    #                  size         count      type   redop    root
+    assert line == ("        1024           256     float     sum      -1"
+                    "    12.34    0.08    1.50       0    11.00    0.09    1.65    N/A")
+    head = output.table_header()
+    assert head[2].split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw",
+                               "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"]
+    assert output.format_row(_row(), multi=True).endswith("  torch")
+
+
+def test_footer_counts_errors_and_averages_busbw():
+    lines, ok = output.footer_lines({"torch": [_row(wrong=0), _row(wrong=3)]}, "x_perf")
+    assert not ok
+    assert lines[0] == "# Out of bounds values : 1 FAILED"
+    assert lines[1] == "# Avg bus bandwidth    : %g" % ((1.5 + 1.65 + 1.5 + 1.65) / 4)
+    lines, ok = output.footer_lines({"torch": [_row()]}, "x_perf", min_bw=100.0)
+    assert not ok and lines[1].endswith("FAILED")
+
+
+def test_ratios_between_backends():
+    rows = {"ncclpy": [_row("ncclpy", busbw=2.0)], "torch": [_row("torch", busbw=1.0)]}
+    ratios = output.ratio_rows(rows)
+    assert len(ratios) == 1 and ratios[0]["out_of_place_busbw"] == pytest.approx(2.0)
+    assert ratios[0]["numerator"] == "ncclpy" and ratios[0]["denominator"] == "torch"
+    text = "\n".join(output.ratio_lines(ratios))
+    assert "Ratios ncclpy / torch" in text and "2.000" in text
+
+
+def test_json_document_matches_schema_and_nccl_tests_layout():
+    rows = {"ncclpy": [_row("ncclpy")], "torch": [_row("torch", wrong=None)]}
+    doc = output.build_json(
+        rows_by_backend=rows, args=["python -m bench", "all_reduce"], nccl_version=23203,
+        config={"nthreads": 1, "ngpus": 1, "minimum_bytes": 8, "maximum_bytes": 1024,
+                "step_factor": 2, "warmup_iters": 1, "iterations": 20,
+                "aggregated_iterations": 1, "validation": 1, "graph": 0,
+                "blocking_collectives": "false", "per_iter_timing": "false",
+                "parallel_init": "false"},
+        devices=[{"rank": 0, "group": 0, "pid": 1, "hostname": "h", "device": 0,
+                  "device_hex": "0000:01:00", "device_info": "GPU"}],
+        start_time=output.now(),
+        extension={"bench_version": "0", "collective": "all_reduce", "program":
+                   "all_reduce_perf", "world_size": 2, "device": "cuda", "average": "avg",
+                   "timer": "host", "backends": [{"name": "ncclpy", "label": "ncclpy",
+                                                  "nccl_version": 23203}],
+                   "skipped": []})
+    _validate(doc)
+    assert list(doc)[:11] == ["version", "start_time", "args", "env", "nccl_version", "config",
+                              "results", "out_of_bounds", "average_bus_bandwidth", "errors",
+                              "end_time"]
+    r = doc["results"][0]
+    assert r["root"] == "    -1" and r["experiment_name"] == "ncclpy"
+    assert r["out_of_place"] == {"time": 12.34, "alg_bw": 0.08, "bus_bw": 1.5, "nwrong": 0.0}
+    assert doc["results"][1]["out_of_place"]["nwrong"] is None
+    assert doc["out_of_bounds"] == {"count": 0, "okay": "true"}
+    assert doc["average_bus_bandwidth"]["okay"] == "unchecked"
+    bad = json.loads(json.dumps(doc))
+    bad["results"][0]["root"] = 0
+    with pytest.raises(Exception):
+        _validate(bad)
+
+
+def test_json_env_never_carries_secrets():
+    env = output.safe_env({"NCCLPY_STORE_TOKEN": "s3cret", "NCCL_DEBUG": "INFO",
+                           "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x"})
+    assert env == ["NCCLPY_STORE_TOKEN=<redacted>", "NCCL_DEBUG=INFO"]
+
+
+def test_write_json_never_overwrites(tmp_path):
+    p = tmp_path / "r.json"
+    assert output.write_json(str(p), {"a": 1}) == str(p)
+    assert output.write_json(str(p), {"a": 2}) == f"{p}.0"
+    assert json.loads(p.read_text()) == {"a": 1}
+
+
+# ---------------------------------------------------------------------------- real runs (gloo)
+def _table_rows(stdout):
+    return [ln.split() for ln in stdout.splitlines() if ln and not ln.startswith("#")]
+
+
+def test_gloo_sweep_end_to_end(tmp_path):
+    js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
+    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cpu", "--backend", "torch",
+              "-b", "64", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "-c", "1",
+              "-d", "float,int32", "-J", str(js), "--csv", str(cs), "--plot", str(png))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    out = cp.stdout
+    assert "# Collective test starting: all_reduce_perf" in out
+    assert "#  Rank  0 Group  0 Pid" in out and "#  Rank  1 Group  0 Pid" in out
+    assert "# Out of bounds values : 0 OK" in out and "# Avg bus bandwidth    : " in out
+    rows = _table_rows(out)
+    assert [r[0] for r in rows] == ["64", "256", "1024", "4096"] * 2   # per dtype
+    assert [r[2] for r in rows] == ["float"] * 4 + ["int32"] * 4
+    for r in rows:
+        assert r[4] == "-1" and r[3] == "sum"
+        assert r[8] == "0" and r[12] == "0", r       # #wrong out of place and in place
+    assert "[bench]" in cp.stderr                    # progress on stderr
+    doc = json.loads(js.read_text())
+    _validate(doc)
+    assert doc["ncclpy"]["world_size"] == 2 and doc["config"]["step_factor"] == 4
+    assert {r["type"] for r in doc["results"]} == {"float", "int32"}
+    assert all(r["out_of_place"]["nwrong"] == 0 and r["in_place"]["nwrong"] == 0
+               for r in doc["results"])
+    with open(cs) as f:
+        lines = list(csv.DictReader(f))
+    assert len(lines) == len(doc["results"]) and lines[0]["backend"] == "torch"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gloo_every_collective_is_correct(tmp_path):
+    """Every collective in one run (``all``), reducing ones with sum and prod, rooted ones at
+    every root: in place and out of place checked against the reference, #wrong = 0."""
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all", "--nproc", "2", "--device", "cpu", "-b", "1K", "-e", "1K", "-n",
+              "2", "-w", "1", "-c", "1", "-q", "-o", "sum,prod", "-r", "all", "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stderr.count("[bench]") == 0     # -q
+    seen = {}
+    for coll in registry.names():
+        doc = json.loads((tmp_path / f"r.{coll}.json").read_text())
+        _validate(doc)
+        assert doc["ncclpy"]["collective"] == coll
+        seen[coll] = {(r["redop"], r["root"].strip()) for r in doc["results"]}
+        for r in doc["results"]:
+            assert r["out_of_place"]["nwrong"] == 0, (coll, r)
+            assert r["in_place"]["nwrong"] in (0, None), (coll, r)
+            if coll not in ("all_to_all", "send_recv"):
+                assert r["in_place"]["nwrong"] == 0, (coll, r)
+    assert seen["all_reduce"] == {("sum", "-1"), ("prod", "-1")}
+    assert seen["reduce"] == {(op, root) for op in ("sum", "prod") for root in ("0", "1")}
+    assert seen["broadcast"] == seen["gather"] == seen["scatter"] == {("none", "0"),
+                                                                       ("none", "1")}
+    assert seen["all_gather"] == seen["all_to_all"] == seen["send_recv"] == {("none", "-1")}
+    assert cp.stdout.count("# Collective test starting:") == len(registry.names())
+
+
+def test_wrong_result_is_counted(tmp_path):
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cpu", "-b", "256", "-e", "256",
+              "-n", "2", "-c", "1", "-q", "-J", str(js), "--test-corrupt", "3")
+    assert cp.returncode != 0
+    assert "# Out of bounds values : 2 FAILED" in cp.stdout
+    row = _table_rows(cp.stdout)[0]
+    assert row[8] == "3" and row[12] == "3"
+    doc = json.loads(js.read_text())
+    _validate(doc)
+    assert doc["results"][0]["out_of_place"]["nwrong"] == 3
+    assert doc["out_of_bounds"] == {"count": 2, "okay": "false"}
+
+
+def test_no_check_reports_na_and_single_rank_runs():
+    cp = _run("bench", "all_reduce", "--device", "cpu", "-b", "8", "-e", "8", "-n", "2", "-c",
+              "0", "-q")
+    assert cp.returncode == 0, cp.stderr
+    row = _table_rows(cp.stdout)[0]
+    assert row[:5] == ["8", "2", "float", "sum", "-1"] and row[8] == "N/A" and row[12] == "N/A"
+
+
+def test_cli_errors_exit_2():
+    cp = _run("bench", "all_reduce", "--device", "cpu", "-G", "1")
+    assert cp.returncode == 2 and "CUDA graphs are unsupported" in cp.stderr
+    cp = _run("bench", "all_reduce", "--device", "cpu", "-b", "1M", "-e", "1K")
+    assert cp.returncode == 2 and "minbytes" in cp.stderr
+
+
+def test_overhead_without_gpu_says_so(tmp_path):
+    from gpu_util import cuda_reason
+    if not cuda_reason():
+        pytest.skip("a GPU is present: the no-GPU message does not apply")
+    cp = _run("bench.overhead")
+    assert cp.returncode == 2 and "needs a CUDA GPU" in cp.stderr
+    js = tmp_path / "o.json"
+    cp = _run("bench.overhead", "--device", "cpu", "--calls", "20", "--warmup", "2",
+              "--sizes", "8,4K", "-J", str(js))
+    assert cp.returncode == 0, cp.stderr
+    doc = json.loads(js.read_text())
+    assert [(r["backend"], r["size"], r["mode"]) for r in doc["results"]] == [
+        ("torch", 8, "eager"), ("torch", 4096, "eager")]
+    r = doc["results"][0]
+    assert r["p10_us"] <= r["median_us"] <= r["p90_us"] and r["calls"] == 20
+
+
+def test_coord_aggregates_across_ranks_like_nccl_tests():
+    """-a 0/1/2/3 (rank 0, mean, min, max) and the #wrong sum, over a real store, 3 ranks."""
+    import threading
+    from ncclpy.store import TCPStore
+    from bench.sweep import AVERAGE_NAMES, Coord
+
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            st = TCPStore("127.0.0.1", server.port, timeout=30)
+            c = Coord(st, rank, 3, 30)
+            value = [3.0, 1.0, 8.0][rank]
+            got = {AVERAGE_NAMES[a]: c.reduce(value, AVERAGE_NAMES[a]) for a in range(4)}
+            got["sum"] = c.reduce(rank + 1, "sum")
+            got["any"] = c.any("rank 2 failed" if rank == 2 else None)
+            got["none"] = c.any(None)
+            got["gather"] = c.gather(str(rank).encode())
+            c.barrier()
+            results[rank] = got
+            st.close()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    server.close()
+    assert not errors, errors
+    for rank, got in results.items():
+        assert (got["rank0"], got["avg"], got["min"], got["max"], got["sum"]) == (3.0, 4.0, 1.0,
+                                                                                  8.0, 6.0)
+        assert got["any"] == "rank 2 failed" and got["none"] is None
+        assert got["gather"] == ([b"0", b"1", b"2"] if rank == 0 else [])

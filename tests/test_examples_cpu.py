@@ -1,0 +1,321 @@
+"""examples/ without a GPU: the inputs each example builds, pushed through ncclpy.reference (and
+through the example's own layout steps), give the values the seed tutorials show
+(ncclpy.check.seed_examples); every E-id has a script; scripts compile, import without CuPy and
+answer --help; the output format round-trips."""
+from __future__ import annotations
+
+import os
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ncclpy import reference as R
+from ncclpy import registry
+from ncclpy.check import seed_examples as S
+from ncclpy.errors import UnsupportedError
+from ncclpy.ops import parse_op
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+import _common  # noqa: E402  (examples/_common.py)
+
+SCRIPTS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
+MODULES = {p.name: _common.load_example(str(p)) for p in SCRIPTS}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    for v in ("NCCLPY_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        env.pop(v, None)
+    return env
+
+
+def _inputs_by_key() -> dict:
+    """key -> (script name, builder) over every example's INPUTS."""
+    out = {}
+    for name, mod in MODULES.items():
+        for key, fn in mod.INPUTS.items():
+            assert key not in out, f"{key} built in both {out[key][0]} and {name}"
+            out[key] = (name, fn)
+    return out
+
+
+INPUTS = _inputs_by_key()
+DATA_KEYS = [e.key for e in S.EXAMPLES
+             if e.collective != "barrier" and not e.extra.get("benchmark")]
+
+
+def _as_table_form(value, like):
+    """An example's input in the table's form: a list of per-peer arrays is stacked."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return np.stack(value).reshape(np.shape(like))
+    return value
+
+
+def _example_inputs(entry):
+    _, fn = INPUTS[entry.key]
+    n = entry.world_size
+    return [_as_table_form(fn(r, n), entry.make_input(r, n)) for r in range(n)]
+
+
+def _assert_outputs(got, want, what):
+    assert len(got) == len(want), what
+    for r, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            continue
+        assert g is not None, f"{what}: rank {r} has no output, expected {w}"
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape, f"{what}: rank {r} shape {g.shape} != {w.shape}"
+        assert np.array_equal(g, w), f"{what}: rank {r}\n{g}\n!=\n{w}"
+
+
+# --------------------------------------------------------------------------- coverage
+
+def test_there_are_twelve_scripts_and_a_readme():
+    assert len(SCRIPTS) == 12, [p.name for p in SCRIPTS]
+    readme = (EXAMPLES / "README.md").read_text()
+    for p in SCRIPTS:
+        assert f"({p.name})" in readme, f"README does not link {p.name}"
+    assert "From torch.distributed to ncclpy" in readme
+
+
+def test_every_seed_id_has_exactly_one_section_with_the_seed_world_size():
+    where = {}
+    for name, mod in MODULES.items():
+        for s in mod.SECTIONS:
+            assert s.eid not in where, f"{s.eid} in {where.get(s.eid)} and {name}"
+            where[s.eid] = (name, s.world_size)
+    for eid in S.ids():
+        assert eid in where, f"no example script runs {eid}"
+    for e in S.EXAMPLES:
+        assert where[e.id][1] == e.world_size, (
+            f"{e.id}: {where[e.id][0]} runs it with {where[e.id][1]} ranks, the seed with "
+            f"{e.world_size}")
+
+
+def test_every_data_example_has_an_input_builder():
+    for key in DATA_KEYS:
+        assert key in INPUTS, f"no example defines inputs for {key}"
+
+
+# --------------------------------------------------------------------------- inputs and values
+
+@pytest.mark.parametrize("key", DATA_KEYS)
+def test_example_inputs_equal_the_tutorials(key):
+    entry = S.get(key)
+    _, fn = INPUTS[key]
+    for r in range(entry.world_size):
+        want = entry.make_input(r, entry.world_size)
+        got = fn(r, entry.world_size)
+        if want is None:
+            assert got is None, f"{key} rank {r}: the tutorial has no input here"
+            continue
+        got = _as_table_form(got, want)
+        assert got.dtype == want.dtype, f"{key} rank {r}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"{key} rank {r}: shape {got.shape} != {want.shape}"
+        assert np.array_equal(got, want), f"{key} rank {r}:\n{got}\n!=\n{want}"
+
+
+@pytest.mark.parametrize("key", DATA_KEYS)
+def test_reference_on_example_inputs_gives_the_tutorials_values(key):
+    entry = S.get(key)
+    ins = _example_inputs(entry)
+    _assert_outputs(entry.reference_outputs(ins), entry.expected_outputs(ins), key)
+
+
+def test_barrier_example_sleeps_match_the_tutorial():
+    e = S.get("E29")
+    mod = MODULES["10_barrier.py"]
+    arrivals = [mod.sleep_seconds(r, e.world_size) for r in range(e.world_size)]
+    assert arrivals == e.inputs()
+    assert R.barrier(arrivals=arrivals) == e.expected_outputs()
+
+
+# ------------------------------------------------------------------ the examples' layout steps
+
+def _gathered_blocks(inputs):
+    """NCCL's raw gather/all_gather output: the blocks back to back (reference along axis 0)."""
+    flat = [np.ascontiguousarray(a).reshape(-1) for a in inputs]
+    out = R.all_gather(flat)[0]
+    return out.reshape(len(inputs), *inputs[0].shape)
+
+
+def test_e2_column_gather_layout():
+    e = S.get("E2")
+    mod = MODULES["01_gather.py"]
+    ins = [mod.e2_input(r, e.world_size) for r in range(e.world_size)]
+    shown = mod.e2_layout(_gathered_blocks(ins))
+    _assert_outputs([shown] + [None] * 3, e.expected_outputs(), "E2")
+
+
+def test_e4_column_all_gather_through_the_transpose():
+    e = S.get("E4")
+    mod = MODULES["02_all_gather.py"]
+    ins = [np.ascontiguousarray(mod.e4_input(r, e.world_size).T) for r in range(e.world_size)]
+    rows = np.concatenate(ins, axis=0)                       # all_gather of the (2,5) rows
+    assert np.array_equal(rows, R.all_gather([a.reshape(-1) for a in ins])[0].reshape(-1, 5))
+    _assert_outputs([mod.e4_layout(rows)] * 4, e.expected_outputs(), "E4")
+
+
+def test_e10_column_reduce_scatter_through_the_transpose():
+    e = S.get("E10")
+    mod = MODULES["06_reduce_scatter.py"]
+    ins = [np.ascontiguousarray(mod.e10_input(r, e.world_size).T) for r in range(e.world_size)]
+    outs = R.reduce_scatter([a.reshape(-1) for a in ins], op="sum")
+    _assert_outputs([o.reshape(5, 1) for o in outs], e.expected_outputs(), "E10")
+
+
+def test_e12_column_all_to_all_with_contiguous_column_copies():
+    e = S.get("E12")
+    mod = MODULES["07_all_to_all.py"]
+    n = e.world_size
+    sends = []
+    for r in range(n):
+        local = mod.e12_input(r, n)
+        cols = [np.ascontiguousarray(local[:, j:j + 1]) for j in range(n)]
+        assert not local[:, 0:1].flags.c_contiguous          # why the example copies
+        sends.append(np.concatenate([c.reshape(-1) for c in cols]))
+    outs = R.all_to_all(sends)
+    shown = [np.concatenate([b.reshape(5, 1) for b in np.split(o, n)], axis=1) for o in outs]
+    _assert_outputs(shown, e.expected_outputs(), "E12")
+
+
+def test_e32_chain_reduce_scatter_then_all_gather():
+    e31, e32 = S.get("E31"), S.get("E32")
+    mod = MODULES["06_reduce_scatter.py"]
+    rs = R.reduce_scatter([mod.e31_input(r, 4) for r in range(4)], op="sum")
+    _assert_outputs(rs, e32.inputs(), "E32 input = E31 output")
+    _assert_outputs(R.all_gather(rs), e32.expected_outputs(), "E32")
+    _assert_outputs(rs, e31.expected_outputs(), "E31")
+
+
+def test_list_forms_print_the_tutorials_values():
+    # E20/E21: a list of n (1,) buffers, printed concatenated; E25/E26: n (5,) buffers, nested
+    for key, script, join in (("E20", "01_gather.py", np.concatenate),
+                              ("E21", "02_all_gather.py", np.concatenate),
+                              ("E25", "01_gather.py", np.stack),
+                              ("E26", "02_all_gather.py", np.stack)):
+        e = S.get(key)
+        fn = MODULES[script].INPUTS[key]
+        ins = [fn(r, e.world_size) for r in range(e.world_size)]
+        want = e.expected_outputs()
+        for r, w in enumerate(want):
+            if w is not None:
+                assert np.array_equal(join([np.asarray(a) for a in ins]), w), key
+
+
+def test_uneven_all_to_all():
+    mod = MODULES["07_all_to_all.py"]
+    n = 4
+    ins = [mod.uneven_input(r, n) for r in range(n)]
+    table = [mod.uneven_send_counts(s, n) for s in range(n)]
+    outs = R.all_to_all(ins, send_counts=table)
+    for r in range(n):
+        assert [table[s][r] for s in range(n)] == mod.uneven_recv_counts(r, n)
+        want = np.concatenate([np.full(r + 1, 10 * s + r, np.float32) for s in range(n)])
+        assert np.array_equal(outs[r], want), (r, outs[r])
+        assert len(ins[r]) == sum(table[r])
+
+
+def test_reduce_ops_lesson_values():
+    mod = MODULES["12_reduce_ops.py"]
+    ins = [mod.ops_input(r, 4) for r in range(4)]
+    assert set(mod.EXPECTED) == {f"OPS.{k}" for k in mod.OPS}
+    for name, op in mod.OPS.items():
+        outs = R.all_reduce(ins, op=op)
+        for r in range(4):
+            assert np.array_equal(outs[r], np.array(mod.EXPECTED[f"OPS.{name}"], np.float32)), \
+                (name, outs[r])
+    for name in mod.BITWISE:
+        with pytest.raises(UnsupportedError, match="bitwise"):
+            parse_op(name)
+
+
+def test_bandwidth_figures():
+    mod = MODULES["11_bandwidth.py"]
+    nbytes, secs, n = 64 << 20, 1.25e-3, 4
+    seed = mod.seed003_bandwidth(nbytes, secs, n)
+    assert seed * 1024 ** 3 == pytest.approx(S.busbw_003(nbytes, secs, n))
+    algbw, busbw = mod.bus_bandwidth(nbytes, secs, n)
+    assert algbw == pytest.approx(nbytes / secs / 1e9)
+    assert busbw == pytest.approx(algbw * 2 * (n - 1) / n)
+    # same algebra, different units: GiB/s vs GB/s
+    assert seed * 1024 ** 3 / 1e9 == pytest.approx(busbw)
+    assert registry.get("all_reduce").busbw_factor(n) == pytest.approx(1.5)
+
+
+# --------------------------------------------------------------------------- the output format
+
+def test_emit_and_parse_round_trip(capsys):
+    _common.emit("E3", 2, np.arange(6, dtype=np.float32).reshape(2, 3))
+    _common.emit("E1", 1, None)
+    _common.emit("E6-2x5", 0, [np.ones(2, np.float32), np.zeros(2, np.float32)])
+    _common.emit_input("E11.uneven", 3, np.array([1, 2], np.int64))
+    _common.emit_error("E10", 0, ValueError("sendbuf[0]: not contiguous\nsecond line"))
+    _common.emit("E33", 1, {"busbw_GBps": 1.5, "bytes": 8})
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "E3 rank=2 result=[[0.0,1.0,2.0],[3.0,4.0,5.0]]"
+    assert lines[1] == "E1 rank=1 result=null"
+    text = "\n".join("[rank 0] " + ln if i % 2 else ln for i, ln in enumerate(lines))
+    text += "\n# a comment\nsomething else rank=1\n"
+    recs = _common.parse(text)
+    assert [(lbl, r, k) for lbl, r, k, _ in recs] == [
+        ("E3", 2, "result"), ("E1", 1, "result"), ("E6-2x5", 0, "result"),
+        ("E11.uneven", 3, "input"), ("E10", 0, "error"), ("E33", 1, "result")]
+    res = _common.collect(text)
+    assert res[("E3", 2)] == [[0, 1, 2], [3, 4, 5]]
+    assert res[("E1", 1)] is None
+    assert res[("E6-2x5", 0)] == [[1, 1], [0, 0]]
+    assert res[("E33", 1)] == {"busbw_GBps": 1.5, "bytes": 8}
+    assert _common.collect(text, "error")[("E10", 0)] == \
+        "ValueError: sendbuf[0]: not contiguous second line"
+    assert _common.collect(text, "input")[("E11.uneven", 3)] == [1, 2]
+    with pytest.raises(ValueError, match="twice"):
+        _common.collect(text + "\nE1 rank=1 result=[1]\n")
+
+
+def test_launcher_detection_and_selection():
+    assert not _common.launched_by_launcher({})
+    assert _common.launched_by_launcher({"NCCLPY_RANK": "0"})
+    assert _common.launched_by_launcher({"RANK": "3"})          # torchrun
+    assert _common.launched_by_launcher({"OMPI_COMM_WORLD_RANK": "1"})
+    secs = MODULES["02_all_gather.py"].SECTIONS
+    assert [s.eid for s in _common._select(secs, ["e26", "E3"])] == ["E3", "E26"]
+    with pytest.raises(SystemExit, match="E99"):
+        _common._select(secs, ["E99"])
+
+
+# --------------------------------------------------------------------------- the scripts
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_compiles(script, tmp_path):
+    py_compile.compile(str(script), cfile=str(tmp_path / "x.pyc"), doraise=True)
+
+
+def test_scripts_import_neither_cupy_nor_torch():
+    code = ("import sys, glob; sys.path.insert(0, 'examples'); import _common\n"
+            "for p in sorted(glob.glob('examples/[0-9][0-9]_*.py')): _common.load_example(p)\n"
+            "bad = [m for m in ('cupy', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), check=True, timeout=60)
+
+
+def test_help_lists_each_scripts_examples():
+    for p in SCRIPTS:
+        res = subprocess.run([sys.executable, str(p), "--help"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        for s in MODULES[p.name].SECTIONS:
+            assert f"{s.eid} " in res.stdout and f"{s.world_size} ranks" in res.stdout, \
+                (p.name, s.eid, res.stdout)

@@ -1,0 +1,183 @@
+"""``ncclpy info``: the real CuPy/libnccl of this machine, GPU or not."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_util import cuda_reason
+from ncclpy.info import collect, format_info, loaded_library_path, rendezvous_env
+from ncclpy.ops import format_version
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+SECRET = "s3cr3t-token-value-4242"
+
+
+def _env(**kw):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(kw)
+    return env
+
+
+def _info(*args, cmd=None, **env):
+    cmd = cmd or [sys.executable, "-m", "ncclpy"]
+    return subprocess.run([*cmd, "info", *args], env=_env(**env), capture_output=True, text=True,
+                          timeout=60)
+
+
+def _cupy_nccl():
+    try:
+        from cupy.cuda import nccl
+        return nccl
+    except Exception:
+        return None
+
+
+def test_info_text_subprocess():
+    cp = _info(NCCLPY_STORE_TOKEN=SECRET, NCCL_DEBUG="WARN", RANK="5", MASTER_PORT="1234",
+               OMPI_COMM_WORLD_RANK="2", SLURM_PROCID="1", UNRELATED_VAR="zzz")
+    assert cp.returncode == 0, cp.stderr
+    out = cp.stdout
+    import ncclpy
+    assert f"ncclpy:               {ncclpy.__version__}" in out
+    assert f"Python:               {sys.version.split()[0]}" in out
+    for k in ("platform:", "numpy:", "CuPy:", "CUDA runtime:", "CUDA driver:", "GPUs:",
+              "torch:"):
+        assert k in out
+    assert SECRET not in out and "NCCLPY_STORE_TOKEN=<set, hidden>" in out
+    for kv in ("NCCL_DEBUG=WARN", "RANK=5", "MASTER_PORT=1234", "OMPI_COMM_WORLD_RANK=2",
+               "SLURM_PROCID=1"):
+        assert f"  {kv}" in out.splitlines() or f"  {kv}\n" in out
+    assert "UNRELATED_VAR" not in out
+    nccl = _cupy_nccl()
+    if nccl is not None:
+        assert f"NCCL runtime:         {format_version(nccl.get_version())}" in out
+        assert f"NCCL build (CuPy):    {format_version(nccl.get_build_version())}" in out
+        line = next(x for x in out.splitlines() if x.startswith("libnccl loaded:"))
+        path = line.split(":", 1)[1].strip()
+        assert os.path.basename(path).startswith("libnccl.so") and os.path.exists(path)
+
+
+@pytest.mark.skipif(not cuda_reason(), reason="a CUDA GPU is present")
+def test_info_without_gpu_says_so_plainly():
+    cp = _info()
+    assert cp.returncode == 0
+    gpus = next(x for x in cp.stdout.splitlines() if x.startswith("GPUs:"))
+    assert gpus.split(":", 1)[1].strip().startswith("none visible")
+    try:
+        from cupy.cuda import runtime
+        no_driver = runtime.driverGetVersion() == 0
+    except Exception:
+        no_driver = False
+    if no_driver:
+        assert "GPUs:                 none visible (no CUDA driver)" in cp.stdout
+        assert "CUDA driver:          no CUDA driver" in cp.stdout
+
+
+def test_info_reports_nccl_2_32_3_here():
+    nccl = _cupy_nccl()
+    if nccl is None or nccl.get_version() != 23203:
+        pytest.skip("this machine's libnccl is not 2.32.3")
+    cp = _info()
+    assert "NCCL runtime:         2.32.3" in cp.stdout
+
+
+def test_info_json_parses():
+    cp = _info("--json", NCCLPY_STORE_TOKEN=SECRET)
+    assert cp.returncode == 0, cp.stderr
+    d = json.loads(cp.stdout)
+    for k in ("ncclpy", "python", "platform", "numpy", "cupy", "nccl", "cuda", "torch", "env"):
+        assert k in d
+    assert d["env"]["NCCLPY_STORE_TOKEN"] == "<set, hidden>"
+    assert SECRET not in cp.stdout
+    nccl = _cupy_nccl()
+    if nccl is not None:
+        assert d["nccl"]["runtime"] == nccl.get_version()
+        assert os.path.exists(d["nccl"]["library"])
+    assert isinstance(d["cuda"]["gpus"], list)
+    if cuda_reason():
+        assert d["cuda"]["gpus"] == [] and d["cuda"]["gpus_note"].startswith("none visible")
+
+
+def test_info_without_cupy_still_reports():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "from ncclpy.cli import main\n"
+            "sys.exit(main(['info']))")
+    cp = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                        text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert "CuPy:                 not installed (pip install 'ncclpy[cu13]'" in cp.stdout
+    assert "GPUs:                 none visible (CuPy is not installed)" in cp.stdout
+    assert "numpy:" in cp.stdout and "torch:" in cp.stdout
+
+
+def test_info_does_not_import_torch():
+    code = ("import sys, ncclpy.info as i; d = i.collect(); i.format_info(d); "
+            "print('torch' in sys.modules)")
+    cp = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                        text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_info_torch_flag():
+    pytest.importorskip("torch")
+    cp = _info("--torch", "--json")
+    assert cp.returncode == 0, cp.stderr
+    t = json.loads(cp.stdout)["torch"]
+    import importlib.metadata
+    assert t["version"] == importlib.metadata.version("torch")
+    assert isinstance(t["cuda_available"], bool)
+
+
+def test_console_script_if_installed():
+    exe = shutil.which("ncclpy")
+    if exe is None:
+        pytest.skip("the ncclpy console script is not installed (pip install -e .)")
+    cp = _info(cmd=[exe])
+    assert cp.returncode == 0, cp.stderr
+    assert "ncclpy:" in cp.stdout and "GPUs:" in cp.stdout
+
+
+def test_collect_and_format_in_process():
+    d = collect()
+    text = format_info(d)
+    assert json.loads(json.dumps(d)) == d
+    assert text.splitlines()[0].startswith("ncclpy:")
+    if _cupy_nccl() is not None:
+        # collect() imported cupy.cuda.nccl, so libnccl is mapped in this process now
+        assert loaded_library_path("libnccl.so") == d["nccl"]["library"]
+
+
+def test_rendezvous_env_filter_and_mask():
+    env = {"NCCLPY_STORE_TOKEN": SECRET, "NCCL_IB_DISABLE": "1", "NCCLPY_RANK": "0",
+           "PMI_RANK": "3", "LOCAL_RANK": "1", "SLURM_JOB_NODELIST": "n[1-2]",
+           "CUDA_VISIBLE_DEVICES": "0,1", "HOME": "/root", "RANKX": "no"}
+    out = rendezvous_env(env)
+    assert out == {"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "1", "NCCLPY_RANK": "0",
+                   "NCCLPY_STORE_TOKEN": "<set, hidden>", "NCCL_IB_DISABLE": "1",
+                   "PMI_RANK": "3", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert list(out) == sorted(out)
+
+
+def test_format_info_with_gpus_and_no_env():
+    d = {"ncclpy": "0.1.0", "python": "3.11.0", "python_executable": "/py", "platform": "Linux",
+         "numpy": "2.0", "cupy": {"installed": True, "version": "14.0"},
+         "nccl": {"runtime_str": "2.32.3", "build_str": "2.27.7", "library": "/x/libnccl.so.2"},
+         "cuda": {"driver_str": "13.0", "runtime_str": "13.0", "gpus": [
+             {"index": 0, "name": "NVIDIA H100", "memory_bytes": 80 << 30,
+              "compute_capability": "9.0", "pci_bus_id": "0000:1b:00"}]},
+         "torch": {"installed": False}, "env": {}}
+    text = format_info(d)
+    assert "GPUs:                 1" in text
+    assert "  GPU 0: NVIDIA H100, 80.0 GiB, compute 9.0, PCI 0000:1b:00" in text
+    assert "torch:                not installed" in text
+    assert "no NCCL_* or rendezvous variables set" in text

@@ -1,0 +1,470 @@
+"""``ncclpy run``: real launcher processes running real rank processes (CPU only)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ncclpy.launch.launcher import DEFAULT_GRACE, build_command, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(60)
+
+
+def _env(extra_path: str | None = None, **kw) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), extra_path,
+                                                    env.get("PYTHONPATH")) if p)
+    for k in ("CUDA_VISIBLE_DEVICES", "NCCLPY_STORE_TOKEN"):
+        env.pop(k, None)
+    env.update(kw)
+    return env
+
+
+def _script(tmp_path: Path, body: str, name: str = "prog.py") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def run(args, *, env=None, timeout=30, **kw):
+    t0 = time.monotonic()
+    cp = subprocess.run([sys.executable, "-m", "ncclpy", "run", *map(str, args)],
+                        env=env or _env(), capture_output=True, text=True, timeout=timeout, **kw)
+    cp.elapsed = time.monotonic() - t0
+    return cp
+
+
+def summary_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("ncclpy run: ")]
+
+
+ENV_DUMP = """
+    import json, os, sys
+    keys = ["NCCLPY_RANK", "NCCLPY_WORLD_SIZE", "NCCLPY_LOCAL_RANK", "NCCLPY_LOCAL_WORLD_SIZE",
+            "NCCLPY_MASTER_ADDR", "NCCLPY_MASTER_PORT", "NCCLPY_STORE_TOKEN", "NCCLPY_DEVICE",
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "PYTHONUNBUFFERED"]
+    print(json.dumps({k: os.environ.get(k) for k in keys}))
+    print("to stderr from", os.environ["RANK"], file=sys.stderr)
+"""
+
+
+def _parse_env_lines(stdout: str) -> dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        m = re.fullmatch(r"\[rank (\d+)\] (\{.*\})", line)
+        assert m, f"unprefixed or unexpected line {line!r}"
+        out[int(m.group(1))] = json.loads(m.group(2))
+    return out
+
+
+def test_success_three_ranks_env_and_prefixes(tmp_path):
+    prog = _script(tmp_path, ENV_DUMP)
+    cp = run(["-n", 3, prog], env=_env(NCCLPY_STORE_TOKEN="launcher-own-token"))
+    assert cp.returncode == 0, cp.stderr
+    envs = _parse_env_lines(cp.stdout)
+    assert sorted(envs) == [0, 1, 2]
+    tokens = {e["NCCLPY_STORE_TOKEN"] for e in envs.values()}
+    assert len(tokens) == 1
+    token = tokens.pop()
+    assert re.fullmatch(r"[0-9a-f]{32}", token) and token != "launcher-own-token"
+    ports = {e["NCCLPY_MASTER_PORT"] for e in envs.values()}
+    assert len(ports) == 1
+    port = int(ports.pop())
+    for r, e in envs.items():
+        assert e["NCCLPY_RANK"] == e["RANK"] == str(r)
+        assert e["NCCLPY_LOCAL_RANK"] == e["LOCAL_RANK"] == str(r)
+        assert e["NCCLPY_WORLD_SIZE"] == e["WORLD_SIZE"] == "3"
+        assert e["NCCLPY_LOCAL_WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "3"
+        assert e["NCCLPY_MASTER_ADDR"] == e["MASTER_ADDR"] == "127.0.0.1"
+        assert int(e["MASTER_PORT"]) != port          # torch's store never on ncclpy's port
+        assert e["NCCLPY_DEVICE"] == str(r)            # no GPU here: device = local rank
+        assert e["PYTHONUNBUFFERED"] == "1"
+    err = cp.stderr.splitlines()
+    assert sorted(line for line in err if line.startswith("[rank")) == [
+        f"[rank {r}] to stderr from {r}" for r in range(3)]
+    (placement,) = summary_lines(cp.stderr)
+    assert "placement:" in placement and "no-gpu" in placement
+
+
+def test_fresh_token_each_run(tmp_path):
+    prog = _script(tmp_path, ENV_DUMP)
+    t = [_parse_env_lines(run(["-n", 1, prog]).stdout)[0]["NCCLPY_STORE_TOKEN"] for _ in range(2)]
+    assert t[0] != t[1]
+
+
+def test_explicit_master_addr_and_port(tmp_path):
+    prog = _script(tmp_path, ENV_DUMP)
+    cp = run(["--nproc-per-node", 2, "--master_addr", "127.0.0.1", "--master-port", 29999, prog])
+    assert cp.returncode == 0, cp.stderr
+    envs = _parse_env_lines(cp.stdout)
+    assert {e["NCCLPY_MASTER_PORT"] for e in envs.values()} == {"29999"}
+
+
+def test_multi_node_ranks_and_shared_token(tmp_path):
+    prog = _script(tmp_path, ENV_DUMP)
+    args = ["-n", 2, "--nnodes", 2, "--node_rank", 1, "--master-addr", "127.0.0.1",
+            "--master_port", 29990, prog]
+    cp = run(args, env=_env(NCCLPY_STORE_TOKEN="shared-secret"))
+    assert cp.returncode == 0, cp.stderr
+    envs = _parse_env_lines(cp.stdout)
+    assert sorted(envs) == [2, 3]
+    for r, e in envs.items():
+        assert e["WORLD_SIZE"] == "4" and e["LOCAL_RANK"] == str(r - 2)
+        assert e["LOCAL_WORLD_SIZE"] == "2" and e["NCCLPY_STORE_TOKEN"] == "shared-secret"
+        assert e["NCCLPY_MASTER_PORT"] == "29990"
+    assert "node 1 of 2" in summary_lines(cp.stderr)[0]
+
+
+def test_multi_node_without_token_is_an_error(tmp_path):
+    prog = _script(tmp_path, "print('never')")
+    cp = run(["-n", 2, "--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1",
+              "--master-port", 29991, prog])
+    assert cp.returncode == 2 and "never" not in cp.stdout
+    assert "NCCLPY_STORE_TOKEN" in cp.stderr and "shared" in cp.stderr
+
+
+def test_multi_node_without_address_is_an_error(tmp_path):
+    prog = _script(tmp_path, "print('never')")
+    cp = run(["-n", 1, "--nnodes", 2, "--node-rank", 1, prog],
+             env=_env(NCCLPY_STORE_TOKEN="x"))
+    assert cp.returncode == 2 and "--master-addr" in cp.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-n", 2], "PROGRAM"),
+    (["-n", 0, "x.py"], "nproc"),
+    (["-n", 1, "--nnodes", 2, "--node-rank", 2, "x.py"], "node_rank"),
+    (["-n", 1, "--grace", -1, "x.py"], "grace"),
+])
+def test_usage_errors(args, needle):
+    cp = run(args)
+    assert cp.returncode == 2 and needle in cp.stderr
+
+
+def test_missing_program_cannot_start():
+    cp = run(["-n", 2, "/nonexistent/ncclpy-no-such-program"])
+    assert cp.returncode == 2 and "cannot start rank 0" in cp.stderr
+
+
+def test_rank_exit_3_stops_the_others(tmp_path):
+    prog = _script(tmp_path, """
+        import os, sys, time
+        if os.environ["RANK"] == "2":
+            time.sleep(0.3)
+            sys.exit(3)
+        time.sleep(60)
+        print("should have been stopped")
+    """)
+    cp = run(["-n", 4, prog])
+    assert cp.returncode == 3
+    assert cp.elapsed < 5 + DEFAULT_GRACE
+    assert "should have been stopped" not in cp.stdout
+    assert summary_lines(cp.stderr)[-1] == ("ncclpy run: rank 2 exited with code 3; "
+                                            "stopped the other 3 ranks")
+
+
+def test_ranks_ignoring_sigterm_get_sigkill_after_grace(tmp_path):
+    prog = _script(tmp_path, """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("armed", flush=True)
+        if os.environ["RANK"] == "0":
+            time.sleep(0.5)
+            sys.exit(4)
+        time.sleep(60)
+    """)
+    cp = run(["-n", 3, "--grace", 1, prog])
+    assert cp.returncode == 4
+    assert 1.0 <= cp.elapsed < 5
+    assert summary_lines(cp.stderr)[-1] == ("ncclpy run: rank 0 exited with code 4; stopped the "
+                                            "other 2 ranks (2 with SIGKILL after 1 s)")
+
+
+def test_first_failure_wins(tmp_path):
+    prog = _script(tmp_path, """
+        import os, sys, time
+        r = int(os.environ["RANK"])
+        if r == 1:
+            sys.exit(5)
+        time.sleep(1.0)
+        sys.exit(7)     # would be a later failure, but SIGTERM stops it first
+    """)
+    cp = run(["-n", 3, prog])
+    assert cp.returncode == 5
+    assert "rank 1 exited with code 5" in summary_lines(cp.stderr)[-1]
+
+
+def test_rank_killed_by_sigkill(tmp_path):
+    prog = _script(tmp_path, """
+        import os, signal, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    cp = run(["-n", 3, prog])
+    assert cp.returncode == 128 + signal.SIGKILL == 137
+    assert cp.elapsed < 5 + DEFAULT_GRACE
+    assert summary_lines(cp.stderr)[-1] == ("ncclpy run: rank 1 was killed by signal SIGKILL; "
+                                            "stopped the other 2 ranks")
+
+
+def test_only_rank_fails_summary(tmp_path):
+    prog = _script(tmp_path, "import sys; sys.exit(9)")
+    cp = run(["-n", 1, prog])
+    assert cp.returncode == 9
+    assert summary_lines(cp.stderr)[-1] == ("ncclpy run: rank 0 exited with code 9; "
+                                            "no other rank was running")
+
+
+def _start_and_wait_ready(tmp_path, body, n, sig_extra=()):
+    prog = _script(tmp_path, body)
+    p = subprocess.Popen([sys.executable, "-m", "ncclpy", "run", "-n", str(n), *sig_extra,
+                          str(prog)], env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    lines = []
+    while len([x for x in lines if x.endswith("ready")]) < n:
+        line = p.stdout.readline()
+        assert line, f"launcher ended early: {lines} {p.stderr.read()}"
+        lines.append(line.rstrip("\n"))
+    return p, lines
+
+
+HANDLER = """
+    import signal, sys, time
+    def handler(signum, frame):
+        print("got " + signal.Signals(signum).name, flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_forwarded_to_every_rank_once(tmp_path, sig):
+    p, lines = _start_and_wait_ready(tmp_path, HANDLER, 3)
+    t0 = time.monotonic()
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5
+    lines += out.splitlines()
+    got = sorted(x for x in lines if "got" in x)
+    assert got == [f"[rank {r}] got {sig.name}" for r in range(3)]   # exactly once each
+    assert p.returncode == 128 + sig
+    assert f"received {sig.name}; forwarded it to 3 ranks" in summary_lines(err)[-1]
+
+
+def test_sigint_default_handler_ranks(tmp_path):
+    body = """
+        import time
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+    p, _ = _start_and_wait_ready(tmp_path, body, 2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 130
+    assert err.count("KeyboardInterrupt") == 2
+    assert "rank 0 SIGINT" in summary_lines(err)[-1]
+
+
+def test_ranks_that_ignore_a_forwarded_signal_are_killed_after_grace(tmp_path):
+    body = """
+        import signal, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+    p, _ = _start_and_wait_ready(tmp_path, body, 2, ("--grace", "0.5"))
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 4
+    assert p.returncode == 130
+    assert "killed 2 still running after 0.5 s" in summary_lines(err)[-1]
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    body = f"""
+        import os, time
+        open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+    p, _ = _start_and_wait_ready(tmp_path, body, 2)
+    p.kill()
+    p.communicate(timeout=10)
+    ranks = [int(x.name) for x in pids.iterdir()]
+    assert len(ranks) == 2
+    deadline = time.monotonic() + 5
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in ranks if _alive(pid)]
+        time.sleep(0.05)
+    assert not alive, f"ranks {alive} outlived the launcher"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_no_prefix_and_partial_lines(tmp_path):
+    prog = _script(tmp_path, """
+        import os, sys
+        sys.stdout.write("line " + os.environ["RANK"] + "\\n")
+        sys.stdout.write("partial")
+        sys.stderr.write("e-partial")
+    """)
+    cp = run(["-n", 1, "--no-prefix", prog])
+    assert cp.returncode == 0
+    assert cp.stdout == "line 0\npartial"
+    assert cp.stderr.endswith("e-partial") and "[rank" not in cp.stderr
+
+    cp = run(["-n", 2, prog])
+    assert cp.returncode == 0
+    assert sorted(cp.stdout.splitlines()) == ["[rank 0] line 0", "[rank 0] partial",
+                                              "[rank 1] line 1", "[rank 1] partial"]
+    assert cp.stdout.endswith("\n")
+    assert sorted(x for x in cp.stderr.splitlines() if x.startswith("[")) == [
+        "[rank 0] e-partial", "[rank 1] e-partial"]
+
+
+def test_long_line_and_binary_output(tmp_path):
+    prog = _script(tmp_path, """
+        import sys
+        sys.stdout.buffer.write(b"x" * 200000 + b"\\n" + b"\\xff\\xfe bytes\\n")
+    """)
+    cp = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "1", "--no-prefix",
+                         str(prog)], env=_env(), capture_output=True, timeout=30)
+    assert cp.returncode == 0
+    assert cp.stdout == b"x" * 200000 + b"\n\xff\xfe bytes\n"
+
+
+def test_module_mode_passes_arguments(tmp_path):
+    pkg = tmp_path / "mods"
+    pkg.mkdir()
+    (pkg / "ncclpy_test_mod.py").write_text(textwrap.dedent("""
+        import os, sys
+        print(os.environ["RANK"], __name__, sys.argv[1:])
+    """))
+    cp = run(["-n", 2, "-m", "ncclpy_test_mod", "--flag", "value", "-n", "9"],
+             env=_env(str(pkg)))
+    assert cp.returncode == 0, cp.stderr
+    assert sorted(cp.stdout.splitlines()) == [
+        "[rank 0] 0 __main__ ['--flag', 'value', '-n', '9']",
+        "[rank 1] 1 __main__ ['--flag', 'value', '-n', '9']"]
+
+
+def test_python_script_form_and_double_dash(tmp_path):
+    prog = _script(tmp_path, "import sys; print('args', sys.argv[1:])")
+    cp = run(["-n", 1, "--", sys.executable, prog, "a", "--b"])
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == "[rank 0] args ['a', '--b']\n"
+
+
+def test_non_python_program(tmp_path):
+    cp = run(["-n", 2, "sh", "-c", 'echo "hello from $NCCLPY_RANK"; exit $NCCLPY_RANK'])
+    assert cp.returncode == 1
+    assert "[rank 0] hello from 0" in cp.stdout
+
+
+def test_rank0_gets_stdin_others_devnull(tmp_path):
+    prog = _script(tmp_path, """
+        import os, sys
+        print(os.environ["RANK"], repr(sys.stdin.read()))
+    """)
+    cp = run(["-n", 2, prog], input="hello")
+    assert sorted(cp.stdout.splitlines()) == ["[rank 0] 0 'hello'", "[rank 1] 1 ''"]
+
+
+def test_placement_variables_reach_the_ranks(tmp_path):
+    prog = _script(tmp_path, """
+        import os
+        print(os.environ["NCCLPY_DEVICE"], os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE"),
+              os.environ.get("NCCL_HOSTID"), os.environ.get("NCCL_NET"))
+    """)
+    # CUDA_VISIBLE_DEVICES="0" makes the launcher see one GPU (it counts entries, no CUDA
+    # needed); the ranks only print their environment.
+    cp = run(["-n", 3, prog], env=_env(CUDA_VISIBLE_DEVICES="0", NCCL_NET="IB"))
+    assert cp.returncode == 0, cp.stderr
+    (line,) = summary_lines(cp.stderr)
+    assert "3 ranks on 1 GPU" in line
+    from ncclpy.launch.placement import loaded_nccl_version
+    v = loaded_nccl_version()
+    rows = sorted(cp.stdout.splitlines())
+    assert [r.split()[2] for r in rows] == ["0", "0", "0"]      # NCCLPY_DEVICE
+    if v is not None and v >= 23000:
+        assert "multi-rank-gpu" in line
+        assert all(r.split()[3] == "1" for r in rows)
+    else:
+        assert "hostid-socket" in line and "kept the user's NCCL_NET=IB" in line
+        assert len({r.split()[4] for r in rows}) == 3
+    assert all(r.split()[-1] == "IB" for r in rows)             # the user's setting kept
+
+
+def test_launch_in_process_to_binary_streams(tmp_path):
+    prog = _script(tmp_path, "import os; print('hi', os.environ['NCCLPY_RANK'])")
+    out, err = io.BytesIO(), io.BytesIO()
+    rc = launch(build_command([str(prog)]), 2, stdout=out, stderr=err, env=_env())
+    assert rc == 0
+    assert sorted(out.getvalue().decode().splitlines()) == ["[rank 0] hi 0", "[rank 1] hi 1"]
+    assert b"placement:" in err.getvalue()
+    # the launcher restored the test process's own signal handlers
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_build_command():
+    assert build_command(["x.py", "a"]) == [sys.executable, "x.py", "a"]
+    assert build_command(["m", "a"], module=True) == [sys.executable, "-m", "m", "a"]
+    assert build_command(["--", "prog", "a"]) == ["prog", "a"]
+    with pytest.raises(ValueError):
+        build_command([])
+
+
+def test_ranks_rendezvous_through_the_real_store_and_libnccl(tmp_path):
+    """End to end: the environment the launcher sets is enough for ncclpy's bootstrap (store
+    + ncclGetUniqueId through CuPy), and every rank ends up with the same 128-byte uid."""
+    pytest.importorskip("ncclpy.bootstrap")
+    try:
+        from cupy.cuda import nccl
+        assert nccl.available
+    except Exception as e:
+        pytest.skip(f"CuPy's NCCL is not usable: {e}")
+    prog = _script(tmp_path, """
+        import hashlib, time
+        from ncclpy.bootstrap import bootstrap
+        b = bootstrap(timeout=30)
+        print(b.rank, b.world_size, b.device, len(bytes(b.uid)),
+              hashlib.sha256(bytes(b.uid)).hexdigest(), flush=True)
+        b.store.add("test/bye", 1)
+        if b.rank == 0:                 # the store lives in rank 0: leave last
+            deadline = time.monotonic() + 30
+            while b.store.add("test/bye", 0) < b.world_size and time.monotonic() < deadline:
+                time.sleep(0.02)
+    """)
+    cp = run(["-n", 4, prog], timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    rows = sorted(cp.stdout.splitlines())
+    assert [r.split()[:5] for r in rows] == [
+        ["[rank", f"{r}]", str(r), "4", str(r)] for r in range(4)]
+    assert {r.split()[5] for r in rows} == {"128"}
+    assert len({r.split()[6] for r in rows}) == 1

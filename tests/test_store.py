@@ -1,0 +1,579 @@
+"""TCP store: every operation, concurrency, timeouts, auth, barrier, torch compatibility.
+
+Real sockets and threads throughout; robustness against bad input and dying peers is in
+``test_store_robustness.py``.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ncclpy.errors import (ArgumentError, StoreAuthError, StoreConnectionError,
+                           StoreRequestError, StoreTimeout)
+from ncclpy.store import StoreServer, TCPStore, barrier
+from ncclpy.store import protocol as P
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def server():
+    srv = StoreServer().start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def store(server):
+    with TCPStore(*server.address, timeout=10) as s:
+        yield s
+
+
+def _addr(srv: StoreServer) -> str:
+    return f"127.0.0.1:{srv.port}"
+
+
+# ---------------------------------------------------------------------------- operations
+def test_server_binds_loopback_and_ephemeral_port(server):
+    assert server.host == "127.0.0.1" and 0 < server.port < 65536
+    assert server.address == ("127.0.0.1", server.port) and server.running
+
+
+def test_set_get_bytes_str_and_binary(store):
+    store.set("a", b"x")
+    store.set("s", "héllo")
+    blob = bytes(range(256)) * 3
+    store.set(b"bin\x00key", blob)
+    store.set("empty", b"")
+    store.set("ba", bytearray(b"ba"))
+    assert store.get("a") == b"x"
+    assert store.get("s") == "héllo".encode()
+    assert store.get(b"bin\x00key") == blob
+    assert store.get("empty") == b""
+    assert store.get("ba") == b"ba"
+    store.set("a", b"y")  # overwrite
+    assert store.get("a") == b"y"
+
+
+def test_large_value_round_trip(store):
+    big = os.urandom(1 << 20) * 6
+    store.set("big", big)
+    assert store.get("big") == big
+
+
+def test_get_waits_for_a_later_set(server, store):
+    def later():
+        time.sleep(0.3)
+        with TCPStore(*server.address, timeout=5) as other:
+            other.set("late", b"v")
+
+    t = threading.Thread(target=later)
+    t.start()
+    t0 = time.monotonic()
+    assert store.get("late", timeout=10) == b"v"
+    assert 0.2 < time.monotonic() - t0 < 5
+    t.join()
+
+
+def test_add_counts_and_stores_decimal_ascii(store):
+    assert store.add("n", 1) == 1
+    assert store.add("n", 41) == 42
+    assert store.add("n", -50) == -8
+    assert store.get("n") == b"-8"
+    assert store.add("n", 0) == -8
+    store.set("m", b"100")
+    assert store.add("m", 5) == 105
+    assert store.add("fresh", 0) == 0 and store.get("fresh") == b"0"
+
+
+def test_add_on_non_integer_value_is_refused_and_connection_survives(store):
+    store.set("text", b"abc")
+    with pytest.raises(StoreRequestError, match="not a decimal integer"):
+        store.add("text", 1)
+    assert store.get("text") == b"abc"
+    with pytest.raises(TypeError):
+        store.add("n", 1.5)
+
+
+def test_add_wakes_a_waiting_get(server, store):
+    out = {}
+
+    def waiter():
+        with TCPStore(*server.address, timeout=5) as other:
+            out["v"] = other.get("counter", timeout=5)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    store.add("counter", 7)
+    t.join(5)
+    assert out["v"] == b"7"
+
+
+@pytest.mark.parametrize("initial, expected, desired, result, after", [
+    (None, b"", b"new", b"new", b"new"),         # missing and expected "" -> set
+    (None, b"x", b"new", b"x", None),            # missing, expected not "": torch returns it
+    (b"cur", b"cur", b"next", b"next", b"next"),  # match -> set
+    (b"cur", b"nope", b"next", b"cur", b"cur"),   # mismatch -> current value
+    (b"", b"", b"filled", b"filled", b"filled"),  # empty value matches ""
+])
+def test_compare_set_follows_torch(store, initial, expected, desired, result, after):
+    if initial is not None:
+        store.set("k", initial)
+    assert store.compare_set("k", expected, desired) == result
+    if after is None:
+        assert not store.check(["k"])
+    else:
+        assert store.get("k") == after
+
+
+def test_compare_set_wakes_waiters(server, store):
+    out = {}
+
+    def waiter():
+        with TCPStore(*server.address, timeout=5) as other:
+            out["v"] = other.get("cas", timeout=5)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    store.compare_set("cas", "", "won")
+    t.join(5)
+    assert out["v"] == b"won"
+
+
+def test_delete_and_alias(store):
+    store.set("d", b"1")
+    assert store.delete("d") is True
+    assert store.delete("d") is False
+    store.set("d", b"2")
+    assert store.delete_key("d") is True
+    assert not store.check("d")
+
+
+def test_num_keys_and_check(store):
+    assert store.num_keys() == 0
+    store.set("a", b"1")
+    store.add("b", 1)
+    assert store.num_keys() == 2
+    assert store.check(["a", "b"]) and store.check("a")
+    assert not store.check(["a", "zz"])
+    assert store.check([])
+    store.delete("a")
+    assert store.num_keys() == 1
+
+
+def test_wait_for_several_keys(server, store):
+    store.set("w1", b"")
+
+    def later():
+        time.sleep(0.2)
+        with TCPStore(*server.address, timeout=5) as other:
+            other.set("w2", b"")
+            other.add("w3", 1)
+
+    t = threading.Thread(target=later)
+    t.start()
+    store.wait(["w1", "w2", "w3"], timeout=5)
+    store.wait(["w1"], datetime.timedelta(seconds=1))  # torch-style timedelta
+    store.wait("w2")
+    t.join()
+    store.ping()
+
+
+# ---------------------------------------------------------------------------- timeouts
+def test_get_timeout_names_key_address_and_seconds(server, store):
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout) as ei:
+        store.get("never/there", timeout=0.5)
+    waited = time.monotonic() - t0
+    assert 0.45 <= waited < 2.0
+    msg = str(ei.value)
+    assert "never/there" in msg and _addr(server) in msg and "0.5" in msg
+    assert isinstance(ei.value, TimeoutError)
+    store.set("after", b"ok")  # the connection is still in step
+    assert store.get("after") == b"ok"
+
+
+def test_wait_timeout_lists_only_missing_keys(server, store):
+    store.set("here", b"")
+    with pytest.raises(StoreTimeout) as ei:
+        store.wait(["here", "gone1", "gone2"], timeout=0.3)
+    msg = str(ei.value)
+    assert "gone1" in msg and "gone2" in msg and "'here'" not in msg and _addr(server) in msg
+
+
+def test_default_timeout_comes_from_the_constructor(server):
+    with TCPStore(*server.address, timeout=0.4) as s:
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeout, match="missing"):
+            s.get("missing")
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_zero_timeout_does_not_wait(store):
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        store.get("nothing", timeout=0)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_unresponsive_server_times_out_client_side():
+    """A peer that greets but never answers: the socket timeout still bounds the call."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+    held = []
+
+    def fake():
+        conn, _ = lsock.accept()
+        held.append(conn)
+        conn.sendall(P.pack_hello(0, 4096, 1 << 20, b"\0" * 32))
+
+    threading.Thread(target=fake, daemon=True).start()
+    try:
+        with TCPStore("127.0.0.1", port, timeout=0.5) as s:
+            t0 = time.monotonic()
+            with pytest.raises(StoreTimeout, match="no reply"):
+                s.set("k", b"v")
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        lsock.close()
+        for c in held:
+            c.close()
+
+
+# ---------------------------------------------------------------------------- limits and args
+def test_key_and_value_limits_are_reported_with_sizes():
+    with StoreServer(max_key_size=16, max_value_size=1000).start() as srv, \
+            TCPStore(*srv.address, timeout=5) as s:
+        with pytest.raises(StoreRequestError) as ei:
+            s.set("k" * 17, b"v")
+        assert "17 bytes" in str(ei.value) and "max_key_size=16" in str(ei.value)
+        with pytest.raises(StoreRequestError) as ei:
+            s.set("k", b"v" * 1001)
+        assert "1001 bytes" in str(ei.value) and "max_value_size=1000" in str(ei.value)
+        s.set("k" * 16, b"v" * 1000)  # exactly at the limits
+        assert s.get("k" * 16) == b"v" * 1000
+
+
+def test_bad_arguments():
+    with pytest.raises(ArgumentError):
+        StoreServer(port=70000)
+    with pytest.raises(ArgumentError):
+        TCPStore("127.0.0.1", 0)  # port 0 needs is_server
+    with pytest.raises(ArgumentError):
+        TCPStore("127.0.0.1", 1, timeout=-1)
+
+
+# ---------------------------------------------------------------------------- client objects
+def test_is_server_starts_a_server_in_process():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=5) as rank0:
+        assert rank0.port > 0 and rank0.server is not None and rank0.server.running
+        with TCPStore("127.0.0.1", rank0.port, timeout=5) as rank1:
+            rank0.set("uid", b"u" * 128)
+            assert rank1.get("uid") == b"u" * 128
+        srv = rank0.server
+    assert not srv.running  # closing rank 0's client closes its server
+
+
+def test_closed_client_raises(server):
+    s = TCPStore(*server.address, timeout=5)
+    s.close()
+    with pytest.raises(StoreConnectionError, match="closed"):
+        s.get("x")
+    s.close()  # idempotent
+
+
+def test_one_client_shared_by_threads(store):
+    def work():
+        for _ in range(200):
+            store.add("shared", 1)
+            store.set("t", b"x")
+            assert store.get("t") == b"x"
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.get("shared") == b"1600"
+
+
+def test_512_concurrent_clients():
+    n = 512
+    errors = []
+    with StoreServer().start() as srv:
+        gate = threading.Barrier(n)
+        peak = []
+
+        def rank_fn(rank: int) -> None:
+            try:
+                with TCPStore(*srv.address, timeout=60) as s:
+                    gate.wait(60)
+                    peak.append(srv.num_clients)
+                    s.set(f"val/{rank}", str(rank))
+                    nxt = (rank + 1) % n
+                    assert s.get(f"val/{nxt}", timeout=60) == str(nxt).encode()
+                    s.add("count", 1)
+                    barrier(s, rank, n, tag="c512", timeout=60)
+                    assert s.get("count") == str(n).encode()
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors[:3]
+        assert max(peak) == n  # all 512 connections were open at once
+        assert srv.running
+
+
+# ---------------------------------------------------------------------------- barrier
+def test_barrier_is_reusable_with_the_same_tag(server):
+    world, rounds = 6, 5
+    arrived = [0] * rounds
+    lock = threading.Lock()
+    errors = []
+
+    def rank_fn(rank: int) -> None:
+        try:
+            with TCPStore(*server.address, timeout=20) as s:
+                for r in range(rounds):
+                    with lock:
+                        arrived[r] += 1
+                    if rank == r % world:
+                        time.sleep(0.05)  # a different straggler every round
+                    barrier(s, rank, world, timeout=20)
+                    with lock:
+                        assert arrived[r] == world, (r, arrived[r])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with TCPStore(*server.address, timeout=5) as s:  # old generations are cleaned up
+        assert s.num_keys() <= 3
+
+
+_HOST_CHILD = """
+import sys, time
+from ncclpy.store import TCPStore, barrier
+store = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
+print(store.port, flush=True)
+barrier(store, 0, int(sys.argv[1]), timeout=30)
+print("left", flush=True)            # and exit at once, without close()
+"""
+
+
+class _SlowReader:
+    """A duck-typed store whose ``wait`` starts late: a rank slow to look at the barrier."""
+
+    def __init__(self, store, delay):
+        self.store, self.delay = store, delay
+
+    def add(self, key, amount):
+        return self.store.add(key, amount)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def delete_key(self, key):
+        return self.store.delete_key(key)
+
+    def wait(self, keys, timeout=None):
+        time.sleep(self.delay)
+        self.store.wait(keys, timeout)
+
+
+def test_hosting_rank_may_exit_right_after_barrier():
+    """The rank whose process hosts the server leaves only once every rank read the barrier,
+    so it can exit straight after it without cutting slower ranks off."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    world = 4
+    host = subprocess.Popen([sys.executable, "-c", _HOST_CHILD, str(world)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        clients = [TCPStore("127.0.0.1", port, timeout=30) for _ in range(world - 1)]
+        errors = []
+
+        def rank_fn(rank, s):
+            try:
+                barrier(_SlowReader(s, 0.3 * rank), rank, world, timeout=30)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank_fn, args=(r + 1, c))
+                   for r, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert host.wait(30) == 0
+        assert host.stdout.readline().strip() == "left"
+        assert not errors, errors
+        for c in clients:
+            c.close()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
+def test_barrier_timeout_says_how_many_arrived(server, store):
+    with pytest.raises(StoreTimeout) as ei:
+        barrier(store, 0, 3, tag="lonely", timeout=0.3)
+    assert "1 of 3" in str(ei.value) and "lonely" in str(ei.value)
+
+
+def test_barrier_argument_checks(store):
+    with pytest.raises(ArgumentError):
+        barrier(store, 3, 3)
+    with pytest.raises(ArgumentError):
+        barrier(store, 0, 0)
+
+
+# ---------------------------------------------------------------------------- auth
+def test_auth_accepted(caplog):
+    with StoreServer(token="s3cret").start() as srv:
+        with TCPStore(*srv.address, token="s3cret", timeout=5) as s:
+            s.set("a", b"1")
+            assert s.get("a") == b"1"
+
+
+def test_auth_wrong_token_rejected_and_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="ncclpy.store")
+    with StoreServer(token="right").start() as srv:
+        with pytest.raises(StoreAuthError) as ei:
+            TCPStore(*srv.address, token="wrong", timeout=5)
+        assert "token" in str(ei.value) and _addr(srv) in str(ei.value)
+        deadline = time.monotonic() + 2
+        while "wrong token" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "wrong token" in caplog.text
+        with TCPStore(*srv.address, token="right", timeout=5) as s:
+            s.ping()  # the server is fine
+
+
+def test_auth_missing_token_rejected_and_logged(caplog, monkeypatch):
+    monkeypatch.delenv("NCCLPY_STORE_TOKEN", raising=False)
+    caplog.set_level(logging.WARNING, logger="ncclpy.store")
+    with StoreServer(token="right").start() as srv:
+        with pytest.raises(StoreAuthError, match="NCCLPY_STORE_TOKEN"):
+            TCPStore(*srv.address, timeout=5)
+        deadline = time.monotonic() + 2
+        while "no token" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "no token" in caplog.text
+
+
+def test_client_token_against_tokenless_server_fails_clearly(monkeypatch):
+    monkeypatch.delenv("NCCLPY_STORE_TOKEN", raising=False)
+    with StoreServer().start() as srv:
+        with pytest.raises(StoreAuthError, match="without one"):
+            TCPStore(*srv.address, token="t", timeout=5)
+
+
+def test_token_from_environment(monkeypatch):
+    monkeypatch.setenv("NCCLPY_STORE_TOKEN", "from-env")
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=5) as rank0:
+        with TCPStore("127.0.0.1", rank0.port, timeout=5) as rank1:
+            rank0.set("k", b"v")
+            assert rank1.get("k") == b"v"
+        with pytest.raises(StoreAuthError):
+            TCPStore("127.0.0.1", rank0.port, token="other", timeout=5)
+
+
+def test_token_never_crosses_the_wire():
+    """A fake server asking for auth records what the client sends: proof, not token."""
+    token = "very-secret-token-value"
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+    got = bytearray()
+    nonce = os.urandom(32)
+
+    def fake():
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(P.pack_hello(P.FLAG_AUTH, 4096, 1 << 20, nonce))
+            conn.settimeout(5)
+            while len(got) < P.HEADER_SIZE + P.AUTH_BODY_SIZE:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                got.extend(chunk)
+            conn.sendall(P.REP_HEADER.pack(P.Status.ERR_AUTH, 4) + b"nope")
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(StoreAuthError):
+            TCPStore("127.0.0.1", port, token=token, timeout=5)
+    finally:
+        t.join(5)
+        lsock.close()
+    assert token.encode() not in got
+    assert got[0] == P.Op.AUTH
+    assert got[5:37] == P.client_mac(token.encode(), nonce)
+
+
+# ---------------------------------------------------------------------------- torch
+def _torch_pair():
+    dist = pytest.importorskip("torch.distributed")
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    return dist, master
+
+
+def test_barrier_over_a_real_torch_store():
+    dist, master = _torch_pair()
+    world = 4
+    errors = []
+
+    def rank_fn(rank: int) -> None:
+        try:
+            s = master if rank == 0 else dist.TCPStore(
+                "127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+            for _ in range(3):
+                barrier(s, rank, world, tag="torch", timeout=30)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def test_same_answers_as_torch_store(server, store):
+    _, torch_store = _torch_pair()
+    script = [
+        ("set", ("a", b"1")), ("get", ("a",)), ("add", ("n", 5)), ("add", ("n", -2)),
+        ("get", ("n",)), ("compare_set", ("c", b"x", b"y")), ("compare_set", ("c", b"", b"y")),
+        ("compare_set", ("c", b"y", b"z")), ("compare_set", ("c", b"q", b"w")),
+        ("check", (["a", "n"],)), ("check", (["a", "zz"],)), ("num_keys", ()),
+        ("delete_key", ("a",)), ("delete_key", ("a",)), ("num_keys", ()),
+        ("add", ("fresh", 0)), ("get", ("fresh",)),
+    ]
+    for name, args in script:
+        ours = getattr(store, name)(*args)
+        theirs = getattr(torch_store, name)(*args)
+        assert ours == theirs, (name, args, ours, theirs)

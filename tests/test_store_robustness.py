@@ -1,0 +1,495 @@
+"""TCP store under bad input and failures: malformed frames on raw sockets, peers that die,
+late servers, and a server thread that must never keep a program alive."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ncclpy.errors import (StoreConnectionError, StoreProtocolError, StoreTimeout)
+from ncclpy.store import StoreServer, TCPStore
+from ncclpy.store import protocol as P
+from ncclpy.store.protocol import Op, Status
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+U32 = struct.Struct("!I").pack
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    env.pop("NCCLPY_STORE_TOKEN", None)
+    return env
+
+
+def _frame(op: int, body: bytes) -> bytes:
+    return P.REQ_HEADER.pack(op, len(body)) + body
+
+
+def _raw(srv: StoreServer) -> socket.socket:
+    """A raw connection past the greeting."""
+    s = socket.create_connection(srv.address, timeout=5)
+    hello = b""
+    while len(hello) < P.HELLO_SIZE:
+        chunk = s.recv(P.HELLO_SIZE - len(hello))
+        assert chunk, "server closed before greeting"
+        hello += chunk
+    assert hello[:4] == P.MAGIC
+    return s
+
+
+def _read_reply(s: socket.socket, timeout: float = 5.0):
+    """(status, body), or None when the server closed the connection, or "silent"."""
+    s.settimeout(timeout)
+    buf = b""
+    try:
+        while len(buf) < 5:
+            chunk = s.recv(4096)
+            if not chunk:
+                return None
+            buf += chunk
+        status, n = P.REP_HEADER.unpack_from(buf, 0)
+        while len(buf) < 5 + n:
+            chunk = s.recv(65536)
+            if not chunk:
+                return None
+            buf += chunk
+        return status, buf[5:5 + n]
+    except socket.timeout:
+        return "silent"
+    except ConnectionResetError:
+        return None
+
+
+def _is_closed(s: socket.socket, timeout: float = 5.0) -> bool:
+    s.settimeout(timeout)
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = StoreServer(max_key_size=64, max_value_size=1 << 20).start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def good(server):
+    with TCPStore(*server.address, timeout=10) as s:
+        yield s
+
+
+def _assert_healthy(srv: StoreServer, good: TCPStore) -> None:
+    assert srv.running
+    good.set("health", b"ok")
+    assert good.get("health") == b"ok"
+    with TCPStore(*srv.address, timeout=5) as fresh:  # and it still accepts new clients
+        assert fresh.get("health") == b"ok"
+
+
+_rng = random.Random(1234)
+MALFORMED = [
+    # id, bytes sent, expected: "protocol" (error reply then close), "request" (error reply,
+    # connection stays usable), "pending" (server waits for the rest, others unaffected)
+    ("nothing", b"", "pending"),
+    ("truncated-header", b"\x02\x00\x00", "pending"),
+    ("truncated-body", P.REQ_HEADER.pack(Op.SET, 100) + b"\x00" * 10, "pending"),
+    ("oversized-length", P.REQ_HEADER.pack(Op.SET, 0xFFFFFFFF), "protocol"),
+    ("oversized-get", P.REQ_HEADER.pack(Op.GET, 10_000) + b"k" * 100, "protocol"),
+    ("oversized-num-keys", _frame(Op.NUM_KEYS, b"xxxxx"), "protocol"),
+    ("oversized-auth", _frame(Op.AUTH, b"a" * 100), "protocol"),
+    ("unknown-opcode", _frame(0xEE, b"abc"), "protocol"),
+    ("opcode-zero", _frame(0, b""), "protocol"),
+    ("zero-length-set", _frame(Op.SET, b""), "protocol"),
+    ("set-key-length-past-end", _frame(Op.SET, U32(50) + b"short"), "protocol"),
+    ("get-without-timeout", _frame(Op.GET, b"ab"), "protocol"),
+    ("add-too-short", _frame(Op.ADD, b"\x00\x01"), "protocol"),
+    ("cas-truncated", _frame(Op.CAS, U32(1) + b"k" + U32(99)), "protocol"),
+    ("wait-truncated-keys", _frame(Op.WAIT, U32(100) + U32(10) + b"ab"), "protocol"),
+    ("check-truncated-len", _frame(Op.CHECK, b"\x00\x00"), "protocol"),
+    ("auth-on-tokenless-server", _frame(Op.AUTH, b"m" * 64), "auth"),
+    ("key-over-limit", _frame(Op.SET, U32(65) + b"k" * 65 + b"v"), "request"),
+    ("wait-key-over-limit", _frame(Op.WAIT, U32(0) + U32(100) + b"k" * 100), "request"),
+    ("random-bytes", bytes([0xC3]) + bytes(_rng.getrandbits(8) for _ in range(4095)),
+     "protocol"),
+    ("random-bytes-valid-op", bytes([Op.SET]) + bytes(_rng.getrandbits(8) for _ in range(999)),
+     "any"),
+]
+
+
+@pytest.mark.parametrize("payload, expect", [m[1:] for m in MALFORMED],
+                         ids=[m[0] for m in MALFORMED])
+def test_malformed_frames(server, good, payload, expect):
+    before = good.num_keys()
+    s = _raw(server)
+    try:
+        s.sendall(payload)
+        if expect == "pending":
+            assert _read_reply(s, 0.3) == "silent"
+            _assert_healthy(server, good)  # a half-sent client blocks nobody
+        elif expect in ("protocol", "auth"):
+            rep = _read_reply(s)
+            assert rep is not None and rep != "silent", rep
+            want = Status.ERR_PROTOCOL if expect == "protocol" else Status.ERR_AUTH
+            assert rep[0] == want, rep
+            assert rep[1]  # a message saying why
+            assert _is_closed(s)
+        elif expect == "request":
+            rep = _read_reply(s)
+            assert rep[0] == Status.ERR_REQUEST and b"max_key_size=64" in rep[1], rep
+            s.sendall(_frame(Op.PING, b""))  # same connection, still in step
+            assert _read_reply(s) == (Status.OK, b"")
+        else:  # anything but a hang of the server
+            rep = _read_reply(s, 0.5)
+            assert rep is None or rep == "silent" or rep[0] != Status.OK
+    finally:
+        s.close()
+    _assert_healthy(server, good)
+    assert good.num_keys() <= max(before, 1)  # no malformed request stored anything
+    deadline = time.monotonic() + 5
+    while server.num_clients > 1 and time.monotonic() < deadline:  # only `good` remains
+        time.sleep(0.01)
+    assert server.num_clients == 1
+
+
+def test_oversized_length_is_not_buffered(server, good):
+    """Announce 1 GiB and start sending: refused at the header, connection closed."""
+    s = _raw(server)
+    try:
+        s.sendall(P.REQ_HEADER.pack(Op.SET, 1 << 30))
+        try:
+            s.sendall(b"\0" * (4 << 20))
+        except OSError:
+            pass  # the server hung up on us, as it should
+        rep = _read_reply(s)
+        assert rep is None or rep[0] == Status.ERR_PROTOCOL
+    finally:
+        s.close()
+    _assert_healthy(server, good)
+
+
+def test_pipelined_frames_are_answered_in_order(server, good):
+    s = _raw(server)
+    try:
+        s.sendall(_frame(Op.SET, U32(2) + b"pk" + b"v1") + _frame(Op.PING, b"")
+                  + _frame(Op.GET, U32(1000) + b"pk") + _frame(Op.DELETE, b"pk"))
+        want = (P.REP_HEADER.pack(Status.OK, 0) * 2 + P.REP_HEADER.pack(Status.OK, 2) + b"v1"
+                + P.REP_HEADER.pack(Status.OK, 1) + b"\x01")
+        got = b""
+        s.settimeout(5)
+        while len(got) < len(want):
+            chunk = s.recv(4096)
+            assert chunk
+            got += chunk
+        assert got == want
+    finally:
+        s.close()
+
+
+def test_client_that_never_reads_is_throttled_not_buffered(server, good):
+    """Pipelined GETs of a large value, replies never read: the server queues a bounded
+    amount for that client, stops reading from it, and keeps serving everyone else."""
+    value = b"z" * (512 << 10)
+    good.set("bulk", value)
+    s = _raw(server)
+    try:
+        s.setblocking(False)
+        req = _frame(Op.GET, U32(1000) + b"bulk")
+        sent = 0
+        for _ in range(200):  # up to 100 MiB of replies requested
+            try:
+                sent += s.send(req * 10)
+            except BlockingIOError:
+                break
+        time.sleep(0.5)
+        _assert_healthy(server, good)
+        queued = max(c.wbytes for c in list(server._conns.values()))
+        assert queued <= (8 << 20) + len(value) + 64, queued
+    finally:
+        s.close()
+    good.delete("bulk")
+
+
+def test_request_before_auth_is_refused_and_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="ncclpy.store")
+    with StoreServer(token="tok").start() as srv:
+        s = _raw(srv)
+        try:
+            s.sendall(_frame(Op.GET, U32(0) + b"k"))
+            rep = _read_reply(s)
+            assert rep[0] == Status.ERR_AUTH
+            assert _is_closed(s)
+        finally:
+            s.close()
+        assert "before authenticating" in caplog.text
+        with TCPStore(*srv.address, token="tok", timeout=5) as c:
+            c.ping()
+
+
+def test_not_a_store_server_is_a_protocol_error():
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def fake():
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b" " * 40)
+            time.sleep(1)
+
+    threading.Thread(target=fake, daemon=True).start()
+    try:
+        with pytest.raises(StoreProtocolError, match="not an ncclpy store"):
+            TCPStore("127.0.0.1", lsock.getsockname()[1], timeout=5)
+    finally:
+        lsock.close()
+
+
+# ---------------------------------------------------------------------------- dying peers
+_SERVER_CHILD = """
+import sys, time
+from ncclpy.store import StoreServer
+s = StoreServer().start()
+print(s.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_server_gives_connection_error_within_timeout():
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER_CHILD], stdout=subprocess.PIPE,
+                            env=_env(), text=True)
+    try:
+        port = int(proc.stdout.readline())
+        waiting = TCPStore("127.0.0.1", port, timeout=20)
+        later = TCPStore("127.0.0.1", port, timeout=2, connect_timeout=2)
+        waiting.set("k", b"v")
+        result = {}
+
+        def blocked_get():
+            t0 = time.monotonic()
+            try:
+                waiting.get("never", timeout=20)
+            except BaseException as e:
+                result["err"] = e
+            result["t"] = time.monotonic() - t0
+
+        t = threading.Thread(target=blocked_get)
+        t.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        t.join(25)
+        assert isinstance(result.get("err"), StoreConnectionError), result
+        assert result["t"] < 5, result  # noticed at once, not at the 20 s timeout
+        assert f"127.0.0.1:{port}" in str(result["err"])
+        # a client that had not noticed yet: fails within its own (2 s) timeout
+        t0 = time.monotonic()
+        with pytest.raises(StoreConnectionError):
+            later.get("k")
+        with pytest.raises(StoreConnectionError):  # and again (reconnect is refused)
+            later.get("k")
+        assert time.monotonic() - t0 < 6
+        waiting.close()
+        later.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+_HALF_FRAME_CHILD = """
+import socket, struct, sys, time
+port = int(sys.argv[1]); mode = sys.argv[2]
+s = socket.create_connection(("127.0.0.1", port))
+hello = b""
+while len(hello) < 48:
+    hello += s.recv(48 - len(hello))
+if mode == "half":   # SET announcing 512 KiB, of which 100 KiB arrive
+    s.sendall(struct.pack("!BI", 2, 512 * 1024) + struct.pack("!I", 4) + b"dead" + b"x" * 100000)
+else:                # a GET parked on a key nobody sets yet
+    s.sendall(struct.pack("!BI", 3, 4 + 6) + struct.pack("!I", 60000) + b"parked")
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("mode", ["half", "parked"])
+def test_client_killed_mid_request_leaves_server_unaffected(mode):
+    with StoreServer().start() as srv, TCPStore(*srv.address, timeout=10) as good:
+        proc = subprocess.Popen([sys.executable, "-c", _HALF_FRAME_CHILD, str(srv.port), mode],
+                                stdout=subprocess.PIPE, env=_env(), text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(0.1)
+            assert srv.num_clients == 2
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        deadline = time.monotonic() + 5
+        while srv.num_clients > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.num_clients == 1 and srv.running
+        assert not good.check("dead")
+        good.set("parked", b"now set")  # the dead client's waiter must not trip the server
+        assert good.get("parked") == b"now set"
+        assert good.num_keys() == 1
+
+
+def test_server_thread_does_not_keep_a_program_alive():
+    code = ("from ncclpy.store import TCPStore\n"
+            "import threading\n"
+            "s = TCPStore('127.0.0.1', 0, is_server=True, timeout=30)\n"
+            "c = TCPStore('127.0.0.1', s.port, timeout=30)\n"
+            "t = threading.Thread(target=lambda: c.get('never'), daemon=True); t.start()\n"
+            "s.set('a', b'b'); print('done', flush=True)\n")  # no close(): exit must not hang
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+    assert time.monotonic() - t0 < 15
+
+
+# ---------------------------------------------------------------------------- connecting
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connect_retries_until_a_late_server_starts():
+    port = _free_port()
+    result = {}
+
+    def client():
+        t0 = time.monotonic()
+        try:
+            with TCPStore("127.0.0.1", port, timeout=10, connect_timeout=10) as s:
+                result["v"] = s.get("hello", timeout=10)
+        except BaseException as e:
+            result["err"] = e
+        result["t"] = time.monotonic() - t0
+
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(0.6)  # rank 0 starts last
+    with StoreServer(port=port).start() as srv:
+        with TCPStore(*srv.address, timeout=5) as rank0:
+            rank0.set("hello", b"world")
+            t.join(15)
+    assert result.get("v") == b"world", result
+    assert result["t"] >= 0.5
+
+
+def test_connect_gives_up_after_connect_timeout():
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(StoreConnectionError) as ei:
+        TCPStore("127.0.0.1", port, timeout=30, connect_timeout=0.6)
+    waited = time.monotonic() - t0
+    assert 0.5 <= waited < 3
+    msg = str(ei.value)
+    assert f"127.0.0.1:{port}" in msg and "0.6" in msg and "attempt" in msg
+
+
+def test_max_clients_refuses_extra_connections():
+    with StoreServer(max_clients=2).start() as srv:
+        a = TCPStore(*srv.address, timeout=5)
+        b = TCPStore(*srv.address, timeout=5)
+        with pytest.raises(StoreConnectionError):
+            TCPStore(*srv.address, timeout=5, connect_timeout=0.5)
+        a.close()
+        deadline = time.monotonic() + 5
+        while srv.num_clients > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with TCPStore(*srv.address, timeout=5) as c:  # a slot is free again
+            c.ping()
+        b.ping()
+        b.close()
+
+
+def test_client_reconnects_after_a_client_side_timeout():
+    """After a reply failed to arrive in time the stream is out of step; the next call starts
+    a fresh connection instead of reading a stale reply."""
+    with StoreServer().start() as srv, TCPStore(*srv.address, timeout=5) as s:
+        s.set("x", b"1")
+        big = b"b" * (1 << 20)
+        timed_out = False
+        for _ in range(20):
+            s.timeout = 1e-6  # no round trip of 1 MiB fits in that
+            try:
+                s.set("big", big)
+            except StoreTimeout as e:
+                timed_out = True
+                assert "no reply" in str(e) or "big" in str(e)
+                break
+            finally:
+                s.timeout = 5.0
+        assert timed_out
+        assert s.get("x") == b"1"
+        s.set("y", b"2")
+        assert s.get("y") == b"2"
+
+
+def test_client_that_never_authenticates_is_dropped(monkeypatch, caplog):
+    import ncclpy.store.server as server_mod
+    monkeypatch.setattr(server_mod, "_AUTH_TIMEOUT", 0.3)
+    caplog.set_level(logging.WARNING, logger="ncclpy.store")
+    with StoreServer(token="tok").start() as srv:
+        s = _raw(srv)
+        try:
+            t0 = time.monotonic()
+            assert _is_closed(s, 5)
+            assert time.monotonic() - t0 < 3
+        finally:
+            s.close()
+        assert "did not authenticate" in caplog.text
+        with TCPStore(*srv.address, token="tok", timeout=5) as c:
+            c.ping()
+
+
+def test_port_in_use_is_a_clear_error():
+    with StoreServer().start() as srv:
+        with pytest.raises(StoreConnectionError, match=f"could not listen on 127.0.0.1:{srv.port}"):
+            StoreServer(port=srv.port).start()
+        with pytest.raises(StoreConnectionError):
+            TCPStore("127.0.0.1", srv.port, is_server=True, timeout=5)
+
+
+def test_finished_waits_do_not_pile_up_in_the_timer_heap():
+    """Every parked get has a deadline in the timer heap; resolved ones must not accumulate."""
+    with StoreServer().start() as srv, TCPStore(*srv.address, timeout=60) as setter:
+        raw = _raw(srv)
+        try:
+            for i in range(5000):
+                key = b"k%d" % i
+                raw.sendall(_frame(Op.GET, U32(600_000) + key))
+                deadline = time.monotonic() + 5
+                while key not in srv._waiters and time.monotonic() < deadline:
+                    time.sleep(0)
+                setter.set(key, b"v")
+                assert _read_reply(raw) == (Status.OK, b"v")
+        finally:
+            raw.close()
+        assert len(srv._timers) <= 4096 + 1
