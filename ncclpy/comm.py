@@ -263,7 +263,10 @@ class Communicator:
     def _run_p2p(self, planner: str, stream: Any, spec: Any, peer: Any) -> Work:
         self._check_usable(planner)
         from .plan import collectives
-        plan = getattr(collectives, "plan_" + planner)(self._ctx, spec, peer)
+        ctx = self._ctx
+        if group_state().depth:  # inside a user group NCCL pairs send/recv to self
+            ctx = dataclasses.replace(ctx, in_group=True)
+        plan = getattr(collectives, "plan_" + planner)(ctx, spec, peer)
         return execute(self, plan, resolve_stream(stream, [spec], self._device), keep=[spec])
 
     def all_reduce(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
