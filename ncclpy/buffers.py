@@ -15,12 +15,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
 from .dtypes import LOGICAL, dtype_name
-from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError
+from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError, as_int
 
 __all__ = ["BufferSpec", "Buffer", "as_buffer", "DEVICE_HOST", "DEVICE_UNKNOWN",
            "parse_dlpack_capsule", "DLPackInfo"]
@@ -74,16 +73,7 @@ class BufferSpec:
 
 
 def _int_arg(name: str, what: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise ArgumentTypeError(f"{name}: {what} must be an int, got the bool {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ArgumentTypeError(f"{name}: {what} must be an int, got {value!r} "
-                                f"({type(value).__name__})") from None
-    if v < minimum:
-        raise ArgumentError(f"{name}: {what} must be >= {minimum}, got {v}")
-    return v
+    return as_int(f"{name}: {what}", value, minimum)
 
 
 @dataclass(frozen=True)

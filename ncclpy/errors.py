@@ -6,9 +6,11 @@ class each so callers can catch exactly what they expect.
 """
 from __future__ import annotations
 
-from typing import Optional
+import operator
+from typing import Any, Optional
 
 __all__ = [
+    "as_int",
     "NcclpyError", "ArgumentError", "ArgumentTypeError", "UnsupportedError", "VersionError",
     "MissingDependencyError", "RendezvousError", "LaunchError", "ProcessRaisedException",
     "StoreError", "StoreTimeout", "StoreConnectionError", "StoreAuthError", "StoreProtocolError",
@@ -158,3 +160,22 @@ _BY_CODE = {cls.code: cls for cls in (
 def nccl_error_from_code(code: int, call: str = "", last_error: str = "") -> NcclError:
     """Build the NcclError subclass for ``code`` (unknown codes give a plain NcclError)."""
     return _BY_CODE.get(int(code), NcclError)(int(code), call, last_error)
+
+
+def as_int(label: str, value: Any, minimum: Optional[int] = None) -> int:
+    """``value`` as a Python int (``operator.index``; bools and None refused), >= ``minimum``.
+
+    The one integer-argument check of the package, so every message reads the same:
+    "LABEL must be an int, got VALUE (TYPE)" / "LABEL is V; expected an int >= MINIMUM".
+    """
+    if isinstance(value, bool) or value is None:
+        raise ArgumentTypeError(f"{label} must be an int, got {value!r} "
+                                f"({type(value).__name__})")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"{label} must be an int, got {value!r} "
+                                f"({type(value).__name__})") from None
+    if minimum is not None and v < minimum:
+        raise ArgumentError(f"{label} is {v}; expected an int >= {minimum}")
+    return int(v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ncclpy import errors
+from ncclpy._nccl import dispatch
 from ncclpy.buffers import Buffer, BufferSpec, as_buffer
 from ncclpy.ops import premul_sum
 from ncclpy.plan.collectives import (plan_all_gather, plan_all_reduce, plan_all_to_all,
@@ -199,6 +200,16 @@ CASES = [
      AE, ["collective 'all_sum' is unknown"]),
     ("bad context", lambda: plan_all_reduce(PlanContext(4, 4), B(S, 4)),
      AE, ["rank 4", "world_size 4"]),
+    ("Buffer ptr bool", lambda: B(True, 4),
+     ATE, ["Buffer: ptr must be an int", "True", "bool"]),
+    ("Buffer count negative", lambda: B(S, -1),
+     AE, ["Buffer: count is -1", ">= 0"]),
+    ("all_to_all count float", lambda: plan_all_to_all(C(n=2), B(S, 4), B(O, 4),
+                                                        send_counts=[2, 2.0],
+                                                        recv_counts=[2, 2]),
+     ATE, ["send_counts[1] must be an int", "2.0", "float"]),
+    ("comm rank bool", lambda: dispatch.int_arg("rank", True, 0),
+     ATE, ["rank must be an int", "True"]),
 ]
 
 

@@ -7,11 +7,10 @@ raw ``ncclComm_t``.  Both raise ncclpy's NcclError subclass with ``ncclGetLastEr
 """
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any, Callable, Dict
 
-from ..errors import ArgumentError, ArgumentTypeError, VersionError
+from ..errors import ArgumentError, ArgumentTypeError, VersionError, as_int
 from ..plan.types import NCCL_FUNCTIONS
 from .lib import NCCL_IN_PROGRESS, CudaUnavailableError
 
@@ -104,15 +103,7 @@ def build_dispatch(comm: Any, lib: Any, handle: int, nc: Any) -> Dict[str, Calla
 
 def int_arg(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int >= ``minimum`` (ArgumentTypeError / ArgumentError otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise ArgumentTypeError(f"{name}: expected an int, got {type(value).__name__} "
-                                    f"{value!r}") from None
-    if value < minimum:
-        raise ArgumentError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
+    return as_int(name, value, minimum)
 
 
 def uid_bytes(uid: Any) -> bytes:

@@ -5,13 +5,12 @@ argument, what was given and what was expected.  Nothing here touches a GPU.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..buffers import DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, as_buffer
 from ..dtypes import DType, Logical, LOGICAL, nccl_dtype
-from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError
+from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError, as_int
 from ..ops import NCCL_OPS, RedOp, effective_op
 from .scalars import encode_scalar
 from .types import PREMUL_OP, NcclCall, Plan, PlanContext, PremulSpec, Step
@@ -124,13 +123,7 @@ def reduction(ctx: PlanContext, coll: str, op: Any, w: Wire) -> Tuple[Any, Optio
 
 def rank_arg(ctx: PlanContext, coll: str, name: str, value: Any) -> int:
     """A root or peer: an int in [0, world_size)."""
-    if isinstance(value, bool) or value is None:
-        raise ArgumentTypeError(f"{coll}: {name} must be an int rank, got {value!r}")
-    try:
-        r = operator.index(value)
-    except TypeError:
-        raise ArgumentTypeError(f"{coll}: {name} must be an int rank, got {value!r} "
-                                f"({type(value).__name__})") from None
+    r = as_int(f"{coll}: {name}", value)
     if not 0 <= r < ctx.world_size:
         raise ArgumentError(f"{coll}: {name} {r} is out of range; expected 0 <= {name} < "
                             f"world_size ({ctx.world_size}), i.e. 0..{ctx.world_size - 1}")
@@ -208,15 +201,7 @@ def counts_arg(ctx: PlanContext, coll: str, name: str, counts: Any) -> List[int]
                             f"world_size ({ctx.world_size})")
     out = []
     for i, c in enumerate(counts):
-        if isinstance(c, bool):
-            raise ArgumentTypeError(f"{coll}: {name}[{i}] must be an int, got {c!r}")
-        try:
-            v = operator.index(c)
-        except TypeError:
-            raise ArgumentTypeError(f"{coll}: {name}[{i}] must be an int, got {c!r} "
-                                    f"({type(c).__name__})") from None
-        if v < 0:
-            raise ArgumentError(f"{coll}: {name}[{i}] is {v}; expected a count >= 0")
+        v = as_int(f"{coll}: {name}[{i}]", c, 0)
         out.append(v)
     return out
 
