@@ -3,5 +3,7 @@ import sys
 
 from bench.cli import main
 
+__all__ = ["main"]
+
 if __name__ == "__main__":
     sys.exit(main())

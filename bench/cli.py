@@ -122,6 +122,8 @@ def parse_ops(text: str) -> List[str]:
 
 
 def parse_backends(text: str) -> List[str]:
+    """``--backend`` values: ncclpy, cupy, torch (aliases cupy_raw, torch_dist, gloo), comma-
+    separated, in the order given (the first is the numerator of the ratios), duplicates once."""
     out = []
     for part in text.split(","):
         key = part.strip().lower()
@@ -135,6 +137,7 @@ def parse_backends(text: str) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser: nccl-tests' flags, then ncclpy's."""
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description="nccl-tests-compatible collective benchmark over ncclpy, raw CuPy NCCL and "

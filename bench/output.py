@@ -88,6 +88,7 @@ def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: in
 
 
 def table_header(multi: bool = False) -> List[str]:
+    """nccl-tests' three column-header lines (a backend column when ``multi``)."""
     e = ("", "", "", "", "")
     tail = "  backend" if multi else ""
     return [
@@ -177,6 +178,7 @@ def _div(a: float, b: float) -> Optional[float]:
 
 
 def ratio_lines(ratios: List[Dict[str, object]]) -> List[str]:
+    """The ratio tables printed after the main table, one per backend pair."""
     if not ratios:
         return []
     out = []
@@ -270,6 +272,7 @@ def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
 
 
 def now() -> str:
+    """Local time in nccl-tests' JSON format (``%Y-%m-%d %H:%M:%S``)."""
     return datetime.datetime.now().strftime(_TIME_FMT)
 
 

@@ -42,6 +42,8 @@ DEFAULT_SIZES = (8, 64, 512, 4096)
 
 @dataclass
 class OverheadConfig:
+    """One overhead run; built by :func:`parse_args`, picklable for spawn."""
+
     collective: str = "all_reduce"
     sizes: List[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
     calls: int = 2000
@@ -75,6 +77,7 @@ def _gpu_visible() -> bool:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> OverheadConfig:
+    """Parse ``python -m bench.overhead``'s command line (ArgumentError if invalid)."""
     from bench.cli import parse_backends, parse_size
     from ncclpy import registry
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -136,8 +139,8 @@ def _time_calls(b, fn, calls: int, batch: int) -> List[int]:
 def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
     """Measure on this rank; returns the JSON document (meaningful on rank 0)."""
     from ncclpy.dtypes import DTYPES
-    rank, world, local_rank, addr, port, ldev = _rendezvous()
-    store = _make_store(rank, world, addr, port, cfg.timeout)
+    rank, world, local_rank, ldev, info = _rendezvous()
+    store = _make_store(info, cfg.timeout)
     coord = Coord(store, rank, world, cfg.timeout)
     device = _pick_device(cfg.device, local_rank, ldev)
     results: List[Dict[str, object]] = []
@@ -145,7 +148,9 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
     try:
         for name in cfg.backends:
             b = get_backend(name)
-            b.setup(rank, world, device, store, master_addr=addr, timeout=cfg.timeout)
+            b.setup(rank, world, device, store,
+                    master_addr=info.master_addr if info is not None else "127.0.0.1",
+                    timeout=cfg.timeout)
             backends.append(b)
         item = DTYPES["float32"].itemsize
         for size in cfg.sizes:
@@ -243,6 +248,7 @@ def _spawned(rank: int, cfg: OverheadConfig) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: 0 on success, 2 on a bad command line or without a GPU, 1 on failure."""
     try:
         cfg = parse_args(argv)
     except ArgumentError as e:

@@ -28,7 +28,7 @@ from bench.backends import Backend, Buffers, get_backend, layout
 from bench.output import Row, Side
 
 __all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "warmup_sizes",
-           "launched_world", "per_collective_path"]
+           "launched_world", "per_collective_path", "timed_calls", "per_call_seconds"]
 
 AVERAGE_NAMES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
 _TYPE_NAMES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32",
@@ -79,6 +79,18 @@ def warmup_sizes(minbytes: int, maxbytes: int) -> List[int]:
         out.append(s)
         s = s * 2 if s else 1
     return out
+
+
+def timed_calls(iters: int, graph_launches: int) -> int:
+    """Collective calls inside the timed window, as nccl-tests counts them: ``-n`` calls, or with
+    ``-G N`` a graph holding the ``-n`` calls launched N times (``-m`` agg iters is always 1)."""
+    return iters * graph_launches if graph_launches else iters
+
+
+def per_call_seconds(elapsed: float, iters: int, graph_launches: int) -> float:
+    """nccl-tests' ``deltaSec``: the timed window divided by :func:`timed_calls`, per rank,
+    before ``-a`` aggregates it across ranks."""
+    return elapsed / timed_calls(iters, graph_launches)
 
 
 # ------------------------------------------------------------------------ coordination
@@ -167,21 +179,22 @@ def launched_world() -> Optional[int]:
 
 
 def _rendezvous():
-    """(rank, world, local_rank, master_addr, master_port, device-from-launcher)."""
+    """(rank, world, local_rank, device-from-launcher, RendezvousInfo or None when alone)."""
     if launched_world() is None:
-        return 0, 1, 0, "127.0.0.1", 0, None
+        return 0, 1, 0, None, None
     from ncclpy.rendezvous import resolve
     info = resolve()
-    return (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port,
-            info.device)
+    return info.rank, info.world_size, info.local_rank, info.device, info
 
 
-def _make_store(rank: int, world: int, addr: str, port: int, timeout: float):
-    """The harness's store client: rank 0 hosts the server (a lone rank a private one)."""
-    from ncclpy.store import TCPStore
-    if world == 1 or not port:
+def _make_store(info: Any, timeout: float):
+    """The harness's store client: the launcher's rendezvous store (rank 0 hosts ncclpy's, or
+    torchrun's agent store is joined), or a private one for a lone rank."""
+    if info is None or info.world_size == 1:
+        from ncclpy.store import TCPStore
         return TCPStore("127.0.0.1", 0, timeout=timeout, is_server=True)
-    return TCPStore(addr, port, timeout=timeout, is_server=(rank == 0))
+    from ncclpy.bootstrap import connect_store
+    return connect_store(info, timeout=timeout)
 
 
 def _pick_device(kind: str, local_rank: int, launcher_device: Optional[int]):
@@ -237,11 +250,9 @@ class _Rank:
         b.sync()
         self.coord.barrier()
         graph = None
-        calls = cfg.iters
         if cfg.cudagraph:
             graph = b.capture(lambda: [once() for _ in range(cfg.iters)])
             self.coord.barrier()
-            calls = cfg.iters * cfg.cudagraph
         if cfg.timer == "events":
             begin, stop = b.event_timer()
             begin()
@@ -254,7 +265,8 @@ class _Rank:
             elapsed = time.perf_counter() - t0
         if graph is not None:
             b.release(graph)
-        seconds = self.coord.reduce(elapsed / calls, AVERAGE_NAMES[cfg.average])
+        seconds = self.coord.reduce(per_call_seconds(elapsed, cfg.iters, cfg.cudagraph),
+                                    AVERAGE_NAMES[cfg.average])
         nbytes = bufs.layout.nbytes(DTYPES[bufs.dtype].itemsize)
         alg, bus = coll.bandwidths(nbytes, seconds, self.world)
         wrong: Optional[int] = None
@@ -368,18 +380,20 @@ def run_rank(cfg: SweepConfig) -> int:
     exit status (non-zero when a check found wrong elements or the bandwidth floor failed).
     Several collectives run one after the other, each with its own table, as if the nccl-tests
     binaries had been run in turn."""
-    rank, world, local_rank, addr, port, ldev = _rendezvous()
+    rank, world, local_rank, ldev, info = _rendezvous()
     for name in cfg.collectives:
         if registry.get(name).rooted and cfg.root >= world:
             raise ArgumentError(f"-r/--root: {cfg.root} is not a rank of a world of {world}")
-    store = _make_store(rank, world, addr, port, cfg.timeout)
+    store = _make_store(info, cfg.timeout)
     coord = Coord(store, rank, world, cfg.timeout)
     device = _pick_device(cfg.device, local_rank, ldev)
     backends: List[Backend] = []
     try:
         for name in cfg.backends:
             b = get_backend(name)
-            b.setup(rank, world, device, store, master_addr=addr, timeout=cfg.timeout)
+            b.setup(rank, world, device, store,
+                    master_addr=info.master_addr if info is not None else "127.0.0.1",
+                    timeout=cfg.timeout)
             backends.append(b)
             if cfg.cudagraph and not b.supports_graphs:
                 raise ArgumentError(f"-G/--cudagraph: backend {b.label} cannot capture graphs")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 import ncclpy
-from _common import Section, emit, emit_error, emit_input, main
+from _common import Section, column_views, emit, emit_error, emit_input, main
 
 ROOT = 0
 
@@ -83,7 +83,7 @@ def e2(comm) -> None:
         # (before any NCCL call, so the other ranks need not take part in this attempt).
         final = cp.empty((5, 2 * n), cp.float32)
         try:
-            comm.gather(x, [final[:, 2 * i:2 * i + 2] for i in range(n)], root=ROOT)
+            comm.gather(x, column_views(final, 2), root=ROOT)
         except ncclpy.NcclpyError as e:
             emit_error("E2", comm.rank, e)
     # Right: receive the (5, 2) blocks contiguously, then lay them side by side.

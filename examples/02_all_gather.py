@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 import ncclpy
-from _common import Section, emit, emit_error, emit_input, main
+from _common import Section, column_views, emit, emit_error, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -100,7 +100,7 @@ def e4(comm) -> None:
     # Every rank makes this call, and every rank gets the same clear error.
     final = cp.empty((5, 2 * n), cp.float32)
     try:
-        comm.all_gather(x, [final[:, 2 * i:2 * i + 2] for i in range(n)])
+        comm.all_gather(x, column_views(final, 2))
     except ncclpy.NcclpyError as e:
         emit_error("E4", comm.rank, e)
     # Right: send the transpose (2, 5) as contiguous rows, gather (2n, 5), transpose back.

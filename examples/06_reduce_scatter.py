@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 import ncclpy
-from _common import Section, emit, emit_error, emit_input, main
+from _common import Section, column_views, emit, emit_error, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -91,7 +91,7 @@ def e10(comm) -> None:
     out = cp.empty((5, 1), cp.float32)
     # Wrong on purpose: torch.split(data, 1, dim=1) -- (5,1) column views, strided in memory.
     try:
-        comm.reduce_scatter([data[:, j:j + 1] for j in range(n)], out, op="sum")
+        comm.reduce_scatter(column_views(data, 1), out, op="sum")
     except ncclpy.NcclpyError as e:
         emit_error("E10", comm.rank, e)
     # Right: make each column a contiguous row, reduce-scatter rows, reshape back to (5, 1).

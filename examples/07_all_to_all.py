@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 import ncclpy
-from _common import Section, emit, emit_error, emit_input, main
+from _common import Section, column_views, emit, emit_error, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -81,11 +81,11 @@ def e12(comm) -> None:
     recv = [cp.empty((5, 1), cp.float32) for _ in range(n)]
     # Wrong on purpose: column views local[:, j:j+1] are strided, not raw contiguous buffers.
     try:
-        comm.all_to_all([local[:, j:j + 1] for j in range(n)], recv)
+        comm.all_to_all(column_views(local, 1), recv)
     except ncclpy.NcclpyError as e:
         emit_error("E12", comm.rank, e)
     # Right (as the seed: .contiguous()): contiguous copies of the columns.
-    send = [cp.ascontiguousarray(local[:, j:j + 1]) for j in range(n)]
+    send = [cp.ascontiguousarray(v) for v in column_views(local, 1)]
     comm.all_to_all(send, recv).wait()
     emit("E12", comm.rank, cp.concatenate(recv, axis=1))     # torch.cat(output_list, dim=1)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["Section", "emit", "emit_input", "emit_error", "parse", "collect", "LINE_RE",
-           "launched_by_launcher", "main", "load_example", "to_json", "sync"]
+           "launched_by_launcher", "main", "load_example", "to_json", "sync", "column_views"]
 
 #: ``E3 rank=2 result=[...]`` anywhere in a line (after an optional launcher prefix).
 LINE_RE = re.compile(
@@ -95,6 +95,14 @@ def sync() -> None:
     """Wait for everything queued on this rank's GPU (all streams)."""
     import cupy
     cupy.cuda.Device().synchronize()
+
+
+def column_views(a: Any, width: int) -> List[Any]:
+    """``a``'s column blocks of ``width`` columns, as views (``torch.split(a, width, dim=1)``).
+
+    Column views of a C-order array are strided: the wrong thing to hand a raw-buffer collective,
+    which the column examples do on purpose to show ncclpy's error.  Numpy and CuPy alike."""
+    return [a[:, width * i:width * (i + 1)] for i in range(a.shape[1] // width)]
 
 
 # --------------------------------------------------------------------------- parsing

@@ -5,5 +5,7 @@ import sys
 
 from .cli import main
 
+__all__ = ["main"]
+
 if __name__ == "__main__":
     sys.exit(main())

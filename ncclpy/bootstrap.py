@@ -8,6 +8,12 @@ The uid lives under ``ncclpy/uid/{name}/{generation}``, so several communicators
 names) and re-inits (new generations) never read each other's id.  With ``generation=None`` every
 rank bumps its own counter ``ncclpy/gen/{name}/{rank}``: ranks that create communicators in the
 same order get the same generation without talking to each other.
+
+Hand-over: every other rank adds 1 to ``ncclpy/uid-ack/{name}/{generation}`` once it has read
+the uid (the last one sets ``.../all``), and rank 0 returns only after that, within
+``timeout``; rank 0 may then exit (taking the store with it) without cutting anyone off.
+Store failures, ncclpy's or torch's (``DistStoreError``), surface as one
+:class:`~ncclpy.errors.RendezvousError` naming the key, the store address and the wait.
 """
 from __future__ import annotations
 
@@ -21,12 +27,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ncclpy.errors import (ArgumentError, MissingDependencyError, RendezvousError, StoreError,
-                           StoreTimeout)
+from ncclpy.errors import (ArgumentError, ArgumentTypeError, MissingDependencyError,
+                           RendezvousError, StoreError, StoreTimeout)
 from ncclpy.rendezvous import RendezvousInfo, resolve
 
 __all__ = ["Bootstrap", "bootstrap", "exchange_uid", "get_unique_id", "UID_BYTES",
-           "uid_key", "generation_key"]
+           "uid_key", "generation_key", "ack_key", "connect_store"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,12 @@ def uid_key(name: str, generation: int) -> str:
 def generation_key(name: str, rank: int) -> str:
     """Store key of rank ``rank``'s generation counter for communicator ``name``."""
     return f"ncclpy/gen/{name}/{rank}"
+
+
+def ack_key(name: str, generation: int) -> str:
+    """Store counter of the ranks that have read the uid of ``name``, ``generation``; the last
+    reader sets ``ack_key(...) + "/all"``, which rank 0 waits for."""
+    return f"ncclpy/uid-ack/{name}/{generation}"
 
 
 def _as_uid(raw: Any, what: str) -> bytes:
@@ -125,50 +137,161 @@ def _describe(store: Any) -> str:
     return f"{type(store).__name__} at {addr[0]}:{addr[1]}" if addr else type(store).__name__
 
 
+def _failure_kind(e: BaseException) -> Optional[str]:
+    """"timeout" or "error" when ``e`` is a store failure (ncclpy's, torch's or a socket's),
+    None for anything else (which then propagates unchanged)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    if isinstance(e, (StoreTimeout, TimeoutError)) or (
+            "DistStoreError" in names and "timeout" in str(e).lower()):
+        return "timeout"
+    if isinstance(e, (StoreError, OSError)) or "DistError" in names:
+        return "error"
+    return None
+
+
+def _store_call(store: Any, rank: int, doing: str, key: str, fn: Any, *args: Any,
+                wait: Optional[float] = None, hint: str = "") -> Any:
+    """``fn(*args)``; a store failure (ncclpy's StoreError, torch's DistStoreError/DistNetworkError,
+    a socket error) becomes one :class:`RendezvousError` naming the key, address and wait."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        kind = _failure_kind(e)
+        if kind is None:
+            raise
+        where = _describe(store)
+        if kind == "timeout" and wait is not None:
+            msg = f"rank {rank} waited {wait:g} s to {doing} (key {key!r}) on {where}"
+        elif kind == "timeout":
+            msg = f"rank {rank} timed out trying to {doing} (key {key!r}) on {where}"
+        else:
+            msg = f"rank {rank} could not {doing} (key {key!r}) on {where}"
+        raise RendezvousError(f"{msg}: {type(e).__name__}: {e}{hint}") from e
+
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"{'None or ' if allow_none else ''}an int >= {minimum}"
+        raise ArgumentError(f"{name}: expected {expected}, got {value!r}")
+
+
 def exchange_uid(store: Any, rank: int, *, name: str = "default",
-                 generation: Optional[int] = None, timeout: float = 300.0) -> tuple[bytes, int]:
+                 generation: Optional[int] = None, timeout: float = 300.0,
+                 world_size: Optional[int] = None) -> tuple[bytes, int]:
     """Share one NCCL unique id among the ranks of communicator ``name``; returns (uid, generation).
 
     Rank 0 calls ``ncclGetUniqueId`` and publishes it; the others wait up to ``timeout`` seconds.
+    With ``world_size``, every other rank acknowledges (:func:`ack_key`) once it has read the id
+    and rank 0 returns only when all ``world_size - 1`` have, so a rank 0 that hosts the store
+    may exit right after without cutting a slower rank off.  Store failures (also torch's) raise
+    :class:`RendezvousError`.
     """
     if not isinstance(name, str) or not name:
         raise ArgumentError(f"name: expected a non-empty str, got {name!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ArgumentError(f"rank: expected an int >= 0, got {rank!r}")
-    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
-                                   or generation < 0):
-        raise ArgumentError(f"generation: expected None or an int >= 0, got {generation!r}")
+    _check_int("rank", rank, 0)
+    _check_int("generation", generation, 0, allow_none=True)
+    _check_int("world_size", world_size, 1, allow_none=True)
+    if world_size is not None and rank >= world_size:
+        raise ArgumentError(f"rank: expected < world_size={world_size}, got {rank}")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ArgumentError(f"timeout: expected seconds > 0, got {timeout!r}")
+    timeout = float(timeout)
     if generation is None:
-        generation = int(store.add(generation_key(name, rank), 1))
+        gkey = generation_key(name, rank)
+        generation = int(_store_call(store, rank, "count the generation of communicator "
+                                     f"{name!r}", gkey, store.add, gkey, 1))
     key = uid_key(name, generation)
+    what = f"the NCCL unique id of communicator {name!r} generation {generation}"
     if rank == 0:
         uid = get_unique_id()
-        store.set(key, uid)
+        _store_call(store, rank, f"publish {what}", key, store.set, key, uid)
         log.debug("bootstrap: rank 0 published the uid of %r generation %d under %s",
                   name, generation, key)
+        if world_size is not None and world_size > 1:
+            _await_acks(store, name, generation, world_size, timeout)
         return uid, generation
-    try:
-        raw = _store_get(store, key, float(timeout))
-    except (StoreTimeout, TimeoutError) as e:
-        raise RendezvousError(
-            f"rank {rank} waited {timeout:g} s for the NCCL unique id of communicator {name!r} "
-            f"generation {generation} (key {key!r}) on {_describe(store)}: rank 0 never published "
-            f"it. Is rank 0 running, and do all ranks create their communicators with the same "
-            f"names in the same order?") from e
-    except StoreError as e:
-        raise RendezvousError(f"rank {rank} could not read the NCCL unique id of communicator "
-                              f"{name!r} (key {key!r}) from {_describe(store)}: {e}") from e
+    raw = _store_call(
+        store, rank, f"read {what}", key, _store_get, store, key, timeout, wait=timeout,
+        hint=". Is rank 0 running, and do all ranks create their communicators with the same "
+             "names in the same order?")
     uid = _as_uid(raw, f"uid read from the store under {key!r}")
     log.debug("bootstrap: rank %d got the uid of %r generation %d", rank, name, generation)
+    if world_size is not None:
+        akey = ack_key(name, generation)
+        n = int(_store_call(store, rank, f"acknowledge {what}", akey, store.add, akey, 1))
+        if n == world_size - 1:   # the last reader tells rank 0 that everyone has the uid
+            _store_call(store, rank, f"acknowledge {what}", akey + "/all", store.set,
+                        akey + "/all", b"1")
     return uid, generation
+
+
+def _await_acks(store: Any, name: str, generation: int, world_size: int,
+                timeout: float) -> None:
+    """Rank 0: wait until the other ranks have read the uid, then drop the exchange's keys."""
+    akey = ack_key(name, generation)
+    try:
+        _store_call(store, 0, f"collect the {world_size - 1} acknowledgements of the NCCL "
+                    f"unique id of communicator {name!r} generation {generation}",
+                    akey + "/all", _store_get, store, akey + "/all", timeout, wait=timeout)
+    except RendezvousError as e:
+        try:
+            seen = f"{int(store.add(akey, 0))} of {world_size - 1}"
+        except Exception:  # the count is a courtesy; the error below says what matters
+            seen = f"not all {world_size - 1}"
+        raise RendezvousError(f"{e}. Only {seen} other ranks read the id; are all {world_size} "
+                              f"ranks running, with the same communicator names in the same "
+                              f"order?") from e.__cause__
+    delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
+    if delete is not None:  # every rank has the uid: the keys are garbage now
+        for k in (uid_key(name, generation), akey, akey + "/all"):
+            try:
+                delete(k)
+            except Exception as e:  # cleanup only
+                log.debug("bootstrap: could not delete %s: %s", k, e)
+    log.debug("bootstrap: all %d ranks read the uid of %r generation %d",
+              world_size, name, generation)
 
 
 # one store per (address, port, rank) and process: several communicators and re-inits share it
 _STORES: dict[tuple[str, int, int], Any] = {}
 _STORE_LOCKS: dict[tuple[str, int, int], threading.Lock] = {}
 _STORES_LOCK = threading.Lock()
+
+
+def connect_store(info: RendezvousInfo, token: Optional[str] = None,
+                  timeout: float = 300.0) -> Any:
+    """The store of the resolved rendezvous ``info``, one per (address, port, rank) per process.
+
+    ``store_kind`` "ncclpy": ncclpy's TCP store, hosted by rank 0 (``token``, else
+    ``$NCCLPY_STORE_TOKEN``).  "torchrun": torchrun's agent store, joined as a client through
+    torch's TCPStore, with keys under ``ncclpy/attempt-{TORCHELASTIC_RESTART_COUNT}/`` so a
+    restarted job never reads the previous attempt's ids.
+    """
+    if token is None:
+        token = os.environ.get("NCCLPY_STORE_TOKEN") or None
+    return _default_store(info, token, timeout)
+
+
+def _torchrun_store(info: RendezvousInfo, timeout: float) -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError as e:  # torchrun without torch.distributed cannot happen; be precise
+        raise MissingDependencyError(f"under torchrun ncclpy joins torchrun's store through "
+                                     f"torch.distributed, which cannot be imported: {e}") from None
+    try:
+        client = dist.TCPStore(info.master_addr, info.master_port, is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout))
+    except Exception as e:  # DistNetworkError / DistStoreError / RuntimeError
+        raise RendezvousError(f"cannot join torchrun's store at {info.master_addr}:"
+                              f"{info.master_port} within {timeout:g} s ({type(e).__name__}: "
+                              f"{e}); set NCCLPY_MASTER_PORT to use ncclpy's own store "
+                              f"instead") from e
+    from ncclpy.torch_store import TorchStoreAdapter
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return TorchStoreAdapter(dist.PrefixStore(f"ncclpy/attempt-{attempt}", client),
+                             f"{info.master_addr}:{info.master_port} (torchrun)", timeout)
 
 
 def _default_store(info: RendezvousInfo, token: Optional[str], timeout: float) -> Any:
@@ -182,6 +305,11 @@ def _default_store(info: RendezvousInfo, token: Optional[str], timeout: float) -
         if store is not None and not (getattr(store, "closed", False)
                                       or getattr(store, "_closed", False)):
             return store
+        if getattr(info, "store_kind", "ncclpy") == "torchrun":
+            log.debug("bootstrap: joining torchrun's agent store on %s:%d", *key[:2])
+            store = _torchrun_store(info, timeout)
+            _STORES[key] = store
+            return store
         if info.rank == 0:
             log.debug("bootstrap: rank 0 hosts the store on %s:%d", *key[:2])
         store = TCPStore(info.master_addr, info.master_port, token=token, timeout=timeout,
@@ -190,14 +318,39 @@ def _default_store(info: RendezvousInfo, token: Optional[str], timeout: float) -
         return store
 
 
-def _pick_device(info: RendezvousInfo) -> int:
-    if info.device is not None:
-        return info.device
+def _gpu_count() -> int:
     try:
         from ncclpy.launch.placement import visible_gpu_count
-        n = visible_gpu_count()
     except ImportError:  # pragma: no cover - placement ships with ncclpy
-        n = 0
+        return 0
+    return visible_gpu_count()
+
+
+def _check_device_arg(device: Any) -> None:
+    """An explicit ``device=`` must be a GPU index: fail before any rendezvous, precisely."""
+    if device is None:
+        return
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral):
+        raise ArgumentTypeError(f"device: expected None or an int GPU index >= 0, got "
+                                f"{type(device).__name__} {device!r}")
+    if device < 0:
+        raise ArgumentError(f"device: expected None or an int GPU index >= 0, got {device}")
+
+
+def _pick_device(info: RendezvousInfo, explicit: bool) -> int:
+    """The rank's device: the explicit/launcher one (checked against the visible GPUs when there
+    are any), else local rank mod GPU count. Runs before the store is touched."""
+    n = _gpu_count()
+    if info.device is not None:
+        if 0 < n <= info.device:
+            src = "argument device" if explicit else "NCCLPY_DEVICE"
+            cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ArgumentError(
+                f"device: {info.device} (from {src}) is out of range: this process sees {n} "
+                f"GPU{'s' if n != 1 else ''}"
+                + (f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else "")
+                + f"; rank {info.rank} did not join the rendezvous")
+        return info.device
     return info.local_rank % n if n > 0 else info.local_rank
 
 
@@ -208,16 +361,20 @@ def bootstrap(name: str = "default", *, store: Any = None, timeout: float = 300.
 
     ``store``: any object with ncclpy's or torch's store methods; None connects to (rank 0:
     hosts) ncclpy's TCP store at the resolved address with ``token`` or ``NCCLPY_STORE_TOKEN``.
-    ``resolve_kwargs`` go to :func:`ncclpy.rendezvous.resolve`.
+    ``resolve_kwargs`` go to :func:`ncclpy.rendezvous.resolve`.  The device is chosen and
+    checked (against the visible GPU count, when GPUs are visible) before the store is
+    contacted, so a bad device fails at once instead of after waiting for the peers.
     """
+    _check_device_arg(resolve_kwargs.get("device"))
     info = resolve(**resolve_kwargs)
+    device = _pick_device(info, explicit=resolve_kwargs.get("device") is not None)
     if store is None:
         if token is None:
             env = resolve_kwargs.get("env")
             token = (os.environ if env is None else env).get("NCCLPY_STORE_TOKEN") or None
         store = _default_store(info, token, timeout)
-    uid, gen = exchange_uid(store, info.rank, name=name, generation=generation, timeout=timeout)
-    device = _pick_device(info)
+    uid, gen = exchange_uid(store, info.rank, name=name, generation=generation, timeout=timeout,
+                            world_size=info.world_size)
     log.debug("bootstrap: %r generation %d: rank %d/%d local rank %d device %d (rendezvous from "
               "%s, store %s:%d)", name, gen, info.rank, info.world_size, info.local_rank, device,
               info.source, info.master_addr, info.master_port)

@@ -25,8 +25,8 @@ from . import registry as _registry
 from ._nccl.config import Config
 from ._nccl.dispatch import (build_dispatch, cupy_init, cupy_stream_for, int_arg, lib_group,
                              require_device, uid_bytes)
-from ._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE, get_lib,
-                        require_version)
+from ._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE,
+                        CudaUnavailableError, get_lib, require_version)
 from .errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
 from .execute import execute, group_scope, group_state
 from .plan.types import PlanContext
@@ -559,10 +559,26 @@ def init(name: str = "default", config: Optional[Config] = None, timeout: float 
          **resolve_kwargs: Any) -> Communicator:
     """Bootstrap (rendezvous + uid exchange) and create the communicator; makes its device
     CuPy's current device."""
+    from .bootstrap import _check_device_arg, bootstrap
+    _check_device_arg(resolve_kwargs.get("device"))
     get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
-    from .bootstrap import bootstrap
+    _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
     bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
     comm = Communicator.from_bootstrap(bs, config, timeout=timeout)
     import cupy
     cupy.cuda.Device(comm.device).use()
     return comm
+
+
+def _require_gpu(name: str) -> None:
+    """Raise CudaUnavailableError, before the rendezvous, when this process sees no device."""
+    from cupy.cuda import runtime
+    try:
+        n = runtime.getDeviceCount()
+        why = "" if n > 0 else "the CUDA runtime reports 0 devices"
+    except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        raise CudaUnavailableError(
+            f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "
+            f"NVIDIA GPU with a working driver, so this rank did not join the rendezvous")

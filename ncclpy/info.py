@@ -13,16 +13,22 @@ import platform
 import sys
 from typing import Any, Mapping, Optional
 
+from .rendezvous import ENV_VARS as _RENDEZVOUS_VARS
+
 __all__ = ["collect", "format_info", "loaded_library_path", "rendezvous_env", "ENV_NAMES",
            "ENV_PREFIXES", "MASKED"]
 
-#: Exact variable names reported (rendezvous and device selection).
-ENV_NAMES = (
+#: Exact variable names reported: every variable :func:`ncclpy.rendezvous.resolve` reads
+#: (torchrun, Open MPI, MPICH/PMI/PMIx, SLURM, ``NCCLPY_*``) plus device selection.
+ENV_NAMES: tuple[str, ...] = tuple(sorted(set(_RENDEZVOUS_VARS) | {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
-    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+    "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE",
+    "PMIX_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST", "SLURM_STEP_NODELIST",
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
-)
+}))
 #: Variable prefixes reported.
 ENV_PREFIXES = ("NCCL_", "NCCLPY_", "OMPI_COMM_WORLD_", "PMI_")
 #: Variables whose value is never shown.

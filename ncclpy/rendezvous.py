@@ -25,6 +25,7 @@ from ncclpy.errors import RendezvousError
 
 __all__ = [
     "RendezvousInfo", "resolve", "expand_hostlist", "first_host", "free_port", "SOURCES",
+    "ENV_VARS",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ SOURCES: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "mpich": {
         "rank": ("PMI_RANK", "PMIX_RANK"), "world_size": ("PMI_SIZE",),
-        "local_rank": ("MPI_LOCALRANKID",), "local_world_size": ("MPI_LOCALNRANKS",),
+        "local_rank": ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+        "local_world_size": ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
     },
     "slurm": {
         "rank": ("SLURM_PROCID",), "world_size": ("SLURM_NTASKS",),
@@ -81,6 +83,9 @@ class RendezvousInfo:
     master_port: int
     source: str
     device: Optional[int] = None
+    #: "ncclpy": ncclpy's TCP store at (master_addr, master_port), hosted by rank 0;
+    #: "torchrun": torchrun's own agent store there, joined as a client (torch's TCPStore)
+    store_kind: str = "ncclpy"
 
 
 # ----------------------------------------------------------------------------- hostlists
@@ -263,6 +268,10 @@ def _known_vars() -> tuple[str, ...]:
     return tuple(names) + _ADDR_VARS + _PORT_VARS + _NODELIST_VARS + _OTHER_VARS
 
 
+#: Every environment variable :func:`resolve` reads (``ncclpy info`` reports all of them).
+ENV_VARS: tuple[str, ...] = _known_vars()
+
+
 def _fail(col: _Collector, headline: str) -> RendezvousError:
     for var in _known_vars():
         col.raw(var)
@@ -385,6 +394,7 @@ def resolve(rank: Optional[int] = None, world_size: Optional[int] = None,
                 except ValueError as e:
                     col.problems.append(f"{var}: {e}")
                 break
+    store_kind = "ncclpy"
     port = _check_arg("master_port", master_port, 1, col)
     port_from = "argument master_port" if port is not None else ""
     if port is None:
@@ -393,10 +403,16 @@ def resolve(rank: Optional[int] = None, world_size: Optional[int] = None,
             if p is not None:
                 port, port_from = p, var
                 if var == "MASTER_PORT" and col.raw("TORCHELASTIC_RUN_ID") is not None:
-                    port += 1
-                    port_from = "MASTER_PORT+1 (torchrun's own store owns MASTER_PORT)"
-                    log.debug("rendezvous: under torchrun, ncclpy's store uses MASTER_PORT+1 = %d;"
-                              " set NCCLPY_MASTER_PORT to choose another", port)
+                    if (col.raw("TORCHELASTIC_USE_AGENT_STORE") or "").lower() == "true":
+                        # torchrun's agent serves a TCPStore at MASTER_PORT for its workers:
+                        # join it (no second port that could collide with torchrun's sockets)
+                        store_kind = "torchrun"
+                        port_from = "MASTER_PORT (torchrun's agent store, joined as a client)"
+                    else:
+                        port += 1
+                        port_from = "MASTER_PORT+1 (torchrun's own store owns MASTER_PORT)"
+                        log.debug("rendezvous: under torchrun, ncclpy's store uses MASTER_PORT+1"
+                                  " = %d; set NCCLPY_MASTER_PORT to choose another", port)
                 break
             if col.raw(var) is not None:  # set but bad: do not fall through silently
                 break
@@ -427,7 +443,8 @@ def resolve(rank: Optional[int] = None, world_size: Optional[int] = None,
     assert addr is not None and port is not None
     source = origin["rank"]
     info = RendezvousInfo(rank=r, world_size=ws, local_rank=lr, local_world_size=lws,
-                          master_addr=addr, master_port=port, source=source, device=dev)
+                          master_addr=addr, master_port=port, source=source, device=dev,
+                          store_kind=store_kind)
     log.debug("rendezvous: rank %d/%d local %d/%d from %s; store %s:%d (%s, %s); device %s",
               r, ws, lr, lws, source, addr, port, addr_from, port_from, dev)
     return info

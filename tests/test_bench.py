@@ -9,13 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ncclpy import registry
 from ncclpy.errors import ArgumentError
 
-from bench import output
+from bench import output, verify
 from bench.backends import layout
+from bench.backends.cupy_raw import P2P_COLLECTIVES, p2p_ops
+from bench.backends.ncclpy import call_args
+from bench.sweep import per_call_seconds, timed_calls
 from bench.cli import parse_args, parse_size, size_list
 from bench.output import Row, Side
 
@@ -184,6 +188,88 @@ def test_in_place_layout_follows_nccl():
     assert (lay.count, lay.whole, lay.ip_send, lay.ip_recv) == (10, 10, (0, 10), (0, 10))
 
 
+def test_timing_divides_like_nccl_tests_benchtime():
+    """nccl-tests: deltaSec = elapsed / (iters * agg_iters), then / cudaGraphLaunches with -G
+    (the graph holds the -n iterations and is launched -G times)."""
+    assert timed_calls(20, 0) == 20
+    assert timed_calls(20, 1) == 20
+    assert timed_calls(20, 10) == 200
+    assert per_call_seconds(0.5, 20, 0) == pytest.approx(0.025)
+    assert per_call_seconds(0.5, 20, 10) == pytest.approx(0.0025)
+    cfg = parse_args(["all_reduce", "--device", "cuda", "-n", "7", "-G", "3", "-a", "2"])
+    assert (cfg.iters, cfg.cudagraph, cfg.average) == (7, 3, 2)
+
+
+def test_average_flag_takes_nccl_tests_values_only():
+    for a in ("0", "1", "2", "3"):
+        assert parse_args(["all_reduce", "--device", "cpu", "-a", a]).average == int(a)
+    with pytest.raises(SystemExit):
+        parse_args(["all_reduce", "--device", "cpu", "-a", "4"])
+
+
+def _simulate_p2p(coll, n, root, total):
+    """Pair every rank's p2p_ops as NCCL does (the k-th send from a to b meets the k-th recv on
+    b from a) and move the blocks; returns each rank's receive buffer."""
+    ins = [verify.rank_input(coll, "int32", "none", r, n, layout(coll, total, n, r).send, 7)
+           for r in range(n)]
+    outs = [np.zeros(layout(coll, total, n, r).recv, np.int32) for r in range(n)]
+    count = layout(coll, total, n, 0).count
+    queues = {}
+    for r in range(n):
+        for kind, block, peer in p2p_ops(coll, r, n, root):
+            if kind == "send":
+                queues.setdefault((r, peer), []).append(ins[r][block * count:(block + 1) * count])
+    for r in range(n):
+        for kind, block, peer in p2p_ops(coll, r, n, root):
+            if kind == "recv":
+                outs[r][block * count:(block + 1) * count] = queues[(peer, r)].pop(0)
+    assert all(not q for q in queues.values()), "a send without a matching recv"
+    return ins, outs
+
+
+@pytest.mark.parametrize("coll", P2P_COLLECTIVES)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_raw_cupy_backend_p2p_decomposition_matches_the_reference(coll, n):
+    """The cupy backend builds all_to_all/gather/scatter/send_recv from grouped send/recv (as
+    nccl-tests does); the blocks it moves give the reference's outputs."""
+    for root in (range(n) if registry.get(coll).rooted else [-1]):
+        ins, outs = _simulate_p2p(coll, n, root, 12 * n)
+        want = verify.expected(coll, ins, "int32", "none", root, n, in_place=False)
+        for r in range(n):
+            if want[r] is not None:
+                assert np.array_equal(outs[r], want[r]), (coll, n, root, r)
+
+
+def test_ncclpy_backend_call_forms():
+    """Out of place (send, recv); in place ncclpy's documented forms; rooted sides only on the
+    root."""
+    a = {k: k for k in ("send", "recv", "whole", "ip_send", "ip_recv")}
+    for coll in ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_to_all"):
+        assert call_args(coll, a, False, 0, 0) == ("send", "recv")
+        assert call_args(coll, a, True, 1, 0) == ("whole", None)
+    assert call_args("all_gather", a, True, 1, -1) == (None, "whole")
+    assert call_args("all_gather", a, False, 1, -1) == ("send", "recv")
+    assert call_args("gather", a, True, 1, 1) == ("ip_send", "whole")
+    assert call_args("gather", a, True, 0, 1) == ("ip_send", None)
+    assert call_args("gather", a, False, 0, 1) == ("send", None)
+    assert call_args("scatter", a, True, 1, 1) == ("whole", "ip_recv")
+    assert call_args("scatter", a, True, 0, 1) == (None, "ip_recv")
+    assert call_args("scatter", a, False, 0, 1) == (None, "recv")
+    assert call_args("send_recv", a, True, 0, -1) == ("whole", "whole")
+
+
+def test_gpu_backends_refuse_cpu_before_any_communicator():
+    from ncclpy.errors import UnsupportedError
+    from bench.backends import get_backend
+    for name in ("ncclpy", "cupy"):
+        b = get_backend(name)
+        assert b.name == name and b.supports_graphs and b.supports_events
+        with pytest.raises(UnsupportedError, match="needs a CUDA device"):
+            b.setup(0, 1, None, None)
+        b.teardown()                              # nothing was opened: a no-op
+        assert b.comm is None
+
+
 # ---------------------------------------------------------------------------- formatting
 def test_float_str_is_nccl_tests_getFloatStr():
     assert output.float_str(9.62, 7) == "   9.62"
@@ -304,10 +390,68 @@ def test_gloo_sweep_end_to_end(tmp_path):
     assert {r["type"] for r in doc["results"]} == {"float", "int32"}
     assert all(r["out_of_place"]["nwrong"] == 0 and r["in_place"]["nwrong"] == 0
                for r in doc["results"])
+    _assert_nccl_tests_json_layout(doc)
     with open(cs) as f:
         lines = list(csv.DictReader(f))
     assert len(lines) == len(doc["results"]) and lines[0]["backend"] == "torch"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[0] > 200 and img.shape[1] > 400 and img.std() > 0   # a drawn figure
+
+
+# nccl-tests' -J writer (src/util.cu: jsonOutputInit, writeDeviceReport, jsonRankInfo,
+# writeBenchmarkLinePreamble/Body/Terminator, writeResultFooter, writeErrors,
+# jsonOutputFinalize), key by key and in order.  Our document must read the same to its tools.
+NCCL_TESTS_TOP = ["version", "start_time", "args", "env", "nccl_version", "config", "results",
+                  "out_of_bounds", "average_bus_bandwidth", "errors", "end_time"]
+NCCL_TESTS_CONFIG = ["nthreads", "ngpus", "minimum_bytes", "maximum_bytes", "<step>",
+                     "warmup_iters", "iterations", "aggregated_iterations", "validation",
+                     "graph", "blocking_collectives", "per_iter_timing", "parallel_init",
+                     "devices"]
+NCCL_TESTS_DEVICE = ["rank", "group", "pid", "hostname", "device", "device_hex", "device_info"]
+NCCL_TESTS_RESULT = ["size", "count", "type", "redop", "root", "out_of_place", "in_place",
+                     "actual_iterations", "experiment_name"]
+NCCL_TESTS_SIDE = ["time", "alg_bw", "bus_bw", "nwrong"]
+
+
+def _assert_nccl_tests_json_layout(doc):
+    assert [k for k in doc if k != "ncclpy"] == NCCL_TESTS_TOP
+    assert doc["version"] == 2                       # JSON_FILE_VERSION
+    cfg = [("<step>" if k in ("step_factor", "step_bytes") else k) for k in doc["config"]]
+    assert cfg == NCCL_TESTS_CONFIG
+    for d in doc["config"]["devices"]:
+        assert list(d) == NCCL_TESTS_DEVICE
+    for b in ("blocking_collectives", "per_iter_timing", "parallel_init"):
+        assert doc["config"][b] in ("true", "false")   # jsonBool writes strings
+    for r in doc["results"]:
+        assert list(r) == NCCL_TESTS_RESULT
+        assert isinstance(r["root"], str) and len(r["root"]) >= 6   # sprintf("%6i")
+        for side in ("out_of_place", "in_place"):
+            assert list(r[side]) == NCCL_TESTS_SIDE
+    assert list(doc["out_of_bounds"]) == ["count", "okay"]
+    assert list(doc["average_bus_bandwidth"]) == ["bandwidth", "okay"]
+
+
+def test_runs_under_ncclpy_run_launcher(tmp_path):
+    """No --nproc: the ranks come from an outer launcher (ncclpy run -n 2), as under torchrun,
+    mpirun or srun; rank 0 alone prints the table and writes the JSON."""
+    js = tmp_path / "r.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cp = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable, "-m",
+                         "bench", "all_gather", "--device", "cpu", "-b", "1K", "-e", "4K", "-f",
+                         "2", "-n", "2", "-q", "-J", str(js)],
+                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    table = [ln.split("] ", 1)[-1] for ln in cp.stdout.splitlines()]
+    rows = _table_rows("\n".join(table))
+    assert [r[0] for r in rows] == ["1024", "2048", "4096"]
+    assert all(r[8] == "0" and r[12] == "0" for r in rows), rows
+    assert sum("Collective test starting" in ln for ln in table) == 1    # rank 0 only
+    doc = json.loads(js.read_text())
+    _validate(doc)
+    assert doc["ncclpy"]["world_size"] == 2 and len(doc["config"]["devices"]) == 2
 
 
 def test_gloo_every_collective_is_correct(tmp_path):

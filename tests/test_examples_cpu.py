@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import py_compile
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,11 @@ import pytest
 
 from ncclpy import reference as R
 from ncclpy import registry
+from ncclpy.buffers import as_buffer
 from ncclpy.check import seed_examples as S
-from ncclpy.errors import UnsupportedError
+from ncclpy.errors import ArgumentError, UnsupportedError
 from ncclpy.ops import parse_op
+from ncclpy.plan.types import PlanContext
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -25,6 +28,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 import _common  # noqa: E402  (examples/_common.py)
+from gpu_util import cuda_reason  # noqa: E402
 
 SCRIPTS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
 MODULES = {p.name: _common.load_example(str(p)) for p in SCRIPTS}
@@ -103,9 +107,87 @@ def test_every_seed_id_has_exactly_one_section_with_the_seed_world_size():
             f"{e.world_size}")
 
 
+def test_root_readme_has_the_torch_to_ncclpy_table_linking_every_example():
+    text = (ROOT / "README.md").read_text()
+    assert "## From torch.distributed to ncclpy" in text
+    section = text.split("## From torch.distributed to ncclpy", 1)[1].split("\n## ", 1)[0]
+    links = re.findall(r"\]\((examples/[^)#]+)", section)
+    for link in links:
+        assert (ROOT / link).exists(), f"README links {link}, which does not exist"
+    for p in SCRIPTS:
+        assert f"examples/{p.name}" in links, f"the README table does not link {p.name}"
+    for call in ("dist.all_reduce", "dist.isend", "dist.barrier", "dist.all_to_all_single"):
+        assert call in section, call
+
+
 def test_every_data_example_has_an_input_builder():
     for key in DATA_KEYS:
         assert key in INPUTS, f"no example defines inputs for {key}"
+
+
+# The seeds' own README (shared/seeds/README.md beside the checkout, or inside it); its table
+# names E1-E35, some as ranges ("E18–E21").  Without it the ids the issue names stand in.
+ALL_IDS = [f"E{i}" for i in range(1, 36)]
+
+
+def _seed_readme():
+    for base in (ROOT / "shared", ROOT.parent / "shared", Path("/work/shared")):
+        path = base / "seeds" / "README.md"
+        if path.is_file():
+            return path
+    return None
+
+
+def _readme_ids(text: str) -> list:
+    """Every E-number in the seed table's id column, ranges expanded."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"^\|\s*E(\d+)(?:\s*[–-]\s*E(\d+))?\s*\|", line)
+        if m:
+            lo = int(m.group(1))
+            hi = int(m.group(2) or lo)
+            out += [f"E{i}" for i in range(lo, hi + 1)]
+    return out
+
+
+def test_every_id_in_the_seed_readme_is_covered_by_an_example_with_expectations():
+    path = _seed_readme()
+    ids = _readme_ids(path.read_text()) if path else ALL_IDS
+    assert ids == ALL_IDS, f"the seed README lists {ids}"
+    sections = {s.eid: name for name, mod in MODULES.items() for s in mod.SECTIONS}
+    for eid in ids:
+        assert eid in sections, f"{eid}: no example script has a section for it"
+        entries = [e for e in S.EXAMPLES if e.id == eid]
+        assert entries, f"{eid}: no expectation in ncclpy.check.seed_examples"
+        for e in entries:
+            want = e.expected_outputs()
+            assert len(want) == e.world_size, e.key
+            if not e.extra.get("benchmark"):       # E33 prints a measurement, checked by form
+                assert any(w is not None for w in want), f"{e.key}: nothing expected"
+                if e.collective != "barrier":
+                    assert e.key in INPUTS, f"{e.key}: {sections[eid]} builds no input"
+
+
+def _readme_id_table():
+    """{id: (script, ranks)} from examples/README.md's "Seed example → script" table."""
+    out = {}
+    for line in (EXAMPLES / "README.md").read_text().splitlines():
+        m = re.match(r"^\| (E\d+) \| [^|]+ \| \[([0-9a-z_]+\.py)\]\(\2\) \| [^|]+ \| (\d+) \|$",
+                     line)
+        if m:
+            assert m.group(1) not in out, f"{m.group(1)} twice in the README table"
+            out[m.group(1)] = (m.group(2), int(m.group(3)))
+    return out
+
+
+def test_examples_readme_maps_every_id_to_the_script_that_runs_it():
+    table = _readme_id_table()
+    assert sorted(table, key=lambda k: int(k[1:])) == ALL_IDS
+    for eid, (script, ranks) in table.items():
+        assert script in MODULES, f"{eid}: README names {script}, which does not exist"
+        secs = {s.eid: s for s in MODULES[script].SECTIONS}
+        assert eid in secs, f"{eid}: README says {script}, which has no such section"
+        assert secs[eid].world_size == ranks, (eid, ranks, secs[eid].world_size)
 
 
 # --------------------------------------------------------------------------- inputs and values
@@ -254,6 +336,75 @@ def test_bandwidth_figures():
     assert registry.get("all_reduce").busbw_factor(n) == pytest.approx(1.5)
 
 
+# --------------------------------------------------------------------- strided column views
+
+class _DeviceLayout:
+    """What a CuPy array of ``a``'s shape, dtype and strides presents to ncclpy: its
+    ``__cuda_array_interface__`` (strides None when C-contiguous, as CuPy does).  Only the layout
+    is read here; no memory behind the pointer is touched and no NCCL call is planned from it
+    unless the layout is accepted."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.device = 0
+        self.__cuda_array_interface__ = {
+            "shape": a.shape, "typestr": a.dtype.str, "version": 3,
+            "data": (a.__array_interface__["data"][0], False),
+            "strides": None if a.flags.c_contiguous else a.strides}
+
+
+def _parse_list(views, name):
+    return [as_buffer(_DeviceLayout(v), f"{name}[{i}]") for i, v in enumerate(views)]
+
+
+# (id, script, the array the example takes column views of, width, which argument gets them)
+COLUMN_CASES = [
+    ("E2", "01_gather.py", lambda n: np.empty((5, 2 * n), np.float32), 2, "recvbuf"),
+    ("E4", "02_all_gather.py", lambda n: np.empty((5, 2 * n), np.float32), 2, "recvbuf"),
+    ("E10", "06_reduce_scatter.py",
+     lambda n: MODULES["06_reduce_scatter.py"].e10_input(0, n), 1, "sendbuf"),
+    ("E12", "07_all_to_all.py", lambda n: MODULES["07_all_to_all.py"].e12_input(0, n), 1,
+     "sendbuf"),
+]
+
+
+@pytest.mark.parametrize("eid,script,make,width,arg", COLUMN_CASES,
+                         ids=[c[0] for c in COLUMN_CASES])
+def test_column_variants_refuse_strided_views_with_a_clear_error(eid, script, make, width, arg):
+    """The "wrong on purpose" call of each column example: the views _common.column_views gives
+    (torch.split(x, k, dim=1)) are refused before any NCCL call, with a message that says what
+    is wrong and what to do; their contiguous copies are accepted."""
+    src = (EXAMPLES / script).read_text()
+    assert "column_views(" in src and f'emit_error("{eid}"' in src, f"{script} lost its {eid} demo"
+    n = S.get(eid).world_size
+    views = _common.column_views(make(n), width)
+    assert len(views) == n and all(v.shape == (5, width) for v in views)
+    with pytest.raises(ArgumentError) as exc:
+        _parse_list(views, arg)
+    msg = str(exc.value)
+    assert msg.startswith(f"{arg}[0]: not C-contiguous"), msg
+    assert "contiguous copy" in msg and "ascontiguousarray" in msg, msg
+    copies = _parse_list([np.ascontiguousarray(v) for v in views], arg)
+    assert all(c.contiguous and c.count == 5 * width for c in copies)
+
+
+def test_column_layout_steps_plan_to_one_native_call():
+    """The "right" column forms (E4 and E10: the transposes as contiguous rows) are planned into
+    one NCCL call each, on the ranks' real buffers' layouts."""
+    n = 4
+    x = MODULES["02_all_gather.py"].e4_input(1, n)
+    xt = np.ascontiguousarray(x.T)                                    # (2, 5)
+    rows = np.empty((2 * n, 5), np.float32)
+    plan = registry.get("all_gather").plan(PlanContext(1, n), as_buffer(_DeviceLayout(xt)),
+                                           as_buffer(_DeviceLayout(rows)))
+    assert [c.fn for c in plan.steps] == ["AllGather"] and plan.steps[0].args[2] == 10
+    data = MODULES["06_reduce_scatter.py"].e10_input(2, n)
+    t = np.ascontiguousarray(data.T)                                  # (n, 5)
+    col = np.empty(5, np.float32)
+    plan = registry.get("reduce_scatter").plan(PlanContext(2, n), as_buffer(_DeviceLayout(t)),
+                                               as_buffer(_DeviceLayout(col)), op="sum")
+    assert [c.fn for c in plan.steps] == ["ReduceScatter"] and plan.steps[0].args[2] == 5
+
+
 # --------------------------------------------------------------------------- the output format
 
 def test_emit_and_parse_round_trip(capsys):
@@ -309,6 +460,42 @@ def test_scripts_import_neither_cupy_nor_torch():
             "bad = [m for m in ('cupy', 'torch') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), check=True, timeout=60)
+
+
+#: the launch paths are followed up to ncclpy.init, which needs a GPU: on a machine with one,
+#: tests/gpu/test_examples_gpu.py runs every example to the end both ways instead
+_GPU_LESS_WITH_CUPY = pytest.mark.skipif(
+    not cuda_reason() or cuda_reason().startswith("CuPy is not installed"),
+    reason="needs CuPy and no usable GPU (with a GPU, tests/gpu/test_examples_gpu.py runs the "
+           "examples to the end)")
+
+
+@_GPU_LESS_WITH_CUPY
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_started_plainly_a_script_spawns_its_own_ranks(script):
+    """``python examples/x.py`` (no launcher): the script starts its first world size with
+    ncclpy.spawn; each rank gets as far as ncclpy.init, which on this GPU-less machine fails,
+    before the rendezvous, with the clear no-GPU error."""
+    n = MODULES[script.name].SECTIONS[0].world_size
+    res = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert f"# ncclpy.spawn: {n} ranks for " in res.stdout, res.stdout + res.stderr
+    assert "CudaUnavailableError" in res.stderr and "no usable CUDA device" in res.stderr, \
+        res.stderr[-3000:]
+
+
+@_GPU_LESS_WITH_CUPY
+def test_under_a_launcher_a_script_runs_as_one_rank():
+    """``ncclpy run -n 2 python examples/09_send_recv.py``: no spawn of its own; every rank goes
+    to ncclpy.init (and stops at the no-GPU error here)."""
+    res = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable,
+                          str(EXAMPLES / "09_send_recv.py")], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "ncclpy.spawn" not in out
+    assert "CudaUnavailableError" in out and "no usable CUDA device" in out, out[-3000:]
 
 
 def test_help_lists_each_scripts_examples():

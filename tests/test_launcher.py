@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclpy.launch.launcher import DEFAULT_GRACE, build_command, launch
+from ncclpy.launch.launcher import build_command, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
@@ -141,6 +141,67 @@ def test_multi_node_without_address_is_an_error(tmp_path):
     assert cp.returncode == 2 and "--master-addr" in cp.stderr
 
 
+def test_multi_node_non_local_master_without_port_says_to_pass_it(tmp_path):
+    prog = _script(tmp_path, "print('never')")
+    cp = run(["-n", 1, "--nnodes", 2, "--node-rank", 1, "--master-addr", NON_LOCAL, prog],
+             env=_env(NCCLPY_STORE_TOKEN="x"))
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr and "never" not in cp.stdout
+    assert "ncclpy run: error: --master-port: a multi-node run (nnodes=2)" in cp.stderr
+    assert "no port is picked" in cp.stderr
+
+
+NON_LOCAL = "203.0.113.7"   # TEST-NET-3: never an address of this machine
+
+
+def _bindable(addr: str) -> bool:
+    import socket
+    try:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("extra", [[], ["--master-port", "29995"]])
+def test_non_local_master_addr_on_one_node_is_a_precise_error(tmp_path, extra):
+    if _bindable(NON_LOCAL):
+        pytest.skip(f"this machine can bind {NON_LOCAL} (ip_nonlocal_bind?)")
+    prog = _script(tmp_path, "print('never')")
+    cp = run(["-n", 2, "--master-addr", NON_LOCAL, *extra, prog])
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr and "never" not in cp.stdout
+    (line,) = cp.stderr.splitlines()
+    assert line.startswith(f"ncclpy run: error: --master-addr {NON_LOCAL}: not an address of "
+                           f"this machine (")
+    assert "leave --master-addr out (127.0.0.1)" in line
+
+
+def test_local_master_addr_by_name(tmp_path):
+    prog = _script(tmp_path, ENV_DUMP)
+    cp = run(["-n", 1, "--master-addr", "localhost", prog])
+    assert cp.returncode == 0, cp.stderr
+    assert _parse_env_lines(cp.stdout)[0]["NCCLPY_MASTER_ADDR"] == "localhost"
+
+
+@pytest.mark.parametrize("port", [65535, 70000, 0, -5])
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_master_port_out_of_range_names_the_flag(tmp_path, port, nnodes):
+    prog = _script(tmp_path, "print('never')")
+    cp = run(["-n", 1, "--nnodes", nnodes, "--master-addr", "127.0.0.1", "--master-port", port,
+              prog], env=_env(NCCLPY_STORE_TOKEN="x"))
+    assert cp.returncode == 2 and "never" not in cp.stdout
+    assert cp.stderr.strip() == (f"ncclpy run: error: --master-port: expected a port in 1..65534 "
+                                 f"(ncclpy's store listens on P, torch's on P+1), got {port}")
+
+
+def test_master_port_65534_is_the_highest(tmp_path):
+    prog = _script(tmp_path, ENV_DUMP)
+    cp = run(["-n", 1, "--master-port", 65534, prog])
+    assert cp.returncode == 0, cp.stderr
+    e = _parse_env_lines(cp.stdout)[0]
+    assert (e["NCCLPY_MASTER_PORT"], e["MASTER_PORT"]) == ("65534", "65535")
+
+
 @pytest.mark.parametrize("args, needle", [
     (["-n", 2], "PROGRAM"),
     (["-n", 0, "x.py"], "nproc"),
@@ -157,18 +218,45 @@ def test_missing_program_cannot_start():
     assert cp.returncode == 2 and "cannot start rank 0" in cp.stderr
 
 
+FAILING = """
+    import os, signal, sys, time
+    out, n, failing = {out!r}, {n}, {failing}
+    rank = int(os.environ["RANK"])
+    def on_term(signum, frame):        # survivors: record when the launcher's SIGTERM came
+        with open(os.path.join(out, f"term{{rank}}"), "w") as f:
+            f.write(repr(time.time()))
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.path.join(out, f"ready{{rank}}"), "w").close()
+    if rank == failing:                # fail once every rank runs (with its handler set)
+        while not all(os.path.exists(os.path.join(out, f"ready{{r}}")) for r in range(n)):
+            time.sleep(0.02)
+        with open(os.path.join(out, "failed_at"), "w") as f:
+            f.write(repr(time.time()))
+        {fail}
+    time.sleep(60)
+    print("should have been stopped")
+"""
+
+
+def _assert_stopped_within_5s_of_the_failure(out: Path, n: int, failing: int, end: float):
+    failed_at = float((out / "failed_at").read_text())
+    for r in range(n):
+        if r != failing:
+            got_term = float((out / f"term{r}").read_text())
+            assert 0 <= got_term - failed_at <= 5, f"rank {r} stopped {got_term - failed_at} s " \
+                                                   f"after the failure"
+    assert end - failed_at <= 5, f"the launcher ended {end - failed_at:.2f} s after the failure"
+
+
 def test_rank_exit_3_stops_the_others(tmp_path):
-    prog = _script(tmp_path, """
-        import os, sys, time
-        if os.environ["RANK"] == "2":
-            time.sleep(0.3)
-            sys.exit(3)
-        time.sleep(60)
-        print("should have been stopped")
-    """)
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = _script(tmp_path, FAILING.format(out=str(out), n=4, failing=2, fail="sys.exit(3)"))
     cp = run(["-n", 4, prog])
-    assert cp.returncode == 3
-    assert cp.elapsed < 5 + DEFAULT_GRACE
+    end = time.time()
+    assert cp.returncode == 3, cp.stderr
+    _assert_stopped_within_5s_of_the_failure(out, 4, 2, end)
     assert "should have been stopped" not in cp.stdout
     assert summary_lines(cp.stderr)[-1] == ("ncclpy run: rank 2 exited with code 3; "
                                             "stopped the other 3 ranks")
@@ -206,16 +294,14 @@ def test_first_failure_wins(tmp_path):
 
 
 def test_rank_killed_by_sigkill(tmp_path):
-    prog = _script(tmp_path, """
-        import os, signal, time
-        if os.environ["RANK"] == "1":
-            time.sleep(0.3)
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)
-    """)
+    out = tmp_path / "out"
+    out.mkdir()
+    prog = _script(tmp_path, FAILING.format(out=str(out), n=3, failing=1,
+                                            fail="os.kill(os.getpid(), signal.SIGKILL)"))
     cp = run(["-n", 3, prog])
-    assert cp.returncode == 128 + signal.SIGKILL == 137
-    assert cp.elapsed < 5 + DEFAULT_GRACE
+    end = time.time()
+    assert cp.returncode == 128 + signal.SIGKILL == 137, cp.stderr
+    _assert_stopped_within_5s_of_the_failure(out, 3, 1, end)
     assert summary_lines(cp.stderr)[-1] == ("ncclpy run: rank 1 was killed by signal SIGKILL; "
                                             "stopped the other 2 ranks")
 
@@ -421,6 +507,16 @@ def test_placement_variables_reach_the_ranks(tmp_path):
     assert all(r.split()[-1] == "IB" for r in rows)             # the user's setting kept
 
 
+def test_ranks_per_gpu_reaches_the_ranks(tmp_path):
+    prog = _script(tmp_path, "import os; print(os.environ['NCCLPY_DEVICE'])")
+    cp = run(["-n", 4, "--ranks-per-gpu", 2, prog], env=_env(CUDA_VISIBLE_DEVICES="0,1,2,3"))
+    assert cp.returncode == 0, cp.stderr
+    devs = dict(x.split("] ") for x in cp.stdout.splitlines())
+    assert [devs[f"[rank {r}"] for r in range(4)] == ["0", "1", "0", "1"]   # r mod 2 GPUs used
+    (line,) = summary_lines(cp.stderr)
+    assert "4 ranks on 2 GPUs of 4, rank r -> GPU r mod 2" in line
+
+
 def test_launch_in_process_to_binary_streams(tmp_path):
     prog = _script(tmp_path, "import os; print('hi', os.environ['NCCLPY_RANK'])")
     out, err = io.BytesIO(), io.BytesIO()
@@ -450,16 +546,15 @@ def test_ranks_rendezvous_through_the_real_store_and_libnccl(tmp_path):
     except Exception as e:
         pytest.skip(f"CuPy's NCCL is not usable: {e}")
     prog = _script(tmp_path, """
-        import hashlib, time
+        import hashlib, os, time
         from ncclpy.bootstrap import bootstrap
+        if os.environ["RANK"] != "0":
+            time.sleep(1.0)             # late readers: rank 0 must wait for them
         b = bootstrap(timeout=30)
         print(b.rank, b.world_size, b.device, len(bytes(b.uid)),
               hashlib.sha256(bytes(b.uid)).hexdigest(), flush=True)
-        b.store.add("test/bye", 1)
-        if b.rank == 0:                 # the store lives in rank 0: leave last
-            deadline = time.monotonic() + 30
-            while b.store.add("test/bye", 0) < b.world_size and time.monotonic() < deadline:
-                time.sleep(0.02)
+        # rank 0 (the store's host) exits at once: bootstrap returned only after every rank
+        # had read the uid
     """)
     cp = run(["-n", 4, prog], timeout=60)
     assert cp.returncode == 0, cp.stderr

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import time
+
 import pytest
 
 from gpu_util import cuda_reason
@@ -492,6 +494,21 @@ def test_communicator_without_a_gpu_says_so(config):
     assert "no usable CUDA device" in msg and "device=0" in msg and "cuda" in msg.lower()
     assert isinstance(ei.value, errors.NcclpyError)
 
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU outcome; a GPU is present")
+def test_init_without_a_gpu_fails_before_the_rendezvous():
+    """Rank 1 of 2 with nobody listening at the store address: without the early check it
+    would retry the connection for the whole timeout; it must fail at once, naming the cause."""
+    _nccl_or_skip()
+    t0 = time.monotonic()
+    with pytest.raises(L.CudaUnavailableError) as ei:
+        ncclpy.init("early", timeout=60, rank=1, world_size=2, master_addr="127.0.0.1",
+                    master_port=9)
+    assert time.monotonic() - t0 < 30
+    msg = str(ei.value)
+    assert "ncclpy.init('early')" in msg and "no usable CUDA device" in msg
+    assert "did not join the rendezvous" in msg
 
 def test_cupy_nccl_errors_become_ncclpy_errors():
     lib = _nccl_or_skip()

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
 
 from ncclpy.errors import ArgumentError
-from ncclpy.launch.placement import (MODES, Placement, loaded_nccl_version, plan_placement,
-                                     visible_gpu_count)
+from ncclpy.launch.placement import (MODES, SHARED_MODES, Placement, loaded_nccl_version,
+                                     plan_placement, summary_line, visible_gpu_count)
 
 NCCL_227, NCCL_230, NCCL_232 = 22703, 23000, 23203
 
@@ -43,11 +44,11 @@ def test_loaded_nccl_version_matches_cupy():
 
 # ---------------------------------------------------------------- plan_placement table
 def expected_devices(nranks, ngpus, rpg):
+    """The spec: rank r -> GPU r mod G, G the GPUs used (with R ranks per GPU: ceil(N / R))."""
     if ngpus == 0:
         return list(range(nranks))
-    if rpg and rpg > 1:
-        return [(r // rpg) % ngpus for r in range(nranks)]
-    return [r % ngpus for r in range(nranks)]
+    used = min(ngpus, math.ceil(nranks / rpg)) if rpg and rpg > 1 else ngpus
+    return [r % used for r in range(nranks)]
 
 
 CASES = list(itertools.product([0, 1, 2, 4], [1, 2, 3, 4, 8], [NCCL_227, NCCL_230, NCCL_232, None],
@@ -98,13 +99,28 @@ def test_summary_example():
 
 def test_ranks_per_gpu_forces_sharing_even_with_enough_gpus():
     p = plan_placement(4, 4, NCCL_232, ranks_per_gpu=2, env={})
-    assert p.devices == (0, 0, 1, 1) and p.mode == "multi-rank-gpu"
+    assert p.devices == (0, 1, 0, 1) and p.mode == "multi-rank-gpu"   # r mod 2 GPUs used
+    assert p.summary.startswith("placement: 4 ranks on 2 GPUs of 4, rank r -> GPU r mod 2 (")
+
+
+def test_ranks_per_gpu_uneven_and_more_than_needed():
+    assert plan_placement(5, 4, NCCL_232, ranks_per_gpu=2, env={}).devices == (0, 1, 2, 0, 1)
+    p = plan_placement(2, 4, NCCL_232, ranks_per_gpu=3, env={})
+    assert p.devices == (0, 0) and p.mode == "multi-rank-gpu"
 
 
 def test_ranks_per_gpu_wraps_and_says_so():
     p = plan_placement(8, 2, NCCL_232, ranks_per_gpu=2, env={})
-    assert p.devices == (0, 0, 1, 1, 0, 0, 1, 1)
-    assert "wrap" in p.summary
+    assert p.devices == (0, 1, 0, 1, 0, 1, 0, 1)
+    assert "wrap" in p.summary and "rank r -> GPU r mod 2" in p.summary
+
+
+def test_summary_line_is_one_line_naming_the_mode():
+    p = plan_placement(4, 1, NCCL_227, env={})
+    line = summary_line("ncclpy spawn", p)
+    assert line == "ncclpy spawn: " + p.summary and "\n" not in line and "hostid-socket" in line
+    assert p.mode in SHARED_MODES
+    assert summary_line("ncclpy run", p, "node 1 of 2; ") == "ncclpy run: node 1 of 2; " + p.summary
 
 
 def test_hostid_multi_node_does_not_force_loopback():

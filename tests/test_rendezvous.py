@@ -41,6 +41,9 @@ OK_CASES = [
     ("mpich-pmi", {**MPICH, **ADDR}, {}, (3, 4, 1, 2, "10.0.0.1", 29500, "mpich", None)),
     ("mpich-pmix-agrees", {**MPICH, "PMIX_RANK": "3", **ADDR}, {},
      (3, 4, 1, 2, "10.0.0.1", 29500, "mpich", None)),
+    ("cray-pmi-local-vars", {"PMI_RANK": "5", "PMI_SIZE": "8", "PMI_LOCAL_RANK": "1",
+                             "PMI_LOCAL_SIZE": "4", **ADDR}, {},
+     (5, 8, 1, 4, "10.0.0.1", 29500, "mpich", None)),
     ("slurm", {**SLURM, "MASTER_PORT": "29500"}, {},
      (7, 16, 3, 4, "gpu03", 29500, "slurm", None)),
     ("slurm-port-from-job-id", SLURM, {}, (7, 16, 3, 4, "gpu03", 20000 + 4242, "slurm", None)),
@@ -105,6 +108,18 @@ def test_torchrun_port_shift_is_logged(caplog):
     assert "MASTER_PORT+1" in caplog.text
 
 
+
+@pytest.mark.parametrize("extra, port, kind", [
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True"}, 29500, "torchrun"),   # join torchrun's store
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, 29501, "ncclpy"),    # own store beside it
+    ({}, 29501, "ncclpy"),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "True", "NCCLPY_MASTER_PORT": "31000"}, 31000, "ncclpy"),
+])
+def test_torchrun_store_kind(extra, port, kind):
+    info = resolve(env={**TORCHRUN, "TORCHELASTIC_RUN_ID": "x", **extra})
+    assert (info.master_port, info.store_kind) == (port, kind)
+    assert resolve(env=TORCHRUN).store_kind == "ncclpy"   # plain RANK/MASTER_*: not torchrun
+
 # (id, env, kwargs, substrings that must all appear in the one error)
 BAD_CASES = [
     ("nothing", {}, {}, ["no rank found", "no world size found", "no store address",
@@ -118,6 +133,8 @@ BAD_CASES = [
      ["contradictory rank", "PMIX_RANK=0"]),
     ("contradictory-pmix-only", {"PMIX_RANK": "2", "RANK": "1", "WORLD_SIZE": "4", **ADDR}, {},
      ["contradictory rank", "PMIX_RANK=2", "RANK=1"]),
+    ("contradictory-pmi-local-rank", {**MPICH, "PMI_LOCAL_RANK": "0", **ADDR}, {},
+     ["contradictory local_rank", "MPI_LOCALRANKID=1", "PMI_LOCAL_RANK=0"]),
     ("contradictory-ncclpy-torchrun", {**NCCLPY, "RANK": "3", "WORLD_SIZE": "4"}, {},
      ["contradictory rank", "NCCLPY_RANK=2", "RANK=3"]),
     ("rank-not-below-world", {"RANK": "4", "WORLD_SIZE": "4", **ADDR}, {},
@@ -216,3 +233,17 @@ def test_rank_env_sets_every_name():
 def test_rank_env_rejects_bad_arguments(args):
     with pytest.raises(ArgumentError):
         rank_env(*args)
+
+
+@pytest.mark.parametrize("port, torch_port, msg", [
+    (65535, None, "master_port: expected a port in 1..65534 (torch's store takes master_port + 1)"
+                  ", got 65535"),
+    (70000, 9, "master_port: expected a port in 1..65535, got 70000"),
+    (65535, 65535, "torch_master_port: expected a port in 1..65535 other than "
+                   "master_port=65535, got 65535"),
+])
+def test_rank_env_port_errors_name_the_argument_given(port, torch_port, msg):
+    with pytest.raises(ArgumentError) as ei:
+        rank_env(0, 1, 0, 1, "h", port, None, torch_master_port=torch_port)
+    assert str(ei.value) == msg
+    assert rank_env(0, 1, 0, 1, "h", 65534, None)["MASTER_PORT"] == "65535"

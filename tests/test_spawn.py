@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -195,6 +196,8 @@ def test_spawn_join_false_and_timeout(tmp_path):
     (_ok_child, 1, {"args": "abc"}, ArgumentTypeError),
     (_ok_child, 1, {"timeout": -1}, ArgumentError),
     (_ok_child, 1, {"start_method": "teleport"}, ArgumentError),
+    (_ok_child, 1, {"ranks_per_gpu": 0}, ArgumentError),
+    (_ok_child, 1, {"ranks_per_gpu": "2"}, ArgumentError),
 ])
 def test_spawn_argument_errors(fn, nprocs, kwargs, exc):
     with pytest.raises(exc):
@@ -203,3 +206,121 @@ def test_spawn_argument_errors(fn, nprocs, kwargs, exc):
 
 def test_spawn_is_exported():
     assert ncclpy.spawn is spawn
+
+
+# --- the parent goes away or is signalled ---------------------------------------------------------
+PARENT_SCRIPT = """
+import os, signal, sys, time
+import ncclpy
+
+
+def child(rank, outdir):
+    def on_term(signum, frame):
+        open(os.path.join(outdir, f"term{rank}"), "w").close()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    tmp = os.path.join(outdir, f".pid{rank}")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(outdir, f"pid{rank}"))
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    try:
+        ncclpy.spawn(child, 2, args=(sys.argv[1],), timeout=300)
+    except KeyboardInterrupt:
+        print("parent: KeyboardInterrupt", flush=True)
+        sys.exit(42)
+"""
+
+
+def _start_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT)
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    parent = subprocess.Popen([sys.executable, str(script), str(outdir)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_pids(outdir, 2)) < 2:   # both children run, with their SIGTERM handler set
+        assert parent.poll() is None, parent.communicate()
+        assert time.monotonic() < deadline, "the children never started"
+        time.sleep(0.05)
+    return parent, outdir, _pids(outdir, 2)
+
+
+def test_spawn_children_die_when_the_parent_is_killed(tmp_path):
+    parent, outdir, pids = _start_parent(tmp_path)
+    parent.kill()                        # SIGKILL: the parent cannot clean anything up
+    parent.communicate(timeout=30)
+    deadline = time.monotonic() + 30     # generous: the kernel signals them at once
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "children outlived their SIGKILLed parent"
+    # they got SIGTERM (PR_SET_PDEATHSIG), not SIGKILL: their handler ran
+    assert sorted(os.listdir(outdir)) == ["pid0", "pid1", "term0", "term1"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_spawn_parent_signal_stops_the_children_first(tmp_path, sig):
+    parent, outdir, pids = _start_parent(tmp_path)
+    parent.send_signal(sig)              # the parent alone, not its process group
+    out, err = parent.communicate(timeout=60)
+    # the parent stopped (and reaped) its children before acting on the signal itself
+    assert (outdir / "term0").exists() and (outdir / "term1").exists(), err
+    assert not any(_alive(p) for p in pids)
+    if sig == signal.SIGTERM:
+        assert parent.returncode == -signal.SIGTERM, err   # then died of it, as by default
+    else:
+        assert parent.returncode == 42 and "parent: KeyboardInterrupt" in out, err
+
+
+# --- placement ------------------------------------------------------------------------------------
+def _env_child(rank: int, outdir: str) -> None:
+    keys = ("NCCLPY_DEVICE", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_HOSTID", "NCCL_NET")
+    with open(os.path.join(outdir, f"env{rank}.json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+
+
+def _placement_lines(err: str) -> list[str]:
+    return [x for x in err.splitlines() if x.startswith("ncclpy spawn: placement:")]
+
+
+def test_spawn_states_a_shared_gpu_mode_in_one_line(tmp_path, capfd):
+    # CUDA_VISIBLE_DEVICES="0" makes spawn count one GPU without touching CUDA; the children
+    # only record their environment
+    spawn(_env_child, 3, args=(str(tmp_path),), env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=120)
+    (line,) = _placement_lines(capfd.readouterr().err)
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
+    assert [e["NCCLPY_DEVICE"] for e in envs] == ["0", "0", "0"]
+    assert line.startswith("ncclpy spawn: placement: 3 ranks on 1 GPU (")
+    from ncclpy.launch.placement import loaded_nccl_version
+    v = loaded_nccl_version()
+    if v is not None and v >= 23000:
+        assert "multi-rank-gpu" in line
+        assert {e["NCCL_MULTI_RANK_GPU_ENABLE"] for e in envs} == {"1"}
+    else:
+        assert "hostid-socket" in line and len({e["NCCL_HOSTID"] for e in envs}) == 3
+
+
+def test_spawn_ranks_per_gpu(tmp_path, capfd):
+    spawn(_env_child, 4, args=(str(tmp_path),), env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+          ranks_per_gpu=2, timeout=120)
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(4)]
+    assert [e["NCCLPY_DEVICE"] for e in envs] == ["0", "1", "0", "1"]   # r mod 2 GPUs used
+    (line,) = _placement_lines(capfd.readouterr().err)
+    assert "4 ranks on 2 GPUs of 4, rank r -> GPU r mod 2" in line
+
+
+def test_spawn_one_rank_per_gpu_prints_nothing(tmp_path, capfd):
+    spawn(_env_child, 2, args=(str(tmp_path),), env={"CUDA_VISIBLE_DEVICES": "0,1"},
+          timeout=120)
+    assert _placement_lines(capfd.readouterr().err) == []
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(2)]
+    assert [e["NCCLPY_DEVICE"] for e in envs] == ["0", "1"]
+    assert {e["NCCL_MULTI_RANK_GPU_ENABLE"] for e in envs} == {None}

@@ -15,6 +15,7 @@ __all__ = ["CupyStreamBackend", "import_cupy"]
 
 
 def import_cupy():
+    """CuPy, or MissingDependencyError naming the extra to install."""
     try:
         import cupy
     except ImportError as e:
@@ -25,12 +26,41 @@ def import_cupy():
 
 
 class CupyStreamBackend(Backend):
-    """Device buffers are CuPy arrays; every call goes on ``self.stream``."""
+    """Device buffers are CuPy arrays; every call goes on ``self.stream``.
+
+    The life cycle is shared: ``setup`` picks the device, makes the stream, shares an NCCL
+    unique id through the harness's store and asks the subclass for its communicator
+    (:meth:`open_comm`); ``teardown`` drains the stream and hands it back (:meth:`close_comm`).
+    """
 
     supports_graphs = True
     supports_events = True
+    comm: Any = None
 
-    def _setup_device(self, device) -> None:
+    def setup(self, rank: int, world: int, device: Optional[int], store: Any, *,
+              master_addr: str = "127.0.0.1", timeout: float = 300.0) -> None:
+        super().setup(rank, world, device, store, master_addr=master_addr, timeout=timeout)
+        self._setup_device(device)
+        from ncclpy.bootstrap import exchange_uid
+        uid, _ = exchange_uid(store, rank, name=f"bench-{self.name}", timeout=timeout,
+                              world_size=world)
+        self.comm = self.open_comm(uid)
+
+    def open_comm(self, uid: bytes) -> Any:
+        """This backend's communicator of ``self.world`` ranks from the shared unique id."""
+        raise NotImplementedError
+
+    def close_comm(self, comm: Any) -> None:
+        """Destroy ``comm`` (the stream is already drained)."""
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        if self.comm is not None:
+            self.stream.synchronize()
+            self.close_comm(self.comm)
+            self.comm = None
+
+    def _setup_device(self, device: Optional[int]) -> None:
         if device is None:
             raise UnsupportedError(f"backend {self.name} needs a CUDA device (--device cuda)")
         cp = self.cp = import_cupy()

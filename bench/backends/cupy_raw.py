@@ -2,11 +2,11 @@
 
 Nothing between Python and libnccl but CuPy's Cython wrapper, so ncclpy's own per-call overhead
 is the difference to this backend.  CuPy lacks AlltoAll/Gather/Scatter: they are grouped
-send/recv here, as nccl-tests builds them.
+send/recv here, as nccl-tests builds them (:func:`p2p_ops` lists the sends and receives).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List, Tuple
 
 from ncclpy.dtypes import DTYPES
 from ncclpy.ops import NCCL_OPS
@@ -14,7 +14,10 @@ from ncclpy.ops import NCCL_OPS
 from bench.backends import Buffers
 from bench.backends._cuda import CupyStreamBackend
 
-__all__ = ["CupyBackend", "cupy_uid"]
+__all__ = ["CupyBackend", "cupy_uid", "p2p_ops", "P2P_COLLECTIVES"]
+
+#: collectives this backend builds from grouped send/recv
+P2P_COLLECTIVES = ("all_to_all", "gather", "scatter", "send_recv")
 
 
 def cupy_uid(uid: bytes, cupy_module) -> Any:
@@ -26,25 +29,34 @@ def cupy_uid(uid: bytes, cupy_module) -> Any:
     return tuple(b - 256 if b > 127 else b for b in bytes(uid))
 
 
+def p2p_ops(collective: str, rank: int, world: int, root: int) -> List[Tuple[str, int, int]]:
+    """The grouped send/recv that make ``collective`` on ``rank``, as nccl-tests issues them:
+    ``(kind, block, peer)`` with kind "send" (from block ``block`` of the send buffer) or "recv"
+    (into block ``block`` of the receive buffer); a block is the NCCL count of elements."""
+    if collective == "all_to_all":
+        return [op for p in range(world) for op in (("send", p, p), ("recv", p, p))]
+    if collective == "gather":
+        recvs = [("recv", p, p) for p in range(world)] if rank == root else []
+        return recvs + [("send", 0, root)]
+    if collective == "scatter":
+        sends = [("send", p, p) for p in range(world)] if rank == root else []
+        return sends + [("recv", 0, root)]
+    if collective == "send_recv":
+        return [("send", 0, (rank + 1) % world), ("recv", 0, (rank - 1) % world)]
+    raise ValueError(f"collective {collective!r} is not built from send/recv")
+
+
 class CupyBackend(CupyStreamBackend):
     name = "cupy"
     label = "cupy"
 
-    def setup(self, rank, world, device, store, *, master_addr="127.0.0.1", timeout=300.0):
-        super().setup(rank, world, device, store, master_addr=master_addr, timeout=timeout)
-        self._setup_device(device)
+    def open_comm(self, uid: bytes) -> Any:
         from cupy.cuda import nccl
-        from ncclpy.bootstrap import exchange_uid
         self.nccl = nccl
-        uid, _ = exchange_uid(store, rank, name="bench-cupy", timeout=timeout)
-        self.comm = nccl.NcclCommunicator(world, cupy_uid(uid, self.cp), rank)
+        return nccl.NcclCommunicator(self.world, cupy_uid(uid, self.cp), self.rank)
 
-    def teardown(self) -> None:
-        comm = getattr(self, "comm", None)
-        if comm is not None:
-            self.stream.synchronize()
-            comm.destroy()
-            self.comm = None
+    def close_comm(self, comm: Any) -> None:
+        comm.destroy()
 
     def nccl_version(self) -> int:
         return int(self.nccl.get_version())
@@ -58,7 +70,6 @@ class CupyBackend(CupyStreamBackend):
         send, recv = bufs.pair(in_place)
         s, r = send.data.ptr, recv.data.ptr
         dt = DTYPES[bufs.dtype].nccl
-        item = DTYPES[bufs.dtype].itemsize
         n = bufs.layout.count
         st = self.stream.ptr
         c = self.comm
@@ -73,31 +84,16 @@ class CupyBackend(CupyStreamBackend):
             c.allGather(s, r, n, dt, st)
         elif collective == "reduce_scatter":
             c.reduceScatter(s, r, n, dt, nop, st)
-        elif collective == "all_to_all":
+        elif collective in P2P_COLLECTIVES:
+            block = n * DTYPES[bufs.dtype].itemsize
             self.nccl.groupStart()
-            for p in range(self.world):
-                c.send(s + p * n * item, n, dt, p, st)
-                c.recv(r + p * n * item, n, dt, p, st)
-            self.nccl.groupEnd()
-        elif collective == "gather":
-            self.nccl.groupStart()
-            if self.rank == root:
-                for p in range(self.world):
-                    c.recv(r + p * n * item, n, dt, p, st)
-            c.send(s, n, dt, root, st)
-            self.nccl.groupEnd()
-        elif collective == "scatter":
-            self.nccl.groupStart()
-            if self.rank == root:
-                for p in range(self.world):
-                    c.send(s + p * n * item, n, dt, p, st)
-            c.recv(r, n, dt, root, st)
-            self.nccl.groupEnd()
-        elif collective == "send_recv":
-            self.nccl.groupStart()
-            c.send(s, n, dt, (self.rank + 1) % self.world, st)
-            c.recv(r, n, dt, (self.rank - 1) % self.world, st)
-            self.nccl.groupEnd()
+            try:
+                for kind, i, peer in p2p_ops(collective, self.rank, self.world, root):
+                    if kind == "send":
+                        c.send(s + i * block, n, dt, peer, st)
+                    else:
+                        c.recv(r + i * block, n, dt, peer, st)
+            finally:
+                self.nccl.groupEnd()
         else:  # pragma: no cover - the CLI only passes registry names with data
             raise ValueError(f"collective {collective!r} is not benchmarked")
-

@@ -6,33 +6,27 @@ forms (``recvbuf=None`` / ``sendbuf=None``) where it has them, NCCL's aliasing r
 """
 from __future__ import annotations
 
+from typing import Any, Dict, Tuple
+
 from ncclpy.dtypes import DTYPES
 
 from bench.backends import Buffers
 from bench.backends._cuda import CupyStreamBackend
 
-__all__ = ["NcclpyBackend"]
+__all__ = ["NcclpyBackend", "call_args"]
 
 
 class NcclpyBackend(CupyStreamBackend):
     name = "ncclpy"
     label = "ncclpy"
 
-    def setup(self, rank, world, device, store, *, master_addr="127.0.0.1", timeout=300.0):
-        super().setup(rank, world, device, store, master_addr=master_addr, timeout=timeout)
-        self._setup_device(device)
+    def open_comm(self, uid: bytes) -> Any:
         import ncclpy
-        from ncclpy.bootstrap import exchange_uid
         self.ncclpy = ncclpy
-        uid, _ = exchange_uid(store, rank, name="bench-ncclpy", timeout=timeout)
-        self.comm = ncclpy.Communicator(world, rank, uid, device)
+        return ncclpy.Communicator(self.world, self.rank, uid, self.device)
 
-    def teardown(self) -> None:
-        comm = getattr(self, "comm", None)
-        if comm is not None:
-            self.stream.synchronize()
-            comm.close()
-            self.comm = None
+    def close_comm(self, comm: Any) -> None:
+        comm.close()
 
     def nccl_version(self) -> int:
         return int(self.comm.nccl_version)
@@ -44,44 +38,18 @@ class NcclpyBackend(CupyStreamBackend):
 
     def alloc(self, collective: str, total: int, dtype: str) -> Buffers:
         bufs = super().alloc(collective, total, dtype)
+        keys = ("send", "recv", "whole", "ip_send", "ip_recv")
         if DTYPES[dtype].numpy is None:  # bfloat16 / float8: hand ncclpy raw typed buffers
             B = self.ncclpy.Buffer
-            wrap = (lambda a: B(a.data.ptr, int(a.size), dtype, self.device))
-            bufs.extra["args"] = {k: wrap(getattr(bufs, k)) for k in
-                                  ("send", "recv", "whole", "ip_send", "ip_recv")}
+            bufs.extra["args"] = {k: B(getattr(bufs, k).data.ptr, int(getattr(bufs, k).size),
+                                       dtype, self.device) for k in keys}
         else:
-            bufs.extra["args"] = {k: getattr(bufs, k) for k in
-                                  ("send", "recv", "whole", "ip_send", "ip_recv")}
+            bufs.extra["args"] = {k: getattr(bufs, k) for k in keys}
         return bufs
 
     def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:
-        a = bufs.extra["args"]
-        c, st = self.comm, self.stream
-        me, n = self.rank, self.world
-        if in_place:
-            w, s, r = a["whole"], a["ip_send"], a["ip_recv"]
-            if collective == "all_reduce":
-                c.all_reduce(w, None, op=op, stream=st)
-            elif collective == "reduce":
-                c.reduce(w, None, root=root, op=op, stream=st)
-            elif collective == "broadcast":
-                c.broadcast(w, None, root=root, stream=st)
-            elif collective == "all_gather":
-                c.all_gather(None, w, stream=st)
-            elif collective == "reduce_scatter":
-                c.reduce_scatter(w, None, op=op, stream=st)
-            elif collective == "all_to_all":
-                c.all_to_all(w, None, stream=st)
-            elif collective == "gather":
-                c.gather(s, w if me == root else None, root=root, stream=st)
-            elif collective == "scatter":
-                c.scatter(w if me == root else None, r, root=root, stream=st)
-            elif collective == "send_recv":
-                c.send_recv(w, w, (me + 1) % n, (me - 1) % n, stream=st)
-            else:  # pragma: no cover
-                raise ValueError(f"collective {collective!r} is not benchmarked")
-            return
-        s, r = a["send"], a["recv"]
+        s, r = call_args(collective, bufs.extra["args"], in_place, self.rank, root)
+        c, st, me, n = self.comm, self.stream, self.rank, self.world
         if collective == "all_reduce":
             c.all_reduce(s, r, op=op, stream=st)
         elif collective == "reduce":
@@ -95,10 +63,35 @@ class NcclpyBackend(CupyStreamBackend):
         elif collective == "all_to_all":
             c.all_to_all(s, r, stream=st)
         elif collective == "gather":
-            c.gather(s, r if me == root else None, root=root, stream=st)
+            c.gather(s, r, root=root, stream=st)
         elif collective == "scatter":
-            c.scatter(s if me == root else None, r, root=root, stream=st)
+            c.scatter(s, r, root=root, stream=st)
         elif collective == "send_recv":
             c.send_recv(s, r, (me + 1) % n, (me - 1) % n, stream=st)
-        else:  # pragma: no cover
+        else:  # pragma: no cover - the CLI only passes registry names with data
             raise ValueError(f"collective {collective!r} is not benchmarked")
+
+
+def call_args(collective: str, a: Dict[str, Any], in_place: bool, rank: int,
+              root: int) -> Tuple[Any, Any]:
+    """(sendbuf, recvbuf) for ncclpy's call, from the buffers ``a`` (keys send, recv, whole,
+    ip_send, ip_recv).  Out of place: send and recv.  In place: ncclpy's documented forms --
+    ``recvbuf=None`` where the result overwrites the input (all_reduce, reduce, broadcast,
+    reduce_scatter, all_to_all), ``sendbuf=None`` where the input is a block of the output
+    (all_gather) -- and NCCL's aliasing rules for gather/scatter (the root's block of the whole
+    buffer is its own send/recv side) and send/recv (one buffer).  gather's receive and
+    scatter's send side exist on the root only (None elsewhere)."""
+    whole = a["whole"]
+    if collective == "all_gather":
+        s, r = (None, whole) if in_place else (a["send"], a["recv"])
+    elif collective == "gather":
+        s, r = (a["ip_send"], whole) if in_place else (a["send"], a["recv"])
+        r = r if rank == root else None
+    elif collective == "scatter":
+        s, r = (whole, a["ip_recv"]) if in_place else (a["send"], a["recv"])
+        s = s if rank == root else None
+    elif collective == "send_recv":
+        s, r = (whole, whole) if in_place else (a["send"], a["recv"])
+    else:
+        s, r = (whole, None) if in_place else (a["send"], a["recv"])
+    return s, r

@@ -49,10 +49,15 @@ def rank_env(rank: int, world_size: int, local_rank: int, local_world_size: int,
             f"local_rank: expected < local_world_size={local_world_size}, got {local_rank}")
     if not isinstance(master_addr, str) or not master_addr:
         raise ArgumentError(f"master_addr: expected a host name or address, got {master_addr!r}")
-    if torch_master_port is None:
+    if torch_master_port is None:   # derived: the user only chose master_port
+        if master_port > 65534:
+            raise ArgumentError(f"master_port: expected a port in 1..65534 (torch's store takes "
+                                f"master_port + 1), got {master_port}")
         torch_master_port = master_port + 1
+    elif master_port > 65535:
+        raise ArgumentError(f"master_port: expected a port in 1..65535, got {master_port}")
     _int("torch_master_port", torch_master_port, 1)
-    if torch_master_port == master_port or max(master_port, torch_master_port) > 65535:
+    if torch_master_port == master_port or torch_master_port > 65535:
         raise ArgumentError(f"torch_master_port: expected a port in 1..65535 other than "
                             f"master_port={master_port}, got {torch_master_port}")
     env = {

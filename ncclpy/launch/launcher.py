@@ -17,8 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import queue
 import secrets
@@ -31,7 +29,9 @@ import time
 from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import ArgumentError, LaunchError
-from .placement import Placement, loaded_nccl_version, plan_placement, visible_gpu_count
+from ._pdeath import PR_SET_PDEATHSIG, prctl_function
+from .placement import (Placement, loaded_nccl_version, plan_placement, summary_line,
+                        visible_gpu_count)
 
 __all__ = ["launch", "add_run_arguments", "run_from_args", "build_command", "DEFAULT_GRACE",
            "PREFIX_FORMAT"]
@@ -50,23 +50,56 @@ def _signame(signum: int) -> str:
         return f"signal {signum}"
 
 
-def _free_port(host: str) -> int:
-    """A free port P on ``host`` with P+1 free too (torch's store gets ``MASTER_PORT`` = P+1)."""
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    port = 0
-    for _ in range(50):
+def _bind_family(host: str, flag: str = "--master-addr") -> int:
+    """The address family to bind ``host`` with; a precise error when it does not resolve."""
+    try:
+        return socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ArgumentError(f"{flag} {host!r}: cannot resolve this host name "
+                            f"({getattr(e, 'strerror', None) or e})") from None
+
+
+def _check_local(host: str) -> None:
+    """On one node rank 0 hosts the store here, so ``host`` must be an address of this machine."""
+    fam = _bind_family(host)
+    try:
         with socket.socket(fam, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port >= 65535:
-            continue
-        try:
-            with socket.socket(fam, socket.SOCK_STREAM) as s2:
-                s2.bind((host, port + 1))
-            return port
-        except OSError:
-            continue
+    except OSError as e:
+        raise ArgumentError(
+            f"--master-addr {host}: not an address of this machine ({e.strerror or e}); with "
+            f"--nnodes 1 rank 0 runs here and hosts the store, so leave --master-addr out "
+            f"(127.0.0.1) or give one of this machine's addresses") from None
+
+
+def _free_port(host: str) -> int:
+    """A free port P on ``host`` (a local address) with P+1 free too (torch's store gets
+    ``MASTER_PORT`` = P+1)."""
+    fam = _bind_family(host)
+    port = 0
+    try:
+        for _ in range(50):
+            with socket.socket(fam, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port >= 65535:
+                continue
+            try:
+                with socket.socket(fam, socket.SOCK_STREAM) as s2:
+                    s2.bind((host, port + 1))
+                return port
+            except OSError:
+                continue
+    except OSError as e:
+        raise LaunchError(f"cannot pick a free port on {host} ({e.strerror or e}); pass "
+                          f"--master-port") from None
     return port
+
+
+def _check_port(port: Any) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65534:
+        raise ArgumentError(f"--master-port: expected a port in 1..65534 (ncclpy's store listens "
+                            f"on P, torch's on P+1), got {port!r}")
 
 
 def build_command(program: Sequence[str], module: bool = False) -> list[str]:
@@ -138,15 +171,10 @@ def _pump(pipe: IO[bytes], sink: _Sink, prefix: Optional[bytes]) -> None:
 
 def _pdeathsig_fn() -> Optional[Callable[[], None]]:
     """A preexec_fn that makes the child get SIGKILL when the launcher dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
+    prctl = prctl_function()
+    if prctl is None:
         return None
     parent = os.getpid()
-    PR_SET_PDEATHSIG = 1
 
     def fn() -> None:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -184,7 +212,9 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
 
     ``env`` (default ``os.environ``) is the base environment of every rank.  Multi-node runs
     (``nnodes > 1``) need ``master_addr``, ``master_port`` and a shared ``NCCLPY_STORE_TOKEN``
-    in ``env``; single-node runs pick a free port and a fresh random token.
+    in ``env``; single-node runs pick a free port and a fresh random token.  On one node
+    ``master_addr`` must be an address of this machine (rank 0 hosts the store here); a
+    ``master_port`` must lie in 1..65534 (torch's store gets ``master_port + 1``).
     """
     base = dict(os.environ if env is None else env)
     for name, val, lo in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
@@ -195,8 +225,11 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
                             f"got {node_rank}")
     if not grace >= 0:
         raise ArgumentError(f"grace: expected seconds >= 0, got {grace!r}")
-    if ranks_per_gpu is not None and ranks_per_gpu < 1:
-        raise ArgumentError(f"ranks_per_gpu: expected a positive int, got {ranks_per_gpu!r}")
+    if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool)
+                                      or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1):
+        raise ArgumentError(f"--ranks-per-gpu: expected a positive int, got {ranks_per_gpu!r}")
+    if master_port is not None:
+        _check_port(master_port)
     command = list(command)
     if not command:
         raise ArgumentError("command: expected a program to run, got an empty command")
@@ -204,6 +237,8 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
 
     single = nnodes == 1
     if single:
+        if master_addr:
+            _check_local(master_addr)
         master_addr = master_addr or "127.0.0.1"
         if master_port is None:
             master_port = _free_port(master_addr)
@@ -213,7 +248,9 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
                    if v is None]
         if missing:
             raise ArgumentError(f"{' and '.join(missing)}: a multi-node run (nnodes={nnodes}) "
-                                f"needs the address and port of node 0's rank 0 on every node")
+                                f"needs the address and port of node 0's rank 0 on every node; "
+                                f"pass the same --master-addr and --master-port to each node "
+                                f"(no port is picked: the other nodes could not know it)")
         token = base.get("NCCLPY_STORE_TOKEN", "")
         if not token:
             raise LaunchError(
@@ -231,7 +268,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
         single_node=single, env=base)
     where = "" if single else f"node {node_rank} of {nnodes}, ranks {node_rank * nproc}-" \
                               f"{node_rank * nproc + nproc - 1} of {world}; "
-    err.line(f"ncclpy run: {where}{placement.summary}")
+    err.line(summary_line("ncclpy run", placement, where))
 
     preexec = _pdeathsig_fn()
     procs: list[subprocess.Popen] = []
@@ -365,9 +402,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="H",
                    help="address of the store (rank 0); default 127.0.0.1 on one node")
     p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
-                   metavar="P", help="port of the store; default: a free port on one node")
+                   metavar="P", help="port of ncclpy's store, 1..65534 (torch's store gets P+1); "
+                                     "default: a free port on one node")
     p.add_argument("--ranks-per-gpu", "--ranks_per_gpu", dest="ranks_per_gpu", type=int,
-                   default=None, metavar="R", help="put R consecutive ranks on each GPU")
+                   default=None, metavar="R",
+                   help="share each GPU among R ranks: N ranks use ceil(N/R) GPUs, rank r -> "
+                        "GPU r mod ceil(N/R) (default: one rank per GPU while they suffice)")
     p.add_argument("--no-prefix", "--no_prefix", dest="no_prefix", action="store_true",
                    help="do not prefix output lines with '[rank R] '")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",

@@ -5,14 +5,18 @@ Rules (``plan_placement``):
 * no visible GPU -> mode ``"no-gpu"``: device index = local rank, no NCCL variables (CPU-only
   programs and tests still get a consistent ``NCCLPY_DEVICE``).
 * ranks fit one per GPU (and ``ranks_per_gpu`` is None or 1) -> ``"one-per-gpu"``: rank r -> GPU r.
-* more ranks than GPUs, or ``ranks_per_gpu=R > 1`` -> rank r -> GPU ``r mod G`` (with R:
-  ``(r // R) mod G``), and NCCL is told that ranks share a GPU:
+* more ranks than GPUs, or ``ranks_per_gpu=R > 1`` -> rank r -> GPU ``r mod G``, where G is the
+  number of GPUs used: all visible ones, or with R only ``ceil(nranks / R)`` of them (fewer
+  GPUs, each shared by R ranks; more ranks than R x visible GPUs wrap around), and NCCL is told
+  that ranks share a GPU:
   - NCCL >= 2.30: ``NCCL_MULTI_RANK_GPU_ENABLE=1`` -> ``"multi-rank-gpu"``;
   - older (or unknown) NCCL: a distinct ``NCCL_HOSTID`` per rank so each rank looks like its own
     host, ``NCCL_NET=Socket``, and on a single node ``NCCL_SOCKET_IFNAME=lo`` ->
     ``"hostid-socket"``.
 
 A variable the user already set in the environment is never overridden; the summary says so.
+``ncclpy run`` and :func:`ncclpy.spawn` both state the choice in one line
+(:func:`summary_line`) on stderr.
 """
 from __future__ import annotations
 
@@ -25,14 +29,16 @@ from typing import Mapping, Optional
 
 from ..errors import ArgumentError
 
-__all__ = ["Placement", "plan_placement", "visible_gpu_count", "loaded_nccl_version",
-           "MULTI_RANK_GPU_MIN_VERSION", "MODES"]
+__all__ = ["Placement", "plan_placement", "summary_line", "visible_gpu_count",
+           "loaded_nccl_version", "MULTI_RANK_GPU_MIN_VERSION", "MODES", "SHARED_MODES"]
 
 log = logging.getLogger(__name__)
 
 #: First NCCL version (code) that supports several ranks per GPU natively.
 MULTI_RANK_GPU_MIN_VERSION = 23000
 MODES = ("one-per-gpu", "multi-rank-gpu", "hostid-socket", "no-gpu")
+#: The modes in which several ranks share one GPU.
+SHARED_MODES = ("multi-rank-gpu", "hostid-socket")
 
 
 @dataclass(frozen=True)
@@ -174,10 +180,10 @@ def plan_placement(nranks: int, ngpus: int, nccl_version: Optional[int], *,
                          f"placement: {ranks}, no GPU visible (no-gpu: NCCLPY_DEVICE=local rank, "
                          f"no NCCL variables set)", nccl_version)
 
+    gpus = ngpus
     if ranks_per_gpu and ranks_per_gpu > 1:
-        devices = tuple((r // ranks_per_gpu) % ngpus for r in range(nranks))
-    else:
-        devices = tuple(r % ngpus for r in range(nranks))
+        gpus = min(ngpus, -(-nranks // ranks_per_gpu))   # ceil: R ranks on each GPU used
+    devices = tuple(r % gpus for r in range(nranks))
     used = len(set(devices))
     per_gpu = max(devices.count(d) for d in set(devices))
     where = f"{ranks} on {_plural(used, 'GPU')}"
@@ -227,5 +233,12 @@ def plan_placement(nranks: int, ngpus: int, nccl_version: Optional[int], *,
             detail += ", NCCL_SOCKET_IFNAME=lo"
     if kept:
         detail += "; kept the user's " + ", ".join(f"{k}={env[k]}" for k in kept)
-    summary = f"placement: {where} ({detail}{over})"
+    rule = f", rank r -> GPU r mod {used}" if used > 1 else ""
+    summary = f"placement: {where}{rule} ({detail}{over})"
     return Placement(nranks, ngpus, mode, devices, tuple(envs), summary, nccl_version, tuple(kept))
+
+
+def summary_line(who: str, placement: Placement, where: str = "") -> str:
+    """The one line ``ncclpy run`` and :func:`ncclpy.spawn` print about the placement mode:
+    ``"{who}: {where}{placement.summary}"``."""
+    return f"{who}: {where}{placement.summary}"

@@ -6,9 +6,15 @@ raises, exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKI
 :data:`TERM_GRACE_S`) and is reported in the parent, an exception as
 :class:`~ncclpy.errors.ProcessRaisedException` with the child's rank and traceback text.
 Only strings cross the pipe back; nothing is unpickled from a child's exception.
+
+The children die with the parent (SIGTERM through ``PR_SET_PDEATHSIG`` on Linux, even when the
+parent is SIGKILLed); SIGINT/SIGTERM reaching the parent stop them before taking effect.  GPU
+placement is ``ncclpy run``'s (:mod:`ncclpy.launch.placement`, ``ranks_per_gpu`` included), and
+when ranks share a GPU the same one-line mode statement goes to stderr.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -17,11 +23,13 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from ncclpy.errors import ArgumentError, ArgumentTypeError, LaunchError, ProcessRaisedException
+from ncclpy.launch._pdeath import die_with_parent
 from ncclpy.launch.env import rank_env
 
 __all__ = ["spawn", "SpawnContext", "TERM_GRACE_S"]
@@ -33,8 +41,14 @@ TERM_GRACE_S = 3.0
 
 
 def _trampoline(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: Mapping[str, str],
-                conn: Any) -> None:
-    """Child entry point: set the rank's environment, run ``fn``, send back a traceback on error."""
+                conn: Any, parent_pid: Optional[int] = None) -> None:
+    """Child entry point: die with the parent (SIGTERM, Linux), set the rank's environment, run
+    ``fn``, send back a traceback on error."""
+    for sig, default in ((signal.SIGINT, signal.default_int_handler),
+                         (signal.SIGTERM, signal.SIG_DFL)):
+        if getattr(signal.getsignal(sig), "_ncclpy_spawn", False):  # inherited through fork
+            signal.signal(sig, default)
+    die_with_parent(signal.SIGTERM, parent_pid)
     os.environ.update(env)
     try:
         fn(rank, *args)
@@ -73,16 +87,65 @@ def _two_free_ports(host: str) -> tuple[int, int]:
         return int(a.getsockname()[1]), int(b.getsockname()[1])
 
 
-def _plan_placement(nprocs: int, child_env: Mapping[str, str]) -> tuple[list[Optional[int]],
-                                                                         list[dict[str, str]]]:
-    """The single placement call site: device and extra NCCL variables per rank (one node)."""
+def _plan_placement(nprocs: int, child_env: Mapping[str, str], ranks_per_gpu: Optional[int]
+                    ) -> tuple[list[Optional[int]], list[dict[str, str]]]:
+    """The single placement call site: device and extra NCCL variables per rank (one node).
+
+    When ranks share a GPU the mode is stated in one line on stderr, as ``ncclpy run`` does.
+    """
     from ncclpy.launch import placement
 
     ngpus = placement.visible_gpu_count(child_env)
-    version = placement.loaded_nccl_version() if 0 < ngpus < nprocs else None
-    plan = placement.plan_placement(nprocs, ngpus, version, single_node=True, env=child_env)
-    log.info("spawn: %s", plan.summary)
+    shares = ngpus > 0 and (nprocs > ngpus or (ranks_per_gpu or 1) > 1)
+    version = placement.loaded_nccl_version() if shares else None
+    plan = placement.plan_placement(nprocs, ngpus, version, ranks_per_gpu=ranks_per_gpu,
+                                    single_node=True, env=child_env)
+    line = placement.summary_line("ncclpy spawn", plan)
+    if plan.mode in placement.SHARED_MODES:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):  # no usable stderr: the log still has it
+            pass
+    log.info("%s", line)
     return [plan.device(r) for r in range(nprocs)], [plan.env(r) for r in range(nprocs)]
+
+
+class _Interrupted(BaseException):
+    """Raised in the parent by SIGINT/SIGTERM while children run, so they are stopped first."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_children() -> Iterator[None]:
+    """While active (main thread only): SIGINT and SIGTERM, when they have their default
+    handlers, raise :class:`_Interrupted` instead of killing the parent outright."""
+    old: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        def handler(signum: int, frame: Any) -> None:
+            raise _Interrupted(signum)
+        handler._ncclpy_spawn = True  # type: ignore[attr-defined]
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _after_interrupt(context: "SpawnContext", e: _Interrupted) -> None:
+    """Stop the children, then let the signal do what it would have done (handlers restored):
+    SIGINT raises KeyboardInterrupt, SIGTERM ends the process."""
+    log.debug("spawn: got %s; stopping the children", _signal_name(e.signum))
+    context.stop()
+    context._done = True
+    signal.raise_signal(e.signum)
+    raise KeyboardInterrupt if e.signum == signal.SIGINT else SystemExit(128 + e.signum)
 
 
 class SpawnContext:
@@ -156,10 +219,20 @@ class SpawnContext:
     def join(self, timeout: Optional[float] = None) -> bool:
         """Wait for the children: True when all exited 0, False if ``timeout`` passed first.
 
-        The first failing child raises here (after the others are stopped).
+        The first failing child raises here (after the others are stopped).  SIGINT or SIGTERM
+        reaching the parent meanwhile (main thread, default handlers) stops the children first,
+        then takes its usual effect (KeyboardInterrupt, or the end of the process).
         """
         if self._done:
             return True
+        try:
+            with _signals_stop_children():
+                return self._join(timeout)
+        except _Interrupted as e:
+            _after_interrupt(self, e)
+            raise  # pragma: no cover - _after_interrupt never returns
+
+    def _join(self, timeout: Optional[float]) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             running = {p.sentinel: r for r, p in enumerate(self.processes) if p.exitcode is None}
@@ -195,14 +268,21 @@ class SpawnContext:
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join: bool = True,
           timeout: Optional[float] = None, master_addr: str = "127.0.0.1",
           master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
-          start_method: str = "spawn") -> Optional[SpawnContext]:
+          start_method: str = "spawn", ranks_per_gpu: Optional[int] = None,
+          ) -> Optional[SpawnContext]:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes of one node with the rendezvous env set.
 
     ``master_port`` None picks a free port; ``env`` adds variables for every child (the
-    rendezvous variables always win).  ``join=False`` returns a :class:`SpawnContext`; with
+    rendezvous variables always win).  ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R
+    ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
+    chosen is stated in one line on stderr.  ``join=False`` returns a :class:`SpawnContext`; with
     ``join=True`` this returns None when every child exited 0 and raises otherwise
     (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for a non-zero exit, a
     signal, or ``timeout`` seconds passing; the other children are stopped in every case).
+
+    The children die with the parent (SIGTERM via ``PR_SET_PDEATHSIG``, Linux): with
+    ``join=False``, call this from a thread that outlives them (e.g. the main thread).  SIGINT
+    and SIGTERM reaching the parent while it starts or joins the children stop them first.
     """
     if not callable(fn):
         raise ArgumentTypeError(f"fn: expected a callable, got {type(fn).__name__}")
@@ -213,6 +293,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
         raise ArgumentError(f"timeout: expected None or seconds > 0, got {timeout!r}")
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise ArgumentTypeError(f"args: expected a tuple or list, got {type(args).__name__}")
+    if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool)
+                                      or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1):
+        raise ArgumentError(f"ranks_per_gpu: expected None or an int >= 1, got {ranks_per_gpu!r}")
     try:
         ctx = multiprocessing.get_context(start_method)
     except ValueError as e:
@@ -226,7 +309,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     else:
         torch_port = None  # rank_env's default: master_port + 1
     token = secrets.token_hex(16)
-    devices, extras = _plan_placement(nprocs, {**os.environ, **user_env})
+    devices, extras = _plan_placement(nprocs, {**os.environ, **user_env}, ranks_per_gpu)
     envs = [{**user_env, **rank_env(r, nprocs, r, nprocs, master_addr, master_port, token,
                                     device=devices[r], extra=extras[r],
                                     torch_master_port=torch_port)}
@@ -235,15 +318,21 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
 
     processes: list = []
     context = SpawnContext(processes, envs)
+    # a forkserver child's parent is the fork server (which dies with this process), not us
+    parent = None if start_method == "forkserver" else os.getpid()
     try:
-        for r in range(nprocs):
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_trampoline, args=(fn, r, tuple(args), envs[r], writer),
-                            name=f"ncclpy-rank-{r}")
-            p.start()
-            writer.close()
-            processes.append(p)
-            context._conns[r] = reader
+        with _signals_stop_children():
+            for r in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_trampoline,
+                                args=(fn, r, tuple(args), envs[r], writer, parent),
+                                name=f"ncclpy-rank-{r}")
+                p.start()
+                writer.close()
+                processes.append(p)
+                context._conns[r] = reader
+    except _Interrupted as e:
+        _after_interrupt(context, e)
     except BaseException:
         context.stop(grace=0.5)
         raise

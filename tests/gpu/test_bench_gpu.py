@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_util import requires_gpu
+from gpu_util import gpu_count, requires_gpu
 
 from ncclpy import registry
 
@@ -55,6 +55,10 @@ def test_sweep_every_collective_ncclpy_and_cupy(coll, tmp_path):
     _all_right(doc, cp)
     assert {r["experiment_name"] for r in doc["results"]} == {"ncclpy", "cupy"}
     assert "# Ratios ncclpy / cupy" in cp.stdout
+    devices = doc["config"]["devices"]
+    assert [d["rank"] for d in devices] == [0, 1]
+    if gpu_count() == 1:                        # the setting: 2 ranks share one GPU
+        assert [d["device"] for d in devices] == [0, 0]
 
 
 @requires_gpu
