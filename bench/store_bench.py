@@ -1,46 +1,64 @@
 """Store benchmark: ncclpy's TCP store side by side with ``torch.distributed.TCPStore``.
 
-Two measurements, each taken for both stores in the same run, interleaved so that machine noise
-hits both alike (the median of ``--repeat`` runs is reported):
+Both stores are measured in the same run, interleaved so that machine noise hits both alike;
+every cell reports min / median / max of ``--repeat`` runs (after ``--warmup`` untimed ones).
 
-* rendezvous: N ranks (threads of this process) connect to rank 0's store, rank 0 publishes a
-  128-byte "unique id", every other rank gets it, then all ranks pass a barrier (ncclpy's
-  :func:`ncclpy.store.barrier`, over either store). Rank 0's server is up before the clock
-  starts; the ranks' connections are inside the timed region.
-* ops/s: one client doing ``set`` then ``get`` of a 16-byte value, with the server in this
-  process (rank 0's view) and in another process (every other rank's view).
+* rendezvous: N ranks connect to rank 0's store, rank 0 publishes a 128-byte "unique id", every
+  other rank gets it, then all ranks pass a barrier (ncclpy's :func:`ncclpy.store.barrier`, over
+  either store). Rank 0's process hosts the server, started before the clock; the ranks'
+  connections are inside the timed region. Two modes: ``threads`` (``--ranks``: ranks are
+  threads of this process, so they share its GIL with the in-process ncclpy server) and
+  ``processes`` (``--process-ranks``: ranks are processes forked before the clock starts and
+  released through a pipe, as in a real job; a rank's exit is inside the clock).
+* ops/s: one client against a server in this process (rank 0's view) and in another process
+  (every other rank's view): ``set+get`` pairs, ``get`` and ``add``. torch's ``set`` is not
+  acknowledged (no reply), so a bare set rate compares a one-way send with a round trip; a set
+  followed by a get of the same key makes both sides complete the write before the clock moves.
 
-Usage: ``python -m bench.store_bench [--ranks 8,32,128,512] [--ops 10000] [--repeat 3]
-[--json PATH] [--no-torch]``. torch is imported lazily; without it its column says so.
+Usage: ``python -m bench.store_bench [--ranks 8,64,512] [--process-ranks 8,64] [--ops N]
+[--repeat R] [--warmup W] [--json PATH | --no-json] [--no-torch]``. The JSON goes to
+``bench/results/store_bench.json`` unless told otherwise. ``--process-ranks`` defaults to at most
+64: where DNS is unreachable c10d's per-connection reverse lookups stall each of torch's forked
+ranks for seconds, and hundreds of them retrying at once can swamp a small machine.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
+import select
 import statistics
+import struct
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+import traceback
+from typing import Callable, Dict, List, Optional, Tuple
 
 if __package__ in (None, ""):  # run as ``python bench/store_bench.py``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ncclpy.store import TCPStore, barrier  # noqa: E402
 
-__all__ = ["main", "rendezvous_time", "ops_per_second"]
+__all__ = ["main", "build_parser", "rendezvous_time", "ops_per_second", "DEFAULT_JSON", "MODES"]
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "store_bench.json")
 HOST = "127.0.0.1"
 UID = bytes(range(128))
-TIMEOUT = 60.0
+TIMEOUT = 120.0
+MODES = ("threads", "processes")
+OPS = ("set+get", "get", "add")
+JSON_VERSION = 1
 
 
 def _torch_store():
-    """``torch.distributed.TCPStore`` or None (with the reason printed once by the caller)."""
+    """``torch.distributed.TCPStore`` or None."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns per client otherwise
     try:
         import torch.distributed as dist
         return dist.TCPStore
@@ -59,18 +77,35 @@ def _ncclpy_client(port: int):
 
 
 def _torch_server():
-    store_cls = _torch_store()
-    s = store_cls(HOST, 0, is_master=True, wait_for_workers=False,
-                  timeout=datetime.timedelta(seconds=TIMEOUT))
+    s = _torch_store()(HOST, 0, is_master=True, wait_for_workers=False,
+                       timeout=datetime.timedelta(seconds=TIMEOUT))
     return s, s.port
 
 
 def _torch_client(port: int):
-    store_cls = _torch_store()
-    return store_cls(HOST, port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
+    return _torch_store()(HOST, port, is_master=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT))
 
 
-MAKERS = {"ncclpy": (_ncclpy_server, _ncclpy_client), "torch": (_torch_server, _torch_client)}
+MAKERS: Dict[str, Tuple[Callable, Callable]] = {
+    "ncclpy": (_ncclpy_server, _ncclpy_client), "torch": (_torch_server, _torch_client)}
+
+
+def torch_warmup() -> float:
+    """One torch master and client in this process, before any timing; seconds it took.
+
+    c10d looks up the peer's host name when it logs a connection and, after its first DNS
+    failure, stops doing so for the rest of the process. Where DNS is unreachable that first
+    lookup stalls (5 s per attempt here), so it is paid once, up front, and reported; forked
+    ranks inherit the "stop looking up" state.
+    """
+    t0 = time.perf_counter()
+    server, port = _torch_server()
+    client = _torch_client(port)
+    client.set("warm", b"up")
+    server.get("warm")
+    del client, server
+    return time.perf_counter() - t0
 
 
 def _close(store) -> None:
@@ -79,35 +114,36 @@ def _close(store) -> None:
         close()
 
 
+def _rank_work(store, rank: int, nranks: int, tag: str) -> None:
+    if rank == 0:
+        store.set("uid", UID)
+    elif store.get("uid") != UID:
+        raise AssertionError(f"rank {rank} got a wrong uid")
+    barrier(store, rank, nranks, tag=tag, timeout=TIMEOUT)
+
+
 # ---------------------------------------------------------------------------- rendezvous
-def rendezvous_time(kind: str, nranks: int) -> float:
-    """Seconds for ``nranks`` thread-ranks to connect, exchange a 128-byte uid and barrier."""
+def _rendezvous_threads(kind: str, nranks: int) -> float:
     make_server, make_client = MAKERS[kind]
     server_store, port = make_server()
-    start_gate = threading.Barrier(nranks + 1)
+    gate = threading.Barrier(nranks + 1)
     errors: List[BaseException] = []
     stores: List[object] = [None] * nranks
     tag = f"bench-{time.monotonic_ns()}"
 
     def rank_fn(rank: int) -> None:
         try:
-            start_gate.wait()
+            gate.wait()
             store = server_store if rank == 0 else make_client(port)
             stores[rank] = store
-            if rank == 0:
-                store.set("uid", UID)
-            else:
-                uid = store.get("uid")
-                if uid != UID:
-                    raise AssertionError(f"rank {rank} got a wrong uid")
-            barrier(store, rank, nranks, tag=tag, timeout=TIMEOUT)
+            _rank_work(store, rank, nranks, tag)
         except BaseException as e:  # reported by the caller
             errors.append(e)
 
     threads = [threading.Thread(target=rank_fn, args=(r,), daemon=True) for r in range(nranks)]
     for t in threads:
         t.start()
-    start_gate.wait()
+    gate.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
@@ -117,13 +153,109 @@ def rendezvous_time(kind: str, nranks: int) -> float:
             _close(s)
     _close(server_store)
     if errors:
-        raise RuntimeError(f"{kind} rendezvous of {nranks} ranks failed: {errors[0]!r}")
+        raise RuntimeError(f"{kind} rendezvous of {nranks} thread-ranks failed: {errors[0]!r}")
     return elapsed
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError("pipe closed")
+        out += chunk
+    return out
+
+
+def _rendezvous_processes(kind: str, nranks: int) -> float:
+    """Ranks 1.. are forked first (before any server thread exists) and wait on a pipe; the
+    clock starts when rank 0's server is up and the port is handed to them all."""
+    make_server, make_client = MAKERS[kind]
+    tag = f"bench-{time.monotonic_ns()}"
+    gate_r, gate_w = os.pipe()   # the port, 4 bytes per rank
+    done_r, done_w = os.pipe()   # one byte per finished rank
+    pids = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()  # children's garbage collections then leave the parent's pages shared
+    for rank in range(1, nranks):
+        pid = os.fork()
+        if pid == 0:  # child: one rank, then _exit without any clean-up of the parent's state
+            ok = False
+            try:
+                os.close(gate_w)
+                os.close(done_r)
+                (port,) = struct.unpack("!I", _read_exact(gate_r, 4))
+                _rank_work(make_client(port), rank, nranks, tag)
+                ok = True
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                try:
+                    os.write(done_w, b"1" if ok else b"0")
+                finally:
+                    os._exit(0 if ok else 1)
+        pids.append(pid)
+    gc.unfreeze()
+    os.close(gate_r)
+    os.close(done_w)
+    server_store = None
+    try:
+        server_store, port = make_server()
+        t0 = time.perf_counter()
+        msg = struct.pack("!I", port) * (nranks - 1)
+        for i in range(0, len(msg), 4096):  # <= PIPE_BUF per write: whole messages only
+            os.write(gate_w, msg[i:i + 4096])
+        _rank_work(server_store, 0, nranks, tag)
+        got = b""
+        deadline = time.monotonic() + TIMEOUT
+        while len(got) < nranks - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([done_r], [], [], left)[0]:
+                raise RuntimeError(f"{kind} rendezvous of {nranks} process-ranks: only "
+                                   f"{len(got)} ranks finished within {TIMEOUT:.0f} s")
+            chunk = os.read(done_r, nranks)
+            if not chunk:
+                break
+            got += chunk
+        elapsed = time.perf_counter() - t0
+        if got.count(b"1") != nranks - 1:
+            raise RuntimeError(f"{kind} rendezvous of {nranks} process-ranks: "
+                               f"{nranks - 1 - got.count(b'1')} ranks failed (see stderr)")
+        return elapsed
+    finally:
+        os.close(gate_w)
+        os.close(done_r)
+        deadline = time.monotonic() + 30
+        for pid in pids:
+            try:
+                while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                    if time.monotonic() > deadline:
+                        os.kill(pid, 9)
+                        os.waitpid(pid, 0)
+                        break
+                    time.sleep(0.001)
+            except ChildProcessError:
+                pass
+        if server_store is not None:
+            _close(server_store)
+
+
+def rendezvous_time(kind: str, nranks: int, mode: str = "threads") -> float:
+    """Seconds for ``nranks`` ranks to connect, exchange a 128-byte uid and pass a barrier."""
+    if mode == "threads":
+        return _rendezvous_threads(kind, nranks)
+    if mode == "processes":
+        if not hasattr(os, "fork"):  # pragma: no cover - Windows
+            raise RuntimeError("processes mode needs os.fork")
+        return _rendezvous_processes(kind, nranks)
+    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
 # ---------------------------------------------------------------------------- ops/s
 _SERVER_SCRIPT = r"""
-import sys, datetime
+import os, sys, datetime
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 kind = sys.argv[1]
 if kind == "ncclpy":
     from ncclpy.store import StoreServer
@@ -141,9 +273,8 @@ class _RemoteServer:
     """A store server in a child process (what every rank but 0 talks to)."""
 
     def __init__(self, kind: str) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+            [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT, kind],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      text=True)
@@ -163,17 +294,21 @@ class _RemoteServer:
 
 
 def ops_per_second(store, nops: int) -> Dict[str, float]:
-    """set/s and get/s of one client doing ``nops`` of each (16-byte values)."""
+    """Rates of one client: ``set+get`` pairs/s (16-byte values), ``get``/s and ``add``/s."""
     value = b"v" * 16
     keys = [f"k{i % 64}" for i in range(nops)]
     t0 = time.perf_counter()
     for k in keys:
         store.set(k, value)
+        store.get(k)
     t1 = time.perf_counter()
     for k in keys:
         store.get(k)
     t2 = time.perf_counter()
-    return {"set": nops / (t1 - t0), "get": nops / (t2 - t1)}
+    for _ in keys:
+        store.add("counter", 1)
+    t3 = time.perf_counter()
+    return {"set+get": nops / (t1 - t0), "get": nops / (t2 - t1), "add": nops / (t3 - t2)}
 
 
 def _ops_local(kind: str, nops: int) -> Dict[str, float]:
@@ -192,92 +327,146 @@ def _ops_remote(kind: str, nops: int, servers: Dict[str, _RemoteServer]) -> Dict
         _close(client)
 
 
-# ---------------------------------------------------------------------------- main
-def _median(runs: List[Dict[str, float]]) -> Dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+# ---------------------------------------------------------------------------- output
+def _stats(runs: List[float]) -> Dict[str, object]:
+    return {"runs": runs, "min": min(runs), "median": statistics.median(runs), "max": max(runs)}
 
 
-def _fmt(v: Optional[float], unit: str) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v * 1000:9.1f} ms" if unit == "s" else f"{v:9.0f}"
+def _ms(st: Dict[str, object]) -> str:
+    return f"{st['min'] * 1e3:7.1f} /{st['median'] * 1e3:7.1f} /{st['max'] * 1e3:8.1f}"
+
+
+def _rate(st: Dict[str, object]) -> str:
+    return f"{st['min']:7.0f} /{st['median']:7.0f} /{st['max']:7.0f}"
+
+
+def _ratio(num: Optional[float], den: Optional[float]) -> str:
+    return f"{num / den:8.2f}x" if num and den else "     n/a"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.store_bench",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="8,64,512",
+                    help="comma-separated rank counts for the rendezvous (default 8,64,512)")
+    ap.add_argument("--process-ranks", default="8,64",
+                    help="comma-separated rank counts for the rendezvous with ranks as forked "
+                         "processes; empty: skip (default 8,64)")
+    ap.add_argument("--ops", type=int, default=5000,
+                    help="operations of each kind per ops/s run (default 5000)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="timed runs per cell: min/median/max reported (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs per cell (default 1)")
+    ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON,
+                    help=f"where to write the results as JSON (default {DEFAULT_JSON})")
+    ap.add_argument("--no-json", action="store_true", help="do not write the JSON file")
+    ap.add_argument("--no-torch", action="store_true", help="leave torch's column out")
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.store_bench", description=__doc__.split(
-        "\n\n")[0])
-    ap.add_argument("--ranks", default="8,32,128,512",
-                    help="comma-separated rank counts for the rendezvous (default 8,32,128,512)")
-    ap.add_argument("--ops", type=int, default=10000,
-                    help="set and get operations per ops/s run (default 10000)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per cell; median (default 3)")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    ap.add_argument("--no-torch", action="store_true", help="leave torch's column out")
+    ap = build_parser()
     args = ap.parse_args(argv)
-    try:
-        ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--ranks: expected comma-separated ints, got {args.ranks!r}")
-    if not ranks or min(ranks) < 1 or args.ops < 1 or args.repeat < 1:
-        ap.error("--ranks, --ops and --repeat must be positive")
+    cells: List[Tuple[str, int]] = []
+    for mode, opt, text in (("threads", "--ranks", args.ranks),
+                            ("processes", "--process-ranks", args.process_ranks)):
+        try:
+            cells += [(mode, int(x)) for x in text.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"{opt}: expected comma-separated ints, got {text!r}")
+    if cells and any(mode == "processes" for mode, _ in cells) and not hasattr(os, "fork"):
+        ap.error("--process-ranks needs os.fork (pass --process-ranks '')")
+    if any(n < 1 for _, n in cells) or args.ops < 1 or args.repeat < 1 or args.warmup < 0:
+        ap.error("rank counts, --ops and --repeat must be positive, --warmup >= 0")
 
     kinds = ["ncclpy"]
-    torch_note = ""
+    notes = ["torch's set is not acknowledged: rates time a set followed by a get of the same "
+             "key so that both stores complete the write inside the clock"]
+    torch_version = None
+    warm = None
     if not args.no_torch:
         if _torch_store() is None:
-            torch_note = "torch is not installed: its column is skipped"
+            notes.append("torch is not installed: its column is skipped")
         else:
+            import torch
+            torch_version = torch.__version__
             kinds.append("torch")
-    if torch_note:
-        print(torch_note)
+            warm = torch_warmup()
+            if warm > 1.0:
+                notes.append(f"torch's first connection in this process took {warm:.1f} s (its "
+                             f"reverse-DNS lookup of the peer stalled; c10d then stops looking "
+                             f"up); paid before timing")
     print(f"store benchmark on {platform.node()} ({os.cpu_count()} CPUs, Python "
-          f"{platform.python_version()}), median of {args.repeat} run(s)")
+          f"{platform.python_version()}, torch {torch_version or 'n/a'}); min / median / max of "
+          f"{args.repeat} run(s) after {args.warmup} warm-up")
 
-    results: Dict[str, object] = {"ranks": {}, "ops": {}}
-    print("\nrendezvous (connect + 128-byte uid get + barrier), ranks as threads")
-    print(f"{'ranks':>6} " + " ".join(f"{k:>12}" for k in kinds)
-          + ("   torch/ncclpy" if "torch" in kinds else ""))
-    for n in ranks:
+    rendezvous: List[Dict[str, object]] = []
+    print("\nrendezvous: connect + 128-byte uid get + barrier; rank 0 hosts the server (ms)")
+    print(f"{'mode':>10} {'ranks':>6} " + " ".join(f"{k + ' min/med/max':>26}" for k in kinds)
+          + ("   ncclpy speed-up = torch/ncclpy (medians, mins)" if "torch" in kinds
+             else ""))
+    for mode, n in cells:
         runs: Dict[str, List[float]] = {k: [] for k in kinds}
-        for _ in range(args.repeat):
+        for i in range(args.warmup + args.repeat):
             for k in kinds:  # interleaved: the same noise for both
-                runs[k].append(rendezvous_time(k, n))
-        med = {k: statistics.median(v) for k, v in runs.items()}
-        results["ranks"][str(n)] = {k: {"median_s": med[k], "runs_s": runs[k]} for k in kinds}
-        ratio = f"   {med['torch'] / med['ncclpy']:12.2f}x" if "torch" in kinds else ""
-        print(f"{n:>6} " + " ".join(_fmt(med[k], "s") for k in kinds) + ratio, flush=True)
+                t = rendezvous_time(k, n, mode)
+                if i >= args.warmup:
+                    runs[k].append(t)
+        st = {k: _stats(v) for k, v in runs.items()}
+        for k in kinds:
+            rendezvous.append({"mode": mode, "ranks": n, "store": k,
+                               **{f"{f}_s": st[k][f] for f in ("runs", "min", "median", "max")}})
+        ratio = ""
+        if "torch" in kinds:
+            ratio = ("   " + _ratio(st["torch"]["median"], st["ncclpy"]["median"]) + " "
+                     + _ratio(st["torch"]["min"], st["ncclpy"]["min"]))
+        print(f"{mode:>10} {n:>6} " + " ".join(f"{_ms(st[k]):>26}" for k in kinds) + ratio,
+              flush=True)
 
-    print(f"\none client, {args.ops} set then {args.ops} get of 16 bytes (ops/s)")
-    print(f"{'server':>14} {'op':>4} " + " ".join(f"{k:>12}" for k in kinds)
-          + ("   ncclpy/torch" if "torch" in kinds else ""))
+    ops: List[Dict[str, object]] = []
+    print(f"\none client, {args.ops} operations of each kind, 16-byte values (ops/s; set+get: "
+          f"pairs/s, torch's set being unacknowledged)")
+    print(f"{'server':>14} {'op':>8} " + " ".join(f"{k + ' min/med/max':>24}" for k in kinds)
+          + ("   ncclpy/torch (medians)" if "torch" in kinds else ""))
     remote = {k: _RemoteServer(k) for k in kinds}
     try:
         for where, fn in (("same process", lambda k: _ops_local(k, args.ops)),
                           ("other process", lambda k: _ops_remote(k, args.ops, remote))):
             runs2: Dict[str, List[Dict[str, float]]] = {k: [] for k in kinds}
-            for _ in range(args.repeat):
+            for i in range(args.warmup + args.repeat):
                 for k in kinds:
-                    runs2[k].append(fn(k))
-            med2 = {k: _median(v) for k, v in runs2.items()}
-            results["ops"][where] = {k: {"median_ops_s": med2[k], "runs": runs2[k]}
-                                     for k in kinds}
-            for op in ("set", "get"):
-                ratio = (f"   {med2['ncclpy'][op] / med2['torch'][op]:12.2f}x"
+                    r = fn(k)
+                    if i >= args.warmup:
+                        runs2[k].append(r)
+            for op in OPS:
+                st = {k: _stats([r[op] for r in runs2[k]]) for k in kinds}
+                for k in kinds:
+                    ops.append({"server": where, "op": op, "store": k,
+                                **{f"{f}_ops_s": st[k][f] for f in ("runs", "min", "median",
+                                                                    "max")}})
+                ratio = ("   " + _ratio(st["ncclpy"]["median"], st["torch"]["median"])
                          if "torch" in kinds else "")
-                print(f"{where:>14} {op:>4} " + " ".join(_fmt(med2[k][op], "ops")
-                                                          for k in kinds) + ratio, flush=True)
+                print(f"{where:>14} {op:>8} " + " ".join(f"{_rate(st[k]):>24}" for k in kinds)
+                      + ratio, flush=True)
     finally:
         for r in remote.values():
             r.close()
+    for note in notes:
+        print(f"note: {note}")
 
-    if args.json:
-        doc = {"benchmark": "store", "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    if not args.no_json:
+        doc = {"benchmark": "store", "version": JSON_VERSION,
+               "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "machine": {"node": platform.node(), "cpus": os.cpu_count(),
-                           "python": platform.python_version()},
-               "repeat": args.repeat, "ops": args.ops, "stores": kinds, "note": torch_note,
-               "rendezvous": results["ranks"], "ops_per_second": results["ops"]}
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
+                           "python": platform.python_version(), "torch": torch_version},
+               "config": {"ranks": [n for m, n in cells if m == "threads"],
+                          "process_ranks": [n for m, n in cells if m == "processes"],
+                          "ops": args.ops,
+                          "repeat": args.repeat, "warmup": args.warmup},
+               "stores": kinds, "notes": notes, "torch_warmup_s": warm,
+               "rendezvous": rendezvous,
+               "ops_per_second": ops}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"\nwrote {args.json}")

@@ -20,7 +20,8 @@ _LAZY = {
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},
     # store
-    "StoreServer": "ncclpy.store", "TCPStore": "ncclpy.store", "barrier": "ncclpy.store",
+    "StoreServer": "ncclpy.store", "StoreLimits": "ncclpy.store", "TCPStore": "ncclpy.store",
+    "barrier": "ncclpy.store",
     # rendezvous and launch
     "RendezvousInfo": "ncclpy.rendezvous", "resolve": "ncclpy.rendezvous",
     "Bootstrap": "ncclpy.bootstrap", "bootstrap": "ncclpy.bootstrap",

@@ -332,8 +332,12 @@ class Communicator:
         s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
         return self._run("send_recv", stream, _flat(s, r), s, r, send_peer, recv_peer)
 
-    def barrier(self, *, stream: Any = None) -> Work:
-        """Block the host until every rank has reached the barrier."""
+    def barrier(self, *, stream: Any = None, timeout: Optional[float] = None) -> Work:
+        """Block the host until every rank has reached the barrier.
+
+        ``timeout`` (seconds; default: the communicator's timeout): a rank that never arrives
+        raises NcclTimeoutError instead of hanging; the communicator should then be aborted.
+        """
         self._check_usable("barrier")
         if self._barrier_buf is None:
             import cupy
@@ -342,7 +346,7 @@ class Communicator:
             self._barrier_buf = _parse(arr, "barrier buffer")
         buf = self._barrier_buf
         work = self._run("barrier", stream, [buf], buf)
-        work.wait()
+        work.wait(timeout=self._timeout if timeout is None else timeout)
         return work
 
     def group(self):

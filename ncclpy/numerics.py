@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,7 +39,7 @@ from .errors import ArgumentError
 
 __all__ = ["FloatFormat", "FORMATS", "encode", "decode", "round_to", "ulp_distance", "max_ulp",
            "as_bits", "from_bits", "is_nan_bits", "mantissa_bits", "verifiable_values",
-           "verifiable_input", "rng_for", "EXACT_SCALE_EXP"]
+           "verifiable_input", "rng_for", "EXACT_SCALE_EXP", "exact_plan"]
 
 
 @dataclass(frozen=True)
@@ -381,29 +382,115 @@ def _random_bits(rng: np.random.Generator, count: int, view: str) -> np.ndarray:
     return np.frombuffer(rng.bytes(count * itemsize), dtype=view).copy()
 
 
-def _exact_range(dtype: str, op: str, world_size: int) -> int:
-    """Largest K such that integers in [-K, K] summed over ``world_size`` ranks stay exact."""
-    p = mantissa_bits(dtype)
-    return max(1, min((1 << p) // max(1, world_size), 1000))
+#: the most positive (and negative) units a slot plan adds up per element
+_MAX_SLOTS = 16
+
+
+def _pow2_exp(x: float) -> Optional[int]:
+    """e with |x| == 2**e, or None when |x| is not a power of two (or is 0, inf, NaN)."""
+    if x == 0 or not math.isfinite(x):
+        return None
+    m, e = math.frexp(abs(x))
+    return e - 1 if m == 0.5 else None
+
+
+def _sum_plan(fname: str, n: int, scale_exp: int) -> Optional[tuple]:
+    """How to draw integer units m (values ``m * 2**EXACT_SCALE_EXP``) whose terms
+    ``m * 2**scale_exp`` and *every* partial sum of them, in any order, are exact in ``fname``:
+
+    * ("indep", K): each rank draws m in [-K, K] on its own (K * n <= 2**p);
+    * ("slots", P): more ranks than 2**p (float8): per element P positive and P negative slots
+      are dealt to ranks by a generator every rank shares, so partial sums stay in [-P, P];
+    * None: 2**scale_exp is below the format's smallest quantum (then only a unit plan works).
+    """
+    f = _fmt(fname)
+    if scale_exp < f.emin - f.mbits:
+        return None
+    p = f.mbits + 1
+    # the largest |units| whose value stays finite (capped: float64 has room for any count)
+    room = 1 << 62 if f.max_finite >= 2.0 ** (62 + scale_exp) else \
+        int(math.ldexp(f.max_finite, -scale_exp))
+    k = min((1 << p) // max(1, n), 1000, room // max(1, n))
+    if k >= 1:
+        return ("indep", k)
+    slots = min(1 << p, _MAX_SLOTS, room)
+    return ("slots", slots) if slots >= 1 else None
+
+
+def exact_plan(dtype: Any, op: Optional[str], world_size: int,
+               scalar: Optional[float] = None) -> tuple:
+    """The input plan :func:`verifiable_input` uses for a float ``dtype`` (see
+    :func:`verifiable_values`): ``("indep", K)``, ``("slots", P)``, ``("unit", 2)``,
+    ``("prod", choices)``, ``("minmax", K)``, or ``("inexact", why)`` where no plan makes the
+    result exact (a non-finite premul_sum scalar)."""
+    fname = LOGICAL[dtype_name(dtype)].wire.name
+    n = max(1, int(world_size))
+    if op in ("sum", None):
+        return _sum_plan(fname, n, EXACT_SCALE_EXP) or ("unit", 2)
+    if op == "avg":
+        e = _pow2_exp(1.0 / n) if n & (n - 1) == 0 else None
+        plan = _sum_plan(fname, n, EXACT_SCALE_EXP + e) if e is not None else None
+        return plan or ("unit", 2)
+    if op == "premul_sum":
+        s = 0.0 if scalar is None else float(scalar)
+        if not math.isfinite(s):
+            return ("inexact", f"premul_sum scalar {s!r} is not finite")
+        e = 0 if s == 0 else _pow2_exp(s)
+        plan = _sum_plan(fname, n, EXACT_SCALE_EXP + e) if e is not None else None
+        return plan or ("unit", 2)
+    if op == "prod":
+        return ("prod", (-2.0, -1.0, -0.5, 0.5, 1.0, 2.0) if n <= 8 else (-1.0, 1.0))
+    if op in ("min", "max"):
+        k = min((1 << mantissa_bits(fname)) - 1, 10 ** 6)
+        if fname.startswith("float8"):
+            k = min(k, 15 if fname == "float8_e4m3" else 7)
+        return ("minmax", k)
+    raise ArgumentError(f"op: expected sum, prod, min, max, avg, premul_sum or None, got {op!r}")
+
+
+def _slot_units(shared: np.random.Generator, count: int, n: int, rank: int, k: int,
+                distinct: bool) -> np.ndarray:
+    """Integer units of ``rank``: +1 per positive slot and -1 per negative slot dealt to it.
+
+    ``distinct``: the k slots of one sign go to k different ranks (each active with
+    probability 3/4), so a rank gets -1, 0 or 1; otherwise each slot picks any rank or none."""
+    m = np.zeros(count, dtype=np.int64)
+    for sign in (1, -1):
+        if distinct:
+            kk = min(k, n)
+            first = shared.integers(0, n, size=count)
+            active = shared.random((kk, count)) < 0.75
+            for j in range(kk):
+                m += sign * (((first + j) % n == rank) & active[j])
+        else:
+            for _ in range(k):
+                m += sign * (shared.integers(0, 2 * n, size=count) == rank)
+    return m
 
 
 def verifiable_values(dtype: Any, count: int, *, op: Optional[str], world_size: int,
-                      rng: np.random.Generator) -> np.ndarray:
+                      rng: np.random.Generator, scalar: Optional[float] = None,
+                      rank: int = 0, shared: Optional[np.random.Generator] = None
+                      ) -> np.ndarray:
     """float64 values (floats) or wire bits (ints/bool) whose reduction is exact in ``dtype``.
 
     Floats are integers times ``2**EXACT_SCALE_EXP`` (nccl-tests' idea: a shared exponent and
-    integer mantissas), so sums, products, min, max, avg over power-of-two ranks and premul_sum
-    by a power of two are exact in any order:
+    integer mantissas), chosen by :func:`exact_plan` so that every term and every partial
+    result, in *any* reduction order, is exactly representable, so NCCL's order cannot matter:
 
-    * sum / premul_sum: integers in [-K, K] with K * world_size <= 2**p;
-    * avg: the same when world_size is a power of two, else values in {-1, 0, 1} (then exact for
-      world_size <= 4 only; see :func:`ncclpy.check.cases.exact_claim`);
+    * sum, avg over a power-of-two n, premul_sum by a power of two: integers in [-K, K] with
+      K * n <= 2**p and no overflow ("indep"); with more ranks than 2**p (float8), P positive and
+      P negative units dealt per element to ranks ("slots", partial sums within [-P, P]);
+    * avg over other n and premul_sum by any other scalar ("unit"): each premultiplied term is
+      +-p or 0 for one p = round(2**-2 * s), and per element at most two ranks hold +1 and two
+      -1, so every partial sum is in {-2p, ..., 2p}: exact whatever s is;
     * prod: {+-1/2, +-1, +-2} (world_size <= 8), else {+-1};
-    * min / max: any integers in [-(2**p - 1), 2**p - 1] (capped at 10**6);
-    * None (data movement): float values too (random bits are made by the caller if wanted).
+    * min / max: any integers in [-(2**p - 1), 2**p - 1] (capped at 10**6; no -0, no NaN);
+    * None (data movement): like sum (random bits are made by the caller if wanted).
 
-    Integer dtypes get uniformly random bits (wrapping sums and products are order-independent);
-    bool gets 0/1.
+    The "slots" and "unit" plans need ``shared`` (a generator every rank seeds alike) and
+    ``rank``; :func:`verifiable_input` passes them.  Integer dtypes get uniformly random bits
+    (wrapping sums and products are order-independent); bool gets 0/1.
     """
     name = dtype_name(dtype)
     w = LOGICAL[name].wire
@@ -411,41 +498,34 @@ def verifiable_values(dtype: Any, count: int, *, op: Optional[str], world_size: 
         return rng.integers(0, 2, size=count, dtype=np.uint8)
     if w.kind != "float":
         return _random_bits(rng, count, w.view)
-    fname = w.name
-    scale = 2.0 ** EXACT_SCALE_EXP
-    n = max(1, world_size)
-    if op in ("sum", "premul_sum", None):
-        k = _exact_range(fname, op or "sum", n)
-        m = rng.integers(-k, k + 1, size=count)
-    elif op == "avg":
-        if n & (n - 1) == 0:
-            k = _exact_range(fname, "sum", n)
-            m = rng.integers(-k, k + 1, size=count)
-        else:
-            m = rng.integers(-1, 2, size=count)
-    elif op == "prod":
-        choices = np.array([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0] if n <= 8 else [-1.0, 1.0])
+    n = max(1, int(world_size))
+    plan = exact_plan(w.name, op, n, scalar)
+    kind = plan[0]
+    if kind in ("slots", "unit") and n > 1:
+        if shared is None:
+            raise ArgumentError(f"verifiable_values: {op} over {n} ranks of {w.name} needs the "
+                                f"shared generator (use verifiable_input)")
+        m = _slot_units(shared, count, n, int(rank), plan[1], distinct=kind == "unit")
+    elif kind in ("slots", "unit", "inexact"):
+        m = rng.integers(-1, 2, size=count)
+    elif kind == "prod":
+        choices = np.array(plan[1])
         return choices[rng.integers(0, len(choices), size=count)]
-    elif op in ("min", "max"):
-        k = min((1 << mantissa_bits(fname)) - 1, 10 ** 6)
-        if fname.startswith("float8"):
-            k = min(k, 15 if fname == "float8_e4m3" else 7)
-        m = rng.integers(-k, k + 1, size=count)
-    else:
-        raise ArgumentError(f"op: expected sum, prod, min, max, avg, premul_sum or None, "
-                            f"got {op!r}")
-    return m.astype(np.float64) * scale
+    else:  # "indep", "minmax"
+        m = rng.integers(-plan[1], plan[1] + 1, size=count)
+    return m.astype(np.float64) * 2.0 ** EXACT_SCALE_EXP
 
 
 def verifiable_input(dtype: Any, count: int, *, op: Optional[str], world_size: int,
-                     seed: int, rank: int, tag: str = "", random_bits: bool = False
-                     ) -> np.ndarray:
+                     seed: int, rank: int, tag: str = "", random_bits: bool = False,
+                     scalar: Optional[float] = None) -> np.ndarray:
     """One rank's input as a numpy array of logical ``dtype`` (bf16/fp8 as uint views, complex
     as complex arrays, complex32 as float16 pairs of shape (count, 2)), seeded by
     (seed, rank, tag).
 
     ``random_bits``: uniformly random bit patterns instead (for data-movement collectives: NaN
-    payloads, -0 and subnormals must travel untouched).  Bool stays 0/1.
+    payloads, -0 and subnormals must travel untouched).  Bool stays 0/1.  ``scalar``: the
+    premul_sum factor (it decides the plan, see :func:`exact_plan`).
     """
     name = dtype_name(dtype)
     lg = LOGICAL[name]
@@ -457,7 +537,9 @@ def verifiable_input(dtype: Any, count: int, *, op: Optional[str], world_size: i
     elif name == "bool":
         bits = rng.integers(0, 2, size=wcount, dtype=np.uint8)
     else:
-        vals = verifiable_values(w.name, wcount, op=op, world_size=world_size, rng=rng)
+        shared = rng_for(seed, 0, f"{tag}|{name}|{op}|{count}|shared")
+        vals = verifiable_values(w.name, wcount, op=op, world_size=world_size, rng=rng,
+                                 scalar=scalar, rank=rank, shared=shared)
         bits = encode(vals, w.name)
     return _bits_to_logical(bits, name, count)
 

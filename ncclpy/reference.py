@@ -18,14 +18,23 @@ Reductions (the contract :mod:`ncclpy.check` compares against):
   result is exact (integers; floats built from small integer mantissas at a shared exponent, see
   :func:`ncclpy.numerics.verifiable_input`).  For other inputs compare with a ULP tolerance.
 * Integers wrap (two's complement / unsigned modular arithmetic), as the C kernels do.
-* MIN/MAX: NCCL's fminf/fmaxf/__hmin semantics: a NaN operand loses to a number; between equal
-  values (+0 and -0) the accumulator is kept.
+* MIN/MAX (NCCL ``FuncMinMax``, src/device/reduce_kernel.h): integers compare as their type;
+  float/double use ``fminf``/``fmaxf``/``fmin``/``fmax``, half and bfloat16 ``__hmin``/``__hmax``
+  (sm80+), float8 goes through half.  All of them return the number when one operand is NaN,
+  which the reference does too.  Two cases are *not* pinned down and the reference makes no bit
+  claim for them: a NaN against a NaN (CUDA may return a canonical NaN, the reference keeps the
+  accumulator's payload) and a tie of +0 against -0 (the sign CUDA's min/max picks is not
+  documented for every type; the reference keeps the accumulator).  ``ncclpy check``'s inputs
+  never contain NaN or -0 for MIN/MAX (:func:`ncclpy.numerics.verifiable_values`).
 * AVG: integers: the wrapped sum, then division by n truncating toward zero (NCCL's
   ``FuncSumPostDiv``).  Floats: ``ncclDevPreMulSum`` with ``1/n`` computed in double, converted to
   float, then to the dtype (``__float2half(float(1.0/n))`` etc.): each input is multiplied by that
-  rounded scalar (rounded again), then the products are summed.
-* PREMUL_SUM(s): the scalar is rounded to the dtype (integers: truncated toward zero and
-  wrapped), each input is multiplied by it in the dtype, and the products are summed.
+  rounded scalar (rounded again), then the products are summed.  (This is what NCCL <= 2.32 does:
+  its device code has SumPostDiv kernels for integers only.)
+* PREMUL_SUM(s): the scalar is converted to the dtype exactly as ncclpy hands it to NCCL
+  (:func:`ncclpy.plan.scalars.encode_scalar`: floats narrower than float32 go through float32;
+  integer dtypes take only an integral, in-range scalar and refuse others with the library's
+  ArgumentError), each input is multiplied by it in the dtype, and the products are summed.
 * bool (torch's mapping): the bytes are reduced as uint8 with SUM -> MAX and PROD -> MIN;
   AVG and PREMUL_SUM are refused.  Complex: reduced as the pairs of reals, SUM/AVG/PREMUL_SUM only.
 """
@@ -39,6 +48,7 @@ from . import numerics as nm
 from .dtypes import DTYPES, LOGICAL, dtype_name
 from .errors import ArgumentError, UnsupportedError
 from .ops import RedOp, effective_op
+from .plan.scalars import encode_scalar
 
 __all__ = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
            "gather", "scatter", "send_recv", "barrier", "reduce_arrays", "avg_scalar_bits",
@@ -139,13 +149,19 @@ def avg_scalar_bits(wire: str, n: int) -> np.ndarray:
 
 
 def premul_scalar_bits(wire: str, scalar: float) -> np.ndarray:
-    """The bits of the premul_sum scalar in wire type ``wire`` (floats: one rounding from the
-    double; integers: truncated toward zero, then wrapped)."""
+    """The bits of the premul_sum scalar in wire type ``wire``: exactly the element ncclpy passes
+    to ``ncclRedOpCreatePreMulSum`` (:func:`ncclpy.plan.scalars.encode_scalar`, so the two agree
+    by construction).  Raises the library's ArgumentError for a scalar it refuses (a
+    non-integral or out-of-range value on an integer type, a finite value that overflows)."""
     w = DTYPES[wire]
-    if w.kind == "float":
-        return nm.encode(np.array([float(scalar)]), wire, saturate=True if _is_fp8(wire) else None)
-    v = int(np.trunc(scalar)) & ((1 << (8 * w.itemsize)) - 1)
-    return np.array([v], dtype=np.uint64).astype(w.view)
+    raw = encode_scalar(scalar, wire)
+    return np.frombuffer(raw, dtype=np.dtype(w.view).newbyteorder("<")).astype(w.view)
+
+
+def _scalar(wire: str, o: RedOp, scalar_bits: Optional[int]) -> np.ndarray:
+    if scalar_bits is None:
+        return premul_scalar_bits(wire, o.scalar)
+    return np.array([int(scalar_bits)], dtype=np.uint64).astype(DTYPES[wire].view)
 
 
 # -- the fold -------------------------------------------------------------------------------
@@ -168,10 +184,13 @@ def _round_vals(v: np.ndarray, wire: str) -> np.ndarray:
 
 
 def reduce_arrays(arrays: Sequence[np.ndarray], op: Any, dtype: Any,
-                  world_size: Optional[int] = None) -> np.ndarray:
+                  world_size: Optional[int] = None, *,
+                  scalar_bits: Optional[int] = None) -> np.ndarray:
     """Element-wise reduction of equally shaped logical arrays with NCCL's semantics (see the
     module docstring); the left fold in list order.  ``world_size`` (default ``len(arrays)``)
-    is the n of AVG."""
+    is the n of AVG.  ``scalar_bits`` (premul_sum only): the raw wire bits NCCL is handed as
+    the scalar instead of the encoded ``op.scalar`` (to model a caller passing other bytes,
+    e.g. torch's bfloat16 PREMUL_SUM)."""
     name = dtype_name(dtype)
     lg = LOGICAL[name]
     o: RedOp = effective_op(op, name)
@@ -189,7 +208,7 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: Any, dtype: Any,
     if w.kind != "float":
         vals = [b.view(wire) for b in bits]
         if o.name == "premul_sum":
-            s = premul_scalar_bits(wire, o.scalar).view(wire)[0]
+            s = _scalar(wire, o, scalar_bits).view(wire)[0]
             vals = [v * s for v in vals]
         acc = vals[0].copy()
         for v in vals[1:]:
@@ -210,7 +229,7 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: Any, dtype: Any,
     # floats: exact value in float64, one rounding per step
     fvals = [nm.decode(b, wire) for b in bits]
     if o.name in ("avg", "premul_sum"):
-        sb = avg_scalar_bits(wire, n) if o.name == "avg" else premul_scalar_bits(wire, o.scalar)
+        sb = avg_scalar_bits(wire, n) if o.name == "avg" else _scalar(wire, o, scalar_bits)
         s = nm.decode(sb, wire)[0]
         with np.errstate(all="ignore"):
             fvals = [nm.decode(_round_vals(v * s, wire), wire) for v in fvals]

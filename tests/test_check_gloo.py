@@ -52,7 +52,7 @@ def test_default_cpu_matrix_covers_everything_gloo_runs():
     cases, skipped = C.build_matrix(2, backend="gloo")
     colls = {c.collective for c in cases}
     assert colls == set(C.COLLECTIVES)
-    dtypes = {c.dtype for c in cases if c.dtype}
+    dtypes = {c.dtype for c in cases if c.dtype and c.collective != "send_recv"}
     assert dtypes == {"int8", "uint8", "int32", "int64", "float16", "float32", "float64",
                       "bfloat16", "bool", "complex32", "complex64", "complex128"}
     sizes = {c.size_label for c in cases}
@@ -67,6 +67,9 @@ def test_default_cpu_matrix_covers_everything_gloo_runs():
     # what gloo refuses is skipped with its reason, never run
     reasons = {(s["collective"], s["dtype"], s["op"]): s["reason"] for s in skipped}
     assert "Invalid scalar type" in reasons[("broadcast", "uint32", None)]
+    # gloo's send/recv moves bytes: no dtype dispatch, so it runs every dtype (measured)
+    assert {c.dtype for c in cases if c.collective == "send_recv"} == set(C.ALL_DTYPES)
+    assert not any(k[0] == "send_recv" for k in reasons)
     assert "PREMUL_SUM" in reasons[("all_reduce", "float32", "premul_sum")]
     assert "Float can't be cast" in reasons[("reduce", "int32", "avg")]
     assert ("gather", "complex64", None) in reasons
@@ -87,18 +90,125 @@ def test_nccl_matrix_has_all_dtypes_ops_and_inplace():
 
 def test_exactness_claims_and_divergences():
     case = lambda **k: C.Case(**{"collective": "all_reduce", "dtype": "float32", **k})  # noqa
-    assert C.exact_claim(case(op="sum"), 3)
-    assert C.exact_claim(case(op="avg"), 4) and C.exact_claim(case(op="avg"), 3)
-    assert not C.exact_claim(case(op="avg"), 5)
-    assert C.exact_claim(case(op="premul_sum", scalar=0.5), 6)
-    assert not C.exact_claim(case(op="premul_sum", scalar=0.3), 2)
+    # the inputs make every finite case exact (tests/test_numerics.py proves it for n 1..16)
+    for n in (1, 3, 4, 5, 6, 7, 12):
+        assert C.exact_claim(case(op="sum"), n) and C.exact_claim(case(op="avg"), n)
+        assert C.exact_claim(case(op="premul_sum", scalar=0.3), n)
+        assert C.exact_claim(case(dtype="float8_e5m2", op="sum"), n)
+    assert not C.exact_claim(case(op="premul_sum", scalar=float("inf")), 2)
     assert C.exact_claim(case(dtype="int8", op="avg"), 7)
     d = C.divergence("nccl", case(dtype="bfloat16", op="premul_sum", scalar=2.0), 2)
-    assert d is not None and d.when == "always" and "float" in d.reason
+    assert d is not None and d.model == "bf16_premul_low16" and "low 16 bits" in d.reason
     assert C.divergence("gloo", case(dtype="bfloat16", op="premul_sum", scalar=2.0), 2) is None
-    assert C.divergence("gloo", case(op="avg"), 4) is None          # power of two: exact
-    assert C.divergence("gloo", case(op="avg"), 3).when == "mismatch"
-    assert C.divergence("gloo", case(dtype="bool", op="sum"), 2) is not None
+    assert C.divergence("gloo", case(op="avg"), 3).model == "gloo_avg_div"
+    assert C.divergence("gloo", case(dtype="bool", op="sum"), 2).model == "gloo_bool_bytesum"
+    assert C.divergence("gloo", case(dtype="bool", op="max"), 2) is None
+
+
+def test_divergence_predictions():
+    """Each divergence predicts torch's wrong output; the check calls a difference a divergence
+    only when torch's bytes equal the prediction."""
+    from ncclpy import reference
+    from ncclpy.check import divergences as D
+    from ncclpy.plan.scalars import float32_bits
+    # torch NCCL bf16 premul_sum(2.0): NCCL reads the float32's low 16 bits (0): zeros
+    x = [nm.encode(np.array([1.5, -3.0, 0.25]), "bfloat16") for _ in range(3)]
+    c = C.Case("all_reduce", "bfloat16", "premul_sum", 2.0, 3)
+    pred = D.predicted_outputs(C.divergence("nccl", c), c, x, 3, "nccl")
+    assert all(list(nm.decode(p, "bfloat16")) == [0.0, 0.0, 0.0] for p in pred)
+    c = C.Case("reduce_scatter", "bfloat16", "premul_sum", 1.1, 1)
+    pred = D.predicted_outputs(C.divergence("nccl", c), c, x, 3, "nccl", rank=1)
+    want = reference.reduce_arrays([a[1:2] for a in x], c.op_obj(), "bfloat16", 3,
+                                   scalar_bits=float32_bits(1.1) & 0xFFFF)
+    assert pred[0] is None and pred[2] is None and np.array_equal(pred[1], want)
+    # gloo AVG: sum, then divide (float16 1025 x 3: gloo 1025, NCCL's premultiply 1024)
+    h = [np.array([1025.0], np.float16)] * 3
+    c = C.Case("reduce", "float16", "avg", None, 1, root=2)
+    pred = D.predicted_outputs(C.divergence("gloo", c), c, h, 3, "gloo")
+    assert pred[0] is None and pred[1] is None and pred[2][0] == 1025.0
+    assert reference.reduce(h, op="avg", root=2)[2][0] == 1024.0
+    # gloo's complex reduce divides by complex(n): a multiplication by 1/n rounded
+    z = [np.array([0.25 + 0.25j], np.complex64)] * 2 + [np.array([0j], np.complex64)] * 3
+    c = C.Case("reduce", "complex64", "avg", None, 1, root=0)
+    got = D.predicted_outputs(C.divergence("gloo", c), c, z, 5, "gloo")[0]
+    assert got[0] == np.complex64(0.5) * (np.float32(1) / np.float32(5)) * (1 + 1j)
+    # gloo bool SUM adds the bytes
+    b = [np.array([True, False, True])] * 3
+    c = C.Case("all_reduce", "bool", "sum", None, 3)
+    got = D.predicted_outputs(C.divergence("gloo", c), c, b, 3, "gloo")[0]
+    assert list(got.view(np.uint8)) == [3, 0, 3]
+
+
+def test_known_refusals_are_narrow():
+    from ncclpy.check import divergences as D
+    c = lambda coll, dt, op=None: C.Case(coll, dt, op, 2.0 if op == "premul_sum" else None)  # noqa
+    msg = "TypeError: Input tensor data type is not supported for NCCL process group: UInt32"
+    assert D.known_refusal("nccl", c("broadcast", "uint32"), msg)
+    assert D.known_refusal("nccl", c("broadcast", "int32"), msg) is None       # not that dtype
+    assert D.known_refusal("gloo", c("broadcast", "uint32"), msg) is None      # not that backend
+    pm = "TypeError: PreMulSum Data type must be half, float, bfloat16 or double"
+    assert D.known_refusal("nccl", c("all_reduce", "int8", "premul_sum"), pm)
+    assert D.known_refusal("nccl", c("all_reduce", "float32", "premul_sum"), pm) is None
+    assert D.known_refusal("nccl", c("all_reduce", "int8", "premul_sum"),
+                           "RuntimeError: NCCL error: unhandled cuda error") is None
+    f8 = "RuntimeError: Float8 dtypes are not currenlty supported for NCCL reductions"
+    assert D.known_refusal("nccl", c("reduce", "float8_e4m3", "sum"), f8)
+    assert D.known_refusal("nccl", c("broadcast", "float8_e4m3"), f8) is None
+
+
+def _parts(n, **per_rank):
+    return [{"rank": r, **{k: (v[r] if isinstance(v, list) else v) for k, v in per_rank.items()}}
+            for r in range(n)]
+
+
+def _cmp(equal, ulp=0.0):
+    return K.Comparison(equal, ulp if not equal else 0.0, 0 if equal else 1,
+                        -1 if equal else 0).as_dict()
+
+
+def test_merge_statuses():
+    ctx = {"n": 2, "backend": "gloo", "comm": None}
+    bsum = C.Case("all_reduce", "bool", "sum", None, 4)
+    ok = K.merge(bsum, _parts(2, t_ref=_cmp(True)), ctx)
+    assert ok["status"] == "pass" and ok["torch_ref"] is True
+    div = K.merge(bsum, _parts(2, t_ref=_cmp(False, 1), t_pred=_cmp(True), p_ref=_cmp(False, 1)),
+                  ctx)
+    assert div["status"] == "torch divergence" and div["torch_ref"] is False
+    # the prediction equals NCCL's semantics here: torch != reference is not explained by it
+    odd = K.merge(bsum, _parts(2, t_ref=_cmp(False, 1), t_pred=_cmp(True), p_ref=_cmp(True)), ctx)
+    assert odd["status"] == "fail"
+    # torch differs from the reference AND from the prediction: a mismatch, not a divergence
+    bad = K.merge(bsum, _parts(2, t_ref=_cmp(False, 1), t_pred=[_cmp(True), _cmp(False, 1)]),
+                  ctx)
+    assert bad["status"] == "fail" and "prediction" in bad["reason"]
+    f32 = C.Case("all_reduce", "float32", "sum", None, 4)
+    assert K.merge(f32, _parts(2, t_ref=[_cmp(True), _cmp(False, 1)]), ctx)["status"] == "fail"
+    err = K.merge(f32, _parts(2, t_ref=_cmp(None), torch_exc="RuntimeError: boom"), ctx)
+    assert err["status"] == "error" and "boom" in err["reason"]
+    # not claimed exact (a non-finite scalar): within the tolerance is reported apart
+    inf = C.Case("all_reduce", "float32", "premul_sum", float("inf"), 4)
+    w = K.merge(inf, _parts(2, t_ref=_cmp(False, 1)), ctx)
+    assert w["status"] == "within ULP" and w["torch_ref"] is False and w["max_ulp"] == 1
+    # GPU: refusals by torch must be known ones, and ncclpy must still be right
+    g = {"n": 2, "backend": "nccl", "comm": object()}
+    u32 = C.Case("broadcast", "uint32", None, None, 4, root=0)
+    refused = "TypeError: Input tensor data type is not supported for NCCL process group: UInt32"
+    r = K.merge(u32, _parts(2, t_ref=_cmp(None), n_ref=_cmp(True), n_t=_cmp(None),
+                            torch_exc=refused), g)
+    assert r["status"] == "unsupported" and "uint32" in r["reason"]
+    r = K.merge(u32, _parts(2, t_ref=_cmp(None), n_ref=_cmp(False, 3), n_t=_cmp(None),
+                            torch_exc=refused), g)
+    assert r["status"] == "fail"
+    r = K.merge(u32, _parts(2, t_ref=_cmp(None), n_ref=_cmp(True), n_t=_cmp(None),
+                            torch_exc="RuntimeError: NCCL communicator was aborted"), g)
+    assert r["status"] == "error"
+    bp = C.Case("all_reduce", "bfloat16", "premul_sum", 2.0, 4)
+    r = K.merge(bp, _parts(2, t_ref=_cmp(False, 9), t_pred=_cmp(True), p_ref=_cmp(False, 9),
+                           n_ref=_cmp(True), n_t=_cmp(False, 9)), g)
+    assert r["status"] == "torch divergence" and r["ncclpy_torch"] is False
+    r = K.merge(bp, _parts(2, t_ref=_cmp(False, 9), t_pred=_cmp(True), p_ref=_cmp(False, 9),
+                           n_ref=_cmp(False, 2), n_t=_cmp(False, 9)), g)
+    assert r["status"] == "fail"
 
 
 def test_uneven_counts():
@@ -126,6 +236,12 @@ def test_compare_and_judge():
     flipped = K.flip_one_bit(np.array([True, False]))
     assert list(flipped) == [False, False]
     assert K.flip_one_bit(np.zeros(0, np.float32)).size == 0
+    x = np.array([1.0, 2.0], np.float32)
+    assert list(K.corrupt(x, "sign")) == [1.0, -2.0]
+    assert list(K.corrupt(x, "invert").view(np.uint32)) == list(~x.view(np.uint32))
+    assert list(K.corrupt(np.array([True, False]), "invert")) == [False, True]
+    with pytest.raises(ValueError):
+        K.corrupt(x, "scramble")
 
 
 def test_report_row_and_summary(tmp_path):
@@ -136,9 +252,13 @@ def test_report_row_and_summary(tmp_path):
     row = Rp.format_row(rec)
     assert "premul_sum(2)" in row and "needs GPU" in row and row.endswith("torch divergence: why")
     assert len(Rp.format_header_row().split()) >= 10
-    counts = Rp.summarize([rec, dict(rec, status="pass"), dict(rec, status="error")], skipped=4)
-    assert counts == {"cases": 3, "passed": 1, "failed": 1, "torch_divergence": 1,
-                      "unsupported": 0, "skipped": 4}
+    counts = Rp.summarize([rec, dict(rec, status="pass"), dict(rec, status="error"),
+                           dict(rec, status="within ULP")], skipped=4)
+    assert counts == {"cases": 4, "passed": 1, "failed": 1, "within_ulp": 1,
+                      "torch_divergence": 1, "unsupported": 0, "skipped": 4}
+    assert "float8 reductions" in Rp.format_skip_row(
+        {"collective": "all_reduce", "dtype": "float8_e4m3", "op": "sum",
+         "reason": "float8 reductions need compute capability 9.0+"})
     p = tmp_path / "x.json"
     Rp.write_json(str(p), {"u": float("inf")})
     assert json.loads(p.read_text()) == {"u": "inf"}
@@ -172,6 +292,68 @@ def test_rank_local_inputs_give_the_same_reference():
                 assert np.array_equal(nm.as_bits(got, case.dtype), nm.as_bits(want[r], case.dtype))
 
 
+def test_inject_spec_parsing():
+    assert Rn.parse_inject("all_reduce:1,gather:*:reference:invert") == [
+        ("all_reduce", 1, "torch", "bit"), ("gather", None, "reference", "invert")]
+    with pytest.raises(ValueError, match="side"):
+        Rn.parse_inject("all_reduce:0:harness")
+
+
+# -- fairness: pins, placement under torchrun, the libnccl each side calls -------------------
+def test_fairness_pins_algorithm_protocol_and_channels():
+    from ncclpy.check import fairness as F
+    env, pinned, kept = F.fairness_env(False, {"NCCL_PROTO": "LL"})
+    for k in ("NCCL_ALGO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE"):
+        assert k in env
+    assert env["NCCL_MIN_NCHANNELS"] == env["NCCL_MAX_NCHANNELS"]
+    assert "NCCL_PROTO" not in env and kept == ["NCCL_PROTO=LL"]
+    assert "NCCL_NVLS_ENABLE" not in F.fairness_env(True, {})[0]
+
+
+def test_placement_is_applied_when_a_launcher_did_not():
+    from ncclpy.check import fairness as F
+    from ncclpy.launch import placement as P
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "CUDA_VISIBLE_DEVICES": "0"}                     # torchrun: 2 ranks, 1 GPU
+    line = F.apply_launcher_placement(env)
+    assert env["NCCLPY_DEVICE"] == "0" and "ncclpy check: placement" in line
+    v = P.loaded_nccl_version()
+    if v is not None and v >= P.MULTI_RANK_GPU_MIN_VERSION:
+        assert env["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+    else:
+        assert env["NCCL_HOSTID"].endswith("-1") and env["NCCL_NET"] == "Socket"
+    assert F.apply_launcher_placement(env) is None          # placed already (ncclpy run too)
+    cpu = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": ""}
+    F.apply_launcher_placement(cpu)
+    assert cpu["NCCLPY_DEVICE"] == "1" and not any(k.startswith("NCCL_") for k in cpu)
+
+
+def test_libnccl_identification():
+    pytest.importorskip("cupy")
+    import sys as _sys
+    from ncclpy._nccl import lib as L
+    from ncclpy.check import fairness as F
+    try:
+        lib = L.get_lib()
+    except Exception as e:  # noqa: BLE001 - MissingDependencyError where NCCL is absent
+        pytest.skip(f"NCCL not loadable here: {e}")
+    ext = _sys.modules["cupy_backends.cuda.libs.nccl"].__file__
+    # ncclpy bound the very file CuPy's NCCL module calls
+    assert os.path.samefile(F.symbol_library(ext), lib.path)
+    assert L._pick(["/x/libnccl.so.2", lib.path], F.symbol_library(ext)) == lib.path
+    assert L._pick(["/x/libnccl.so.2", "/y/libnccl.so.2"], None) == "/x/libnccl.so.2"
+    from ncclpy.ops import format_version
+    ver = format_version(lib.version)
+    rep = F.libnccl_report(tuple(int(x) for x in ver.split(".")), lib.path, ver)
+    assert rep["ncclpy_libnccl"] == os.path.realpath(lib.path)
+    assert rep["all_libnccl"] == [os.path.realpath(lib.path)]
+    # this CPU torch has no NCCL of its own: the report must say so, never claim "same"
+    assert rep["torch_libnccl"] is None and not rep["same"]
+    assert any("cannot tell which libnccl torch calls" in p for p in rep["problems"])
+    bad = F.libnccl_report((2, 0, 0), lib.path, ver)
+    assert any("torch reports NCCL 2.0.0" in p for p in bad["problems"])
+
+
 # -- real runs ------------------------------------------------------------------------------
 def _summary(out: str) -> str:
     lines = [ln for ln in out.splitlines() if " cases on " in ln]
@@ -179,58 +361,112 @@ def _summary(out: str) -> str:
     return lines[-1]
 
 
-def test_check_two_ranks_default_matrix(tmp_path):
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_full_gloo_matrix(n, tmp_path):
+    """The whole default CPU matrix (every collective, dtype gloo runs, op, size incl. 1 MiB,
+    root 0 and n-1, in/out of place), bit for bit against the reference."""
     js = tmp_path / "check.json"
-    p = run_check("-n", "2", "-q", "--json", str(js))
+    p = run_check("-n", str(n), "-q", "--json", str(js))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = _summary(p.stdout)
-    assert " 0 failed" in s and "(gloo)" in s
+    assert " 0 failed" in s and "(gloo)" in s and "0 within ULP" in s
     doc = json.loads(js.read_text())
+    want, skipped = C.build_matrix(n, backend="gloo")
     assert doc["exit_code"] == 0 and doc["summary"]["failed"] == 0
-    assert doc["summary"]["passed"] > 1500
-    assert doc["header"]["backend"] == "gloo" and doc["header"]["world_size"] == 2
-    statuses = {c["status"] for c in doc["cases"]}
-    assert statuses <= {"pass", "torch divergence"}
-    for c in doc["cases"]:
-        if c["status"] == "torch divergence":    # the documented gloo ones only
-            assert c["case"]["dtype"] in ("bool", "float16", "float32", "float64", "bfloat16",
-                                          "complex32", "complex64", "complex128")
+    assert doc["summary"]["cases"] == len(want) and doc["summary"]["skipped"] == len(skipped)
+    assert doc["summary"]["unsupported"] == 0 and doc["summary"]["within_ulp"] == 0
+    assert doc["header"]["backend"] == "gloo" and doc["header"]["world_size"] == n
     assert {c["case"]["collective"] for c in doc["cases"]} == set(C.COLLECTIVES)
+    big = [c for c in doc["cases"] if c["case"]["size_label"] == "1MiB"]
+    assert {c["case"]["collective"] for c in big} == set(C.COLLECTIVES) - {"barrier"}
+    assert {c["case"]["root"] for c in doc["cases"] if c["case"]["collective"] == "scatter"} \
+        == {0, n - 1}
+    for c in doc["cases"]:
+        assert c["status"] in ("pass", "torch divergence"), c
+        if c["status"] == "pass" and c["case"]["collective"] != "barrier":
+            assert c["torch_ref"] is not False and c["max_ulp"] == 0
+        if c["status"] == "torch divergence":     # gloo's bool byte sums, predicted exactly
+            assert (c["case"]["dtype"], c["case"]["op"]) == ("bool", "sum")
+            assert c["torch_ref"] is False
+            assert all(r["t_pred"]["equal"] is not False for r in c["ranks"])
+            assert any(r["t_pred"]["equal"] and r["p_ref"]["equal"] is False
+                       for r in c["ranks"])
     assert "ncclpy column: needs GPU" in p.stdout
 
 
-#: every collective, fewer dtypes and sizes (the 2-rank run covers all of them)
-FILTER = {3: ["--dtypes", "float32,bfloat16,int32,bool,complex64", "--sizes", "0,1,7,1MiB"],
-          4: ["--dtypes", "float32,bfloat16,int32,bool,complex64", "--sizes", "0,1,7,65536"]}
+INJ = ["-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes", "float32,int8",
+       "--sizes", "0,5"]
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_check_three_and_four_ranks_every_collective(n, tmp_path):
-    js = tmp_path / "check.json"
-    p = run_check("-n", str(n), "-q", "--json", str(js), *FILTER[n])
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    doc = json.loads(js.read_text())
-    assert doc["summary"]["failed"] == 0 and doc["header"]["world_size"] == n
-    assert {c["case"]["collective"] for c in doc["cases"]} == set(C.COLLECTIVES)
-    assert {c["case"]["root"] for c in doc["cases"] if c["case"]["collective"] == "scatter"} \
-        == {0, n - 1}
-
-
-def test_injected_corruption_is_a_mismatch(tmp_path):
+@pytest.mark.parametrize("spec", ["reduce_scatter:1", "reduce_scatter:*:torch:invert",
+                                  "reduce_scatter:0:reference:bit",
+                                  "reduce_scatter:1:reference:sign"])
+def test_injected_corruption_is_a_mismatch(spec, tmp_path):
+    """Corrupting torch's output, or the reference the harness compares with, in different ways:
+    each is a mismatch with exit status 1 (size 0 has no byte to corrupt and passes)."""
     js = tmp_path / "inj.json"
-    p = run_check("-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes",
-                  "float32,int8", "--sizes", "0,5", "--json", str(js),
-                  env={"NCCLPY_CHECK_INJECT": "reduce_scatter:1"})
+    p = run_check(*INJ, "--json", str(js), env={"NCCLPY_CHECK_INJECT": spec})
     assert p.returncode == 1, p.stdout + p.stderr
     doc = json.loads(js.read_text())
+    side, how = (spec.split(":") + ["torch", "bit"])[2:4]
     bad = [c for c in doc["cases"] if c["status"] == "fail"]
-    assert bad and all(c["case"]["collective"] == "reduce_scatter" and c.get("injected")
+    assert bad and all(c["case"]["collective"] == "reduce_scatter" and c["case"]["count"] == 5
+                       and c["injected"] == f"{side}:{how}" and c["torch_ref"] is False
                        for c in bad)
-    assert all(c["case"]["count"] == 5 for c in bad)       # size 0 has no byte to flip
+    assert len(bad) == len([c for c in doc["cases"] if c["case"]["collective"] ==
+                            "reduce_scatter" and c["case"]["count"] == 5])
     assert all(c["status"] == "pass" for c in doc["cases"]
-               if c["case"]["collective"] == "broadcast")
-    assert "torch != reference on rank(s) [1]" in p.stdout
-    assert " failed" in _summary(p.stdout) and " 0 failed" not in _summary(p.stdout)
+               if c["case"]["collective"] == "broadcast" or c["case"]["count"] == 0)
+    ranks = "[0, 1]" if ":*:" in spec else f"[{spec.split(':')[1]}]"
+    assert f"torch != reference on rank(s) {ranks}" in p.stdout
+    assert f"corrupted on purpose by NCCLPY_CHECK_INJECT: {side}:{how}" in p.stdout
+    assert doc["summary"]["failed"] == len(bad) and doc["exit_code"] == 1
+
+
+def test_corrupted_torch_output_in_a_divergence_cell_is_a_mismatch(tmp_path):
+    """A documented divergence excuses only torch's predicted wrong output, nothing else."""
+    args = ("-n", "2", "--collectives", "all_reduce", "--dtypes", "bool", "--ops", "sum",
+            "--sizes", "7")
+    clean = run_check(*args, "--json", str(tmp_path / "a.json"))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert [c["status"] for c in json.loads((tmp_path / "a.json").read_text())["cases"]] == \
+        ["torch divergence"]
+    p = run_check(*args, "--json", str(tmp_path / "b.json"),
+                  env={"NCCLPY_CHECK_INJECT": "all_reduce:0:torch:sign"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    (c,) = json.loads((tmp_path / "b.json").read_text())["cases"]
+    assert c["status"] == "fail" and "prediction" in c["reason"]
+
+
+def test_inject_needs_the_side_it_corrupts():
+    p = run_check("-n", "2", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3",
+                  env={"NCCLPY_CHECK_INJECT": "broadcast:0:ncclpy"})
+    assert p.returncode == 2 and "no ncclpy column" in p.stderr, p.stdout + p.stderr
+    p = run_check("-n", "2", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3",
+                  env={"NCCLPY_CHECK_INJECT": "broadcast:0:torch:scramble"})
+    assert p.returncode == 2 and "NCCLPY_CHECK_INJECT" in p.stderr, p.stdout + p.stderr
+
+
+def test_zero_cases_is_an_error():
+    p = run_check("-n", "2", "--collectives", "gather", "--dtypes", "complex64")
+    assert p.returncode == 2 and "no case to run" in p.stderr, p.stdout + p.stderr
+    p = run_check("-n", "2", "--collectives", "broadcast", "--dtypes", "uint64")
+    assert p.returncode == 2 and "see --list-skips" in p.stderr
+
+
+def test_json_to_stdout_keeps_the_table_on_stderr():
+    p = run_check("-n", "2", "--collectives", "broadcast,barrier", "--dtypes", "int8",
+                  "--sizes", "3", "--json", "-")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(p.stdout)                 # nothing else on stdout
+    assert doc["exit_code"] == 0 and doc["summary"]["passed"] == doc["summary"]["cases"] > 0
+    assert "collective" in p.stderr and " cases on 2 ranks" in p.stderr
+
+
+def test_run_timeout_stops_the_ranks():
+    p = run_check("-n", "2", "--run-timeout", "3")       # the full matrix needs ~10 s
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "timeout=3 s passed" in p.stderr
 
 
 def test_runs_under_the_launcher_with_rank_env():
@@ -238,6 +474,20 @@ def test_runs_under_the_launcher_with_rank_env():
                   "float16", "--sizes", "3", launcher=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[rank 0]" in p.stdout and " 0 failed" in _summary(p.stdout)
+
+
+def test_runs_under_torchrun():
+    e = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "NCCLPY_CHECK_INJECT", "NCCLPY_DEVICE"):
+        e.pop(k, None)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--standalone", "-m", "ncclpy", "check", "--collectives",
+                        "all_reduce,scatter,barrier", "--dtypes", "float32", "--sizes", "5"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert " 0 failed" in _summary(p.stdout) and " cases on 2 ranks (gloo)" in p.stdout
 
 
 def test_cli_listing_and_errors():
@@ -248,6 +498,70 @@ def test_cli_listing_and_errors():
     assert p.returncode == 0 and "gather/int8/-/4/0/oop" in p.stdout
     p = run_check("--ops", "band")
     assert p.returncode == 2 and "--ops" in p.stderr
+    p = run_check("--timeout", "0")
+    assert p.returncode == 2 and "--timeout" in p.stderr
+
+
+def test_backend_nccl_needs_a_gpu():
+    from ncclpy.check.cli import _gpu_available
+    gpu, why = _gpu_available()
+    if gpu:
+        pytest.skip("a GPU is visible here: tests/gpu/test_check_gpu.py covers --backend nccl")
     p = run_check("--backend", "nccl", "-n", "2")
-    if p.returncode == 2:   # no GPU here
-        assert "--backend nccl" in p.stderr
+    assert p.returncode == 2 and "--backend nccl" in p.stderr and why in p.stderr
+
+
+_GLOO_AVG_SCRIPT = r'''
+import json, os, sys, socket
+import numpy as np
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from ncclpy import numerics as nm
+from ncclpy.check import cases as C, divergences as D, runner as Rn
+from ncclpy import reference
+
+# inputs where gloo's sum-then-divide differs from NCCL's premultiply-then-sum
+INPUTS = {"float16": [[1025.0, 3.0]] * 3, "float32": [[7.0, 3.3]] * 3,
+          "complex64": [[7.0 + 3.3j, 100.1 + 7.0j]] * 3}
+
+def work(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    res = []
+    for dt, vals in INPUTS.items():
+        ins = [np.array(v, dtype=dt) for v in vals]
+        for coll in ("all_reduce", "reduce"):
+            case = C.Case(coll, dt, "avg", None, 2, root=0 if coll == "reduce" else None)
+            got = Rn.run_case_torch(torch, dist, case, ins[rank], rank, 3, "cpu")
+            if coll == "reduce" and rank != 0:
+                continue
+            pred = D.predicted_outputs(D.divergence("gloo", case), case, ins, 3, "gloo")[rank]
+            ref = reference.all_reduce(ins, op="avg", dtype=dt)[rank]
+            res.append([coll, dt, nm.as_bits(got, dt).tobytes() == nm.as_bits(pred, dt).tobytes(),
+                        nm.as_bits(got, dt).tobytes() == nm.as_bits(ref, dt).tobytes()])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.spawn(work, args=(port, sys.argv[1]), nprocs=3)
+'''
+
+
+def test_gloo_avg_divergence_model_matches_real_gloo(tmp_path):
+    """On inputs where the two semantics differ, real gloo's AVG output is exactly the
+    divergence model's prediction (and not the reference's)."""
+    script = tmp_path / "avg.py"
+    script.write_text(_GLOO_AVG_SCRIPT)
+    out = tmp_path / "avg.json"
+    e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    p = subprocess.run([sys.executable, str(script), str(out)], env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6
+    assert all(matches_pred for _, _, matches_pred, _ in rows), rows
+    assert not any(matches_ref for _, _, _, matches_ref in rows), rows

@@ -175,3 +175,119 @@ def test_verifiable_input_is_deterministic_and_rank_dependent():
     assert np.isnan(bits).any()   # data movement carries arbitrary patterns, NaNs included
     assert set(np.unique(nm.verifiable_input("bool", 50, op="sum", world_size=2, seed=1,
                                              rank=0))) <= {False, True}
+
+
+# -- every claimed-exact input really gives an exact result, in any order ---------------------
+def _two_sum_exact(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Whether the float64 sums a + b are exact (Knuth's TwoSum error term is 0)."""
+    s = a + b
+    bb = s - a
+    return ((a - (s - bb)) + (b - bb)) == 0
+
+
+def _representable(v: np.ndarray, wire: str) -> np.ndarray:
+    return nm.decode(nm.encode(v, wire), wire) == v
+
+
+def _terms(ins, dtype, op, scalar, n):
+    """Per rank, the float64 values NCCL folds (premultiplied terms rounded once, exactly)."""
+    from fractions import Fraction
+    from ncclpy.dtypes import LOGICAL
+    from ncclpy.reference import avg_scalar_bits, premul_scalar_bits
+    wire = LOGICAL[dtype].wire.name
+    vals = np.stack([nm.decode(nm.as_bits(x, dtype).reshape(-1), wire) for x in ins])
+    if op in ("avg", "premul_sum"):
+        sb = avg_scalar_bits(wire, n) if op == "avg" else premul_scalar_bits(wire, scalar)
+        s = Fraction(float(nm.decode(sb, wire)[0]))
+        exact = np.array([[float(Fraction(float(v)) * s) if Fraction(float(v)) * s ==
+                           Fraction(float(float(Fraction(float(v)) * s))) else np.nan
+                           for v in row] for row in vals])
+        assert not np.isnan(exact).any(), "a product is not exact in float64"
+        vals = nm.decode(nm.encode(exact, wire, saturate=True if "float8" in wire else None),
+                         wire)
+    return vals, wire
+
+
+EXACT_OPS = [("sum", None), ("prod", None), ("min", None), ("max", None), ("avg", None),
+             ("premul_sum", 2.0), ("premul_sum", 0.3), ("premul_sum", 2.0 ** -12)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3", "float8_e5m2", "float32",
+                                   "float64", "complex32", "complex64", "complex128", "int8",
+                                   "uint8", "int32", "uint32", "int64", "uint64", "bool"])
+def test_claimed_exact_inputs_give_exactly_representable_results(dtype):
+    """For every dtype x op x n in 1..16 that ``ncclpy check`` claims bit for bit: every term and
+    every partial result in several fold orders is exactly representable in the dtype, and the
+    reference's left fold equals that exact value (checked in float64 with TwoSum / in ints)."""
+    from ncclpy import ops
+    from ncclpy.check.cases import Case, exact_claim
+    from ncclpy.dtypes import LOGICAL
+    from ncclpy.reference import reduce_arrays
+    lg = LOGICAL[dtype]
+    checked = 0
+    for op, scalar in EXACT_OPS:
+        if lg.ops is not None and op not in lg.ops:
+            continue
+        if lg.wire.kind != "float" and op == "premul_sum" and scalar != 2.0:
+            continue                                  # the library refuses those scalars
+        rop = ops.premul_sum(scalar) if op == "premul_sum" else op
+        for n in range(1, 17):
+            case = Case("all_reduce", dtype, op, scalar, 48)
+            assert exact_claim(case, n), (dtype, op, scalar, n)
+            ins = [nm.verifiable_input(dtype, 48, op=op, world_size=n, seed=11, rank=r,
+                                       tag="exact", scalar=scalar) for r in range(n)]
+            got = nm.as_bits(reduce_arrays(ins, rop, dtype, n), dtype).reshape(-1)
+            if lg.wire.kind != "float":
+                _check_ints(ins, dtype, op, n, got)
+                checked += 1
+                continue
+            vals, wire = _terms(ins, dtype, op, scalar, n)
+            rng = np.random.default_rng(n)
+            orders = [list(range(n)), list(range(n))[::-1], list(rng.permutation(n))]
+            for order in orders:
+                acc = vals[order[0]].copy()
+                assert _representable(acc, wire).all()
+                for r in order[1:]:
+                    if op in ("sum", "avg", "premul_sum"):
+                        assert _two_sum_exact(acc, vals[r]).all(), (dtype, op, n, order)
+                        acc = acc + vals[r]
+                    elif op == "prod":
+                        acc = acc * vals[r]       # powers of two: exact in float64
+                    else:
+                        acc = np.minimum(acc, vals[r]) if op == "min" else \
+                            np.maximum(acc, vals[r])
+                    assert _representable(acc, wire).all(), (dtype, op, scalar, n, order)
+                if order == orders[0]:
+                    assert np.array_equal(nm.decode(got, wire), acc), (dtype, op, scalar, n)
+            checked += 1
+    assert checked >= 16 * 2
+
+
+def _check_ints(ins, dtype, op, n, got):
+    from ncclpy.dtypes import LOGICAL
+    w = LOGICAL[dtype].wire
+    bits = 8 * w.itemsize
+    signed = w.kind == "int"
+    vals = [[int(v) for v in nm.as_bits(x, dtype).reshape(-1).view(w.name if dtype != "bool"
+                                                                  else np.uint8)] for x in ins]
+    want = []
+    for col in zip(*vals):
+        if dtype == "bool":
+            r = {"sum": max, "max": max, "prod": min, "min": min}[op](col)
+        elif op in ("sum", "avg", "premul_sum"):
+            t = sum(c * (2 if op == "premul_sum" else 1) for c in col)
+            t = (t + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1)) if signed \
+                else t % (1 << bits)
+            if op == "avg":
+                t = abs(t) // n * (1 if t >= 0 else -1)
+            r = t
+        elif op == "prod":
+            t = 1
+            for c in col:
+                t *= c
+            r = (t + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1)) if signed \
+                else t % (1 << bits)
+        else:
+            r = min(col) if op == "min" else max(col)
+        want.append(r % (1 << bits))
+    assert [int(v) for v in got] == want, (dtype, op, n)

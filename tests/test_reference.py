@@ -102,10 +102,58 @@ def test_premul_sum_scalar_is_rounded_to_the_dtype():
     ins = [np.array([10], np.float16)]
     out = R.all_reduce(ins, op=ncclpy.premul_sum(0.1))[0]
     assert eq(out, np.array([1.0], np.float16))
-    # integers: the scalar is truncated toward zero (2.9 -> 2), products wrap
-    assert eq(R.all_reduce([np.array([100], np.int8)] * 2, op=ncclpy.premul_sum(2.9))[0],
-              np.array([-112], np.int8))   # 200 -> -56 twice, -112
-    assert list(R.premul_scalar_bits("int32", -1.5)) == [0xFFFFFFFF]
+    # integers: an integral scalar multiplies, products wrap: 100*3 = 300 -> 44, twice -> 88
+    assert eq(R.all_reduce([np.array([100], np.int8)] * 2, op=ncclpy.premul_sum(3))[0],
+              np.array([88], np.int8))
+    assert list(R.premul_scalar_bits("int32", -1.0)) == [0xFFFFFFFF]
+
+
+def test_premul_scalar_is_the_library_encoding():
+    """The reference encodes the scalar with the very function the library hands NCCL."""
+    from ncclpy.plan.scalars import encode_scalar
+    # 1 + 2**-8 + 2**-40: one rounding from the double gives bfloat16 0x3F81, but the library
+    # goes through float32 (1 + 2**-8 exactly: a tie) and rounds to even: 0x3F80
+    x = 1 + 2.0 ** -8 + 2.0 ** -40
+    assert nm.encode(np.array([x]), "bfloat16")[0] == 0x3F81          # the two roundings differ
+    assert int.from_bytes(encode_scalar(x, "bfloat16"), "little") == 0x3F80
+    assert R.premul_scalar_bits("bfloat16", x)[0] == 0x3F80
+    one = nm.encode(np.array([1.0]), "bfloat16")
+    assert R.all_reduce([one], op=ncclpy.premul_sum(x), dtype="bfloat16")[0][0] == 0x3F80
+    # float16 too: a double just above a float16 tie that float32 rounds onto the tie
+    y = 1 + 2.0 ** -11 + 2.0 ** -40
+    assert nm.encode(np.array([y]), "float16")[0] == 0x3C01
+    assert R.premul_scalar_bits("float16", y)[0] == 0x3C00
+    for wire in ("float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e5m2",
+                 "int8", "uint8", "int32", "uint32", "int64", "uint64"):
+        for v in (2.0, 3.0, 0.0, 1.0):
+            raw = R.premul_scalar_bits(wire, v).tobytes()
+            assert raw == encode_scalar(v, wire), (wire, v)
+
+
+def test_integer_premul_scalar_is_refused_like_the_library():
+    from ncclpy.plan.scalars import encode_scalar
+    for wire, bad in (("int8", 2.9), ("int32", -1.5), ("uint8", -1.0), ("int8", 128.0),
+                      ("uint64", float("nan"))):
+        with pytest.raises(ArgumentError) as lib_err:
+            encode_scalar(bad, wire)
+        with pytest.raises(ArgumentError) as ref_err:
+            R.premul_scalar_bits(wire, bad)
+        assert str(ref_err.value) == str(lib_err.value)
+    with pytest.raises(ArgumentError, match="integral value"):
+        R.all_reduce([np.array([100], np.int8)] * 2, op=ncclpy.premul_sum(2.9))
+    with pytest.raises(ArgumentError, match="overflows float8_e4m3"):
+        R.all_reduce([nm.encode(np.array([1.0]), "float8_e4m3")], dtype="float8_e4m3",
+                     op=ncclpy.premul_sum(1000.0))
+
+
+def test_premul_sum_raw_scalar_bits():
+    """scalar_bits= models a caller handing NCCL other bytes (torch's bf16 PREMUL_SUM: the low
+    16 bits of a float32 2.0 are 0, so every product is 0)."""
+    x = nm.encode(np.array([1.5, -2.0, 3.0]), "bfloat16")
+    out = R.reduce_arrays([x, x], ncclpy.premul_sum(2.0), "bfloat16", scalar_bits=0x0000)
+    assert list(nm.decode(out, "bfloat16")) == [0.0, 0.0, 0.0]
+    out = R.reduce_arrays([x, x], ncclpy.premul_sum(2.0), "bfloat16", scalar_bits=0x3F80)
+    assert list(nm.decode(out, "bfloat16")) == [3.0, -4.0, 6.0]
 
 
 def test_bfloat16_and_float8_travel_as_bit_views():
@@ -128,12 +176,28 @@ def test_bfloat16_and_float8_travel_as_bit_views():
 
 
 def test_min_max_nan_and_signed_zero():
+    """What NCCL's fminf/fmaxf/__hmin/__hmax define: a NaN loses to a number.  A NaN against a
+    NaN gives a NaN, and a +0/-0 tie gives a zero; their exact bits are not claimed."""
     nan = np.float32(np.nan)
-    ins = [f32(nan, 1, 0.0), f32(2, nan, -0.0)]
-    assert eq(R.all_reduce(ins, op="min")[0], f32(2, 1, 0.0))   # NaN loses; +0 kept (first)
-    assert eq(R.all_reduce(ins, op="max")[0], f32(2, 1, 0.0))
+    ins = [f32(nan, 1, 0.0, 5), f32(2, nan, -0.0, 5)]
+    for op in ("min", "max"):
+        out = R.all_reduce(ins, op=op)[0]
+        assert list(out[:2]) == [2.0, 1.0] and out[3] == 5.0
+        assert out[2] == 0.0                    # +0 or -0: the sign is not pinned down
     both = R.all_reduce([f32(nan), f32(nan)], op="max")[0]
     assert np.isnan(both[0])
+    h = [nm.encode(np.array([np.nan, -3.0]), "bfloat16"), nm.encode(np.array([1.0, np.nan]),
+                                                                      "bfloat16")]
+    assert list(nm.decode(R.all_reduce(h, op="min", dtype="bfloat16")[0], "bfloat16")) == \
+        [1.0, -3.0]
+
+
+def test_check_inputs_for_min_max_avoid_the_unpinned_cases():
+    for dtype in ("float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e5m2"):
+        for op in ("min", "max"):
+            x = nm.verifiable_input(dtype, 4096, op=op, world_size=4, seed=1, rank=2, tag="t")
+            v = nm.decode(nm.as_bits(x, dtype), dtype)
+            assert not np.isnan(v).any() and not (np.signbit(v) & (v == 0)).any()
 
 
 def test_bool_and_complex_mappings():

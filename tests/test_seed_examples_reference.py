@@ -1,6 +1,14 @@
-"""Every seed example E1-E35 (shared/seeds/README.md) as inputs -> reference outputs."""
+"""Every seed example E1-E35 (shared/seeds/README.md) as inputs -> reference outputs.
+
+The seed tutorials live outside the repository, in the workspace's ``shared/seeds`` (next to the
+checkout: ``<repo>/../shared/seeds``).  ``NCCLPY_SEEDS`` names another directory.  They are
+required: a missing directory fails these tests with the path it looked at, so a moved or
+renamed seed directory cannot silently turn the tests into no-ops.  Only an explicit
+``NCCLPY_SEEDS=none`` (a checkout used outside this workspace) skips the tests that read them.
+"""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -12,6 +20,24 @@ from ncclpy import registry
 from ncclpy.check import seed_examples as S
 
 DATA = [e for e in S.EXAMPLES if not e.extra.get("benchmark") and e.collective != "barrier"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def seeds_dir() -> Path:
+    """The seed tutorials' directory (see the module docstring); fails when it is missing."""
+    env = os.environ.get("NCCLPY_SEEDS")
+    if env is not None and env.strip().lower() in ("none", "off"):
+        pytest.skip(f"NCCLPY_SEEDS={env!r}: the seed tutorials are not available here")
+    d = Path(env) if env else ROOT.parent / "shared" / "seeds"
+    assert (d / "README.md").is_file(), (
+        f"the seed tutorials are not at {d} (expected {d / 'README.md'}); set NCCLPY_SEEDS to "
+        f"their directory, or NCCLPY_SEEDS=none outside the ncclpy workspace")
+    return d
+
+
+def seed_text(prefix: str) -> str:
+    (path,) = sorted(p for p in seeds_dir().glob(f"{prefix}_*.txt"))
+    return path.read_text(encoding="utf-8")
 
 
 def _same(a, b) -> bool:
@@ -23,13 +49,12 @@ def _same(a, b) -> bool:
 
 def test_every_readme_id_is_covered():
     assert S.ids() == [f"E{i}" for i in range(1, 36)]
-    readme = Path(__file__).resolve().parents[1].parent / "shared" / "seeds" / "README.md"
-    if readme.exists():   # the table there lists E1..E35 (ranges like E18–E21 included)
-        text = readme.read_text(encoding="utf-8")
-        ids = set()
-        for lo, hi in re.findall(r"\|\s*E(\d+)(?:[–-]E(\d+))?\s*\|", text):
-            ids.update(range(int(lo), int(hi or lo) + 1))
-        assert ids == set(range(1, 36))
+    # the README's table lists E1..E35 (ranges like E18–E21 included)
+    text = (seeds_dir() / "README.md").read_text(encoding="utf-8")
+    ids = set()
+    for lo, hi in re.findall(r"\|\s*E(\d+)(?:[–-]E(\d+))?\s*\|", text):
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    assert ids == set(range(1, 36))
 
 
 @pytest.mark.parametrize("ex", DATA, ids=[e.key for e in DATA])
@@ -88,6 +113,70 @@ def test_e33_bandwidth_formula_is_busbw_in_other_units():
     assert "GiB" in S.get("E33").note
 
 
+def test_e33_formula_is_the_tutorials_own_code():
+    """Run seed 003's bandwidth lines themselves (copied from the text at test time) and compare
+    with busbw_003; the tutorial prints the figure divided by 1024**3 but labels it GB/s."""
+    text = seed_text("003")
+    wanted = ("size_bytes =", "sent_bytes =", "total_duration =", "bandwidth =")
+    code = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(wanted)]
+    assert [c.split("=")[0].strip() for c in code] == [w[:-2] for w in wanted], code
+    assert "round(bandwidth / 1024**3)} GB/s" in text
+
+    class Data:   # the tensor of the benchmark: only its size matters
+        def __init__(self, numel: int) -> None:
+            self.n = numel
+
+        def element_size(self) -> int:
+            return 4
+
+        def numel(self) -> int:
+            return self.n
+
+    for numel, duration, world_size in ((2 ** 20, 1e-3, 4), (2 ** 28, 0.0417, 8), (10, 1.0, 2)):
+        scope = {"data": Data(numel), "duration": duration, "world_size": world_size}
+        exec("\n".join(code), {}, scope)                              # noqa: S102
+        assert scope["bandwidth"] == S.busbw_003(4 * numel, duration, world_size)
+
+
+def test_e33_benchmark_all_reduce_is_bitwise_identical_everywhere():
+    """The data 003 times: every rank ends with the same bits, the left-fold float32 sum."""
+    e33 = S.get("E33")
+    ins = e33.inputs()
+    out = e33.reference_outputs(ins)
+    acc = ins[0].copy()
+    for x in ins[1:]:
+        acc = (acc + x).astype(np.float32)
+    assert all(o.dtype == np.float32 and o.tobytes() == acc.tobytes() for o in out)
+    assert e33.expected_outputs(ins) == [None] * 4          # the tutorial shows no result
+
+
+def _tensors(s: str) -> list:
+    return [np.array([float(v) for v in t.split(",")], np.float32)
+            for t in re.findall(r"tensor\(\[([^\]]*)\]", s)]
+
+
+def test_e34_reproduces_seed_004s_printed_all_gather():
+    """Seed 004 prints each of the 6 ranks' randn(4) and every rank's gathered list: the
+    reference all_gather of the printed inputs gives exactly the printed lists, in rank order."""
+    text = seed_text("004")
+    # two nodes of 3, node 1's output first: the script prints LOCAL_RANK as "rank", so the
+    # second group of three is ranks 3 + local
+    section = text[:text.index("## all\\_reduce")]
+    found = re.findall(r"weight=(tensor\([^)]*\)), rank=(\d+)", section)
+    assert len(found) == 6
+    weights = {3 * (i // 3) + int(r): _tensors(t)[0] for i, (t, r) in enumerate(found)}
+    assert sorted(weights) == list(range(6))
+    ins = [weights[r] for r in range(6)]
+    shown = [_tensors(line) for line in text.splitlines() if line.startswith("after gather=")]
+    assert len(shown) == 6 and all(len(g) == 6 for g in shown)
+    e34 = S.get("E34")
+    out = e34.reference_outputs(ins)
+    assert len(out) == 6
+    for o, g in zip(out, shown):
+        assert o.shape == (6, 4) and np.array_equal(o, np.stack(g))
+    assert [np.array_equal(o, np.stack(ins)) for o in e34.expected_outputs(ins)] == [True] * 6
+
+
 def test_e34_randn_all_gather_shape_and_order():
     e34 = S.get("E34")
     ins = e34.inputs()
@@ -103,3 +192,16 @@ def test_e34_randn_all_gather_shape_and_order():
 def test_e35_int64_sum_is_42_48():
     out = S.get("E35").reference_outputs()
     assert all(o.dtype == np.int64 and list(o) == [42, 48] for o in out)
+
+
+def test_e35_matches_seed_004s_printed_tensors():
+    text = seed_text("004")
+    init = {int(r): [int(v) for v in t.split(",")] for t, r in
+            re.findall(r"initial tensor=tensor\(\[([^\]]*)\][^)]*\), rank=(\d+)", text)}
+    after = {int(r): [int(v) for v in t.split(",")] for t, r in
+             re.findall(r"after all_reduce tensor=tensor\(\[([^\]]*)\][^)]*\), rank=(\d+)",
+                        text)}
+    assert sorted(init) == sorted(after) == list(range(6))
+    e35 = S.get("E35")
+    assert [list(x) for x in e35.inputs()] == [init[r] for r in range(6)]
+    assert [list(o) for o in e35.reference_outputs()] == [after[r] for r in range(6)]

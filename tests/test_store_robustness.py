@@ -3,11 +3,9 @@ late servers, and a server thread that must never keep a program alive."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -18,77 +16,20 @@ import pytest
 from ncclpy.errors import (StoreConnectionError, StoreProtocolError, StoreTimeout)
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
+from ncclpy.store.connio import PAUSE_OUTPUT
 from ncclpy.store.protocol import Op, Status
+from store_util import (U32, assert_healthy as _assert_healthy, env as _env, frame as _frame,
+                        is_closed as _is_closed, raw as _raw, read_reply as _read_reply)
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-U32 = struct.Struct("!I").pack
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    env.pop("NCCLPY_STORE_TOKEN", None)
-    return env
-
-
-def _frame(op: int, body: bytes) -> bytes:
-    return P.REQ_HEADER.pack(op, len(body)) + body
-
-
-def _raw(srv: StoreServer) -> socket.socket:
-    """A raw connection past the greeting."""
-    s = socket.create_connection(srv.address, timeout=5)
-    hello = b""
-    while len(hello) < P.HELLO_SIZE:
-        chunk = s.recv(P.HELLO_SIZE - len(hello))
-        assert chunk, "server closed before greeting"
-        hello += chunk
-    assert hello[:4] == P.MAGIC
-    return s
-
-
-def _read_reply(s: socket.socket, timeout: float = 5.0):
-    """(status, body), or None when the server closed the connection, or "silent"."""
-    s.settimeout(timeout)
-    buf = b""
-    try:
-        while len(buf) < 5:
-            chunk = s.recv(4096)
-            if not chunk:
-                return None
-            buf += chunk
-        status, n = P.REP_HEADER.unpack_from(buf, 0)
-        while len(buf) < 5 + n:
-            chunk = s.recv(65536)
-            if not chunk:
-                return None
-            buf += chunk
-        return status, buf[5:5 + n]
-    except socket.timeout:
-        return "silent"
-    except ConnectionResetError:
-        return None
-
-
-def _is_closed(s: socket.socket, timeout: float = 5.0) -> bool:
-    s.settimeout(timeout)
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
+FRAME_TIMEOUT = 2.0   # the module server closes a connection stalled mid-frame this fast
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = StoreServer(max_key_size=64, max_value_size=1 << 20).start()
+    srv = StoreServer(max_key_size=64, max_value_size=1 << 20,
+                      frame_timeout=FRAME_TIMEOUT).start()
     yield srv
     srv.close()
 
@@ -99,21 +40,14 @@ def good(server):
         yield s
 
 
-def _assert_healthy(srv: StoreServer, good: TCPStore) -> None:
-    assert srv.running
-    good.set("health", b"ok")
-    assert good.get("health") == b"ok"
-    with TCPStore(*srv.address, timeout=5) as fresh:  # and it still accepts new clients
-        assert fresh.get("health") == b"ok"
-
-
 _rng = random.Random(1234)
 MALFORMED = [
     # id, bytes sent, expected: "protocol" (error reply then close), "request" (error reply,
-    # connection stays usable), "pending" (server waits for the rest, others unaffected)
-    ("nothing", b"", "pending"),
-    ("truncated-header", b"\x02\x00\x00", "pending"),
-    ("truncated-body", P.REQ_HEADER.pack(Op.SET, 100) + b"\x00" * 10, "pending"),
+    # connection stays usable), "stalled" (the server waits for the rest without blocking
+    # anyone, then closes the connection after frame_timeout), "idle" (between frames: kept)
+    ("nothing", b"", "idle"),
+    ("truncated-header", b"\x02\x00\x00", "stalled"),
+    ("truncated-body", P.REQ_HEADER.pack(Op.SET, 100) + b"\x00" * 10, "stalled"),
     ("oversized-length", P.REQ_HEADER.pack(Op.SET, 0xFFFFFFFF), "protocol"),
     ("oversized-get", P.REQ_HEADER.pack(Op.GET, 10_000) + b"k" * 100, "protocol"),
     ("oversized-num-keys", _frame(Op.NUM_KEYS, b"xxxxx"), "protocol"),
@@ -144,9 +78,15 @@ def test_malformed_frames(server, good, payload, expect):
     s = _raw(server)
     try:
         s.sendall(payload)
-        if expect == "pending":
-            assert _read_reply(s, 0.3) == "silent"
-            _assert_healthy(server, good)  # a half-sent client blocks nobody
+        if expect == "idle":
+            assert _read_reply(s, FRAME_TIMEOUT + 1.0) == "silent"  # idle is fine: kept open
+            _assert_healthy(server, good)
+            s.sendall(_frame(Op.PING, b""))
+            assert _read_reply(s) == (Status.OK, b"")
+        elif expect == "stalled":
+            assert _read_reply(s, 0.2) == "silent"
+            _assert_healthy(server, good)  # a half-sent client blocks nobody ...
+            assert _is_closed(s, FRAME_TIMEOUT + 30)  # ... and is closed once it stalls
         elif expect in ("protocol", "auth"):
             rep = _read_reply(s)
             assert rep is not None and rep != "silent", rep
@@ -224,7 +164,9 @@ def test_client_that_never_reads_is_throttled_not_buffered(server, good):
         time.sleep(0.5)
         _assert_healthy(server, good)
         queued = max(c.wbytes for c in list(server._conns.values()))
-        assert queued <= (8 << 20) + len(value) + 64, queued
+        assert queued <= PAUSE_OUTPUT + len(value) + 64, queued
+        # the replies are views of the stored value, not copies: almost nothing is buffered
+        assert server.buffered_bytes < (1 << 20), server.buffered_bytes
     finally:
         s.close()
     good.delete("bulk")
@@ -452,11 +394,9 @@ def test_client_reconnects_after_a_client_side_timeout():
         assert s.get("slow") == b"late"    # the server did finish the slow set
 
 
-def test_client_that_never_authenticates_is_dropped(monkeypatch, caplog):
-    import ncclpy.store.server as server_mod
-    monkeypatch.setattr(server_mod, "_AUTH_TIMEOUT", 0.3)
+def test_client_that_never_authenticates_is_dropped(caplog):
     caplog.set_level(logging.WARNING, logger="ncclpy.store")
-    with StoreServer(token="tok").start() as srv:
+    with StoreServer(token="tok", auth_timeout=0.3).start() as srv:
         s = _raw(srv)
         try:
             t0 = time.monotonic()
@@ -493,3 +433,57 @@ def test_finished_waits_do_not_pile_up_in_the_timer_heap():
         finally:
             raw.close()
         assert len(srv._timers) <= 4096 + 1
+
+
+# ---------------------------------------------------------------------------- audit fixes
+def test_huge_wait_timeouts_do_not_crash_the_server(server, good):
+    """A GET/WAIT parked for ~49 days once made epoll.poll() overflow and killed the loop."""
+    raw_get, raw_wait = _raw(server), _raw(server)
+    try:
+        raw_get.sendall(_frame(Op.GET, U32(P.MAX_TIMEOUT_MS) + b"far/get"))
+        raw_wait.sendall(_frame(Op.WAIT, U32(P.MAX_TIMEOUT_MS) + U32(8) + b"far/wait"))
+        time.sleep(0.3)  # let the loop compute its next poll timeout from those deadlines
+        _assert_healthy(server, good)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(
+            "v", good_get(server, "far/api", 40 * 86400.0)))
+        t.start()
+        time.sleep(0.2)
+        with TCPStore(*server.address, timeout=10) as setter:
+            setter.set("far/get", b"g")
+            setter.set("far/wait", b"w")
+            setter.set("far/api", b"a")
+        assert _read_reply(raw_get) == (Status.OK, b"g")
+        assert _read_reply(raw_wait) == (Status.OK, b"")
+        t.join(10)
+        assert out.get("v") == b"a"
+        assert server.running
+    finally:
+        raw_get.close()
+        raw_wait.close()
+    for k in ("far/get", "far/wait", "far/api"):
+        good.delete(k)
+
+
+def good_get(srv: StoreServer, key: str, timeout: float) -> bytes:
+    with TCPStore(*srv.address, timeout=10) as c:
+        return c.get(key, timeout=timeout)
+
+
+def test_an_exception_in_a_handler_drops_only_that_connection(caplog):
+    caplog.set_level(logging.ERROR, logger="ncclpy.store")
+    with StoreServer().start() as srv, TCPStore(*srv.address, timeout=10) as good:
+        def boom(conn, body):
+            raise RuntimeError("injected fault")
+
+        srv._handlers[Op.NUM_KEYS] = boom
+        s = _raw(srv)
+        try:
+            s.sendall(_frame(Op.NUM_KEYS, b""))
+            assert _is_closed(s)
+        finally:
+            s.close()
+        assert srv.running
+        good.set("still", b"here")
+        assert good.get("still") == b"here"
+        assert "injected fault" in caplog.text and "closing that connection" in caplog.text

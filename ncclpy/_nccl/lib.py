@@ -1,10 +1,12 @@
 """The loaded libnccl, bound with ctypes: the very copy CuPy loaded, never a second one.
 
 CuPy (>= 14) loads NCCL through cuda-pathfinder from the nvidia-nccl-cu12/cu13 wheel when
-``cupy.cuda.nccl`` is imported.  ncclpy imports that module first, then finds the path of the
-libnccl already mapped into this process (``/proc/self/maps``, or ``dl_iterate_phdr`` where
-there is no procfs) and opens that same path with ``RTLD_NOLOAD`` so the dynamic loader hands back
-the existing copy instead of loading another.  Every binding is gated on the loaded NCCL's
+``cupy.cuda.nccl`` is imported.  ncclpy imports that module first, then asks the dynamic loader
+which file defines ``ncclGetVersion`` as CuPy's NCCL extension module resolves it (``dladdr``:
+the libnccl CuPy really calls), picks that file among the libnccl copies mapped into this
+process (``/proc/self/maps``, or ``dl_iterate_phdr`` where there is no procfs), and opens that
+same path with ``RTLD_NOLOAD`` so the dynamic loader hands back the existing copy instead of
+loading another.  Every binding is gated on the loaded NCCL's
 version with a :class:`~ncclpy.errors.VersionError` that names the version it needs.
 
 Nothing here runs at ``import ncclpy``: :func:`get_lib` loads on first use and raises
@@ -202,6 +204,42 @@ def _import_cupy_nccl():
     return nccl
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _cupy_linked_path(cupy_nccl) -> Optional[str]:
+    """The file defining ``ncclGetVersion`` as CuPy's NCCL extension resolves it (None if that
+    cannot be told, e.g. no ``dladdr``)."""
+    import sys
+    ext = sys.modules.get("cupy_backends.cuda.libs.nccl")
+    path = getattr(ext, "__file__", None)
+    if not path:
+        return None
+    try:
+        h = ctypes.CDLL(path, mode=os.RTLD_NOW | getattr(os, "RTLD_NOLOAD", 0))
+        libc = ctypes.CDLL(None)
+        libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        info = _DlInfo()
+        if not libc.dladdr(ctypes.cast(h.ncclGetVersion, ctypes.c_void_p), ctypes.byref(info)):
+            return None
+        return os.fsdecode(info.dli_fname) if info.dli_fname else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _pick(paths: List[str], want: Optional[str]) -> str:
+    """The mapped path that is the same file as ``want`` (else the first one)."""
+    for p in paths if want else ():
+        try:
+            if os.path.samefile(p, want):
+                return p
+        except OSError:
+            continue
+    return paths[0]
+
+
 class NcclLib:
     """The process's libnccl: path, runtime version, and version-gated ctypes bindings."""
 
@@ -212,10 +250,12 @@ class NcclLib:
             raise MissingDependencyError(
                 "cupy.cuda.nccl imported but no libnccl.so is mapped into this process, so "
                 f"ncclpy cannot bind the copy CuPy uses; {INSTALL_HINT}")
+        cupy_path = _cupy_linked_path(self.cupy_nccl)
+        self.path: str = _pick(paths, cupy_path)
         if len(paths) > 1:
-            log.warning("several libnccl copies are loaded in this process: %s; ncclpy binds "
-                        "the first (the one CuPy loaded first)", paths)
-        self.path: str = paths[0]
+            log.warning("several libnccl copies are loaded in this process: %s; ncclpy binds %s "
+                        "(%s)", paths, self.path, "the one CuPy's NCCL module calls" if cupy_path
+                        else "the first mapped: CuPy's could not be told")
         mode = os.RTLD_NOW | getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_GLOBAL
         try:
             self.cdll = ctypes.CDLL(self.path, mode=mode)

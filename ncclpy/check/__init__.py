@@ -1,7 +1,9 @@
 """``ncclpy check``: every collective through torch.distributed and ncclpy on identical seeded
 inputs, compared byte for byte with each other and with :mod:`ncclpy.reference`.
 
-Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (the per-rank worker),
+Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (one case on one rank),
+:mod:`.session` (a rank's whole run), :mod:`.divergences` (torch's known divergences and refusals),
+:mod:`.fairness` (pinned environment, same libnccl, placement under torchrun),
 :mod:`.compare` (byte and ULP comparison), :mod:`.report` (table and JSON), :mod:`.cli`
 (``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples as data).
 Importing this package imports neither torch nor CuPy.

@@ -3,10 +3,11 @@
 Also the two tables that make the matrix honest:
 
 * :data:`GLOO_UNSUPPORTED` - what torch.distributed's gloo backend (torch 2.13, found by running
-  every collective x dtype x op at 1 and 2 ranks) refuses, with the error it gives.  On CPU the
+  every collective x dtype x op at 2 and 3 ranks) refuses, with the error it gives.  On CPU the
   matrix leaves those combinations out and ``ncclpy check --list-skips`` prints why.
-* :data:`DIVERGENCES` - cases where torch is known to differ from NCCL's semantics; they are
-  reported as "torch divergence: <reason>" and never counted as a pass or a failure.
+* :data:`DIVERGENCES` (from :mod:`.divergences`) - cases where torch is known to differ from
+  NCCL's semantics, each with a model of torch's wrong output; a case is reported as "torch
+  divergence: <reason>" only when torch's bytes equal that model, otherwise as a mismatch.
 
 A case's ``count`` follows nccl-tests' per-rank block convention: all_reduce/reduce/broadcast/
 send_recv move ``count`` elements per rank, all_gather and gather send ``count`` (receive
@@ -15,30 +16,34 @@ send_recv move ``count`` elements per rank, all_gather and gather send ``count``
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from ..dtypes import ALL_DTYPE_NAMES, LOGICAL, dtype_name
-from ..errors import ArgumentError
+from .. import numerics as nm
 from .. import registry
+from ..dtypes import ALL_DTYPE_NAMES, LOGICAL, dtype_name
+from ..errors import ArgumentError, NcclpyError
+from .divergences import DIVERGENCES, Divergence, divergence
 
 __all__ = ["Case", "build_matrix", "parse_sizes", "exact_claim", "gloo_skip_reason",
-           "divergence", "GLOO_UNSUPPORTED", "DIVERGENCES", "DEFAULT_SIZES_CPU",
+           "divergence", "Divergence", "GLOO_UNSUPPORTED", "DIVERGENCES", "DEFAULT_SIZES_CPU",
            "DEFAULT_SIZES_GPU", "ALL_DTYPES", "REDUCING_OPS", "PREMUL_SCALAR",
-           "uneven_counts", "ulp_tolerance", "COLLECTIVES"]
+           "uneven_counts", "ulp_tolerance", "COLLECTIVES", "FP8_REDUCTION_MIN_CC"]
 
 #: every logical dtype the matrix knows (NCCL's 12 plus torch's bool and complex mappings)
 ALL_DTYPES: Tuple[str, ...] = ALL_DTYPE_NAMES + ("bool", "complex32", "complex64", "complex128")
 REDUCING_OPS = ("sum", "prod", "min", "max", "avg", "premul_sum")
-#: the premul_sum scalar of the default matrix (a power of two keeps results exact)
+#: the premul_sum scalar of the default matrix (any finite scalar gives exact results, see
+#: :func:`ncclpy.numerics.exact_plan`; a power of two lets the inputs use more values)
 PREMUL_SCALAR = 2.0
 DEFAULT_SIZES_CPU = "0,1,7,1024,1MiB"
 DEFAULT_SIZES_GPU = "0,1,7,1024,65537,1MiB"
 #: the collectives in matrix order (the registry's, barrier last)
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send_recv", "barrier")
+#: NCCL's float8 reduction kernels need this compute capability (sm90)
+FP8_REDUCTION_MIN_CC = (9, 0)
 
 
 @dataclass(frozen=True)
@@ -75,104 +80,49 @@ class Case:
 
 # -- gloo support (torch 2.13, measured) ------------------------------------------------------
 _GLOO_NO_DTYPE = ("gloo: 'Invalid scalar type' - ProcessGroupGloo has no dispatch for "
-                  "uint32/uint64/float8")
-#: (collective or "*", dtype or "*", op or "*") -> reason gloo refuses it
-GLOO_UNSUPPORTED: Dict[Tuple[str, str, str], str] = {
-    ("*", "uint32", "*"): _GLOO_NO_DTYPE,
-    ("*", "uint64", "*"): _GLOO_NO_DTYPE,
-    ("*", "float8_e4m3", "*"): _GLOO_NO_DTYPE,
-    ("*", "float8_e5m2", "*"): _GLOO_NO_DTYPE,
-    ("*", "*", "premul_sum"): "gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'",
-    ("*", "int8", "avg"): "gloo: AVG divides the sum by n in place: 'result type Float can't be "
-                          "cast to the desired output type' for integer tensors",
-    ("*", "uint8", "avg"): "gloo: AVG on integer tensors: 'result type Float can't be cast'",
-    ("*", "int32", "avg"): "gloo: AVG on integer tensors: 'result type Float can't be cast'",
-    ("*", "int64", "avg"): "gloo: AVG on integer tensors: 'result type Float can't be cast'",
-    ("*", "bool", "avg"): "torch: AVG is not defined for bool (gloo: 'result type Float can't "
-                          "be cast to Bool')",
-    ("reduce", "complex32", "avg"): "gloo: '\"div_cpu\" not implemented for ComplexHalf'",
-    ("reduce_scatter", "complex32", "avg"): "gloo: '\"div_cpu\" not implemented for "
-                                            "ComplexHalf'",
-    ("gather", "complex32", "*"): "gloo: gather has no complex dispatch ('Invalid scalar type')",
-    ("gather", "complex64", "*"): "gloo: gather has no complex dispatch ('Invalid scalar type')",
-    ("gather", "complex128", "*"): "gloo: gather has no complex dispatch ('Invalid scalar type')",
-}
+                  "uint32/uint64/float8 (send/recv moves them: it needs no dispatch)")
+_NOT_P2P = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
+            "gather", "scatter")
+_INT_AVG = "gloo: AVG divides the sum by n in place: 'result type Float can't be cast to the " \
+           "desired output type' for integer tensors"
+_C32_DIV = "gloo: '\"div_cpu\" not implemented for ComplexHalf'"
+_NO_GATHER = "gloo: gather has no complex dispatch ('Invalid scalar type')"
+#: (collectives or "*", dtypes, ops or "*", reason gloo refuses it)
+GLOO_UNSUPPORTED: Tuple[Tuple[object, Tuple[str, ...], object, str], ...] = (
+    (_NOT_P2P, ("uint32", "uint64", "float8_e4m3", "float8_e5m2"), "*", _GLOO_NO_DTYPE),
+    ("*", ALL_DTYPE_NAMES + ("bool", "complex32", "complex64", "complex128"), ("premul_sum",),
+     "gloo: 'Cannot use ReduceOp.PREMUL_SUM with Gloo'"),
+    ("*", ("int8", "uint8", "int32", "int64"), ("avg",), _INT_AVG),
+    ("*", ("bool",), ("avg",), "torch: AVG is not defined for bool (gloo: 'result type Float "
+                               "can't be cast to Bool')"),
+    (("reduce", "reduce_scatter"), ("complex32",), ("avg",), _C32_DIV),
+    (("gather",), ("complex32", "complex64", "complex128"), "*", _NO_GATHER),
+)
 
 
 def gloo_skip_reason(collective: str, dtype: Optional[str], op: Optional[str]) -> str:
     """Why gloo cannot run this combination ('' if it can)."""
-    for c in (collective, "*"):
-        for d in (dtype or "-", "*"):
-            for o in (op or "-", "*"):
-                r = GLOO_UNSUPPORTED.get((c, d, o))
-                if r:
-                    return r
+    for colls, dts, ops, why in GLOO_UNSUPPORTED:
+        if (colls == "*" or collective in colls) and dtype in dts and \
+                (ops == "*" or op in ops):   # type: ignore[operator]
+            return why
     return ""
-
-
-# -- known torch divergences ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Divergence:
-    """A documented way torch differs from NCCL's semantics.
-
-    ``when``: "always" - the case is reported as a divergence whatever the bytes say;
-    "mismatch" - only when torch's result differs from the reference (the reason explains it).
-    """
-
-    backend: str        # "nccl", "gloo" or "*"
-    collectives: Tuple[str, ...]
-    dtypes: Tuple[str, ...]
-    ops: Tuple[str, ...]
-    reason: str
-    when: str = "always"
-    world_size: str = "*"   # "*" or "not_pow2"
-
-
-_RED = ("all_reduce", "reduce", "reduce_scatter")
-DIVERGENCES: Tuple[Divergence, ...] = (
-    Divergence("nccl", _RED, ("bfloat16",), ("premul_sum",),
-               "torch passes the premul_sum factor to ncclRedOpCreatePreMulSum as a float for a "
-               "bfloat16 op (NCCL reads 2 bytes of it: usually 0), so results are zeros"),
-    Divergence("gloo", _RED, ("float16", "float32", "float64", "bfloat16", "complex32",
-                              "complex64", "complex128"), ("avg",),
-               "gloo's AVG sums, then divides by n (NCCL multiplies each input by 1/n rounded "
-               "to the dtype, then sums)", when="mismatch", world_size="not_pow2"),
-    Divergence("gloo", _RED, ("bool",), ("sum",),
-               "gloo adds bool bytes (a bool tensor holding 2); NCCL backend maps SUM to MAX",
-               when="mismatch"),
-)
-
-
-def divergence(backend: str, case: Case, world_size: int) -> Optional[Divergence]:
-    """The documented divergence that applies to ``case``, if any."""
-    for d in DIVERGENCES:
-        if d.backend not in ("*", backend):
-            continue
-        if case.collective in d.collectives and case.dtype in d.dtypes and case.op in d.ops:
-            if d.world_size == "not_pow2" and world_size & (world_size - 1) == 0:
-                continue
-            return d
-    return None
 
 
 # -- exactness ------------------------------------------------------------------------------
 def exact_claim(case: Case, world_size: int) -> bool:
     """Whether the reference's result is claimed bit for bit for this case's verifiable inputs
-    (otherwise the ULP distance is reported and compared with :func:`ulp_tolerance`)."""
+    (otherwise the ULP distance is reported and compared with :func:`ulp_tolerance`).
+
+    Integers and data movement: always.  Floats: whenever :func:`ncclpy.numerics.exact_plan`
+    has a plan that makes every term and partial result exact in any order (all finite
+    scalars); a non-finite premul_sum scalar is the one exception."""
     if case.op is None or case.dtype is None:
         return True
     wire = LOGICAL[case.dtype].wire
     if wire.kind != "float":
         return True
-    if case.op in ("sum", "prod", "min", "max"):
-        return True
-    if case.op == "premul_sum":
-        s = abs(case.scalar or 0.0)
-        return s == 0.0 or math.frexp(s)[0] == 0.5
-    if case.op == "avg":
-        n = world_size
-        return n & (n - 1) == 0 or n == 3
-    return False
+    return nm.exact_plan(wire.name, case.op, world_size, case.scalar)[0] != "inexact"
 
 
 def ulp_tolerance(case: Case, world_size: int) -> float:
@@ -233,14 +183,36 @@ def _ops_for(collective: str, dtype: str, ops: Sequence[str]) -> List[Optional[s
     return [o for o in ops if lg.ops is None or o in lg.ops]
 
 
+def _skip_reason(backend: str, coll: str, dt: str, op: Optional[str], scalar: float,
+                 gpu_cc: Optional[Tuple[int, int]]) -> str:
+    if backend == "gloo":
+        why = gloo_skip_reason(coll, dt, op)
+        if why:
+            return why
+    if op == "premul_sum":
+        from ..plan.scalars import encode_scalar
+        try:
+            encode_scalar(scalar, LOGICAL[dt].wire.name)
+        except NcclpyError as e:
+            return f"ncclpy refuses this scalar for {dt}: {e}"
+    if backend == "nccl" and op is not None and dt.startswith("float8") and gpu_cc is not None \
+            and tuple(gpu_cc) < FP8_REDUCTION_MIN_CC:
+        return (f"float8 reductions need compute capability 9.0+ (NCCL's float8 kernels are "
+                f"sm90+); this GPU is sm{gpu_cc[0]}{gpu_cc[1]}")
+    return ""
+
+
 def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequence[str]] = None,
                  dtypes: Optional[Sequence[str]] = None, ops: Optional[Sequence[str]] = None,
                  sizes: Optional[str] = None, roots: Optional[Sequence[int]] = None,
                  in_place: Optional[Sequence[bool]] = None,
-                 premul_scalar: float = PREMUL_SCALAR) -> Tuple[List[Case], List[dict]]:
+                 premul_scalar: float = PREMUL_SCALAR,
+                 gpu_cc: Optional[Tuple[int, int]] = None) -> Tuple[List[Case], List[dict]]:
     """(cases, skipped) for ``world_size`` ranks on ``backend`` ("gloo" or "nccl").
 
-    ``skipped`` lists what the filters allow but the backend cannot run, with the reason.
+    ``skipped`` lists what the filters allow but the backend cannot run, with the reason: what
+    gloo refuses; premul_sum scalars the library refuses for a dtype (e.g. a non-integral one on
+    an integer type); on a GPU of compute capability ``gpu_cc`` below 9.0, float8 reductions.
     ``in_place`` None: both variants where they differ for the side being tested (on gloo only
     all_gather and reduce_scatter, whose torch calls differ; torch's all_reduce, reduce and
     broadcast are in place by nature, gather/scatter take lists).
@@ -278,11 +250,10 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
             continue
         for dt in dts:
             for op in _ops_for(coll, dt, opl):
-                if backend == "gloo":
-                    why = gloo_skip_reason(coll, dt, op)
-                    if why:
-                        skip(coll, dt, op, why)
-                        continue
+                why = _skip_reason(backend, coll, dt, op, premul_scalar, gpu_cc)
+                if why:
+                    skip(coll, dt, op, why)
+                    continue
                 if in_place is not None:
                     ips = list(in_place)
                 elif coll in ("send_recv",):

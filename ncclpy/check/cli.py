@@ -1,10 +1,11 @@
 """``ncclpy check``: cross-check torch.distributed, ncclpy and the numpy reference.
 
 ``main(argv) -> int``.  Without RANK/WORLD_SIZE in the environment it starts ``-n`` ranks itself
-(:func:`ncclpy.spawn`, or multiprocessing where that is missing); under ``ncclpy run`` or
-torchrun it runs as the rank the environment names.  With a GPU the torch side uses the NCCL
-backend and the ncclpy column is filled; without one torch's gloo backend is checked against the
-reference on CPU.
+(:func:`ncclpy.spawn`, bounded by ``--run-timeout``); under ``ncclpy run`` or torchrun it runs as
+the rank the environment names (under torchrun, which places nothing, the placement of
+``ncclpy run`` is applied first: :func:`ncclpy.check.fairness.apply_launcher_placement`).  With a
+GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one torch's
+gloo backend is checked against the reference on CPU.
 """
 from __future__ import annotations
 
@@ -16,20 +17,9 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import cases as C
+from .fairness import PINS, apply_launcher_placement, fairness_env
 
 __all__ = ["main", "build_parser", "fairness_env", "PINS"]
-
-#: variables both sides must share, with the value set when the user has not set them
-PINS: Tuple[Tuple[str, str, str], ...] = (
-    ("NCCL_ALGO", "Ring", "same algorithm on both sides"),
-    ("NCCL_PROTO", "Simple", "same protocol on both sides"),
-    ("NCCL_NVLS_ENABLE", "0", "no NVLS (NVLink SHARP) unless --nvls"),
-    ("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", "0", "torch: no buffer registration hook"),
-    ("ENABLE_INTRA_NODE_COMM", "0", "torch: no intra-node custom all-reduce"),
-    ("TORCH_NCCL_INTRA_NODE_COMM", "0", "torch: no intra-node custom all-reduce (newer name)"),
-    ("TORCH_NCCL_NAN_CHECK", "0", "torch: no NaN check (data-movement inputs carry NaN bits)"),
-)
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -55,12 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inplace", choices=("both", "yes", "no", "auto"), default="auto",
                    help="in-place variants (auto: where they differ for the side tested)")
     p.add_argument("--premul-scalar", type=float, default=C.PREMUL_SCALAR,
-                   help="premul_sum factor (a power of two keeps results exact)")
+                   help="premul_sum factor (any finite value: the inputs keep results exact)")
     p.add_argument("--seed", type=int, default=1234, help="input seed (per rank and case)")
-    p.add_argument("--json", metavar="FILE", default=None, help="write every case as JSON")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="write every case as JSON ('-': stdout, the table then goes to stderr)")
     p.add_argument("--nvls", action="store_true", help="allow NVLS (do not pin NCCL_NVLS_ENABLE=0)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only cases that did not pass")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any one collective, init or wait may take (default 300)")
+    p.add_argument("--run-timeout", type=float, default=3600.0,
+                   help="seconds the whole run may take when check starts the ranks itself "
+                        "(default 3600; 0: no limit)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--list-skips", action="store_true",
                    help="list what the backend cannot run (with reasons) and exit")
@@ -70,24 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _csv(s: Optional[str]) -> Optional[List[str]]:
     return None if s is None else [t.strip() for t in s.split(",") if t.strip()]
-
-
-def fairness_env(nvls: bool, env: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, str],
-                                                                            List[str], List[str]]:
-    """(variables to set, 'K=V' pinned, 'K=V' kept from the user) for the GPU comparison."""
-    env = os.environ if env is None else env
-    out: Dict[str, str] = {}
-    pinned: List[str] = []
-    kept: List[str] = []
-    for k, v, _why in PINS:
-        if k == "NCCL_NVLS_ENABLE" and nvls:
-            continue
-        if k in env:
-            kept.append(f"{k}={env[k]}")
-        else:
-            out[k] = v
-            pinned.append(f"{k}={v}")
-    return out, pinned, kept
 
 
 def _gpu_available() -> Tuple[bool, str]:
@@ -110,6 +87,7 @@ def _config(ns: argparse.Namespace, n: int, backend: str, no_gpu: str) -> Dict[s
         "in_place": inplace, "premul_scalar": ns.premul_scalar, "seed": ns.seed,
         "json": os.path.abspath(ns.json) if ns.json and ns.json != "-" else ns.json,
         "quiet": ns.quiet, "timeout": ns.timeout, "verbose": ns.verbose,
+        "run_timeout": ns.run_timeout,
         "no_gpu_reason": no_gpu, "env": {}, "pinned": [], "kept": []}
     if backend == "nccl":
         cfg["env"], cfg["pinned"], cfg["kept"] = fairness_env(ns.nvls)
@@ -147,7 +125,7 @@ def _spawn(n: int, cfg: Dict[str, Any]) -> int:
             spawn = None
         if spawn is not None:
             spawn(spawn_entry, n, args=(cfg,), env=cfg.get("env") or None,
-                  timeout=None)
+                  timeout=cfg.get("run_timeout") or None)
         else:  # pragma: no cover - only before ncclpy.spawn existed
             _mp_spawn(n, cfg)
         with open(path) as f:
@@ -200,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if launched and int(os.environ["WORLD_SIZE"]) != n:
         parser.error(f"-n {n} disagrees with WORLD_SIZE={os.environ['WORLD_SIZE']} set by the "
                      f"launcher")
+    if ns.timeout <= 0 or ns.run_timeout < 0:
+        parser.error("--timeout must be > 0 and --run-timeout >= 0 seconds")
     gpu, why = _gpu_available()
     backend = ns.backend if ns.backend != "auto" else ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
@@ -208,12 +188,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = _config(ns, n, backend, "" if backend == "nccl" else (why or "backend gloo"))
         if ns.list or ns.list_skips:
             return _list(cfg, ns.list_skips)
-        C.build_matrix(n, backend=backend, collectives=cfg["collectives"], dtypes=cfg["dtypes"],
-                       ops=cfg["ops"], sizes=cfg["sizes"], roots=cfg["roots"])
+        cases, skipped = C.build_matrix(
+            n, backend=backend, collectives=cfg["collectives"], dtypes=cfg["dtypes"],
+            ops=cfg["ops"], sizes=cfg["sizes"], roots=cfg["roots"], in_place=cfg["in_place"],
+            premul_scalar=cfg["premul_scalar"])
     except ValueError as e:  # ArgumentError from a filter
         parser.error(str(e))
+    if not cases:
+        sys.stderr.write(f"ncclpy check: no case to run: the filters leave nothing the {backend} "
+                         f"backend can run on {n} ranks ({len(skipped)} combinations skipped; "
+                         f"see --list-skips)\n")
+        return 2
     if launched:
         from .runner import worker
+        if backend == "nccl":
+            cfg["placement"] = apply_launcher_placement()
         return worker(int(os.environ["RANK"]), cfg)
     return _spawn(n, cfg)
 

@@ -5,13 +5,23 @@ are identical; where they differ, the largest ULP distance says by how much (int
 largest absolute difference).  ``None`` on either side means "nothing to compare" (the reference
 leaves that rank's output undefined, or that side produced no output there).
 
-:func:`merge` turns every rank's verdicts on one case into its table record.  Status rules:
-``error`` (a side raised where it should not: counted as a failure), ``unsupported`` (torch or
-ncclpy refused the combination, e.g. a dtype its NCCL lacks: not counted), ``torch divergence``
-(a documented divergence of :data:`ncclpy.check.cases.DIVERGENCES` applies: not counted, as long
-as ncclpy matches the reference), ``pass`` (torch == reference, ncclpy == reference, ncclpy ==
-torch byte for byte, wherever defined; "==" with the reference is bitwise where the inputs make
-the result exact, else within the ULP tolerance), otherwise ``fail``.
+:func:`merge` turns every rank's verdicts on one case into its table record.  The "==" fields
+(``torch_ref``, ``ncclpy_ref``, ``ncclpy_torch``) are True only when the bytes are identical on
+every rank where both sides are defined; ``max_ulp`` says by how much they differ otherwise.
+Status rules, in order:
+
+* ``error`` (counted as a failure): a side raised an exception that is not a known refusal
+  (:data:`ncclpy.check.divergences.KNOWN_REFUSALS` for torch; ncclpy's typed
+  UnsupportedError/VersionError for ncclpy);
+* ``unsupported`` (not counted): a known refusal; on a GPU ncclpy must still match the
+  reference, else ``fail``;
+* ``torch divergence`` (not counted): torch differs from the reference *and* equals, on every
+  rank, the output the documented divergence predicts, and that prediction itself differs from
+  the reference wherever torch does; ncclpy must match the reference;
+* ``pass``: every comparison is bitwise equal;
+* ``within ULP`` (not counted as a failure, reported apart): the case is not claimed exact
+  (:func:`ncclpy.check.cases.exact_claim`) and every difference is within the ULP tolerance;
+* otherwise ``fail``.
 """
 from __future__ import annotations
 
@@ -24,10 +34,16 @@ from .. import numerics as nm
 from ..dtypes import dtype_name
 from . import cases as C
 
-__all__ = ["Comparison", "compare", "flip_one_bit", "judge", "merge", "INJECT_ENV"]
+__all__ = ["Comparison", "compare", "flip_one_bit", "corrupt", "judge", "merge", "INJECT_ENV",
+           "INJECT_SIDES", "INJECT_KINDS"]
 
 #: the test-only corruption hook, honoured by :mod:`ncclpy.check.runner` (never the library)
 INJECT_ENV = "NCCLPY_CHECK_INJECT"
+#: what the hook can corrupt: torch's output, ncclpy's output, or the reference the harness
+#: compares both with
+INJECT_SIDES = ("torch", "ncclpy", "reference")
+#: how: one low bit of the first byte, every bit of every byte, or the top bit of the last byte
+INJECT_KINDS = ("bit", "invert", "sign")
 
 
 @dataclass(frozen=True)
@@ -90,15 +106,46 @@ def flip_one_bit(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+def corrupt(arr: np.ndarray, how: str = "bit") -> np.ndarray:
+    """A corrupted copy of ``arr`` (``how`` in :data:`INJECT_KINDS`; empty arrays unchanged)."""
+    if how == "bit":
+        return flip_one_bit(arr)
+    out = np.array(arr, copy=True)
+    if out.size == 0:
+        return out
+    flat = out.reshape(-1).view(np.uint8)
+    if how == "invert":
+        flat ^= 0xFF
+        if out.dtype == np.bool_:        # keep bool bytes 0/1
+            flat &= 1
+    elif how == "sign":
+        flat[-1] ^= 0x01 if out.dtype == np.bool_ else 0x80
+    else:
+        raise ValueError(f"{INJECT_ENV}: unknown corruption {how!r}; expected one of "
+                         f"{', '.join(INJECT_KINDS)}")
+    return out
+
+
 # -- merging at rank 0 ----------------------------------------------------------------------
-def _all(vals: List[Optional[bool]]) -> Optional[bool]:
-    vals = [v for v in vals if v is not None]
+def _eq(cmps: List[Comparison]) -> Optional[bool]:
+    """True: bytes equal on every rank compared; False: some differ; None: nothing compared."""
+    vals = [c.equal for c in cmps if c.equal is not None]
     return None if not vals else all(vals)
 
 
+def _ranks(parts: List[Dict[str, Any]], cmps: List[Comparison]) -> List[int]:
+    return [p["rank"] for p, c in zip(parts, cmps) if c.equal is False]
+
+
+def _close(cmps: List[Comparison], exact: bool, tol: float) -> bool:
+    """Every compared rank equal, or (not ``exact``) within ``tol`` ULPs."""
+    return all(judge(c, exact, tol) is not False for c in cmps)
+
+
 def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dict[str, Any]:
-    """Combine every rank's verdicts into one table record."""
-    n = ctx["n"]
+    """Combine every rank's verdicts into one table record (see the module docstring)."""
+    from .divergences import divergence, known_refusal
+    n, backend = ctx["n"], ctx["backend"]
     gpu = ctx.get("comm") is not None
     rec: Dict[str, Any] = {"case": {k: getattr(case, k) for k in
                                     ("collective", "dtype", "op", "scalar", "count", "size_label",
@@ -110,45 +157,76 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
     tol = 0.0 if exact else C.ulp_tolerance(case, n)
     rec.update(exact=exact, tolerance=tol)
     cmp = lambda k: [Comparison(**p[k]) if k in p else Comparison(None) for p in parts]  # noqa
-    t_ref = cmp("t_ref")
-    rec["torch_ref"] = _all([judge(x, exact, tol) for x in t_ref])
-    ulps = [x.max_ulp for x in t_ref if x.equal is False]
+    t_ref, n_ref, n_t, t_pred = cmp("t_ref"), cmp("n_ref"), cmp("n_t"), cmp("t_pred")
+    p_ref = cmp("p_ref")
+    rec["torch_ref"] = _eq(t_ref)
     if gpu:
-        n_ref, n_t = cmp("n_ref"), cmp("n_t")
-        rec["ncclpy_ref"] = _all([judge(x, exact, tol) for x in n_ref])
-        rec["ncclpy_torch"] = _all([x.equal for x in n_t])
-        ulps += [x.max_ulp for x in n_ref if x.equal is False]
+        rec["ncclpy_ref"], rec["ncclpy_torch"] = _eq(n_ref), _eq(n_t)
+    ulps = [c.max_ulp for c in t_ref + (n_ref + n_t if gpu else []) if c.equal is False]
     rec["max_ulp"] = max(ulps) if ulps else 0.0
     rec["ranks"] = parts
-    errs = [(p["rank"], k, p[k]) for p in parts for k in
-            ("torch_error", "ncclpy_error", "torch_unsupported", "ncclpy_unsupported") if k in p]
-    hard = [e for e in errs if e[1].endswith("_error")]
-    soft = [e for e in errs if e[1].endswith("_unsupported")]
-    if any(p.get("injected") for p in parts):
-        rec["injected"] = True
-    div = C.divergence(ctx["backend"], case, n)
-    if hard:
-        r, k, msg = hard[0]
-        rec.update(status="error", reason=f"{k.split('_')[0]} rank {r}: {msg}")
+    injected = sorted({p["injected"] for p in parts if p.get("injected")})
+    if injected:
+        rec["injected"] = ", ".join(injected)
+    note = f" (corrupted on purpose by {INJECT_ENV}: {rec['injected']})" if injected else ""
+    ncclpy_ok = (not gpu) or _close(n_ref, exact, tol)
+
+    # exceptions: known refusals are "unsupported", anything else is an error
+    unsupported: List[str] = []
+    for p in parts:
+        r = p["rank"]
+        if "torch_exc" in p:
+            why = known_refusal(backend, case, p["torch_exc"]) if backend == "nccl" else None
+            if why is None:
+                rec.update(status="error", reason=f"torch rank {r}: {p['torch_exc']}{note}")
+                return rec
+            unsupported.append(f"torch rank {r}: {why} ({p['torch_exc']})")
+        if "ncclpy_exc" in p:
+            if not p.get("ncclpy_typed"):
+                rec.update(status="error", reason=f"ncclpy rank {r}: {p['ncclpy_exc']}{note}")
+                return rec
+            unsupported.append(f"ncclpy rank {r}: {p['ncclpy_exc']}")
+    if unsupported:
+        if gpu and not ncclpy_ok:
+            rec.update(status="fail", reason=f"ncclpy != reference on rank(s) "
+                                             f"{_ranks(parts, n_ref)}; " + unsupported[0] + note)
+        else:
+            rec.update(status="unsupported", reason=unsupported[0])
         return rec
-    if soft:
-        r, k, msg = soft[0]
-        rec.update(status="unsupported", reason=f"{k.split('_')[0]} rank {r}: {msg}")
-        if gpu and k.startswith("torch") and rec.get("ncclpy_ref") is False:
-            rec.update(status="fail")
+
+    div = divergence(backend, case, n)
+    # a divergence explains torch's output only where torch equals its prediction and the
+    # prediction really differs from NCCL's semantics (never a difference of the harness)
+    explained = _eq(t_pred) is True and all(
+        pr.equal is False for tr, pr in zip(t_ref, p_ref) if tr.equal is False)
+    if rec["torch_ref"] is False and div is not None and explained:
+        if ncclpy_ok:
+            rec.update(status="torch divergence", reason=div.reason)
+        else:
+            rec.update(status="fail", reason=f"ncclpy != reference on rank(s) "
+                                             f"{_ranks(parts, n_ref)} (torch: {div.reason}){note}")
         return rec
-    ncclpy_ok = (not gpu) or rec.get("ncclpy_ref") is not False
-    if div is not None and (div.when == "always" or rec["torch_ref"] is False):
-        rec.update(status="torch divergence" if ncclpy_ok else "fail", reason=div.reason)
+    bitwise = all(v is not False for v in (rec["torch_ref"], rec.get("ncclpy_ref"),
+                                           rec.get("ncclpy_torch")))
+    if bitwise:
+        rec["status"] = "pass"
         return rec
-    ok = rec["torch_ref"] is not False and ncclpy_ok and rec.get("ncclpy_torch") is not False
-    rec["status"] = "pass" if ok else "fail"
-    if not ok:
-        bad = [p["rank"] for p, x in zip(parts, t_ref) if judge(x, exact, tol) is False]
-        if bad:
-            rec["reason"] = f"torch != reference on rank(s) {bad}"
-            if rec.get("injected"):
-                rec["reason"] += f" (corrupted on purpose by {INJECT_ENV})"
+    torch_ok = _close(t_ref, exact, tol)
+    both_close = not gpu or _close(n_t, exact, 2 * tol)
+    if torch_ok and ncclpy_ok and both_close and not exact:
+        rec.update(status="within ULP", reason=f"not bitwise: max {rec['max_ulp']:g} ULP <= "
+                                               f"{tol:g} (this case is not claimed exact)")
+        return rec
+    bad = []
+    for what, cmps in (("torch != reference", t_ref), ("ncclpy != reference", n_ref),
+                       ("ncclpy != torch", n_t)):
+        rk = _ranks(parts, cmps)
+        if rk and (what != "torch != reference" or not torch_ok or exact):
+            bad.append(f"{what} on rank(s) {rk}")
+    if div is not None and rec["torch_ref"] is False:
+        bad.append(f"torch also differs from the documented divergence's prediction "
+                   f"({div.model})")
+    rec.update(status="fail", reason="; ".join(bad or ["mismatch"]) + note)
     return rec
 
 

@@ -6,20 +6,23 @@ import math
 import sys
 from typing import Any, Dict, Iterable, Optional
 
-__all__ = ["COLUMNS", "format_header_row", "format_row", "summarize", "summary_line",
-           "write_json", "STATUS_COUNTED", "mark"]
+__all__ = ["COLUMNS", "format_header_row", "format_row", "format_skip_row", "summarize",
+           "summary_line", "write_json", "STATUS_COUNTED", "mark"]
 
 #: (title, width) of the table columns
 COLUMNS = (("collective", 14), ("dtype", 11), ("op", 15), ("size", 8), ("root", 4),
            ("inplace", 7), ("ncclpy==torch", 13), ("ncclpy==ref", 11), ("torch==ref", 10),
            ("max ULP", 7), ("status", 0))
 
-#: statuses that count as a pass or a failure (divergences and unsupported cases do not)
-STATUS_COUNTED = {"pass": "passed", "fail": "failed", "error": "failed"}
+#: status -> summary counter ("failed" makes the exit status 1; the others do not)
+STATUS_COUNTED = {"pass": "passed", "fail": "failed", "error": "failed",
+                  "within ULP": "within_ulp", "torch divergence": "torch_divergence",
+                  "unsupported": "unsupported"}
 
 
 def mark(value: Optional[bool], gpu: bool = True) -> str:
-    """A table cell for a comparison: yes / NO / - (nothing to compare) / needs GPU."""
+    """A table cell for a comparison: yes (bytes identical on every rank) / NO (some byte
+    differs; the max ULP column says by how much) / - (nothing to compare) / needs GPU."""
     if not gpu:
         return "needs GPU"
     if value is None:
@@ -65,31 +68,35 @@ def format_row(rec: Dict[str, Any]) -> str:
     return " ".join(_cell(t, w) for t, (_, w) in zip(cells, COLUMNS)).rstrip()
 
 
+def format_skip_row(skip: Dict[str, Any]) -> str:
+    """A table line for a combination the run leaves out, with the reason."""
+    cells = [skip["collective"], skip.get("dtype") or "-", skip.get("op") or "-", "*", "*", "*",
+             "-", "-", "-", "-", f"skipped: {skip['reason']}"]
+    return " ".join(_cell(t, w) for t, (_, w) in zip(cells, COLUMNS)).rstrip()
+
+
 def summarize(records: Iterable[Dict[str, Any]], skipped: int = 0) -> Dict[str, int]:
-    """Counts by outcome."""
-    out = {"cases": 0, "passed": 0, "failed": 0, "torch_divergence": 0, "unsupported": 0,
-           "skipped": skipped}
+    """Counts by outcome (an unknown status counts as failed)."""
+    out = {"cases": 0, "passed": 0, "failed": 0, "within_ulp": 0, "torch_divergence": 0,
+           "unsupported": 0, "skipped": skipped}
     for r in records:
         out["cases"] += 1
-        s = r["status"]
-        if s in STATUS_COUNTED:
-            out[STATUS_COUNTED[s]] += 1
-        elif s == "torch divergence":
-            out["torch_divergence"] += 1
-        else:
-            out["unsupported"] += 1
+        out[STATUS_COUNTED.get(r["status"], "failed")] += 1
     return out
 
 
 def summary_line(counts: Dict[str, int], seconds: float, backend: str, world_size: int) -> str:
+    """The last line of a run."""
     return (f"ncclpy check: {counts['cases']} cases on {world_size} ranks ({backend}) in "
-            f"{seconds:.1f} s: {counts['passed']} passed, {counts['failed']} failed, "
+            f"{seconds:.1f} s: {counts['passed']} passed bit for bit, {counts['failed']} failed, "
+            f"{counts.get('within_ulp', 0)} within ULP tolerance (not bitwise), "
             f"{counts['torch_divergence']} torch divergences, {counts['unsupported']} "
             f"unsupported, {counts['skipped']} skipped (backend cannot run them)")
 
 
 def write_json(path: str, doc: Dict[str, Any]) -> None:
-    """Write the run as JSON (``-`` for stdout); infinities become the string "inf"."""
+    """Write the run as JSON (``-`` for stdout, where it is then the only output: the runner
+    prints the table on stderr); infinities become the string "inf"."""
     def fix(o: Any) -> Any:
         if isinstance(o, float) and (math.isinf(o) or math.isnan(o)):
             return str(o)

@@ -7,15 +7,18 @@ copies of the same input, and compares its own outputs byte for byte with each o
 :mod:`ncclpy.reference`.  Rank 0 gathers the per-rank verdicts over a gloo group, prints the table
 line, and at the end the summary and the JSON.
 
-Test-only corruption: ``NCCLPY_CHECK_INJECT="collective:rank[,collective:rank...]"`` (rank may be
-``*``) flips one bit of *torch's* output on that rank before it is compared.  It lives here, in
-the harness, never in the library.
+Test-only corruption: ``NCCLPY_CHECK_INJECT="collective:rank[:side[:how]][,...]"`` (rank may be
+``*``; side ``torch`` (default), ``ncclpy`` or ``reference``; how ``bit`` (default), ``invert`` or
+``sign``) corrupts that side's output on that rank before it is compared: torch's, ncclpy's, or
+the reference the harness expects.  It lives here, in the harness, never in the library; a side
+the run does not have (ncclpy without a GPU) is refused at start.
+
+Every wait is bounded by ``--timeout``: torch's process group timeout, ncclpy's init and
+``Work.wait(timeout=...)``.
 """
 from __future__ import annotations
 
 import datetime
-import os
-import sys
 import time
 import traceback
 from typing import Any, Dict, List, Optional
@@ -26,12 +29,11 @@ from .. import numerics as nm
 from .. import registry
 from ..dtypes import LOGICAL
 from . import cases as C
-from . import report as R
-from .compare import INJECT_ENV, compare, flip_one_bit, merge
+from . import divergences as D
+from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt
 
 __all__ = ["worker", "run_case_torch", "to_torch", "from_torch", "case_inputs",
-           "reference_outputs", "INJECT_ENV", "parse_inject"]
-
+           "reference_outputs", "INJECT_ENV", "parse_inject", "run_case"]
 
 
 # -- numpy <-> torch ------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def case_inputs(case: C.Case, n: int, seed: int, rank: Optional[int] = None) -> 
             if _needed(case, n, rank, s, b):
                 parts.append(nm.verifiable_input(case.dtype, k, op=case.op, world_size=n,
                                                  seed=seed, rank=s, tag=f"{case.key}|{b}",
-                                                 random_bits=movement))
+                                                 random_bits=movement, scalar=case.scalar))
             else:
                 shape = (k, 2) if case.dtype == "complex32" else (k,)
                 parts.append(nm.from_bits(np.zeros(k * lg.factor, lg.wire.view), case.dtype)
@@ -152,8 +154,9 @@ def _torch_op(dist: Any, case: C.Case) -> Any:
 
 
 def run_case_torch(torch: Any, dist: Any, case: C.Case, inp: np.ndarray, rank: int, n: int,
-                   device: Any) -> Optional[np.ndarray]:
-    """Run ``case`` through torch.distributed on this rank; its output (None: no output)."""
+                   device: Any, timeout: float = 300.0) -> Optional[np.ndarray]:
+    """Run ``case`` through torch.distributed on this rank; its output (None: no output).
+    Blocking calls are bounded by the process group's timeout, the p2p waits by ``timeout``."""
     name, c = case.dtype, case.count
     t = to_torch(torch, inp, name, device)
     empty = (lambda k: torch.empty(k, dtype=t.dtype, device=t.device))
@@ -204,7 +207,7 @@ def run_case_torch(torch: Any, dist: Any, case: C.Case, inp: np.ndarray, rank: i
         ops = [dist.P2POp(dist.isend, t, (rank + 1) % n),
                dist.P2POp(dist.irecv, out, (rank - 1) % n)]
         for w in dist.batch_isend_irecv(ops):
-            w.wait()
+            w.wait(datetime.timedelta(seconds=timeout))
     else:
         raise ValueError(f"no torch call for {coll}")
     if out is None:
@@ -216,9 +219,9 @@ def run_case_torch(torch: Any, dist: Any, case: C.Case, inp: np.ndarray, rank: i
 
 # -- the ncclpy side (GPU) ------------------------------------------------------------------
 def run_case_ncclpy(torch: Any, comm: Any, case: C.Case, inp: np.ndarray, rank: int, n: int,
-                    device: Any) -> Optional[np.ndarray]:
+                    device: Any, timeout: float = 300.0) -> Optional[np.ndarray]:
     """Run ``case`` through the ncclpy communicator on copies of the same input (torch CUDA
-    tensors; in-place variants as NCCL defines them)."""
+    tensors; in-place variants as NCCL defines them); the wait is bounded by ``timeout``."""
     name, c = case.dtype, case.count
     t = to_torch(torch, inp, name, device)
     lg = LOGICAL[name]
@@ -288,68 +291,92 @@ def run_case_ncclpy(torch: Any, comm: Any, case: C.Case, inp: np.ndarray, rank: 
     else:
         raise ValueError(f"no ncclpy call for {coll}")
     if w is not None and hasattr(w, "wait"):
-        w.wait()
+        w.wait(timeout=timeout)       # raises a timeout error instead of hanging
     torch.cuda.synchronize()
     return None if out is None else from_torch(torch, out, name)
 
 
 # -- one case -------------------------------------------------------------------------------
 def parse_inject(spec: Optional[str]) -> List[tuple]:
-    """'all_reduce:1,gather:*' -> [("all_reduce", 1), ("gather", None)]."""
+    """'all_reduce:1,gather:*:reference:invert' -> [("all_reduce", 1, "torch", "bit"),
+    ("gather", None, "reference", "invert")]."""
     out = []
     for part in (spec or "").split(","):
         part = part.strip()
         if not part:
             continue
-        coll, _, rk = part.partition(":")
-        out.append((registry.get(coll).name, None if rk in ("", "*") else int(rk)))
+        coll, rk, side, how = (part.split(":") + ["", "", ""])[:4]
+        side, how = side or "torch", how or "bit"
+        if side not in INJECT_SIDES or how not in INJECT_KINDS:
+            raise ValueError(f"{INJECT_ENV}: {part!r}: side must be one of "
+                             f"{', '.join(INJECT_SIDES)} and how one of {', '.join(INJECT_KINDS)}")
+        out.append((registry.get(coll).name, None if rk in ("", "*") else int(rk), side, how))
     return out
 
 
 def _short(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {msg}"[:200]
+    return f"{type(e).__name__}: {msg}"[:300]
 
 
-def _unsupported_error(e: BaseException) -> bool:
+def _typed_refusal(e: BaseException) -> bool:
+    """ncclpy's deliberate refusals (they name what is missing)."""
     from ..errors import UnsupportedError, VersionError
-    return isinstance(e, (UnsupportedError, VersionError, NotImplementedError))
+    return isinstance(e, (UnsupportedError, VersionError))
 
 
 def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
     """This rank's verdicts for ``case`` (a small dict that rank 0 gathers)."""
     torch, dist = ctx["torch"], ctx["dist"]
-    n, rank = ctx["n"], ctx["rank"]
+    n, rank, tmo = ctx["n"], ctx["rank"], float(ctx.get("timeout", 300.0))
     res: Dict[str, Any] = {"rank": rank}
     if case.collective == "barrier":
         return _run_barrier(ctx)
     ins = case_inputs(case, n, ctx["seed"], rank)
-    refs = reference_outputs(case, ins, n)
-    ref = refs[rank]
+    ref = reference_outputs(case, ins, n)[rank]
     torch_ref = ref
     if case.collective == "reduce" and rank != case.root:
         # torch's reduce is in place by nature; NCCL leaves non-roots untouched, gloo uses
         # them as scratch (undefined in torch's contract)
         torch_ref = ins[rank] if ctx["backend"] == "nccl" else None
+    true_torch_ref = torch_ref          # kept from the reference-side corruption below
     t_out = n_out = None
     try:
-        t_out = run_case_torch(torch, dist, case, ins[rank], rank, n, ctx["device"])
-    except Exception as e:  # noqa: BLE001 - reported per case
-        key = "torch_unsupported" if ctx["backend"] == "nccl" else "torch_error"
-        res[key] = _short(e)
-    for coll, rk in ctx["inject"]:
-        if coll == case.collective and rk in (None, rank) and t_out is not None:
-            t_out = flip_one_bit(t_out)
-            res["injected"] = True
+        t_out = run_case_torch(torch, dist, case, ins[rank], rank, n, ctx["device"], tmo)
+    except Exception as e:  # noqa: BLE001 - classified at rank 0 (known refusal or error)
+        res["torch_exc"] = _short(e)
+        if ctx.get("verbose"):
+            traceback.print_exc()
     if ctx.get("comm") is not None:
         try:
-            n_out = run_case_ncclpy(torch, ctx["comm"], case, ins[rank], rank, n, ctx["device"])
+            n_out = run_case_ncclpy(torch, ctx["comm"], case, ins[rank], rank, n, ctx["device"],
+                                    tmo)
         except Exception as e:  # noqa: BLE001
-            res["ncclpy_unsupported" if _unsupported_error(e) else "ncclpy_error"] = _short(e)
+            res["ncclpy_exc"], res["ncclpy_typed"] = _short(e), _typed_refusal(e)
             if ctx.get("verbose"):
                 traceback.print_exc()
+    for coll, rk, side, how in ctx["inject"]:
+        if coll != case.collective or rk not in (None, rank):
+            continue
+        if side == "torch" and t_out is not None and t_out.size:
+            t_out = corrupt(t_out, how)
+        elif side == "ncclpy" and n_out is not None and n_out.size:
+            n_out = corrupt(n_out, how)
+        elif side == "reference" and ref is not None and ref.size:
+            same = torch_ref is ref
+            ref = corrupt(ref, how)
+            torch_ref = ref if same else (None if torch_ref is None else corrupt(torch_ref, how))
+        else:
+            continue
+        res["injected"] = f"{side}:{how}"
     name = case.dtype
     res["t_ref"] = compare(t_out, torch_ref, name).as_dict()
+    div = D.divergence(ctx["backend"], case, n)
+    if div is not None and t_out is not None:
+        pred = D.predicted_outputs(div, case, ins, n, ctx["backend"], rank=rank)[rank]
+        res["t_pred"] = compare(t_out, pred, name).as_dict()
+        # whether the divergence shows on these inputs at all (prediction != NCCL semantics)
+        res["p_ref"] = compare(pred, true_torch_ref, name).as_dict()
     if ctx.get("comm") is not None:
         res["n_ref"] = compare(n_out, ref, name).as_dict()
         # only where both sides have a defined output (e.g. not an out-of-place reduce's
@@ -380,145 +407,11 @@ def _run_barrier(ctx: Dict[str, Any]) -> Dict[str, Any]:
     return res
 
 
-# -- the worker -----------------------------------------------------------------------------
-def _emit(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    import warnings
-    warnings.filterwarnings("ignore", category=FutureWarning)   # reduce_scatter_tensor et al.
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
-    warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
-    import torch
-    import torch.distributed as dist
-    n, backend = cfg["world_size"], cfg["backend"]
-    timeout = datetime.timedelta(seconds=float(cfg.get("timeout", 300)))
-    ctx: Dict[str, Any] = {"torch": torch, "dist": dist, "n": n, "rank": rank, "backend": backend,
-                           "seed": int(cfg.get("seed", 0)), "device": "cpu", "comm": None,
-                           "verbose": cfg.get("verbose", False),
-                           "inject": parse_inject(os.environ.get(INJECT_ENV))}
-    header: Dict[str, Any] = {"world_size": n, "backend": backend, "torch": torch.__version__,
-                              "seed": ctx["seed"], "pinned": cfg.get("pinned", []),
-                              "kept": cfg.get("kept", [])}
-    if backend == "nccl":
-        ndev = torch.cuda.device_count()
-        dev = int(os.environ.get("NCCLPY_DEVICE") or os.environ.get("LOCAL_RANK") or rank) % ndev
-        torch.cuda.set_device(dev)
-        ctx["device"] = torch.device("cuda", dev)
-        dist.init_process_group("nccl", rank=rank, world_size=n, timeout=timeout,
-                                device_id=ctx["device"])
-        ctx["ctrl"] = dist.new_group(backend="gloo", timeout=timeout)
-        x = torch.ones(1, device=ctx["device"])
-        dist.all_reduce(x)
-        torch.cuda.synchronize()
-        from .._nccl.lib import loaded_nccl_paths
-        header["torch_libnccl"] = loaded_nccl_paths()
-        tv = torch.cuda.nccl.version()
-        header["torch_nccl_version"] = (".".join(str(v) for v in tv) if isinstance(tv, tuple)
-                                        else str(tv))
-        header["device"] = torch.cuda.get_device_name(dev)
-        ok = True
-        try:
-            import ncclpy
-            ctx["comm"] = ncclpy.init()
-            from .._nccl.lib import get_lib
-            from ..ops import format_version
-            header["ncclpy_libnccl"] = get_lib().path
-            header["ncclpy_nccl_version"] = format_version(ctx["comm"].nccl_version)
-        except Exception as e:  # noqa: BLE001 - reported in the header, the torch side still runs
-            ok = False
-            header["ncclpy_error"] = _short(e)
-        flags: List[Any] = [None] * n
-        dist.all_gather_object(flags, ok, group=ctx["ctrl"])
-        if not all(flags) and ctx["comm"] is not None:
-            header.setdefault("ncclpy_error", "ncclpy.init failed on another rank")
-            ctx["comm"] = None
-        header["all_libnccl"] = loaded_nccl_paths()
-        env_keys = sorted(k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))
-                          or k == "ENABLE_INTRA_NODE_COMM")
-        header["nccl_env"] = {k: os.environ[k] for k in env_keys}
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timeout)
-        ctx["ctrl"] = dist.group.WORLD
-        header["ncclpy_error"] = cfg.get("no_gpu_reason") or "no GPU: the ncclpy column needs one"
-    ctx["header"] = header
-    return ctx
-
-
-def _print_header(ctx: Dict[str, Any], ncases: int, skipped: List[dict]) -> None:
-    h = ctx["header"]
-    _emit(f"ncclpy check: {h['world_size']} ranks, torch {h['torch']} backend {h['backend']}, "
-          f"seed {h['seed']}, {ncases} cases, {len(skipped)} combinations skipped")
-    if h["backend"] == "nccl":
-        _emit(f"  device: {h.get('device')}")
-        _emit(f"  torch libnccl:  {', '.join(h.get('torch_libnccl') or ['?'])} "
-              f"(NCCL {h.get('torch_nccl_version')})")
-        if "ncclpy_libnccl" in h:
-            _emit(f"  ncclpy libnccl: {h['ncclpy_libnccl']} (NCCL {h.get('ncclpy_nccl_version')})")
-            same = len(h.get("all_libnccl") or []) == 1
-            both = "yes" if same else "NO: " + str(h["all_libnccl"])
-            _emit(f"  same libnccl on both sides: {both}")
-        pinned = ", ".join(h.get("pinned") or []) or "nothing"
-        _emit(f"  pinned for both sides: {pinned}")
-        if h.get("kept"):
-            _emit(f"  kept from your environment: {', '.join(h['kept'])}")
-        _emit("  NCCL env: " + (" ".join(f"{k}={v}" for k, v in h.get("nccl_env", {}).items())
-                                or "(none)"))
-    if h.get("ncclpy_error"):
-        _emit(f"  ncclpy column: needs GPU ({h['ncclpy_error']})")
-    if skipped and h["backend"] == "gloo":
-        _emit("  skipped: what gloo refuses (see --list-skips for each reason)")
-    _emit("  exact inputs (integers; floats = integer mantissas x 2^-2) are compared bit for "
-          "bit; otherwise the max ULP must stay <= world_size")
-    _emit(R.format_header_row())
-
-
+# -- the worker (see .session) --------------------------------------------------------------
 def worker(rank: int, cfg: Dict[str, Any]) -> int:
-    """Run the whole matrix as ``rank``; returns the exit code (the same on every rank)."""
-    os.environ.update({k: str(v) for k, v in (cfg.get("env") or {}).items()})
-    t0 = time.time()
-    ctx = _setup_torch(rank, cfg)
-    dist = ctx["dist"]
-    cases, skipped = C.build_matrix(
-        ctx["n"], backend=ctx["backend"], collectives=cfg.get("collectives"),
-        dtypes=cfg.get("dtypes"), ops=cfg.get("ops"), sizes=cfg.get("sizes"),
-        roots=cfg.get("roots"), in_place=cfg.get("in_place"),
-        premul_scalar=cfg.get("premul_scalar", C.PREMUL_SCALAR))
-    quiet = cfg.get("quiet", False)
-    if rank == 0:
-        _print_header(ctx, len(cases), skipped)
-    records: List[Dict[str, Any]] = []
-    for case in cases:
-        part = run_case(ctx, case)
-        parts: Optional[List[Any]] = [None] * ctx["n"] if rank == 0 else None
-        dist.gather_object(part, parts, dst=0, group=ctx["ctrl"])
-        if rank == 0:
-            rec = merge(case, parts, ctx)
-            records.append(rec)
-            if not quiet or rec["status"] not in ("pass",):
-                _emit(R.format_row(rec))
-    rc = 0
-    if rank == 0:
-        counts = R.summarize(records, len(skipped))
-        rc = 1 if counts["failed"] else 0
-        _emit(R.summary_line(counts, time.time() - t0, ctx["backend"], ctx["n"]))
-        doc = {"header": ctx["header"], "summary": counts, "exit_code": rc,
-               "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped}
-        if cfg.get("json"):
-            R.write_json(cfg["json"], doc)
-        if cfg.get("result_file"):
-            R.write_json(cfg["result_file"], {"exit_code": rc, "summary": counts})
-    box = [rc]
-    dist.broadcast_object_list(box, src=0, group=ctx["ctrl"])
-    if ctx.get("comm") is not None:
-        try:
-            ctx["comm"].close()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-    dist.destroy_process_group()
-    return int(box[0])
+    """Run the whole matrix as ``rank``; the exit code (see :func:`ncclpy.check.session.worker`)."""
+    from .session import worker as _worker
+    return _worker(rank, cfg)
 
 
 def spawn_entry(rank: int, cfg: Dict[str, Any]) -> None:

@@ -29,16 +29,22 @@ _U32_FROM = P.U32.unpack_from
 class Conn:
     """One client connection's state."""
 
-    __slots__ = ("sock", "fd", "peer", "rbuf", "wq", "wbytes", "authed", "nonce", "waiter",
-                 "closing", "closed", "events")
+    __slots__ = ("sock", "fd", "peer", "rbuf", "wq", "wbytes", "wowned", "authed", "nonce",
+                 "waiter", "closing", "closed", "events", "rx_at", "frame_timer", "cork",
+                 "cork_bytes")
 
     def __init__(self, sock, peer: str, authed: bool, nonce: bytes) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.peer = peer
         self.rbuf = bytearray()        # unprocessed input
-        self.wq: list = []             # unsent output (memoryviews), oldest first
-        self.wbytes = 0
+        self.wq: list = []             # unsent output: (memoryview, owned), oldest first
+        self.wbytes = 0                # bytes in wq
+        self.wowned = 0                # ... of which copies (not views of stored values)
+        self.rx_at = 0.0               # monotonic time input last arrived (slow path only)
+        self.frame_timer = False       # a stalled-frame check is scheduled
+        self.cork: Optional[list] = None  # replies held back to leave in one send
+        self.cork_bytes = 0
         self.authed = authed
         self.nonce = nonce
         self.waiter: Optional[Waiter] = None
@@ -65,6 +71,7 @@ class StoreOps:
 
     max_key_size: int
     max_value_size: int
+    max_keys_per_request: int
     _token: Optional[bytes]
 
     def _init_ops(self) -> None:
@@ -80,7 +87,7 @@ class StoreOps:
         }
 
     # provided by the loop
-    def _send(self, conn: Conn, data) -> None:  # pragma: no cover - overridden
+    def _send(self, conn: Conn, data, shared: bool = False) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def _update_events(self, conn: Conn) -> None:  # pragma: no cover - overridden
@@ -90,14 +97,16 @@ class StoreOps:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ replies
-    def _reply(self, conn: Conn, status: int, body: bytes = b"", close: bool = False) -> None:
+    def _reply(self, conn: Conn, status: int, body: bytes = b"", close: bool = False,
+               shared: bool = False) -> None:
+        """``shared``: ``body`` is a stored value, so a large one is queued without a copy."""
         if close:
             conn.closing = True
         if len(body) < 65536:
             self._send(conn, _REP(status, len(body)) + body)
         else:  # large value: header and body queued back to back, no copy
             self._send(conn, _REP(status, len(body)))
-            self._send(conn, body)
+            self._send(conn, body, shared)
 
     def _error(self, conn: Conn, status: int, msg: str) -> None:
         self._reply(conn, status, msg.encode("utf-8", "replace"),
@@ -146,13 +155,19 @@ class StoreOps:
             raise ValueError("length field runs past the end of the body")
         return body[offset:offset + n], offset + n
 
-    def _parse_keys(self, conn: Conn, body: bytes, offset: int) -> Optional[List[bytes]]:
+    def _parse_keys(self, conn: Conn, op: int, body: bytes,
+                    offset: int) -> Optional[List[bytes]]:
         try:
-            return P.unpack_keys(body, offset, self.max_key_size)
+            return P.unpack_keys(body, offset, self.max_key_size, self.max_keys_per_request)
         except OverflowError as e:
             self._error(conn, Status.ERR_REQUEST, f"key is {e.args[0]} bytes; the limit is "
                         f"max_key_size={self.max_key_size} bytes")
-            return None
+        except P.KeyCountError:
+            log.warning("store server: %s request from %s lists more than %d keys; refused",
+                        P.OP_NAMES[op], conn.peer, self.max_keys_per_request)
+            self._error(conn, Status.ERR_REQUEST, f"{P.OP_NAMES[op]} lists more than "
+                        f"max_keys_per_request={self.max_keys_per_request} keys")
+        return None
 
     # ------------------------------------------------------------------ waiters
     def _wake(self, key: bytes) -> None:
@@ -172,16 +187,19 @@ class StoreOps:
         conn = w.conn
         if conn.waiter is w:
             conn.waiter = None
+        if conn.rbuf and not conn.closing and not conn.closed and conn.cork is None:
+            conn.cork = []   # requests wait behind this reply: answer them in one send
+            conn.cork_bytes = 0
         if timed_out:
             self._unlink(w)
             self._reply(conn, Status.TIMEOUT, P.pack_keys(sorted(w.pending)))
         elif w.op == Op.GET:
-            self._reply(conn, Status.OK, self._data.get(w.keys[0], b""))
+            self._reply(conn, Status.OK, self._data.get(w.keys[0], b""), shared=True)
         else:
             self._send(conn, _OK_EMPTY)
         if not conn.closed:
             self._update_events(conn)
-            if conn.rbuf and not conn.closing:
+            if conn.cork is not None:
                 self._ready.append(conn)   # handled by the loop, not recursively
 
     def _unlink(self, w: Waiter) -> None:
@@ -257,7 +275,7 @@ class StoreOps:
         key = body[4:]
         value = self._data.get(key)
         if value is not None:
-            self._reply(conn, Status.OK, value)
+            self._reply(conn, Status.OK, value, shared=True)
             return
         if not self._key_ok(conn, key):
             return
@@ -299,17 +317,17 @@ class StoreOps:
             # *expected* value (what torch.distributed.TCPStore returns, too)
             if expected == b"":
                 self._data[key] = desired
-                self._reply(conn, Status.OK, desired)
+                self._reply(conn, Status.OK, desired, shared=True)
                 self._wake(key)
             else:
                 self._reply(conn, Status.OK, expected)
             return
         if cur == expected:
             self._data[key] = desired
-            self._reply(conn, Status.OK, desired)
+            self._reply(conn, Status.OK, desired, shared=True)
             self._wake(key)
         else:
-            self._reply(conn, Status.OK, cur)
+            self._reply(conn, Status.OK, cur, shared=True)
 
     def _op_delete(self, conn: Conn, body: bytes) -> None:
         if self._key_ok(conn, body):
@@ -320,7 +338,7 @@ class StoreOps:
         if len(body) < 4:
             raise ValueError("missing timeout field")
         (tmo,) = _U32_FROM(body, 0)
-        keys = self._parse_keys(conn, body, 4)
+        keys = self._parse_keys(conn, Op.WAIT, body, 4)
         if keys is None:
             return
         pending = {k for k in keys if k not in self._data}
@@ -335,7 +353,7 @@ class StoreOps:
         self._reply(conn, Status.OK, P.U64.pack(len(self._data)))
 
     def _op_check(self, conn: Conn, body: bytes) -> None:
-        keys = self._parse_keys(conn, body, 0)
+        keys = self._parse_keys(conn, Op.CHECK, body, 0)
         if keys is not None:
             data = self._data
             self._send(conn, _OK_TRUE if all(k in data for k in keys) else _OK_FALSE)

@@ -5,8 +5,11 @@ is checked against a limit *before* anything is buffered, and values are opaque 
 
 Connection set-up (server -> client, 48 bytes, sent as soon as the server accepts)::
 
-    HELLO = magic b"NCPS" | version u8 | flags u8 (bit 0: token required) | reserved u16
+    HELLO = magic b"NCPS" | version u8 | flags u8 (bit 0: token required) | max_keys u16
             | max_key_size u32 | max_value_size u32 | nonce 32 bytes
+
+``max_keys`` is the server's ``max_keys_per_request`` (0: not advertised, e.g. over 65535); the
+nonce is all zeros on a server without a token (nothing to prove).
 
 With a token in play the client then sends an ``AUTH`` request whose body is
 ``HMAC-SHA256(token, nonce) | client_nonce (32 bytes)`` (or an empty body: "I have no token"), and
@@ -37,14 +40,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 __all__ = [
     "MAGIC", "VERSION", "HELLO", "HELLO_SIZE", "NONCE_SIZE", "FLAG_AUTH", "REQ_HEADER",
     "REP_HEADER", "HEADER_SIZE", "Op", "Status", "OP_NAMES", "STATUS_NAMES", "NO_TIMEOUT",
     "AUTH_BODY_SIZE", "MAX_TIMEOUT_MS", "client_mac", "server_mac", "pack_str32",
     "pack_keys", "unpack_keys", "request", "body_limit", "timeout_ms", "parse_hello",
-    "pack_hello", "U32", "I64", "U64",
+    "pack_hello", "hello_max_keys", "U32", "I64", "U64", "KeyCountError",
 ]
 
 MAGIC = b"NCPS"
@@ -97,7 +100,8 @@ def body_limit(op: int, max_key: int, max_value: int) -> int:
     """Largest body a request ``op`` may announce; -1 for an unknown opcode.
 
     Checked on the header alone, so nothing oversized is ever buffered. Key lists (WAIT, CHECK)
-    are bounded by ``max_value_size`` as a whole.
+    are bounded by ``max_value_size`` as a whole (and, when parsed, by the server's
+    ``max_keys_per_request`` in count).
     """
     if op == Op.AUTH:
         return AUTH_BODY_SIZE
@@ -136,11 +140,20 @@ def pack_keys(keys: Iterable[bytes]) -> bytes:
     return b"".join(U32.pack(len(k)) + k for k in keys)
 
 
-def unpack_keys(body: bytes, offset: int, max_key: int) -> List[bytes]:
-    """Parse a run of ``str32`` keys; ValueError on truncation or a key over ``max_key``."""
+class KeyCountError(ValueError):
+    """A key list longer than allowed (``args[0]``: the limit)."""
+
+
+def unpack_keys(body: bytes, offset: int, max_key: int,
+                max_count: Optional[int] = None) -> List[bytes]:
+    """Parse a run of ``str32`` keys; ValueError on truncation, OverflowError (``args[0]``: its
+    size) on a key over ``max_key``, :class:`KeyCountError` past ``max_count`` keys (found
+    after parsing at most ``max_count + 1`` of them, however long the body)."""
     keys = []
     n = len(body)
     while offset < n:
+        if max_count is not None and len(keys) >= max_count:
+            raise KeyCountError(max_count)
         if offset + 4 > n:
             raise ValueError("truncated key length")
         (klen,) = U32.unpack_from(body, offset)
@@ -172,5 +185,13 @@ def parse_hello(data: bytes) -> Tuple[bytes, int, int, int, int, bytes]:
     return magic, version, flags, max_key, max_value, bytes(data[HELLO.size:HELLO_SIZE])
 
 
-def pack_hello(flags: int, max_key: int, max_value: int, nonce: bytes) -> bytes:
-    return HELLO.pack(MAGIC, VERSION, flags, 0, max_key, max_value) + nonce
+def pack_hello(flags: int, max_key: int, max_value: int, nonce: bytes,
+               max_keys: int = 0) -> bytes:
+    """The server's greeting (``max_keys`` over 65535 is sent as 0: not advertised)."""
+    return (HELLO.pack(MAGIC, VERSION, flags, max_keys if max_keys <= 0xFFFF else 0, max_key,
+                       max_value) + nonce)
+
+
+def hello_max_keys(data: bytes) -> int:
+    """The ``max_keys_per_request`` a greeting advertises (0: unknown)."""
+    return HELLO.unpack_from(data, 0)[3]

@@ -2,40 +2,43 @@
 
 Why one thread: a rendezvous of hundreds of ranks is hundreds of mostly idle connections; one
 non-blocking loop serves them all without a thread each, and waiting requests (``get`` of a
-missing key, ``wait``) are parked per key instead of blocking anything. A slow or half-sent
-client only ever holds its own small buffer, and every announced length is checked against its
-limit before a byte of the body is buffered.
+missing key, ``wait``) are parked per key instead of blocking anything. Every announced length is
+checked against its limit before a byte of the body is buffered; input buffered over all
+connections is capped (the biggest holders are closed past it), and a connection whose
+half-received request stalls is closed after ``frame_timeout``. Limits: :mod:`.limits`.
+
+The loop never dies from a request: an error while serving one connection is logged and that
+connection closed; running out of file descriptors pauses accepting for a moment instead of
+spinning.
 """
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import logging
 import os
-import select
-import selectors
 import socket
-import struct
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 from ..errors import ArgumentError, StoreConnectionError
 from . import protocol as P
-from .ops import Conn, StoreOps, Waiter
-from .protocol import Op
+from .limits import StoreLimits
+from .connio import NONBLOCKING_FLAGS, PAUSE_OUTPUT, ConnIO
+from .ops import Conn
+from .poller import ERRS as _ERRS, READ as _READ, WRITE as _WRITE, Poller, raise_nofile_limit
 
 __all__ = ["StoreServer", "resolve_token", "TOKEN_ENV"]
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "NCCLPY_STORE_TOKEN"
-_RECV_CHUNK = 1 << 16       # not larger: big recv buffers cost an mmap per call
-_PAUSE_INPUT = 1 << 20      # stop reading a parked client whose pending input exceeds this
-_PAUSE_OUTPUT = 8 << 20     # ... or any client whose unsent replies exceed this
-_AUTH_TIMEOUT = 60.0        # a client must authenticate within this many seconds
-_READ, _WRITE = 1, 4        # epoll's EPOLLIN / EPOLLOUT (translated for selectors)
-_ERRS = 8 | 16              # EPOLLERR | EPOLLHUP: let recv() report them
+_ACCEPT_BACKOFF = 0.1       # seconds the listener rests after accept() ran out of descriptors
+_MAX_LOOP_ERRORS = 100      # consecutive loop-level failures before the server gives up
+# timer kinds (the heap holds (deadline, seq, kind, obj))
+_T_WAITER, _T_AUTH, _T_FRAME, _T_ACCEPT = range(4)
 
 
 def resolve_token(token) -> Optional[bytes]:
@@ -51,90 +54,63 @@ def resolve_token(token) -> Optional[bytes]:
     raise ArgumentError(f"token: expected str or bytes, got {type(token).__name__}")
 
 
-class _Poller:
-    """epoll where there is one (Linux), else ``selectors``; events as epoll's bits."""
-
-    def __init__(self) -> None:
-        self._ep = select.epoll() if hasattr(select, "epoll") else None
-        self._sel = None if self._ep is not None else selectors.DefaultSelector()
-
-    def register(self, fd: int, ev: int) -> None:
-        if self._ep is not None:
-            self._ep.register(fd, ev)
-        else:
-            self._sel.register(fd, self._to_sel(ev))
-
-    def modify(self, fd: int, ev: int) -> None:
-        if self._ep is not None:
-            self._ep.modify(fd, ev)
-        else:
-            self._sel.modify(fd, self._to_sel(ev))
-
-    def unregister(self, fd: int) -> None:
-        if self._ep is not None:
-            self._ep.unregister(fd)
-        else:
-            self._sel.unregister(fd)
-
-    def poll(self, timeout: Optional[float]) -> List[Tuple[int, int]]:
-        if self._ep is not None:
-            return self._ep.poll(-1 if timeout is None else timeout)
-        return [(k.fd, (_READ if m & selectors.EVENT_READ else 0)
-                 | (_WRITE if m & selectors.EVENT_WRITE else 0))
-                for k, m in self._sel.select(timeout)]
-
-    @staticmethod
-    def _to_sel(ev: int) -> int:
-        return ((selectors.EVENT_READ if ev & _READ else 0)
-                | (selectors.EVENT_WRITE if ev & _WRITE else 0))
-
-    def close(self) -> None:
-        (self._ep or self._sel).close()
-
-
-class StoreServer(StoreOps):
+class StoreServer(ConnIO):
     """Key-value store server running as a daemon thread (never keeps a program alive).
 
     ``port=0`` picks a free port (see :attr:`port` after :meth:`start`). ``token`` (or
     ``$NCCLPY_STORE_TOKEN``) makes every client prove it holds the same token before any
     operation. Binds 127.0.0.1 unless told otherwise; pass the node's address (or "0.0.0.0") for
-    multi-node runs. ``max_clients`` caps concurrent connections (extra ones are closed).
+    multi-node runs. Limits (:class:`~ncclpy.store.limits.StoreLimits`): ``limits`` and/or the
+    keyword arguments named after its fields, else ``$NCCLPY_STORE_<FIELD>``, else the defaults;
+    e.g. ``max_clients`` caps concurrent connections (extra ones are closed).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token=None,
-                 max_key_size: int = 4096, max_value_size: int = 64 << 20,
-                 max_clients: int = 4096) -> None:
-        for name, v in (("port", port), ("max_key_size", max_key_size),
-                        ("max_value_size", max_value_size), ("max_clients", max_clients)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ArgumentError(f"{name}: expected a non-negative int, got {v!r}")
-        if port > 65535:
-            raise ArgumentError(f"port: expected 0..65535, got {port}")
-        if max_key_size > 1 << 30 or max_value_size > 1 << 30:
-            raise ArgumentError(f"max_key_size/max_value_size: at most 1 GiB each (got "
-                                f"{max_key_size}, {max_value_size})")
-        if max_clients < 1:
-            raise ArgumentError(f"max_clients: expected >= 1, got {max_clients}")
+                 limits: Union[StoreLimits, dict, None] = None,
+                 max_key_size: Optional[int] = None, max_value_size: Optional[int] = None,
+                 max_clients: Optional[int] = None, max_keys_per_request: Optional[int] = None,
+                 max_buffered_bytes: Optional[int] = None, frame_timeout: Optional[float] = None,
+                 auth_timeout: Optional[float] = None) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ArgumentError(f"port: expected an int in 0..65535, got {port!r}")
         if not isinstance(host, str):
             raise ArgumentError(f"host: expected str, got {type(host).__name__}")
+        self.limits = StoreLimits.resolve(
+            limits, max_key_size=max_key_size, max_value_size=max_value_size,
+            max_clients=max_clients, max_keys_per_request=max_keys_per_request,
+            max_buffered_bytes=max_buffered_bytes, frame_timeout=frame_timeout,
+            auth_timeout=auth_timeout)
+        lim = self.limits
         self._host = host
         self._port = port
         self._token = resolve_token(token)
-        self.max_key_size = max_key_size
-        self.max_value_size = max_value_size
-        self.max_clients = max_clients
-        self._limits = {op: P.body_limit(op, max_key_size, max_value_size)
+        self.max_key_size = lim.max_key_size
+        self.max_value_size = lim.max_value_size
+        self.max_clients = lim.max_clients
+        self.max_keys_per_request = lim.max_keys_per_request
+        self._limits = {op: P.body_limit(op, lim.max_key_size, lim.max_value_size)
                         for op in P.OP_NAMES}
+        # one request of the largest size (and the next read) always fits, whatever
+        # max_buffered_bytes says
+        self._buffer_cap = max(lim.max_buffered_bytes, max(self._limits.values()) + (1 << 17))
+        self._inbytes = 0           # bytes in every connection's input buffer
+        self._outbytes = 0          # copied (not shared) bytes in every output queue
         self._init_ops()
         self._seq = itertools.count()
         self._compact_at = 4096
         self._conns: Dict[int, Conn] = {}
-        self._poller: Optional[_Poller] = None
+        self._poller: Optional[Poller] = None
         self._lsock: Optional[socket.socket] = None
+        self._listening = False
+        self._fd_warned = False
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = False
+        flags = P.FLAG_AUTH if self._token is not None else 0
+        self._hello_head = P.pack_hello(flags, lim.max_key_size, lim.max_value_size, b"",
+                                        lim.max_keys_per_request)
+        self._hello_plain = self._hello_head + bytes(P.NONCE_SIZE)
 
     # ------------------------------------------------------------------ public
     @property
@@ -159,10 +135,16 @@ class StoreServer(StoreOps):
         """Connections currently open."""
         return len(self._conns)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes the server holds for its connections (unparsed input, copied output)."""
+        return self._inbytes + self._outbytes
+
     def start(self) -> "StoreServer":
         """Bind, listen and start serving in a daemon thread; returns self."""
         if self._thread is not None:
             return self
+        raise_nofile_limit()
         try:
             family = socket.getaddrinfo(self._host or None, self._port, type=socket.SOCK_STREAM,
                                         flags=socket.AI_PASSIVE)[0][0]
@@ -177,14 +159,15 @@ class StoreServer(StoreOps):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._poller = _Poller()
+        self._poller = Poller()
         self._poller.register(lsock.fileno(), _READ)
+        self._listening = True
         self._poller.register(self._wake_r.fileno(), _READ)
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"ncclpy-store-{self._port}")
         self._thread.start()
-        log.debug("store server listening on %s:%d (token %s)", self._host, self._port,
-                  "required" if self._token else "off")
+        log.debug("store server listening on %s:%d (token %s, %s)", self._host, self._port,
+                  "required" if self._token else "off", self.limits)
         return self
 
     def close(self, timeout: float = 5.0) -> None:
@@ -211,49 +194,68 @@ class StoreServer(StoreOps):
 
     # ------------------------------------------------------------------ loop
     def _serve(self) -> None:
-        poll = self._poller.poll
+        failures = 0
+        try:
+            while not self._stop:
+                try:
+                    self._serve_once()
+                    failures = 0
+                except Exception:  # not tied to one connection: log, breathe, go on
+                    failures += 1
+                    log.exception("store server on port %d: error in the event loop (%d in a "
+                                  "row)", self._port, failures)
+                    if failures >= _MAX_LOOP_ERRORS:
+                        log.critical("store server on port %d: giving up after %d consecutive "
+                                     "event-loop errors", self._port, failures)
+                        return
+                    time.sleep(0.01)
+        finally:
+            self._shutdown()
+
+    def _serve_once(self) -> None:
+        """One poll and everything it made ready."""
         conns = self._conns
         lfd = self._lsock.fileno()
         wfd = self._wake_r.fileno()
         try:
-            while not self._stop:
-                try:
-                    events = poll(self._next_timeout() if self._timers else None)
-                except InterruptedError:  # pragma: no cover
+            events = self._poller.poll(self._next_timeout() if self._timers else None)
+        except InterruptedError:  # pragma: no cover
+            return
+        for fd, ev in events:
+            conn = conns.get(fd)
+            try:
+                if conn is None:
+                    if fd == lfd:
+                        self._accept()
+                    elif fd == wfd:
+                        self._drain_wake()
                     continue
-                for fd, ev in events:
-                    conn = conns.get(fd)
-                    try:
-                        if conn is None:
-                            if fd == lfd:
-                                self._accept()
-                            elif fd == wfd:
-                                self._drain_wake()
-                            continue
-                        if ev & _WRITE:
-                            self._flush(conn)
-                        if ev & (_READ | _ERRS) and not conn.closed:
-                            self._read(conn)
-                    except Exception:  # never let one connection take the server down
-                        log.exception("store server: error on connection %s",
-                                      getattr(conn, "peer", "?"))
-                        if conn is not None:
-                            self._close_conn(conn)
-                if self._timers:
-                    self._expire_timers()
-                while self._ready:
-                    ready, self._ready = self._ready, []
-                    for conn in ready:
-                        if not conn.closed and conn.waiter is None:
-                            try:
-                                self._process(conn)
-                            except Exception:
-                                log.exception("store server: error on connection %s", conn.peer)
-                                self._close_conn(conn)
-        except Exception:  # pragma: no cover - last resort, keep a record
-            log.exception("store server loop on port %d crashed", self._port)
-        finally:
-            self._shutdown()
+                if ev & _WRITE:
+                    self._flush(conn)
+                if ev & (_READ | _ERRS) and not conn.closed:
+                    self._read(conn)
+            except Exception:  # never let one connection take the server down
+                self._conn_failed(conn)
+        if self._timers:
+            self._expire_timers()
+        while self._ready:
+            ready, self._ready = self._ready, []
+            for conn in ready:
+                try:
+                    if not conn.closed and conn.waiter is None:
+                        self._process(conn)
+                    else:
+                        self._uncork(conn)
+                except Exception:
+                    self._conn_failed(conn)
+        if self._inbytes + self._outbytes > self._buffer_cap:
+            self._shed()
+
+    def _conn_failed(self, conn: Optional[Conn]) -> None:
+        log.exception("store server: error serving %s; closing that connection",
+                      conn.peer if conn is not None else "the listener")
+        if conn is not None:
+            self._close_conn(conn)
 
     def _shutdown(self) -> None:
         for conn in list(self._conns.values()):
@@ -274,51 +276,124 @@ class StoreServer(StoreOps):
         except (BlockingIOError, InterruptedError):
             pass
 
-    def _push_timer(self, deadline: float, obj: object) -> None:
+    # ------------------------------------------------------------------ timers
+    def _push_timer(self, deadline: float, obj: object, kind: int = _T_WAITER) -> None:
         timers = self._timers
         if len(timers) >= self._compact_at:  # drop finished entries (amortised O(1))
-            timers[:] = [t for t in timers if not self._stale(t[2])]
+            timers[:] = [t for t in timers if not self._stale(t[2], t[3])]
             heapq.heapify(timers)
             self._compact_at = max(4096, 2 * len(timers))
-        heapq.heappush(timers, (deadline, next(self._seq), obj))
+        heapq.heappush(timers, (deadline, next(self._seq), kind, obj))
 
     @staticmethod
-    def _stale(obj: object) -> bool:
-        if isinstance(obj, Waiter):
+    def _stale(kind: int, obj) -> bool:
+        if kind == _T_WAITER:
             return obj.done
-        return obj.closed or obj.authed
+        if kind == _T_AUTH:
+            return obj.closed or obj.authed
+        if kind == _T_FRAME:
+            return obj.closed
+        return False
 
     def _next_timeout(self) -> Optional[float]:
         timers = self._timers
-        while timers and self._stale(timers[0][2]):
+        while timers and self._stale(timers[0][2], timers[0][3]):
             heapq.heappop(timers)
         if not timers:
             return None
-        return max(0.0, timers[0][0] - time.monotonic())
+        return max(0.0, timers[0][0] - time.monotonic())  # the poller clamps far deadlines
 
     def _expire_timers(self) -> None:
         timers = self._timers
         now = time.monotonic()
         while timers and timers[0][0] <= now:
-            _, _, obj = heapq.heappop(timers)
-            if self._stale(obj):
+            _, _, kind, obj = heapq.heappop(timers)
+            if self._stale(kind, obj):
                 continue
-            if isinstance(obj, Waiter):
-                self._finish_waiter(obj, timed_out=True)
-            else:
-                log.warning("store server: closing client %s: it did not authenticate within "
-                            "%.0f s", obj.peer, _AUTH_TIMEOUT)
-                self._close_conn(obj)
+            try:
+                if kind == _T_WAITER:
+                    self._finish_waiter(obj, timed_out=True)
+                elif kind == _T_AUTH:
+                    log.warning("store server: closing client %s: it did not authenticate "
+                                "within %.0f s", obj.peer, self.limits.auth_timeout)
+                    self._close_conn(obj)
+                elif kind == _T_FRAME:
+                    self._check_frame(obj, now)
+                else:
+                    self._listen(True)
+            except Exception:
+                self._conn_failed(obj.conn if kind == _T_WAITER else
+                                  obj if isinstance(obj, Conn) else None)
+
+    # ------------------------------------------------------------------ stalled input
+    def _mid_frame(self, conn: Conn) -> bool:
+        """True if ``conn`` holds the start of a request that the loop is waiting to complete."""
+        return (bool(conn.rbuf) and conn.waiter is None and not conn.closing
+                and not conn.closed and conn.wbytes < PAUSE_OUTPUT)
+
+    def _arm_frame_timer(self, conn: Conn) -> None:
+        if not conn.frame_timer and self._mid_frame(conn):
+            conn.frame_timer = True
+            self._push_timer(conn.rx_at + self.limits.frame_timeout, conn, _T_FRAME)
+
+    def _check_frame(self, conn: Conn, now: float) -> None:
+        conn.frame_timer = False
+        if not self._mid_frame(conn):
+            return
+        stalled = now - conn.rx_at
+        if stalled >= self.limits.frame_timeout:
+            log.warning("store server: closing client %s: its request stalled mid-frame for "
+                        "%.1f s (%d bytes buffered; frame_timeout=%g s)", conn.peer, stalled,
+                        len(conn.rbuf), self.limits.frame_timeout)
+            self._close_conn(conn)
+        else:
+            self._arm_frame_timer(conn)
+
+    def _shed(self) -> None:
+        """Over the buffered-bytes cap: close the biggest holders until back under it."""
+        cap = self._buffer_cap
+        hogs = sorted(self._conns.values(), key=lambda c: len(c.rbuf) + c.wowned, reverse=True)
+        for conn in hogs:
+            if self._inbytes + self._outbytes <= cap:
+                break
+            held = len(conn.rbuf) + conn.wowned
+            if not held:
+                break
+            log.warning("store server: closing client %s: it holds %d of the %d bytes buffered "
+                        "for all clients, over the cap max_buffered_bytes=%d", conn.peer, held,
+                        self._inbytes + self._outbytes, cap)
+            self._close_conn(conn)
 
     # ------------------------------------------------------------------ connections
+    def _listen(self, on: bool) -> None:
+        if on != self._listening and not self._stop:
+            if on:
+                self._poller.register(self._lsock.fileno(), _READ)
+            else:
+                self._poller.unregister(self._lsock.fileno())
+            self._listening = on
+
     def _accept(self) -> None:
         for _ in range(1024):
             try:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # e.g. EMFILE: log and keep serving the others
-                log.warning("store server: accept failed: %s", e)
+            except OSError as e:
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue  # that one peer's problem
+                # out of descriptors (EMFILE...): the listener stays readable, so rest it a
+                # moment instead of spinning; the backlog keeps the waiting clients
+                if not self._fd_warned:
+                    self._fd_warned = True
+                    log.warning("store server on port %d: accept failed (%s) with %d clients "
+                                "connected; pausing new connections for %.0f ms at a time "
+                                "(raise the open-files limit, ulimit -n, for more clients)",
+                                self._port, e, len(self._conns), _ACCEPT_BACKOFF * 1000)
+                else:
+                    log.debug("store server: accept failed again: %s", e)
+                self._listen(False)
+                self._push_timer(time.monotonic() + _ACCEPT_BACKOFF, None, _T_ACCEPT)
                 return
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             if len(self._conns) >= self.max_clients:
@@ -326,162 +401,19 @@ class StoreServer(StoreOps):
                             self.max_clients)
                 sock.close()
                 continue
-            sock.setblocking(False)
+            if not NONBLOCKING_FLAGS:
+                sock.setblocking(False)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            nonce = os.urandom(P.NONCE_SIZE)
-            conn = Conn(sock, peer, authed=self._token is None, nonce=nonce)
-            self._conns[conn.fd] = conn
-            if self._token is not None:
-                self._push_timer(time.monotonic() + _AUTH_TIMEOUT, conn)
-            flags = P.FLAG_AUTH if self._token is not None else 0
-            self._send(conn, P.pack_hello(flags, self.max_key_size, self.max_value_size, nonce))
-
-    def _close_conn(self, conn: Conn) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        if conn.waiter is not None:
-            self._cancel_waiter(conn.waiter)
-        if conn.events:
-            try:
-                self._poller.unregister(conn.fd)
-            except (KeyError, ValueError, OSError):
-                pass
-            conn.events = 0
-        self._conns.pop(conn.fd, None)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
-        conn.rbuf = bytearray()
-        conn.wq.clear()
-        conn.wbytes = 0
-
-    def _update_events(self, conn: Conn) -> None:
-        if conn.closed:
-            return
-        ev = _WRITE if conn.wbytes else 0
-        if not conn.closing and conn.wbytes < _PAUSE_OUTPUT and not (
-                conn.waiter is not None and len(conn.rbuf) > _PAUSE_INPUT):
-            ev |= _READ
-        if ev == conn.events:
-            return
-        if conn.events == 0:
-            self._poller.register(conn.fd, ev)
-        elif ev == 0:
-            self._poller.unregister(conn.fd)
-        else:
-            self._poller.modify(conn.fd, ev)
-        conn.events = ev
-
-    def _send(self, conn: Conn, data) -> None:
-        if conn.closed:
-            return
-        if not conn.wq:
-            try:
-                n = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError:
-                self._close_conn(conn)
-                return
-            if n == len(data):
-                if conn.closing:
-                    self._close_conn(conn)
-                elif conn.events != _READ:
-                    self._update_events(conn)
-                return
-            data = memoryview(data)[n:]
-        conn.wq.append(memoryview(data))
-        conn.wbytes += len(data)
-        self._update_events(conn)
-
-    def _flush(self, conn: Conn) -> None:
-        wq = conn.wq
-        while wq:
-            buf = wq[0]
-            try:
-                n = conn.sock.send(buf)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._close_conn(conn)
-                return
-            conn.wbytes -= n
-            if n == len(buf):
-                wq.pop(0)
+            if self._token is None:
+                conn = Conn(sock, peer, authed=True, nonce=b"")
+                self._conns[conn.fd] = conn
+                self._send(conn, self._hello_plain)
             else:
-                wq[0] = buf[n:]
-                break
-        if not wq and conn.closing:
-            self._close_conn(conn)
-            return
-        self._update_events(conn)
-        if not conn.wbytes and conn.rbuf and conn.waiter is None:
-            self._process(conn)
-
-    def _read(self, conn: Conn) -> None:
-        try:
-            chunk = conn.sock.recv(_RECV_CHUNK)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close_conn(conn)
-            return
-        if not chunk:
-            self._close_conn(conn)
-            return
-        if conn.waiter is not None:
-            conn.rbuf += chunk
-            if len(conn.rbuf) > _PAUSE_INPUT:
-                self._update_events(conn)
-            return
-        if not conn.rbuf and conn.authed and not conn.closing and len(chunk) >= 5:
-            # fast path: exactly one whole, well-sized request and nothing buffered
-            op, n = P.REQ_HEADER.unpack_from(chunk, 0)
-            if len(chunk) == 5 + n and 0 <= n <= self._limits.get(op, -1):
-                try:
-                    self._handlers[op](conn, chunk[5:])
-                except (ValueError, IndexError, OverflowError, struct.error) as e:
-                    self._protocol_error(conn, f"malformed {P.OP_NAMES[op]} body: {e}")
-                return
-        conn.rbuf += chunk
-        self._process(conn)
-
-    def _process(self, conn: Conn) -> None:
-        """Handle every complete frame in the input buffer, in order."""
-        buf = conn.rbuf
-        pos = 0
-        end = len(buf)
-        hs = P.HEADER_SIZE
-        try:
-            while (not conn.closed and not conn.closing and conn.waiter is None
-                   and conn.wbytes < _PAUSE_OUTPUT and end - pos >= hs):
-                op, n = P.REQ_HEADER.unpack_from(buf, pos)
-                limit = self._limits.get(op, -1)
-                if limit < 0:
-                    self._protocol_error(conn, f"unknown opcode {op}")
-                    return
-                if not conn.authed and op != Op.AUTH:
-                    self._unauthenticated(conn, op)
-                    return
-                if n > limit:
-                    self._oversized(conn, op, n, limit)
-                    return
-                if end - pos - hs < n:
-                    break
-                body = bytes(buf[pos + hs:pos + hs + n])
-                pos += hs + n
-                try:
-                    self._handlers[op](conn, body)
-                except (ValueError, IndexError, OverflowError, struct.error) as e:
-                    self._protocol_error(conn, f"malformed {P.OP_NAMES[op]} body: {e}")
-                    return
-        finally:
-            if not conn.closed and pos:
-                del buf[:pos]
-        if not conn.closed:
-            self._update_events(conn)
+                nonce = os.urandom(P.NONCE_SIZE)
+                conn = Conn(sock, peer, authed=False, nonce=nonce)
+                self._conns[conn.fd] = conn
+                self._push_timer(time.monotonic() + self.limits.auth_timeout, conn, _T_AUTH)
+                self._send(conn, self._hello_head + nonce)

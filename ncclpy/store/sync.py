@@ -1,6 +1,7 @@
 """Synchronisation helpers built only on the duck-typed store methods (add, set, wait).
 
-Works with :class:`ncclpy.store.TCPStore` and with ``torch.distributed.TCPStore`` alike.
+Works with :class:`ncclpy.store.TCPStore` and with ``torch.distributed.TCPStore`` alike; on
+ncclpy's own store each phase of the barrier is one pipelined round trip.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import datetime
 from typing import Optional
 
 from ..errors import ArgumentError, StoreError, StoreTimeout
+from .client import TCPStore
 
 __all__ = ["barrier"]
 
@@ -52,13 +54,26 @@ def barrier(store, rank: int, world_size: int, *, tag: str = "barrier",
         raise ArgumentError(f"timeout: expected >= 0 seconds or None, got {timeout!r}")
     prefix = f"ncclpy/barrier/{tag}"
     arrived_key = f"{prefix}/arrived"
+    hosting = getattr(store, "server", None) is not None   # this process hosts the store
+    fast = isinstance(store, TCPStore)   # ours pipelines: one round trip per phase
     n = store.add(arrived_key, 1)
     gen = (n - 1) // world_size
     done = f"{prefix}/done/{gen}"
-    if n % world_size == 0:
-        store.set(done, b"1")
+    left_key = f"{prefix}/left/{gen}"
+    gone = f"{prefix}/gone/{gen}"
+    depart = world_size > 1 or hosting
     try:
-        _wait(store, done, timeout)
+        if fast:
+            calls = [store._req_set(done, b"1")] if n % world_size == 0 else []
+            calls.append(store._req_wait([done], timeout))
+            if depart:
+                calls.append(store._req_add(left_key, 1))
+            left = int(store._pipeline(calls)[-1]) if depart else 0
+        else:
+            if n % world_size == 0:
+                store.set(done, b"1")
+            _wait(store, done, timeout)
+            left = store.add(left_key, 1) if depart else 0
     except StoreTimeout as e:
         try:
             here = min(max(store.add(arrived_key, 0) - gen * world_size, 0), world_size)
@@ -67,15 +82,17 @@ def barrier(store, rank: int, world_size: int, *, tag: str = "barrier",
             seen = f"arrivals unknown, world_size {world_size}"
         raise StoreTimeout(f"barrier {tag!r} (generation {gen}) timed out on rank {rank}: "
                            f"{seen}; {e}") from e
-    if world_size == 1 and getattr(store, "server", None) is None:
+    if not depart:
         return
     # departure: every rank has read ``done`` once the ``left`` counter is full
-    left_key = f"{prefix}/left/{gen}"
-    gone = f"{prefix}/gone/{gen}"
-    if store.add(left_key, 1) == world_size:  # last out: clean up, then signal (last op)
-        _delete(store, done, left_key, f"{prefix}/gone/{gen - 1}")
-        store.set(gone, b"1")
-    if getattr(store, "server", None) is not None:  # this process hosts the store
+    if left == world_size:  # last out: clean up, then signal (last op)
+        stale = (done, left_key, f"{prefix}/gone/{gen - 1}")
+        if fast:
+            store._pipeline([store._req_delete(k) for k in stale] + [store._req_set(gone, b"1")])
+        else:
+            _delete(store, *stale)
+            store.set(gone, b"1")
+    if hosting:
         try:
             _wait(store, gone, timeout)
         except StoreTimeout as e:

@@ -1,0 +1,229 @@
+"""One rank's ``ncclpy check`` session: set up torch.distributed (and ncclpy on a GPU), prove the
+comparison fair, walk the matrix, and (rank 0) print the table, the summary and the JSON.
+
+Exit codes (the same on every rank): 0 every counted case passed; 1 a mismatch or an error, or
+the comparison is unfair (torch and ncclpy on different libnccl files or versions), or ncclpy
+could not start on a GPU run; 2 nothing to run or a bad ``NCCLPY_CHECK_INJECT``.  With
+``--json -`` the JSON is the only thing on stdout and the table goes to stderr.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, TextIO
+
+from . import cases as C
+from . import report as R
+from .compare import INJECT_ENV, merge
+from .runner import _short, parse_inject, run_case
+
+__all__ = ["worker", "spawn_entry"]
+
+
+def _out(cfg: Dict[str, Any]) -> TextIO:
+    """Where the table goes: stderr when the JSON takes stdout."""
+    return sys.stderr if cfg.get("json") == "-" else sys.stdout
+
+
+def _emit(cfg: Dict[str, Any], line: str) -> None:
+    f = _out(cfg)
+    f.write(line + "\n")
+    f.flush()
+
+
+def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)   # reduce_scatter_tensor et al.
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+    import torch
+    import torch.distributed as dist
+    n, backend = cfg["world_size"], cfg["backend"]
+    tmo = float(cfg.get("timeout", 300))
+    timeout = datetime.timedelta(seconds=tmo)
+    ctx: Dict[str, Any] = {"torch": torch, "dist": dist, "n": n, "rank": rank, "backend": backend,
+                           "seed": int(cfg.get("seed", 0)), "device": "cpu", "comm": None,
+                           "verbose": cfg.get("verbose", False), "timeout": tmo, "gpu_cc": None}
+    header: Dict[str, Any] = {"world_size": n, "backend": backend, "torch": torch.__version__,
+                              "seed": ctx["seed"], "pinned": cfg.get("pinned", []),
+                              "kept": cfg.get("kept", []), "timeout_s": tmo,
+                              "placement": cfg.get("placement")}
+    ctx["header"] = header
+    if backend != "nccl":
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timeout)
+        ctx["ctrl"] = dist.group.WORLD
+        header["ncclpy_error"] = cfg.get("no_gpu_reason") or "no GPU: the ncclpy column needs one"
+        return ctx
+    ndev = torch.cuda.device_count()
+    dev = int(os.environ.get("NCCLPY_DEVICE") or os.environ.get("LOCAL_RANK") or rank) % ndev
+    torch.cuda.set_device(dev)
+    ctx["device"] = torch.device("cuda", dev)
+    ctx["gpu_cc"] = tuple(torch.cuda.get_device_capability(dev))
+    dist.init_process_group("nccl", rank=rank, world_size=n, timeout=timeout,
+                            device_id=ctx["device"])
+    ctx["ctrl"] = dist.new_group(backend="gloo", timeout=timeout)
+    x = torch.ones(1, device=ctx["device"])
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    header["device"] = torch.cuda.get_device_name(dev)
+    header["compute_capability"] = "%d.%d" % ctx["gpu_cc"]
+    ok = True
+    npath = nver = None
+    try:
+        import ncclpy
+        from .._nccl.lib import get_lib
+        from ..ops import format_version
+        ctx["comm"] = ncclpy.init(timeout=tmo)
+        npath, nver = get_lib().path, format_version(ctx["comm"].nccl_version)
+    except Exception as e:  # noqa: BLE001 - reported in the header; the run then fails
+        ok = False
+        header["ncclpy_error"] = _short(e)
+    flags: List[Any] = [None] * n
+    dist.all_gather_object(flags, ok, group=ctx["ctrl"])
+    if not all(flags) and ctx["comm"] is not None:
+        header.setdefault("ncclpy_error", "ncclpy.init failed on another rank")
+        ctx["comm"] = None
+    from .fairness import libnccl_report
+    header["libnccl"] = libnccl_report(torch.cuda.nccl.version(), npath, nver)
+    env_keys = sorted(k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))
+                      or k == "ENABLE_INTRA_NODE_COMM")
+    header["nccl_env"] = {k: os.environ[k] for k in env_keys}
+    return ctx
+
+
+def _print_header(cfg: Dict[str, Any], ctx: Dict[str, Any], ncases: int,
+                  skipped: List[dict]) -> None:
+    h = ctx["header"]
+    emit = (lambda line: _emit(cfg, line))
+    emit(f"ncclpy check: {h['world_size']} ranks, torch {h['torch']} backend {h['backend']}, "
+         f"seed {h['seed']}, {ncases} cases, {len(skipped)} combinations skipped, "
+         f"timeout {h['timeout_s']:g} s per collective")
+    if h.get("placement"):
+        emit(f"  {h['placement']}")
+    if h["backend"] == "nccl":
+        lib = h["libnccl"]
+        emit(f"  device: {h.get('device')} (compute capability {h.get('compute_capability')})")
+        emit(f"  torch libnccl:  {lib['torch_libnccl'] or '?'} (NCCL {lib['torch_nccl_version']}"
+             f"; {lib['torch_found_by']})")
+        emit(f"  ncclpy libnccl: {lib['ncclpy_libnccl'] or '?'} "
+             f"(NCCL {lib['ncclpy_nccl_version'] or '?'})")
+        emit("  same libnccl on both sides: " + ("yes" if lib["same"] else
+                                                 "NO: " + "; ".join(lib["problems"])))
+        emit(f"  pinned for both sides: {', '.join(h.get('pinned') or []) or 'nothing'}")
+        if h.get("kept"):
+            emit(f"  kept from your environment: {', '.join(h['kept'])}")
+        emit("  NCCL env: " + (" ".join(f"{k}={v}" for k, v in h.get("nccl_env", {}).items())
+                               or "(none)"))
+    if h.get("ncclpy_error"):
+        emit(f"  ncclpy column: needs GPU ({h['ncclpy_error']})")
+    if skipped and h["backend"] == "gloo":
+        emit("  skipped: what gloo refuses (see --list-skips for each reason)")
+    emit("  \"==\" columns: yes only when the bytes are identical on every rank; inputs make "
+         "every result exact, so cases are compared bit for bit (max ULP shows any distance)")
+    emit(R.format_header_row())
+    if h["backend"] == "nccl":
+        for sk in skipped:
+            emit(R.format_skip_row(sk))
+
+
+def _fatal(cfg: Dict[str, Any], ctx: Optional[Dict[str, Any]], rank: int, msg: str,
+           rc: int) -> int:
+    if rank == 0:
+        sys.stderr.write(f"ncclpy check: {msg}\n")
+        if cfg.get("result_file"):
+            R.write_json(cfg["result_file"], {"exit_code": rc, "error": msg})
+        if cfg.get("json") and cfg["json"] != "-":
+            R.write_json(cfg["json"], {"exit_code": rc, "error": msg,
+                                       "header": (ctx or {}).get("header")})
+    if ctx is not None:
+        _close(ctx)
+    return rc
+
+
+def _close(ctx: Dict[str, Any]) -> None:
+    if ctx.get("comm") is not None:
+        try:
+            ctx["comm"].close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+    try:
+        ctx["dist"].destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def worker(rank: int, cfg: Dict[str, Any]) -> int:
+    """Run the whole matrix as ``rank``; returns the exit code (the same on every rank)."""
+    os.environ.update({k: str(v) for k, v in (cfg.get("env") or {}).items()})
+    t0 = time.time()
+    try:
+        inject = parse_inject(os.environ.get(INJECT_ENV))
+    except (ValueError, KeyError) as e:
+        return _fatal(cfg, None, rank, f"bad {INJECT_ENV}: {e}", 2)
+    ctx = _setup_torch(rank, cfg)
+    ctx["inject"] = inject
+    dist, h = ctx["dist"], ctx["header"]
+    if any(side == "ncclpy" for _, _, side, _ in inject) and ctx.get("comm") is None:
+        return _fatal(cfg, ctx, rank, f"{INJECT_ENV} corrupts the ncclpy side, but this run has "
+                                      f"no ncclpy column ({h.get('ncclpy_error')})", 2)
+    cases, skipped = C.build_matrix(
+        ctx["n"], backend=ctx["backend"], collectives=cfg.get("collectives"),
+        dtypes=cfg.get("dtypes"), ops=cfg.get("ops"), sizes=cfg.get("sizes"),
+        roots=cfg.get("roots"), in_place=cfg.get("in_place"),
+        premul_scalar=cfg.get("premul_scalar", C.PREMUL_SCALAR), gpu_cc=ctx.get("gpu_cc"))
+    if not cases:
+        return _fatal(cfg, ctx, rank, f"no case to run: the filters leave nothing the "
+                                      f"{ctx['backend']} backend can run on {ctx['n']} ranks "
+                                      f"({len(skipped)} combinations skipped; see --list-skips)",
+                      2)
+    if rank == 0:
+        _print_header(cfg, ctx, len(cases), skipped)
+    records: List[Dict[str, Any]] = []
+    for case in cases:
+        part = run_case(ctx, case)
+        parts: Optional[List[Any]] = [None] * ctx["n"] if rank == 0 else None
+        dist.gather_object(part, parts, dst=0, group=ctx["ctrl"])
+        if rank == 0:
+            rec = merge(case, parts, ctx)
+            records.append(rec)
+            if not cfg.get("quiet") or rec["status"] != "pass":
+                _emit(cfg, R.format_row(rec))
+    rc = 0
+    if rank == 0:
+        counts = R.summarize(records, len(skipped))
+        problems = _run_problems(h)
+        rc = 1 if counts["failed"] or problems else 0
+        _emit(cfg, R.summary_line(counts, time.time() - t0, ctx["backend"], ctx["n"]))
+        for p in problems:
+            _emit(cfg, f"ncclpy check: FAILED: {p}")
+        doc = {"header": h, "summary": counts, "exit_code": rc, "problems": problems,
+               "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped}
+        if cfg.get("json"):
+            R.write_json(cfg["json"], doc)
+        if cfg.get("result_file"):
+            R.write_json(cfg["result_file"], {"exit_code": rc, "summary": counts})
+    box = [rc]
+    dist.broadcast_object_list(box, src=0, group=ctx["ctrl"])
+    _close(ctx)
+    return int(box[0])
+
+
+def _run_problems(h: Dict[str, Any]) -> List[str]:
+    """What makes a GPU run fail whatever the cases say."""
+    if h["backend"] != "nccl":
+        return []
+    out = []
+    if h.get("ncclpy_error"):
+        out.append(f"ncclpy did not run: {h['ncclpy_error']}")
+    lib = h.get("libnccl") or {}
+    if not lib.get("same", False):
+        out.append("torch and ncclpy do not use the same libnccl: "
+                   + "; ".join(lib.get("problems") or ["unknown"]))
+    return out
+
+
+def spawn_entry(rank: int, cfg: Dict[str, Any]) -> None:
+    """Entry point for :func:`ncclpy.spawn` / multiprocessing children (exit code via file)."""
+    worker(rank, cfg)

@@ -1,0 +1,462 @@
+"""The client's transport: connecting, the greeting and auth, and request/reply round trips.
+
+:class:`Connection` is the base of :class:`~ncclpy.store.client.TCPStore`; it owns the socket,
+its timeouts and the mapping of replies to named errors. On Linux each blocking ``send``/``recv``
+is bounded by ``SO_RCVTIMEO``/``SO_SNDTIMEO`` rather than Python's socket timeout (which polls
+before every call: twice the system calls and GIL hand-offs, which is what a rendezvous of
+hundreds of ranks in one process pays for).
+"""
+from __future__ import annotations
+
+import datetime
+import hmac
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence, Tuple, Union
+
+from ..errors import (ArgumentTypeError, ArgumentError, StoreAuthError, StoreConnectionError,
+                      StoreProtocolError, StoreRequestError, StoreTimeout)
+from . import protocol as P
+from .protocol import Op, Status
+
+__all__ = ["Connection", "GREETING_TIMEOUT", "Key", "Value", "Seconds"]
+
+#: Seconds a client waits for the server's greeting after connecting. An ncclpy server greets at
+#: once; a peer that stays silent (another kind of server on that port, e.g. torch's TCPStore)
+#: fails fast with a clear error instead of holding the caller for the whole connect timeout.
+GREETING_TIMEOUT = 10.0
+
+Key = Union[str, bytes]
+Value = Union[bytes, bytearray, memoryview, str]
+Seconds = Union[float, int, datetime.timedelta, None]
+_SMALL = 1 << 16
+_INF = float("inf")
+_REQ = P.REQ_HEADER.pack
+_REP_FROM = P.REP_HEADER.unpack_from
+_OS_TIMEOUTS = sys.platform.startswith("linux") and hasattr(socket, "SO_RCVTIMEO")
+_TIMEVAL = struct.Struct("@ll").pack
+_TIMED_OUT = (socket.timeout, BlockingIOError)   # how either kind of timeout surfaces
+
+
+def _set_timeout(sock: socket.socket, seconds: Optional[float], send: bool = True) -> None:
+    """Bound each blocking recv (and send, unless ``send`` is false) on ``sock`` by ``seconds``
+    (None: unbounded). Per call only the receive side is re-armed: a request under 64 KiB never
+    waits for send-buffer space (one request is in flight at a time), so the send bound armed at
+    connect time is only a safety net; large sends re-arm it."""
+    if not _OS_TIMEOUTS:
+        sock.settimeout(seconds)
+        return
+    if seconds is None:
+        tv = _TIMEVAL(0, 0)
+    else:  # 0 would mean "no timeout" to the kernel
+        s = min(max(seconds, 0.001), 1e9)
+        tv = _TIMEVAL(int(s), int((s - int(s)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    if send:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _numeric(host: str) -> Optional[int]:
+    """The address family of an IP literal, None for a name (resolved on every attempt)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return family
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def _seconds(value: Seconds, name: str) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{name}: expected seconds (float) or timedelta, "
+                                f"got {type(value).__name__}")
+    if value < 0 or value != value:
+        raise ArgumentError(f"{name}: expected >= 0 seconds, got {value}")
+    return float(value)
+
+
+def _key(key: Key) -> bytes:
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    if isinstance(key, (bytes, bytearray)):
+        return bytes(key)
+    raise ArgumentTypeError(f"key: expected str or bytes, got {type(key).__name__}")
+
+
+def _value(value: Value, name: str = "value") -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    raise ArgumentTypeError(f"{name}: expected bytes or str, got {type(value).__name__}")
+
+
+def _show(keys: Union[bytes, Sequence[bytes]]) -> str:
+    if isinstance(keys, bytes):
+        keys = [keys]
+    shown = [k.decode("utf-8", "replace") for k in keys[:8]]
+    more = f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""
+    return ", ".join(repr(k) for k in shown) + more
+
+
+class Connection:
+    """One persistent connection to a store server; the request machinery of ``TCPStore``."""
+
+    host: str
+    port: int
+    timeout: float
+    connect_timeout: float
+    _token: Optional[bytes]
+
+    def _init_connection(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._addr = f"{host}:{port}"
+        self._family = _numeric(host)
+        self._lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        self._sock_timeout: Optional[float] = -1.0   # what _set_timeout last armed
+        self._rbuf = bytearray()
+        self._closed = False
+        self.max_key_size = 0
+        self.max_value_size = 0
+        self.max_keys_per_request = 0
+
+    @property
+    def address(self) -> Tuple[str, int]:
+        return (self.host, self.port)
+
+    def _open(self, remaining: float) -> socket.socket:
+        """A connected TCP socket (one attempt), armed with a connect timeout."""
+        if self._family is not None:
+            targets = [(self._family, (self.host, self.port))]
+        else:
+            targets = [(ai[0], ai[4]) for ai in socket.getaddrinfo(
+                self.host, self.port, type=socket.SOCK_STREAM)]
+        err: Optional[OSError] = None
+        for family, sockaddr in targets:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                _set_timeout(sock, min(max(remaining, 0.05), 30.0))
+                sock.connect(sockaddr)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+            except OSError as e:
+                sock.close()
+                if isinstance(e, _TIMED_OUT):
+                    e = TimeoutError(f"connect timed out after {remaining:.2f} s")
+                err = e
+        raise err if err is not None else OSError(f"no address for {self.host!r}")
+
+    def _connect(self, budget: float, what: str = "", keys=()) -> None:
+        """Connect and greet, retrying with backoff for up to ``budget`` seconds. ``what`` and
+        ``keys``: the call this reconnect serves, named in the error."""
+        deadline = time.monotonic() + budget
+        delay = 0.01
+        attempts = 0
+        while True:
+            attempts += 1
+            remaining = deadline - time.monotonic()
+            sock = None
+            try:
+                sock = self._open(remaining)
+                self._handshake(sock, deadline)
+                bound = None if self.timeout == _INF else self.timeout
+                _set_timeout(sock, bound)   # arms the send side for good (see _set_timeout)
+                self._sock = sock
+                self._sock_timeout = bound
+                self._rbuf = bytearray()
+                return
+            except (StoreAuthError, StoreProtocolError):
+                if sock is not None:
+                    sock.close()
+                raise
+            except (OSError, StoreConnectionError) as e:
+                if sock is not None:
+                    sock.close()
+                last = e
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                tried = (f"{attempts} attempt{'s' if attempts != 1 else ''}; last error: "
+                         f"{type(last).__name__}: {last}")
+                if what:
+                    raise StoreConnectionError(
+                        f"{what}: could not reconnect to the store at {self._addr} within "
+                        f"{budget:.1f} s ({tried}); key(s) {_show(keys)}") from last
+                raise StoreConnectionError(
+                    f"could not connect to the store at {self._addr} within {budget:.1f} s "
+                    f"({tried})") from last
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2.0, 1.0)
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        remaining = max(deadline - time.monotonic(), 0.05)
+        greet = min(remaining, GREETING_TIMEOUT)
+        _set_timeout(sock, greet)
+        try:
+            hello = self._recv_exact(sock, P.HELLO_SIZE, bytearray())
+        except _TIMED_OUT:
+            msg = (f"the server at {self._addr} accepted the connection but did not send the "
+                   f"ncclpy greeting within {greet:.1f} s: it is not an ncclpy store (torch's "
+                   f"TCPStore, for one, never greets), or it is too busy to accept clients")
+            if greet < GREETING_TIMEOUT:   # out of connect budget: maybe just slow
+                raise StoreConnectionError(msg) from None
+            raise StoreProtocolError(msg) from None
+        except ConnectionResetError as e:
+            raise ConnectionResetError(f"{e} before its greeting") from None
+        magic, version, flags, max_key, max_value, nonce = P.parse_hello(hello)
+        if magic != P.MAGIC:
+            raise StoreProtocolError(f"{self._addr} is not an ncclpy store (greeting "
+                                     f"{bytes(hello[:4])!r}, expected {P.MAGIC!r})")
+        if version != P.VERSION:
+            raise StoreProtocolError(f"the store at {self._addr} speaks protocol version "
+                                     f"{version}; this client speaks {P.VERSION}")
+        self.max_key_size, self.max_value_size = max_key, max_value
+        self.max_keys_per_request = P.hello_max_keys(hello)
+        need_auth = bool(flags & P.FLAG_AUTH)
+        if not need_auth and self._token is None:
+            return
+        _set_timeout(sock, remaining)
+        cnonce = os.urandom(P.NONCE_SIZE)
+        body = b"" if self._token is None else P.client_mac(self._token, nonce) + cnonce
+        sock.sendall(P.request(Op.AUTH, body))
+        buf = bytearray()
+        status, n = P.REP_HEADER.unpack(self._recv_exact(sock, P.HEADER_SIZE, buf))
+        if n > 4096:
+            raise StoreProtocolError(f"the store at {self._addr} sent a {n}-byte auth reply")
+        payload = self._recv_exact(sock, n, buf)
+        if status == Status.ERR_AUTH or (status == Status.OK and self._token is None):
+            msg = bytes(payload).decode("utf-8", "replace")
+            if self._token is None:
+                raise StoreAuthError(f"the store at {self._addr} requires a token and none was "
+                                     f"given (pass token= or set $NCCLPY_STORE_TOKEN): {msg}")
+            if not need_auth:
+                raise StoreAuthError(f"this client has a token but the store at {self._addr} "
+                                     f"was started without one: {msg}")
+            raise StoreAuthError(f"the store at {self._addr} rejected this client's token: {msg}")
+        if status != Status.OK:
+            raise StoreProtocolError(f"unexpected auth reply from {self._addr}: status "
+                                     f"{status} {bytes(payload)[:200]!r}")
+        if not hmac.compare_digest(bytes(payload), P.server_mac(self._token, cnonce)):
+            raise StoreAuthError(f"the store at {self._addr} could not prove it holds the same "
+                                 "token; refusing to use it")
+
+    @staticmethod
+    def _recv_exact(sock: socket.socket, n: int, buf: bytearray,
+                    deadline: Optional[float] = None) -> bytearray:
+        """Read until ``n`` bytes are available; return them and keep any surplus in ``buf``.
+
+        ``deadline`` (monotonic) bounds the whole read, not just each ``recv``: a peer that
+        trickles bytes cannot stretch a call past its timeout.
+        """
+        def rearm() -> None:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("timed out")
+                _set_timeout(sock, left)
+
+        if len(buf) < n and n - len(buf) > _SMALL:  # large value: read straight into place
+            out = bytearray(n)
+            have = len(buf)
+            out[:have] = buf
+            buf.clear()
+            view = memoryview(out)
+            while have < n:
+                rearm()
+                got = sock.recv_into(view[have:])
+                if not got:
+                    raise ConnectionResetError("the store closed the connection")
+                have += got
+            return out
+        while len(buf) < n:
+            rearm()
+            chunk = sock.recv(_SMALL)
+            if not chunk:
+                raise ConnectionResetError("the store closed the connection")
+            buf += chunk
+        out = buf[:n]
+        del buf[:n]
+        return out
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        self._rbuf = bytearray()
+
+    # ------------------------------------------------------------------ requests
+    def _call(self, op: int, head: bytes, tail: bytes, wait: Optional[float],
+              keys: Union[bytes, List[bytes]], what: str) -> bytes:
+        """Send one request (body ``head + tail``), return the OK body.
+
+        ``wait``: how long the server may park it (GET, WAIT); the socket then allows some slack
+        beyond that for the server's TIMEOUT reply to arrive.
+        """
+        if self._closed:
+            raise StoreConnectionError(f"{what}: this client of {self._addr} is closed")
+        start = time.monotonic()
+        if wait is None:
+            sock_timeout = self.timeout
+        else:
+            sock_timeout = wait + min(max(1.0, 0.1 * wait), 30.0)
+        if sock_timeout == _INF:
+            sock_timeout = None
+        size = len(head) + len(tail)
+        with self._lock:
+            if self._sock is None:
+                budget = self.connect_timeout if sock_timeout is None else min(
+                    self.connect_timeout, sock_timeout)
+                self._connect(budget, what, keys)
+            sock = self._sock
+            if sock_timeout != self._sock_timeout:
+                _set_timeout(sock, sock_timeout, send=False)
+                self._sock_timeout = sock_timeout
+            try:
+                if size < _SMALL:
+                    sock.sendall(_REQ(op, size) + head + tail)
+                else:  # large value: no concatenated copy, and a send bound of its own
+                    _set_timeout(sock, sock_timeout)
+                    sock.sendall(_REQ(op, size) + head)
+                    sock.sendall(tail)
+                buf = self._rbuf
+                if not buf:  # fast path: the whole reply in one recv
+                    data = sock.recv(_SMALL)
+                    if len(data) >= 5:
+                        status, n = _REP_FROM(data, 0)
+                        if len(data) == 5 + n:
+                            if status == Status.OK:
+                                return data[5:]
+                    elif not data:
+                        raise ConnectionResetError("the store closed the connection")
+                    buf += data
+                deadline = None if sock_timeout is None else start + sock_timeout
+                self._sock_timeout = -1.0  # the slow path re-arms the socket as it goes
+                status, n = _REP_FROM(self._recv_exact(sock, P.HEADER_SIZE, buf, deadline), 0)
+                limit = max(self.max_value_size, 1 << 16) + 16
+                if n > limit:
+                    raise StoreProtocolError(f"{what}: the store at {self._addr} announced a "
+                                             f"{n}-byte reply (limit {limit})")
+                payload = bytes(self._recv_exact(sock, n, buf, deadline))
+            except _TIMED_OUT as e:
+                self._drop()
+                raise StoreTimeout(f"{what}: no reply from the store at {self._addr} after "
+                                   f"{time.monotonic() - start:.2f} s (timeout "
+                                   f"{sock_timeout:.2f} s) for key(s) {_show(keys)}") from e
+            except StoreProtocolError:
+                self._drop()
+                raise
+            except OSError as e:
+                self._drop()
+                raise StoreConnectionError(
+                    f"{what}: lost the connection to the store at {self._addr} after "
+                    f"{time.monotonic() - start:.2f} s ({type(e).__name__}: {e}); key(s) "
+                    f"{_show(keys)}") from e
+            if status == Status.OK:
+                return payload
+            if status not in (Status.TIMEOUT, Status.ERR_REQUEST):
+                self._drop()  # the server closes the connection after these
+        self._raise(status, payload, what, keys, wait, start)
+
+    def _raise(self, status: int, payload: bytes, what: str, keys, wait: Optional[float],
+               start: float) -> None:
+        """Turn a non-OK reply into the named error."""
+        msg = payload.decode("utf-8", "replace")
+        if status == Status.TIMEOUT:
+            try:
+                missing = P.unpack_keys(payload, 0, 1 << 30) or keys
+            except ValueError:
+                missing = keys
+            raise StoreTimeout(f"{what}: timed out after {time.monotonic() - start:.2f} s "
+                               f"(timeout {wait or 0:.2f} s) waiting for key(s) "
+                               f"{_show(missing)} on the store at {self._addr}")
+        if status == Status.ERR_REQUEST:
+            raise StoreRequestError(f"{what}: the store at {self._addr} refused key(s) "
+                                    f"{_show(keys)}: {msg}")
+        if status == Status.ERR_AUTH:
+            raise StoreAuthError(f"{what}: the store at {self._addr} rejected this client: {msg}")
+        if status == Status.ERR_PROTOCOL:
+            raise StoreProtocolError(f"{what}: the store at {self._addr} reported a protocol "
+                                     f"error: {msg}")
+        raise StoreProtocolError(f"{what}: unknown reply status {status} from {self._addr}")
+
+    def _pipeline(self, calls: Sequence[Tuple[int, bytes, Optional[float], object, str]]
+                  ) -> List[bytes]:
+        """Send several requests ``(op, body, wait, keys, what)`` at once and read their
+        replies in order: one round trip instead of ``len(calls)``. The server runs them one
+        after the other (a parked WAIT holds back the rest), and runs them all even if one
+        fails; the first non-OK reply is raised once every reply has been read."""
+        if self._closed:
+            raise StoreConnectionError(f"{calls[0][4]}: this client of {self._addr} is closed")
+        start = time.monotonic()
+        bounds = []
+        for _, _, wait, _, _ in calls:
+            t = self.timeout if wait is None else wait + min(max(1.0, 0.1 * wait), 30.0)
+            bounds.append(t)
+        frames = b"".join(_REQ(op, len(body)) + body for op, body, _, _, _ in calls)
+        replies = []
+        with self._lock:
+            if self._sock is None:
+                self._connect(min(self.connect_timeout, bounds[0]), calls[0][4], calls[0][3])
+            sock = self._sock
+            buf = self._rbuf
+            deadline = start
+            i = 0
+            try:
+                self._sock_timeout = -1.0
+                _set_timeout(sock, None if bounds[0] == _INF else bounds[0])
+                sock.sendall(frames)
+                for i, bound in enumerate(bounds):
+                    deadline += bound
+                    dl = None if deadline == _INF else deadline
+                    status, n = _REP_FROM(self._recv_exact(sock, P.HEADER_SIZE, buf, dl), 0)
+                    limit = max(self.max_value_size, 1 << 16) + 16
+                    if n > limit:
+                        raise StoreProtocolError(f"{calls[i][4]}: the store at {self._addr} "
+                                                 f"announced a {n}-byte reply (limit {limit})")
+                    replies.append((status, bytes(self._recv_exact(sock, n, buf, dl))))
+                    if status not in (Status.OK, Status.TIMEOUT, Status.ERR_REQUEST):
+                        self._drop()  # the server closes the connection after these
+                        break
+            except _TIMED_OUT as e:
+                self._drop()
+                raise StoreTimeout(f"{calls[i][4]}: no reply from the store at {self._addr} "
+                                   f"after {time.monotonic() - start:.2f} s for key(s) "
+                                   f"{_show(calls[i][3])}") from e
+            except StoreProtocolError:
+                self._drop()
+                raise
+            except OSError as e:
+                self._drop()
+                raise StoreConnectionError(
+                    f"{calls[i][4]}: lost the connection to the store at {self._addr} after "
+                    f"{time.monotonic() - start:.2f} s ({type(e).__name__}: {e}); key(s) "
+                    f"{_show(calls[i][3])}") from e
+        for (status, payload), (_, _, wait, keys, what) in zip(replies, calls):
+            if status != Status.OK:
+                self._raise(status, payload, what, keys, wait, start)
+        return [payload for _, payload in replies]
+
+    def _check_key(self, k: bytes, what: str) -> None:
+        if self.max_key_size and len(k) > self.max_key_size:
+            raise StoreRequestError(f"{what}: key {_show([k])} is {len(k)} bytes; the store at "
+                                    f"{self._addr} allows at most max_key_size="
+                                    f"{self.max_key_size} bytes")
+
+    def _check_value(self, v: bytes, what: str, k: bytes) -> None:
+        if self.max_value_size and len(v) > self.max_value_size:
+            raise StoreRequestError(f"{what}: the value for key {_show([k])} is {len(v)} bytes; "
+                                    f"the store at {self._addr} allows at most max_value_size="
+                                    f"{self.max_value_size} bytes")

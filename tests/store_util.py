@@ -1,0 +1,87 @@
+"""Helpers shared by the store's robustness tests: raw sockets speaking (or abusing) the wire
+protocol, and a health check of a server."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+from ncclpy.store import StoreServer, TCPStore
+from ncclpy.store import protocol as P
+
+__all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+U32 = struct.Struct("!I").pack
+
+
+def env() -> dict:
+    """This environment for a child process: ncclpy importable, no store token."""
+    out = dict(os.environ)
+    out["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in out.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    out.pop("NCCLPY_STORE_TOKEN", None)
+    return out
+
+
+def frame(op: int, body: bytes) -> bytes:
+    """One request frame, its length field telling the truth."""
+    return P.REQ_HEADER.pack(op, len(body)) + body
+
+
+def raw(srv: StoreServer) -> socket.socket:
+    """A raw connection past the greeting."""
+    s = socket.create_connection(srv.address, timeout=5)
+    hello = b""
+    while len(hello) < P.HELLO_SIZE:
+        chunk = s.recv(P.HELLO_SIZE - len(hello))
+        assert chunk, "server closed before greeting"
+        hello += chunk
+    assert hello[:4] == P.MAGIC
+    return s
+
+
+def read_reply(s: socket.socket, timeout: float = 5.0):
+    """(status, body), or None when the server closed the connection, or "silent"."""
+    s.settimeout(timeout)
+    buf = b""
+    try:
+        while len(buf) < 5:
+            chunk = s.recv(4096)
+            if not chunk:
+                return None
+            buf += chunk
+        status, n = P.REP_HEADER.unpack_from(buf, 0)
+        while len(buf) < 5 + n:
+            chunk = s.recv(65536)
+            if not chunk:
+                return None
+            buf += chunk
+        return status, buf[5:5 + n]
+    except socket.timeout:
+        return "silent"
+    except ConnectionResetError:
+        return None
+
+
+def is_closed(s: socket.socket, timeout: float = 5.0) -> bool:
+    """True once the peer closed ``s`` (any unread replies are skipped), False on a timeout."""
+    s.settimeout(timeout)
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def assert_healthy(srv: StoreServer, good: TCPStore) -> None:
+    """The server thread runs, an existing client works and a new one can connect."""
+    assert srv.running
+    good.set("health", b"ok")
+    assert good.get("health") == b"ok"
+    with TCPStore(*srv.address, timeout=5) as fresh:  # and it still accepts new clients
+        assert fresh.get("health") == b"ok"

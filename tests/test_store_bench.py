@@ -1,0 +1,90 @@
+"""``python -m bench.store_bench`` for real at small sizes: it runs, prints its tables and writes
+JSON whose every number is a positive, consistent min / median / max."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import store_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(600)
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("NCCLPY_STORE_TOKEN", None)
+    return subprocess.run([sys.executable, "-m", "bench.store_bench", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _check_stats(rec: dict, suffix: str, repeat: int) -> None:
+    runs = rec[f"runs{suffix}"]
+    assert len(runs) == repeat and all(v > 0 for v in runs), rec
+    assert rec[f"min{suffix}"] == min(runs) and rec[f"max{suffix}"] == max(runs), rec
+    assert rec[f"min{suffix}"] <= rec[f"median{suffix}"] <= rec[f"max{suffix}"], rec
+
+
+def _validate(doc: dict, stores, cells, repeat: int) -> None:
+    assert doc["benchmark"] == "store" and doc["version"] == store_bench.JSON_VERSION
+    assert doc["stores"] == stores
+    assert doc["machine"]["cpus"] >= 1 and doc["config"]["repeat"] == repeat
+    assert any("unacknowledged" in n or "not acknowledged" in n for n in doc["notes"])
+    got = {(r["mode"], r["ranks"], r["store"]) for r in doc["rendezvous"]}
+    assert got == {(m, n, s) for m, n in cells for s in stores}
+    for rec in doc["rendezvous"]:
+        _check_stats(rec, "_s", repeat)
+        assert rec["max_s"] < 120  # seconds: a real rendezvous, not a timeout
+    got = {(r["server"], r["op"], r["store"]) for r in doc["ops_per_second"]}
+    assert got == {(w, op, s) for w in ("same process", "other process")
+                   for op in store_bench.OPS for s in stores}
+    for rec in doc["ops_per_second"]:
+        _check_stats(rec, "_ops_s", repeat)
+
+
+def test_bench_runs_threads_and_processes_and_writes_json(tmp_path):
+    out = tmp_path / "sub" / "store.json"
+    cp = _run("--ranks", "8", "--process-ranks", "8", "--ops", "200", "--repeat", "2",
+              "--warmup", "0", "--no-torch", "--json", str(out))
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    assert "rendezvous" in cp.stdout and "set+get" in cp.stdout and str(out) in cp.stdout
+    assert "min/med/max" in cp.stdout
+    doc = json.loads(out.read_text())
+    _validate(doc, ["ncclpy"], [("threads", 8), ("processes", 8)], 2)
+    assert doc["config"]["ranks"] == [8] and doc["config"]["process_ranks"] == [8]
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_bench_compares_with_torch(tmp_path):
+    out = tmp_path / "store.json"
+    cp = _run("--ranks", "8", "--process-ranks", "", "--ops", "100", "--repeat", "1",
+              "--warmup", "0", "--json", str(out))
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    assert "torch/ncclpy" in cp.stdout and "ncclpy/torch" in cp.stdout
+    doc = json.loads(out.read_text())
+    _validate(doc, ["ncclpy", "torch"], [("threads", 8)], 1)
+    assert doc["machine"]["torch"]
+
+
+def test_json_is_written_by_default_and_can_be_turned_off(tmp_path):
+    args = store_bench.build_parser().parse_args([])
+    assert args.json == store_bench.DEFAULT_JSON
+    assert store_bench.DEFAULT_JSON.endswith(os.path.join("bench", "results", "store_bench.json"))
+    cp = _run("--ranks", "2", "--process-ranks", "", "--ops", "20", "--repeat", "1",
+              "--warmup", "0", "--no-torch", "--no-json", timeout=120)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    assert "wrote" not in cp.stdout
+
+
+def test_bad_arguments_are_refused():
+    for args in (["--ranks", "x"], ["--ranks", "0"], ["--repeat", "0"]):
+        cp = _run(*args, "--no-json", "--no-torch", timeout=60)
+        assert cp.returncode == 2 and "error" in cp.stderr, (args, cp.stderr)
