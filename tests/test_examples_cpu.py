@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from seed_util import seeds_dir  # noqa: E402  (tests/ is on sys.path via conftest)
 from ncclpy import reference as R
 from ncclpy import registry
 from ncclpy.buffers import as_buffer
@@ -125,17 +126,13 @@ def test_every_data_example_has_an_input_builder():
         assert key in INPUTS, f"no example defines inputs for {key}"
 
 
-# The seeds' own README (shared/seeds/README.md beside the checkout, or inside it); its table
-# names E1-E35, some as ranges ("E18–E21").  Without it the ids the issue names stand in.
+# The seeds' own README (tests/seed_util.py finds it); its table names E1-E35, some as
+# ranges ("E18–E21").
 ALL_IDS = [f"E{i}" for i in range(1, 36)]
 
 
 def _seed_readme():
-    for base in (ROOT / "shared", ROOT.parent / "shared", Path("/work/shared")):
-        path = base / "seeds" / "README.md"
-        if path.is_file():
-            return path
-    return None
+    return seeds_dir() / "README.md"
 
 
 def _readme_ids(text: str) -> list:
@@ -151,8 +148,7 @@ def _readme_ids(text: str) -> list:
 
 
 def test_every_id_in_the_seed_readme_is_covered_by_an_example_with_expectations():
-    path = _seed_readme()
-    ids = _readme_ids(path.read_text()) if path else ALL_IDS
+    ids = _readme_ids(_seed_readme().read_text(encoding="utf-8"))
     assert ids == ALL_IDS, f"the seed README lists {ids}"
     sections = {s.eid: name for name, mod in MODULES.items() for s in mod.SECTIONS}
     for eid in ids:

@@ -1,16 +1,12 @@
 """Every seed example E1-E35 (shared/seeds/README.md) as inputs -> reference outputs.
 
-The seed tutorials live outside the repository, in the workspace's ``shared/seeds`` (next to the
-checkout: ``<repo>/../shared/seeds``).  ``NCCLPY_SEEDS`` names another directory.  They are
-required: a missing directory fails these tests with the path it looked at, so a moved or
-renamed seed directory cannot silently turn the tests into no-ops.  Only an explicit
-``NCCLPY_SEEDS=none`` (a checkout used outside this workspace) skips the tests that read them.
+The seed tutorials are read where ``tests/seed_util.py`` finds them: ``$NCCLPY_SEEDS``, the
+workspace's ``../shared/seeds``, else the committed snapshot ``tests/seeds`` (kept identical to
+the workspace copy by a test), so these tests run on every clone and never turn into no-ops.
 """
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,19 +16,7 @@ from ncclpy import registry
 from ncclpy.check import seed_examples as S
 
 DATA = [e for e in S.EXAMPLES if not e.extra.get("benchmark") and e.collective != "barrier"]
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def seeds_dir() -> Path:
-    """The seed tutorials' directory (see the module docstring); fails when it is missing."""
-    env = os.environ.get("NCCLPY_SEEDS")
-    if env is not None and env.strip().lower() in ("none", "off"):
-        pytest.skip(f"NCCLPY_SEEDS={env!r}: the seed tutorials are not available here")
-    d = Path(env) if env else ROOT.parent / "shared" / "seeds"
-    assert (d / "README.md").is_file(), (
-        f"the seed tutorials are not at {d} (expected {d / 'README.md'}); set NCCLPY_SEEDS to "
-        f"their directory, or NCCLPY_SEEDS=none outside the ncclpy workspace")
-    return d
+from seed_util import SNAPSHOT, seeds_dir, workspace_seeds  # noqa: E402
 
 
 def seed_text(prefix: str) -> str:
@@ -205,3 +189,17 @@ def test_e35_matches_seed_004s_printed_tensors():
     e35 = S.get("E35")
     assert [list(x) for x in e35.inputs()] == [init[r] for r in range(6)]
     assert [list(o) for o in e35.reference_outputs()] == [after[r] for r in range(6)]
+
+
+def test_seed_snapshot_matches_the_workspace():
+    """tests/seeds is a byte-for-byte copy of the workspace's shared/seeds, file for file."""
+    ws = workspace_seeds()
+    snap = sorted(p.name for p in SNAPSHOT.iterdir() if p.is_file())
+    assert "README.md" in snap and len([n for n in snap if n.endswith(".txt")]) >= 5, snap
+    if ws is None:
+        pytest.skip("no workspace copy of shared/seeds here to compare the snapshot with "
+                    "(the snapshot itself is used)")
+    assert sorted(p.name for p in ws.iterdir() if p.is_file()) == snap
+    for name in snap:
+        assert (ws / name).read_bytes() == (SNAPSHOT / name).read_bytes(), name
+
