@@ -22,19 +22,6 @@ from ncclpy.store import protocol as P
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def server():
-    srv = StoreServer().start()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def store(server):
-    with TCPStore(*server.address, timeout=10) as s:
-        yield s
-
-
 def _addr(srv: StoreServer) -> str:
     return f"127.0.0.1:{srv.port}"
 

@@ -32,19 +32,6 @@ def _addr(srv: StoreServer) -> str:
     return f"127.0.0.1:{srv.port}"
 
 
-@pytest.fixture
-def server():
-    srv = StoreServer().start()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def store(server):
-    with TCPStore(*server.address, timeout=10) as s:
-        yield s
-
-
 # ---------------------------------------------------------------------------- server side
 _FUZZ_OPS = [Op.AUTH, Op.SET, Op.GET, Op.ADD, Op.CAS, Op.DELETE, Op.WAIT, Op.NUM_KEYS, Op.CHECK,
              Op.PING, 0, 11, 0x7F, 0xFF]

@@ -427,5 +427,5 @@ def run_from_args(ns: argparse.Namespace, parser: Optional[argparse.ArgumentPars
                       master_addr=ns.master_addr, master_port=ns.master_port,
                       ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace)
     except (ArgumentError, LaunchError) as e:
-        print(f"ncclpy run: error: {e}", file=sys.stderr)
+        sys.stderr.write(f"ncclpy run: error: {e}\n")  # CLI usage error, as argparse does
         return 2
