@@ -9,7 +9,9 @@ every cell reports min / median / max of ``--repeat`` runs (after ``--warmup`` u
   connections are inside the timed region. Two modes: ``threads`` (``--ranks``: ranks are
   threads of this process, so they share its GIL with the in-process ncclpy server) and
   ``processes`` (``--process-ranks``: ranks are processes forked before the clock starts and
-  released through a pipe, as in a real job; a rank's exit is inside the clock).
+  released through a pipe, as in a real job; the clock stops when every rank has reported
+  back, so exits fall outside it, though on a small machine their CPU time competes with the
+  ranks still at work).
 * ops/s: one client against a server in this process (rank 0's view) and in another process
   (every other rank's view): ``set+get`` pairs, ``get`` and ``add``. torch's ``set`` is not
   acknowledged (no reply), so a bare set rate compares a one-way send with a round trip; a set

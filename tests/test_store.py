@@ -8,16 +8,18 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 import threading
 import time
 
 import pytest
 
-from ncclpy.errors import (ArgumentError, StoreAuthError, StoreConnectionError,
-                           StoreRequestError, StoreTimeout)
+from ncclpy.errors import (ArgumentError, ArgumentTypeError, StoreAuthError,
+                           StoreConnectionError, StoreRequestError, StoreTimeout)
 from ncclpy.store import StoreServer, TCPStore, barrier
 from ncclpy.store import protocol as P
+from ncclpy.store.protocol import Op, Status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -357,11 +359,32 @@ def test_barrier_is_reusable_with_the_same_tag(server):
 _HOST_CHILD = """
 import sys, time
 from ncclpy.store import TCPStore, barrier
+
+
+class KeysView:  # duck-typed: takes barrier's key-based path, still hosting the server
+    def __init__(self, store):
+        self.store, self.server = store, store.server
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 store = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
 print(store.port, flush=True)
-barrier(store, 0, int(sys.argv[1]), timeout=30)
+barrier(KeysView(store) if sys.argv[2] == "keys" else store, 0, int(sys.argv[1]), timeout=30)
 print("left", flush=True)            # and exit at once, without close()
 """
+
+
+def _start_host(world: int, path: str):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    host = subprocess.Popen([sys.executable, "-c", _HOST_CHILD, str(world), path], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    return host, int(host.stdout.readline())
 
 
 class _SlowReader:
@@ -384,19 +407,13 @@ class _SlowReader:
         self.store.wait(keys, timeout)
 
 
-def test_hosting_rank_may_exit_right_after_barrier():
-    """The rank whose process hosts the server leaves only once every rank read the barrier,
-    so it can exit straight after it without cutting slower ranks off."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+def test_hosting_rank_may_exit_right_after_barrier_key_path():
+    """Key-based barrier (any duck-typed store): the rank whose process hosts the server leaves
+    only once every rank read the barrier, so it can exit straight after it without cutting
+    slower ranks off."""
     world = 4
-    host = subprocess.Popen([sys.executable, "-c", _HOST_CHILD, str(world)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    host, port = _start_host(world, "keys")
     try:
-        port = int(host.stdout.readline())
         clients = [TCPStore("127.0.0.1", port, timeout=30) for _ in range(world - 1)]
         errors = []
 
@@ -423,6 +440,51 @@ def test_hosting_rank_may_exit_right_after_barrier():
             host.wait()
 
 
+def test_hosting_rank_may_exit_right_after_barrier_server_path():
+    """Server-held barrier: ranks send [arrive, count out] as one pipelined burst and read
+    their answers only after the hosting process has exited: every answer is there."""
+    world = 3
+    host, port = _start_host(world, "server")
+    count, out = b"ncclpy/barrier/barrier/count", b"ncclpy/barrier/barrier/out"
+    socks = []
+    try:
+        for _ in range(world - 1):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            hello = b""
+            while len(hello) < P.HELLO_SIZE:
+                hello += s.recv(P.HELLO_SIZE - len(hello))
+            assert P.parse_hello(hello)[2] & P.FLAG_ARRIVE
+            s.sendall(P.request(Op.ARRIVE, P.U32X2.pack(30_000, world) + count)
+                      + P.request(Op.ADD, P.I64.pack(1) + out))
+            socks.append(s)
+        assert host.wait(30) == 0              # the host passed the barrier and exited ...
+        assert host.stdout.readline().strip() == "left"
+        arrivals, outs = [], []
+        for s in socks:                        # ... before anyone read an answer
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            replies = []
+            while data:
+                status, n = P.REP_HEADER.unpack_from(data, 0)
+                replies.append((status, data[5:5 + n]))
+                data = data[5 + n:]
+            assert [st for st, _ in replies] == [Status.OK, Status.OK], replies
+            arrivals.append(int(replies[0][1]))
+            outs.append(int(replies[1][1]))
+        assert set(arrivals) < {1, 2, 3} and len(set(arrivals)) == world - 1
+        assert sorted(outs) == [1, 2]
+    finally:
+        for s in socks:
+            s.close()
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 def test_barrier_timeout_says_how_many_arrived(server, store):
     with pytest.raises(StoreTimeout) as ei:
         barrier(store, 0, 3, tag="lonely", timeout=0.3)
@@ -434,6 +496,163 @@ def test_barrier_argument_checks(store):
         barrier(store, 3, 3)
     with pytest.raises(ArgumentError):
         barrier(store, 0, 0)
+
+
+# ---------------------------------------------------------------------------- arrive
+def _arrive_all(server, key, group, n, timeout=10):
+    """``n`` clients arrive on ``key`` at once; their answers (arrival numbers)."""
+    got, errors = [], []
+    lock = threading.Lock()
+
+    def fn():
+        try:
+            with TCPStore(*server.address, timeout=20) as s:
+                v = s.arrive(key, group, timeout)
+                with lock:
+                    got.append(v)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=fn) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return sorted(got)
+
+
+def test_arrive_answers_each_group_when_complete(server, store):
+    assert store.supports_arrive
+    assert _arrive_all(server, "g", 4, 4) == [1, 2, 3, 4]
+    assert _arrive_all(server, "g", 4, 8) == list(range(5, 13))   # two more generations
+    assert store.get("g") == b"12"
+    assert store.arrive("solo", 1) == 1 and store.arrive("solo", 1) == 2
+
+
+def test_arrive_waits_for_the_rest_of_its_group(server, store):
+    done = []
+    t = threading.Thread(target=lambda: done.append(store.arrive("late", 3, 10)))
+    t.start()
+    time.sleep(0.3)
+    assert not done                        # 1 of 3: parked
+    with TCPStore(*server.address, timeout=10) as other:
+        assert other.add("late", 1) == 2   # any counter write counts (still 2 of 3)
+        time.sleep(0.2)
+        assert not done
+        assert other.arrive("late", 3) == 3
+    t.join(10)
+    assert done == [1]
+    assert not server._gates               # nothing left parked
+
+
+def test_arrive_timeout_names_the_key_and_keeps_the_arrival(store):
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeout) as ei:
+        store.arrive("lonely/count", 2, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 5
+    msg = str(ei.value)
+    assert "arrive (group of 2)" in msg and "lonely/count" in msg and _addr_of(store) in msg
+    assert store.add("lonely/count", 0) == 1   # counted, as documented
+    store.ping()                               # the connection is still in step
+
+
+def _addr_of(store: TCPStore) -> str:
+    return f"{store.host}:{store.port}"
+
+
+@pytest.mark.parametrize("group, err, text", [
+    (0, ArgumentError, "group: expected 1 .. 2**32-1 arrivals, got 0"),
+    (-3, ArgumentError, "got -3"),
+    (1 << 32, ArgumentError, f"got {1 << 32}"),
+    (2.0, ArgumentTypeError, "group: expected int, got float"),
+    (True, ArgumentTypeError, "group: expected int, got bool"),
+])
+def test_arrive_argument_errors(store, group, err, text):
+    with pytest.raises(err, match=re.escape(text)):
+        store.arrive("k", group)
+    assert not store.check(["k"])              # nothing was sent
+
+
+def test_arrive_on_a_non_counter_is_refused(store):
+    store.set("txt", b"hello")
+    with pytest.raises(StoreRequestError, match="not a decimal integer"):
+        store.arrive("txt", 2)
+    assert store.get("txt") == b"hello"
+
+
+def test_parked_arrive_of_a_vanished_client_is_dropped(server, store):
+    c = TCPStore(*server.address, timeout=10)
+    t = threading.Thread(target=lambda: pytest.raises(Exception, c.arrive, "gone", 2, 30))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not server._gates and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server._gates                       # parked
+    c.close()
+    t.join(10)
+    deadline = time.monotonic() + 5
+    while server._gates and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server._gates                   # unlinked when its connection closed
+    assert store.arrive("gone", 2, 5) == 2     # the counted arrival stays; group completes
+
+
+def test_arrive_needs_a_server_that_serves_it(store):
+    store.server_flags &= ~P.FLAG_ARRIVE       # as greeted by an older ncclpy server
+    assert not store.supports_arrive
+    with pytest.raises(StoreRequestError, match="does not serve arrive"):
+        store.arrive("k", 2)
+
+
+def test_barrier_without_arrive_falls_back_to_keys(server):
+    """Against a server that does not serve ARRIVE the barrier is built from keys."""
+    world = 3
+    errors = []
+
+    def fn(rank):
+        try:
+            with TCPStore(*server.address, timeout=20) as s:
+                s.server_flags &= ~P.FLAG_ARRIVE
+                for _ in range(3):
+                    barrier(s, rank, world, tag="old", timeout=20)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with TCPStore(*server.address, timeout=5) as s:
+        assert s.get("ncclpy/barrier/old/arrived") == b"9"
+        assert not s.check(["ncclpy/barrier/old/count"])
+
+
+def test_barrier_on_ncclpy_store_is_held_by_the_server(server):
+    """Two counters per tag, whatever the number of generations; no per-generation keys."""
+    world, rounds = 4, 6
+    errors = []
+
+    def fn(rank):
+        try:
+            with TCPStore(*server.address, timeout=20) as s:
+                for _ in range(rounds):
+                    barrier(s, rank, world, tag="held", timeout=20)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with TCPStore(*server.address, timeout=5) as s:
+        assert s.num_keys() == 2
+        assert s.get("ncclpy/barrier/held/count") == str(world * rounds).encode()
+        assert s.get("ncclpy/barrier/held/out") == str(world * rounds).encode()
 
 
 # ---------------------------------------------------------------------------- auth

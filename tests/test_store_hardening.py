@@ -34,7 +34,7 @@ def _addr(srv: StoreServer) -> str:
 
 # ---------------------------------------------------------------------------- server side
 _FUZZ_OPS = [Op.AUTH, Op.SET, Op.GET, Op.ADD, Op.CAS, Op.DELETE, Op.WAIT, Op.NUM_KEYS, Op.CHECK,
-             Op.PING, 0, 11, 0x7F, 0xFF]
+             Op.PING, Op.ARRIVE, 0, 12, 0x7F, 0xFF]
 _FUZZ_TIMEOUTS = [0, 1, 5, 20, P.MAX_TIMEOUT_MS, P.NO_TIMEOUT, 0x80000000]
 
 
@@ -58,6 +58,8 @@ def _fuzz_body(rng: random.Random, op: int) -> bytes:
     if op in (Op.WAIT, Op.CHECK):
         keys = b"".join(U32(len(k)) + k for k in (_fuzz_key(rng) for _ in range(rng.randint(0, 5))))
         return (tmo if op == Op.WAIT else b"") + keys[:rng.randint(0, len(keys))]
+    if op == Op.ARRIVE:
+        return tmo + U32(rng.choice([0, 1, 2, 3, 0xFFFFFFFF])) + key
     if op == Op.AUTH:
         return b"m" * rng.choice([0, 64, 65])
     return b""

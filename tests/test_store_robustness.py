@@ -61,6 +61,8 @@ MALFORMED = [
     ("cas-truncated", _frame(Op.CAS, U32(1) + b"k" + U32(99)), "protocol"),
     ("wait-truncated-keys", _frame(Op.WAIT, U32(100) + U32(10) + b"ab"), "protocol"),
     ("check-truncated-len", _frame(Op.CHECK, b"\x00\x00"), "protocol"),
+    ("arrive-too-short", _frame(Op.ARRIVE, U32(10)), "protocol"),
+    ("oversized-arrive", P.REQ_HEADER.pack(Op.ARRIVE, 10_000) + b"k" * 100, "protocol"),
     ("auth-on-tokenless-server", _frame(Op.AUTH, b"m" * 64), "auth"),
     ("key-over-limit", _frame(Op.SET, U32(65) + b"k" * 65 + b"v"), "request"),
     ("wait-key-over-limit", _frame(Op.WAIT, U32(0) + U32(100) + b"k" * 100), "request"),
@@ -110,6 +112,25 @@ def test_malformed_frames(server, good, payload, expect):
     while server.num_clients > 1 and time.monotonic() < deadline:  # only `good` remains
         time.sleep(0.01)
     assert server.num_clients == 1
+
+
+def test_arrive_refuses_group_zero_and_non_counters(server, good):
+    """Refused with a reason; the connection stays usable and nothing was counted."""
+    good.set("text", b"abc")
+    s = _raw(server)
+    try:
+        s.sendall(_frame(Op.ARRIVE, U32(1000) + U32(0) + b"g"))
+        rep = _read_reply(s)
+        assert rep[0] == Status.ERR_REQUEST and b"group must be at least 1, got 0" in rep[1], rep
+        s.sendall(_frame(Op.ARRIVE, U32(1000) + U32(2) + b"text"))
+        rep = _read_reply(s)
+        assert rep[0] == Status.ERR_REQUEST and b"not a decimal integer" in rep[1], rep
+        s.sendall(_frame(Op.ARRIVE, U32(1000) + U32(1) + b"g"))  # still in step
+        assert _read_reply(s) == (Status.OK, b"1")
+    finally:
+        s.close()
+    assert good.get("text") == b"abc"
+    _assert_healthy(server, good)
 
 
 def test_oversized_length_is_not_buffered(server, good):

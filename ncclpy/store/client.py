@@ -110,6 +110,33 @@ class TCPStore(Connection):
 
     delete_key = delete
 
+    @property
+    def supports_arrive(self) -> bool:
+        """True if the server serves :meth:`arrive` (every ncclpy server this version or newer)."""
+        return bool(self.server_flags & P.FLAG_ARRIVE)
+
+    def arrive(self, key: Key, group: int, timeout: Seconds = None) -> int:
+        """Count in on the counter ``key`` (+1, atomically) and block until this arrival's group
+        of ``group`` consecutive arrivals is complete, i.e. the counter reaches the next
+        multiple of ``group``; returns this arrival's number. One round trip: a reusable
+        barrier of ``group`` callers on one key, held on the server. ``timeout``: seconds or
+        timedelta (default: the store's); the arrival stays counted when it times out."""
+        return int(self._call(*self._arrive_call(key, group, timeout)))
+
+    def _arrive_call(self, key: Key, group: int, timeout: Seconds) -> tuple:
+        k = _key(key)
+        if isinstance(group, bool) or not isinstance(group, int):
+            raise ArgumentTypeError(f"group: expected int, got {type(group).__name__}")
+        if not 1 <= group <= 0xFFFFFFFF:
+            raise ArgumentError(f"group: expected 1 .. 2**32-1 arrivals, got {group}")
+        self._check_key(k, "arrive")
+        if not self.supports_arrive:
+            raise StoreRequestError(f"arrive: the store at {self._addr} does not serve arrive "
+                                    f"(an older ncclpy server); key {_show([k])}")
+        t = self.timeout if timeout is None else _seconds(timeout, "timeout")
+        return (Op.ARRIVE, P.U32X2.pack(P.timeout_ms(t), group), k, t, k,
+                f"arrive (group of {group})")
+
     def _keys(self, keys: Union[Key, Iterable[Key]], what: str) -> List[bytes]:
         if isinstance(keys, (str, bytes, bytearray)):
             keys = [keys]
@@ -144,6 +171,10 @@ class TCPStore(Connection):
         k = _key(key)
         self._check_key(k, "add")
         return (Op.ADD, P.I64.pack(amount) + k, None, k, "add")
+
+    def _req_arrive(self, key: Key, group: int, timeout: Seconds = None) -> tuple:
+        op, head, tail, t, k, what = self._arrive_call(key, group, timeout)
+        return (op, head + tail, t, k, what)
 
     def _req_delete(self, key: Key) -> tuple:
         k = _key(key)

@@ -24,6 +24,7 @@ _OK_TRUE = P.REP_HEADER.pack(Status.OK, 1) + b"\x01"
 _OK_FALSE = P.REP_HEADER.pack(Status.OK, 1) + b"\x00"
 _REP = P.REP_HEADER.pack
 _U32_FROM = P.U32.unpack_from
+_U32X2_FROM = P.U32X2.unpack_from
 
 
 class Conn:
@@ -54,9 +55,10 @@ class Conn:
 
 
 class Waiter:
-    """A parked GET or WAIT: replies when all its keys exist or its deadline passes."""
+    """A parked GET or WAIT (replies when all its keys exist) or ARRIVE (replies when its
+    counter reaches ``target``, with ``reply``), or its deadline passes."""
 
-    __slots__ = ("conn", "op", "keys", "pending", "done")
+    __slots__ = ("conn", "op", "keys", "pending", "done", "target", "reply")
 
     def __init__(self, conn: Conn, op: int, keys: List[bytes], pending: Set[bytes]) -> None:
         self.conn = conn
@@ -64,6 +66,8 @@ class Waiter:
         self.keys = keys
         self.pending = pending
         self.done = False
+        self.target = 0
+        self.reply = b""
 
 
 class StoreOps:
@@ -77,13 +81,15 @@ class StoreOps:
     def _init_ops(self) -> None:
         self._data: Dict[bytes, bytes] = {}
         self._waiters: Dict[bytes, Set[Waiter]] = {}
+        # parked ARRIVEs: counter key -> the count that releases them -> waiters
+        self._gates: Dict[bytes, Dict[int, Set[Waiter]]] = {}
         self._timers: List[Tuple[float, int, object]] = []
         self._ready: List[Conn] = []      # connections to resume once their waiter finished
         self._handlers = {
             Op.AUTH: self._op_auth, Op.SET: self._op_set, Op.GET: self._op_get,
             Op.ADD: self._op_add, Op.CAS: self._op_cas, Op.DELETE: self._op_delete,
             Op.WAIT: self._op_wait, Op.NUM_KEYS: self._op_num_keys, Op.CHECK: self._op_check,
-            Op.PING: self._op_ping,
+            Op.PING: self._op_ping, Op.ARRIVE: self._op_arrive,
         }
 
     # provided by the loop
@@ -181,6 +187,18 @@ class StoreOps:
                     w.pending.discard(key)
                     if not w.pending:
                         self._finish_waiter(w, timed_out=False)
+        gates = self._gates.get(key)
+        if gates:
+            try:
+                count = int(self._data.get(key, b"0"))
+            except ValueError:  # no longer a counter: they wait on (and time out)
+                return
+            for target in [t for t in gates if t <= count]:
+                for w in gates.pop(target):
+                    if not w.done:
+                        self._finish_waiter(w, timed_out=False)
+            if not gates:
+                del self._gates[key]
 
     def _finish_waiter(self, w: Waiter, timed_out: bool) -> None:
         w.done = True
@@ -195,6 +213,8 @@ class StoreOps:
             self._reply(conn, Status.TIMEOUT, P.pack_keys(sorted(w.pending)))
         elif w.op == Op.GET:
             self._reply(conn, Status.OK, self._data.get(w.keys[0], b""), shared=True)
+        elif w.op == Op.ARRIVE:
+            self._reply(conn, Status.OK, w.reply)
         else:
             self._send(conn, _OK_EMPTY)
         if not conn.closed:
@@ -203,6 +223,17 @@ class StoreOps:
                 self._ready.append(conn)   # handled by the loop, not recursively
 
     def _unlink(self, w: Waiter) -> None:
+        if w.op == Op.ARRIVE:
+            gates = self._gates.get(w.keys[0])
+            if gates is not None:
+                s = gates.get(w.target)
+                if s is not None:
+                    s.discard(w)
+                    if not s:
+                        del gates[w.target]
+                if not gates:
+                    del self._gates[w.keys[0]]
+            return
         for k in w.pending:
             s = self._waiters.get(k)
             if s is not None:
@@ -285,6 +316,16 @@ class StoreOps:
         else:
             self._park(conn, Op.GET, [key], {key}, tmo)
 
+    def _counter(self, conn: Conn, op: str, key: bytes) -> Optional[int]:
+        """The counter ``key`` (missing: 0), or None after an error reply (not an integer)."""
+        old = self._data.get(key)
+        try:
+            return int(old) if old is not None else 0
+        except ValueError:
+            self._error(conn, Status.ERR_REQUEST, f"{op}: the value of key {key[:64]!r} is not "
+                        f"a decimal integer ({old[:32]!r})")
+            return None
+
     def _op_add(self, conn: Conn, body: bytes) -> None:
         if len(body) < 8:
             raise ValueError("missing amount field")
@@ -292,16 +333,49 @@ class StoreOps:
         key = body[8:]
         if not self._key_ok(conn, key):
             return
-        old = self._data.get(key)
-        try:
-            cur = int(old) if old is not None else 0
-        except ValueError:
-            self._error(conn, Status.ERR_REQUEST, f"add: the value of key {key[:64]!r} is not a "
-                        f"decimal integer ({old[:32]!r})")
+        cur = self._counter(conn, "add", key)
+        if cur is None:
             return
         new = str(cur + amount).encode("ascii")
         self._data[key] = new
         self._reply(conn, Status.OK, new)
+        self._wake(key)
+
+    def _op_arrive(self, conn: Conn, body: bytes) -> None:
+        """Count in on ``key``; answer when the arrival's group of ``group`` is complete."""
+        if len(body) < 8:
+            raise ValueError("missing timeout or group field")
+        tmo, group = _U32X2_FROM(body, 0)
+        key = body[8:]
+        if not self._key_ok(conn, key):
+            return
+        if group == 0:
+            self._error(conn, Status.ERR_REQUEST, "arrive: group must be at least 1, got 0")
+            return
+        cur = self._counter(conn, "arrive", key)
+        if cur is None:
+            return
+        n = cur + 1
+        new = str(n).encode("ascii")
+        self._data[key] = new
+        target = -(-n // group) * group   # the next multiple of group at or above n
+        if n >= target:
+            self._reply(conn, Status.OK, new)   # completes its group, then releases it
+        elif tmo == 0:
+            self._reply(conn, Status.TIMEOUT, P.pack_keys([key]))
+        else:
+            w = Waiter(conn, Op.ARRIVE, [key], {key})
+            w.target = target
+            w.reply = new
+            conn.waiter = w
+            gates = self._gates.setdefault(key, {})
+            s = gates.get(target)
+            if s is None:
+                gates[target] = {w}
+            else:
+                s.add(w)
+            if tmo != P.NO_TIMEOUT:
+                self._push_timer(time.monotonic() + tmo / 1000.0, w)
         self._wake(key)
 
     def _op_cas(self, conn: Conn, body: bytes) -> None:

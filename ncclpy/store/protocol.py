@@ -5,10 +5,12 @@ is checked against a limit *before* anything is buffered, and values are opaque 
 
 Connection set-up (server -> client, 48 bytes, sent as soon as the server accepts)::
 
-    HELLO = magic b"NCPS" | version u8 | flags u8 (bit 0: token required) | max_keys u16
+    HELLO = magic b"NCPS" | version u8 | flags u8 | max_keys u16
             | max_key_size u32 | max_value_size u32 | nonce 32 bytes
 
-``max_keys`` is the server's ``max_keys_per_request`` (0: not advertised, e.g. over 65535); the
+``flags``: bit 0 (``FLAG_AUTH``) a token is required; bit 1 (``FLAG_ARRIVE``) the server
+serves ``ARRIVE`` (a client must not send it to a server that does not say so). ``max_keys`` is
+the server's ``max_keys_per_request`` (0: not advertised, e.g. over 65535); the
 nonce is all zeros on a server without a token (nothing to prove).
 
 With a token in play the client then sends an ``AUTH`` request whose body is
@@ -29,9 +31,15 @@ body`` (network byte order). Request bodies (``str32`` = ``u32 length | bytes``)
     NUM_KEYS  (empty)
     CHECK     str32 key ...
     PING      (empty)
+    ARRIVE    timeout_ms u32 | group u32 | key (rest)
 
-``timeout_ms == 0xFFFFFFFF`` waits forever. Reply bodies on ``OK``: GET/CAS -> value, ADD -> the
-new value as decimal ASCII, DELETE/CHECK -> one byte 0/1, NUM_KEYS -> u64, others empty. On
+``ARRIVE`` adds 1 to the counter ``key`` (as ADD does) and answers once the counter reaches the
+next multiple of ``group`` at or above the new value: the arrival's group of ``group``
+consecutive arrivals is complete. It is a whole barrier generation in one round trip.
+
+``timeout_ms == 0xFFFFFFFF`` waits forever. Reply bodies on ``OK``: GET/CAS -> value, ADD and
+ARRIVE -> the new value (ARRIVE: this arrival's number) as decimal ASCII, DELETE/CHECK -> one
+byte 0/1, NUM_KEYS -> u64, others empty. On
 ``TIMEOUT`` the body lists the keys still missing (``str32`` each); on ``ERR_*`` it is a UTF-8
 message. After ``ERR_PROTOCOL`` and ``ERR_AUTH`` the server closes the connection.
 """
@@ -43,23 +51,25 @@ import struct
 from typing import Iterable, List, Optional, Tuple
 
 __all__ = [
-    "MAGIC", "VERSION", "HELLO", "HELLO_SIZE", "NONCE_SIZE", "FLAG_AUTH", "REQ_HEADER",
-    "REP_HEADER", "HEADER_SIZE", "Op", "Status", "OP_NAMES", "STATUS_NAMES", "NO_TIMEOUT",
-    "AUTH_BODY_SIZE", "MAX_TIMEOUT_MS", "client_mac", "server_mac", "pack_str32",
+    "MAGIC", "VERSION", "HELLO", "HELLO_SIZE", "NONCE_SIZE", "FLAG_AUTH", "FLAG_ARRIVE",
+    "REQ_HEADER", "REP_HEADER", "HEADER_SIZE", "Op", "Status", "OP_NAMES", "STATUS_NAMES",
+    "NO_TIMEOUT", "AUTH_BODY_SIZE", "MAX_TIMEOUT_MS", "client_mac", "server_mac", "pack_str32",
     "pack_keys", "unpack_keys", "request", "body_limit", "timeout_ms", "parse_hello",
-    "pack_hello", "hello_max_keys", "U32", "I64", "U64", "KeyCountError",
+    "pack_hello", "hello_max_keys", "U32", "U32X2", "I64", "U64", "KeyCountError",
 ]
 
 MAGIC = b"NCPS"
 VERSION = 1
 NONCE_SIZE = 32
 FLAG_AUTH = 0x01
+FLAG_ARRIVE = 0x02
 HELLO = struct.Struct("!4sBBHII")
 HELLO_SIZE = HELLO.size + NONCE_SIZE          # 48
 REQ_HEADER = struct.Struct("!BI")             # op, body length
 REP_HEADER = struct.Struct("!BI")             # status, body length
 HEADER_SIZE = REQ_HEADER.size                 # 5
 U32 = struct.Struct("!I")
+U32X2 = struct.Struct("!II")
 I64 = struct.Struct("!q")
 U64 = struct.Struct("!Q")
 NO_TIMEOUT = 0xFFFFFFFF
@@ -80,6 +90,7 @@ class Op:
     NUM_KEYS = 8
     CHECK = 9
     PING = 10
+    ARRIVE = 11
 
 
 class Status:
@@ -109,7 +120,7 @@ def body_limit(op: int, max_key: int, max_value: int) -> int:
         return 4 + max_key + max_value
     if op == Op.GET:
         return 4 + max_key
-    if op == Op.ADD:
+    if op in (Op.ADD, Op.ARRIVE):
         return 8 + max_key
     if op == Op.CAS:
         return 8 + max_key + 2 * max_value

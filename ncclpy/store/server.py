@@ -107,7 +107,7 @@ class StoreServer(ConnIO):
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = False
-        flags = P.FLAG_AUTH if self._token is not None else 0
+        flags = P.FLAG_ARRIVE | (P.FLAG_AUTH if self._token is not None else 0)
         self._hello_head = P.pack_hello(flags, lim.max_key_size, lim.max_value_size, b"",
                                         lim.max_keys_per_request)
         self._hello_plain = self._hello_head + bytes(P.NONCE_SIZE)
@@ -266,6 +266,7 @@ class StoreServer(ConnIO):
             except Exception:
                 pass
         self._waiters.clear()
+        self._gates.clear()
         self._timers.clear()
         self._data.clear()
 

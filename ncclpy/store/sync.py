@@ -1,7 +1,8 @@
-"""Synchronisation helpers built only on the duck-typed store methods (add, set, wait).
+"""Synchronisation helpers: a reusable barrier over any store.
 
-Works with :class:`ncclpy.store.TCPStore` and with ``torch.distributed.TCPStore`` alike; on
-ncclpy's own store each phase of the barrier is one pipelined round trip.
+On ncclpy's own store the barrier is held on the server (:meth:`TCPStore.arrive`): one round
+trip per rank. Any other store with the duck-typed methods (add, set, wait; e.g.
+``torch.distributed.TCPStore``) gets the same barrier built from keys.
 """
 from __future__ import annotations
 
@@ -32,17 +33,21 @@ def _delete(store, *keys: str) -> None:
             pass
 
 
+_SAME = ("every rank must call it with the same tag and world_size, on the same kind of store "
+         "(ncclpy's TCPStore, or another store, for all ranks)")
+
+
 def barrier(store, rank: int, world_size: int, *, tag: str = "barrier",
             timeout: Optional[float] = None) -> None:
     """Block until ``world_size`` callers reached the barrier ``tag``.
 
-    Reusable any number of times with the same ``tag``: one shared arrival counter, and the
-    generation of a call is ``(arrival - 1) // world_size``; the last arrival of a generation
-    sets its ``done`` key. Every rank then counts itself out; the rank whose ``store`` hosts the
-    server in-process (an ncclpy ``TCPStore(..., is_server=True)``) also waits until every rank
-    has left, so it may exit right after the barrier without cutting the others off. The last
-    rank out cleans up the generation's keys. All ranks must use the same ``world_size`` for a
-    ``tag``. ``timeout`` (seconds) bounds each wait; default: the store's own timeout.
+    Reusable any number of times with the same ``tag``; a generation is ``world_size``
+    consecutive arrivals. The rank whose ``store`` hosts the server in-process (an ncclpy
+    ``TCPStore(..., is_server=True)``) also waits until every rank has counted itself out, i.e.
+    has its answer, so it may exit right after the barrier without cutting the others off. All
+    ranks of a ``tag`` must use the same ``world_size`` and the same kind of store.
+    ``timeout`` (seconds) bounds each wait; default: the store's own timeout. A barrier that
+    timed out leaves its ``tag`` miscounted: use a new tag.
     """
     for name, v in (("rank", rank), ("world_size", world_size)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -53,9 +58,53 @@ def barrier(store, rank: int, world_size: int, *, tag: str = "barrier",
     if timeout is not None and not timeout >= 0:
         raise ArgumentError(f"timeout: expected >= 0 seconds or None, got {timeout!r}")
     prefix = f"ncclpy/barrier/{tag}"
-    arrived_key = f"{prefix}/arrived"
     hosting = getattr(store, "server", None) is not None   # this process hosts the store
-    fast = isinstance(store, TCPStore)   # ours pipelines: one round trip per phase
+    if isinstance(store, TCPStore) and store.supports_arrive:
+        _barrier_on_server(store, prefix, tag, rank, world_size, hosting, timeout)
+    else:
+        _barrier_from_keys(store, prefix, tag, rank, world_size, hosting, timeout)
+
+
+def _arrivals(store, key: str, world_size: int) -> str:
+    """'k of n ranks arrived' for the newest generation of counter ``key`` (best effort)."""
+    try:
+        c = store.add(key, 0)
+    except StoreError:
+        return f"arrivals unknown, world_size {world_size}"
+    gen = max(c - 1, 0) // world_size
+    return f"{min(max(c - gen * world_size, 0), world_size)} of {world_size} ranks arrived"
+
+
+def _barrier_on_server(store: TCPStore, prefix: str, tag: str, rank: int, world_size: int,
+                       hosting: bool, timeout: Optional[float]) -> None:
+    """Held by the server: counters ``count`` (arrivals) and ``out`` (answers received)."""
+    count, out = f"{prefix}/count", f"{prefix}/out"
+    try:
+        if hosting:
+            store.arrive(count, world_size, timeout)
+        elif world_size > 1:   # arrive, then count out: both in one round trip
+            store._pipeline([store._req_arrive(count, world_size, timeout),
+                             store._req_add(out, 1)])
+        else:
+            store.arrive(count, 1, timeout)
+    except StoreTimeout as e:
+        raise StoreTimeout(f"barrier {tag!r} timed out on rank {rank}: "
+                           f"{_arrivals(store, count, world_size)}; {_SAME}; {e}") from e
+    if hosting and world_size > 1:  # requests run in order: each "out" follows its answer
+        try:
+            store.arrive(out, world_size, timeout)
+        except StoreTimeout as e:
+            raise StoreTimeout(f"barrier {tag!r}: rank {rank} hosts the store and timed out "
+                               f"waiting for every rank to leave; {e}") from e
+
+
+def _barrier_from_keys(store, prefix: str, tag: str, rank: int, world_size: int,
+                       hosting: bool, timeout: Optional[float]) -> None:
+    """Built on add/set/wait only. The generation of a call is ``(arrival - 1) //
+    world_size``; its last arrival sets its ``done`` key; every rank then counts itself out
+    and the last out cleans up the generation's keys and sets ``gone``, which the hosting rank
+    waits for."""
+    arrived_key = f"{prefix}/arrived"
     n = store.add(arrived_key, 1)
     gen = (n - 1) // world_size
     done = f"{prefix}/done/{gen}"
@@ -63,35 +112,18 @@ def barrier(store, rank: int, world_size: int, *, tag: str = "barrier",
     gone = f"{prefix}/gone/{gen}"
     depart = world_size > 1 or hosting
     try:
-        if fast:
-            calls = [store._req_set(done, b"1")] if n % world_size == 0 else []
-            calls.append(store._req_wait([done], timeout))
-            if depart:
-                calls.append(store._req_add(left_key, 1))
-            left = int(store._pipeline(calls)[-1]) if depart else 0
-        else:
-            if n % world_size == 0:
-                store.set(done, b"1")
-            _wait(store, done, timeout)
-            left = store.add(left_key, 1) if depart else 0
+        if n % world_size == 0:
+            store.set(done, b"1")
+        _wait(store, done, timeout)
+        left = store.add(left_key, 1) if depart else 0
     except StoreTimeout as e:
-        try:
-            here = min(max(store.add(arrived_key, 0) - gen * world_size, 0), world_size)
-            seen = f"{here} of {world_size} ranks arrived"
-        except StoreError:
-            seen = f"arrivals unknown, world_size {world_size}"
         raise StoreTimeout(f"barrier {tag!r} (generation {gen}) timed out on rank {rank}: "
-                           f"{seen}; {e}") from e
+                           f"{_arrivals(store, arrived_key, world_size)}; {_SAME}; {e}") from e
     if not depart:
         return
-    # departure: every rank has read ``done`` once the ``left`` counter is full
     if left == world_size:  # last out: clean up, then signal (last op)
-        stale = (done, left_key, f"{prefix}/gone/{gen - 1}")
-        if fast:
-            store._pipeline([store._req_delete(k) for k in stale] + [store._req_set(gone, b"1")])
-        else:
-            _delete(store, *stale)
-            store.set(gone, b"1")
+        _delete(store, done, left_key, f"{prefix}/gone/{gen - 1}")
+        store.set(gone, b"1")
     if hosting:
         try:
             _wait(store, gone, timeout)

@@ -130,6 +130,7 @@ class Connection:
         self.max_key_size = 0
         self.max_value_size = 0
         self.max_keys_per_request = 0
+        self.server_flags = 0   # the greeting's feature bits (protocol.FLAG_*)
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -222,6 +223,7 @@ class Connection:
                                      f"{version}; this client speaks {P.VERSION}")
         self.max_key_size, self.max_value_size = max_key, max_value
         self.max_keys_per_request = P.hello_max_keys(hello)
+        self.server_flags = flags
         need_auth = bool(flags & P.FLAG_AUTH)
         if not need_auth and self._token is None:
             return
