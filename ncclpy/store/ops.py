@@ -25,6 +25,7 @@ _OK_FALSE = P.REP_HEADER.pack(Status.OK, 1) + b"\x00"
 _REP = P.REP_HEADER.pack
 _U32_FROM = P.U32.unpack_from
 _U32X2_FROM = P.U32X2.unpack_from
+_I64_FROM = P.I64.unpack_from
 
 
 class Conn:
@@ -296,7 +297,8 @@ class StoreOps:
         if len(key) <= self.max_key_size and len(value) <= self.max_value_size:
             self._data[key] = value
             self._send(conn, _OK_EMPTY)
-            self._wake(key)
+            if key in self._waiters or key in self._gates:
+                self._wake(key)
         elif self._key_ok(conn, key):
             self._value_ok(conn, value)
 
@@ -329,17 +331,25 @@ class StoreOps:
     def _op_add(self, conn: Conn, body: bytes) -> None:
         if len(body) < 8:
             raise ValueError("missing amount field")
-        (amount,) = P.I64.unpack_from(body, 0)
+        (amount,) = _I64_FROM(body, 0)
         key = body[8:]
-        if not self._key_ok(conn, key):
+        if len(key) > self.max_key_size:
+            self._key_ok(conn, key)
             return
-        cur = self._counter(conn, "add", key)
-        if cur is None:
-            return
-        new = str(cur + amount).encode("ascii")
+        old = self._data.get(key)
+        if old is None:
+            cur = 0
+        elif old.isdigit():   # the common case, without the cost of int()'s error path
+            cur = int(old)
+        else:
+            cur = self._counter(conn, "add", key)
+            if cur is None:
+                return
+        new = b"%d" % (cur + amount)
         self._data[key] = new
-        self._reply(conn, Status.OK, new)
-        self._wake(key)
+        self._send(conn, _REP(Status.OK, len(new)) + new)
+        if key in self._waiters or key in self._gates:
+            self._wake(key)
 
     def _op_arrive(self, conn: Conn, body: bytes) -> None:
         """Count in on ``key``; answer when the arrival's group of ``group`` is complete."""
@@ -356,7 +366,7 @@ class StoreOps:
         if cur is None:
             return
         n = cur + 1
-        new = str(n).encode("ascii")
+        new = b"%d" % n
         self._data[key] = new
         target = -(-n // group) * group   # the next multiple of group at or above n
         if n >= target:
