@@ -24,6 +24,24 @@ from ncclpy.store.protocol import Op, Status
 pytestmark = pytest.mark.timeout(120)
 
 
+def _run_ranks(n: int, fn, join: float = 60.0) -> None:
+    """Run ``fn(rank)`` for ``n`` ranks in threads at once; re-raise what any of them raised."""
+    errors = []
+
+    def guarded(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+    assert not errors, errors[:3]
+
+
 def _addr(srv: StoreServer) -> str:
     return f"127.0.0.1:{srv.port}"
 
@@ -330,28 +348,19 @@ def test_barrier_is_reusable_with_the_same_tag(server):
     world, rounds = 6, 5
     arrived = [0] * rounds
     lock = threading.Lock()
-    errors = []
 
     def rank_fn(rank: int) -> None:
-        try:
-            with TCPStore(*server.address, timeout=20) as s:
-                for r in range(rounds):
-                    with lock:
-                        arrived[r] += 1
-                    if rank == r % world:
-                        time.sleep(0.05)  # a different straggler every round
-                    barrier(s, rank, world, timeout=20)
-                    with lock:
-                        assert arrived[r] == world, (r, arrived[r])
-        except BaseException as e:
-            errors.append(e)
+        with TCPStore(*server.address, timeout=20) as s:
+            for r in range(rounds):
+                with lock:
+                    arrived[r] += 1
+                if rank == r % world:
+                    time.sleep(0.05)  # a different straggler every round
+                barrier(s, rank, world, timeout=20)
+                with lock:
+                    assert arrived[r] == world, (r, arrived[r])
 
-    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _run_ranks(world, rank_fn)
     with TCPStore(*server.address, timeout=5) as s:  # old generations are cleaned up
         assert s.num_keys() <= 3
 
@@ -501,24 +510,16 @@ def test_barrier_argument_checks(store):
 # ---------------------------------------------------------------------------- arrive
 def _arrive_all(server, key, group, n, timeout=10):
     """``n`` clients arrive on ``key`` at once; their answers (arrival numbers)."""
-    got, errors = [], []
+    got = []
     lock = threading.Lock()
 
-    def fn():
-        try:
-            with TCPStore(*server.address, timeout=20) as s:
-                v = s.arrive(key, group, timeout)
-                with lock:
-                    got.append(v)
-        except BaseException as e:
-            errors.append(e)
+    def fn(rank: int) -> None:
+        with TCPStore(*server.address, timeout=20) as s:
+            v = s.arrive(key, group, timeout)
+            with lock:
+                got.append(v)
 
-    threads = [threading.Thread(target=fn) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    _run_ranks(n, fn, join=30)
     return sorted(got)
 
 
@@ -611,23 +612,14 @@ def test_arrive_needs_a_server_that_serves_it(store):
 def test_barrier_without_arrive_falls_back_to_keys(server):
     """Against a server that does not serve ARRIVE the barrier is built from keys."""
     world = 3
-    errors = []
 
-    def fn(rank):
-        try:
-            with TCPStore(*server.address, timeout=20) as s:
-                s.server_flags &= ~P.FLAG_ARRIVE
-                for _ in range(3):
-                    barrier(s, rank, world, tag="old", timeout=20)
-        except BaseException as e:
-            errors.append(e)
+    def fn(rank: int) -> None:
+        with TCPStore(*server.address, timeout=20) as s:
+            s.server_flags &= ~P.FLAG_ARRIVE
+            for _ in range(3):
+                barrier(s, rank, world, tag="old", timeout=20)
 
-    threads = [threading.Thread(target=fn, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _run_ranks(world, fn)
     with TCPStore(*server.address, timeout=5) as s:
         assert s.get("ncclpy/barrier/old/arrived") == b"9"
         assert not s.check(["ncclpy/barrier/old/count"])
@@ -636,22 +628,13 @@ def test_barrier_without_arrive_falls_back_to_keys(server):
 def test_barrier_on_ncclpy_store_is_held_by_the_server(server):
     """Two counters per tag, whatever the number of generations; no per-generation keys."""
     world, rounds = 4, 6
-    errors = []
 
-    def fn(rank):
-        try:
-            with TCPStore(*server.address, timeout=20) as s:
-                for _ in range(rounds):
-                    barrier(s, rank, world, tag="held", timeout=20)
-        except BaseException as e:
-            errors.append(e)
+    def fn(rank: int) -> None:
+        with TCPStore(*server.address, timeout=20) as s:
+            for _ in range(rounds):
+                barrier(s, rank, world, tag="held", timeout=20)
 
-    threads = [threading.Thread(target=fn, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _run_ranks(world, fn)
     with TCPStore(*server.address, timeout=5) as s:
         assert s.num_keys() == 2
         assert s.get("ncclpy/barrier/held/count") == str(world * rounds).encode()
@@ -753,23 +736,14 @@ def _torch_pair():
 def test_barrier_over_a_real_torch_store():
     dist, master = _torch_pair()
     world = 4
-    errors = []
 
     def rank_fn(rank: int) -> None:
-        try:
-            s = master if rank == 0 else dist.TCPStore(
-                "127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-            for _ in range(3):
-                barrier(s, rank, world, tag="torch", timeout=30)
-        except BaseException as e:
-            errors.append(e)
+        s = master if rank == 0 else dist.TCPStore(
+            "127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        for _ in range(3):
+            barrier(s, rank, world, tag="torch", timeout=30)
 
-    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _run_ranks(world, rank_fn)
 
 
 def test_same_answers_as_torch_store(server, store):

@@ -297,8 +297,7 @@ class StoreOps:
         if len(key) <= self.max_key_size and len(value) <= self.max_value_size:
             self._data[key] = value
             self._send(conn, _OK_EMPTY)
-            if key in self._waiters or key in self._gates:
-                self._wake(key)
+            self._wake(key)
         elif self._key_ok(conn, key):
             self._value_ok(conn, value)
 
@@ -321,8 +320,12 @@ class StoreOps:
     def _counter(self, conn: Conn, op: str, key: bytes) -> Optional[int]:
         """The counter ``key`` (missing: 0), or None after an error reply (not an integer)."""
         old = self._data.get(key)
+        if old is None:
+            return 0
+        if old.isdigit():   # the common case, without int()'s error path
+            return int(old)
         try:
-            return int(old) if old is not None else 0
+            return int(old)
         except ValueError:
             self._error(conn, Status.ERR_REQUEST, f"{op}: the value of key {key[:64]!r} is not "
                         f"a decimal integer ({old[:32]!r})")
@@ -333,23 +336,15 @@ class StoreOps:
             raise ValueError("missing amount field")
         (amount,) = _I64_FROM(body, 0)
         key = body[8:]
-        if len(key) > self.max_key_size:
-            self._key_ok(conn, key)
+        if not self._key_ok(conn, key):
             return
-        old = self._data.get(key)
-        if old is None:
-            cur = 0
-        elif old.isdigit():   # the common case, without the cost of int()'s error path
-            cur = int(old)
-        else:
-            cur = self._counter(conn, "add", key)
-            if cur is None:
-                return
+        cur = self._counter(conn, "add", key)
+        if cur is None:
+            return
         new = b"%d" % (cur + amount)
         self._data[key] = new
-        self._send(conn, _REP(Status.OK, len(new)) + new)
-        if key in self._waiters or key in self._gates:
-            self._wake(key)
+        self._reply(conn, Status.OK, new)
+        self._wake(key)
 
     def _op_arrive(self, conn: Conn, body: bytes) -> None:
         """Count in on ``key``; answer when the arrival's group of ``group`` is complete."""
