@@ -16,9 +16,12 @@ every cell reports min / median / max of ``--repeat`` runs (after ``--warmup`` u
   (every other rank's view): ``set+get`` pairs, ``get`` and ``add``. torch's ``set`` is not
   acknowledged (no reply), so a bare set rate compares a one-way send with a round trip; a set
   followed by a get of the same key makes both sides complete the write before the clock moves.
+  A third column, the floor (:mod:`bench.store_floor`, ``--no-floor`` leaves it out), times a
+  store that does nothing but the system calls and a dict: the least a pure-Python store of this
+  design costs per request here, which tells ncclpy's own overhead apart from Python's.
 
 Usage: ``python -m bench.store_bench [--ranks 8,64,512] [--process-ranks 8,64] [--ops N]
-[--repeat R] [--warmup W] [--json PATH | --no-json] [--no-torch]``. The JSON goes to
+[--repeat R] [--warmup W] [--json PATH | --no-json] [--no-torch] [--no-floor]``. The JSON goes to
 ``bench/results/store_bench.json`` unless told otherwise. ``--process-ranks`` defaults to at most
 64: where DNS is unreachable c10d's per-connection reverse lookups stall each of torch's forked
 ranks for seconds, and hundreds of them retrying at once can swamp a small machine.
@@ -45,6 +48,7 @@ if __package__ in (None, ""):  # run as ``python bench/store_bench.py``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ncclpy.store import TCPStore, barrier  # noqa: E402
+from bench.store_floor import FloorClient, floor_server  # noqa: E402
 
 __all__ = ["main", "build_parser", "rendezvous_time", "ops_per_second", "DEFAULT_JSON", "MODES"]
 
@@ -90,7 +94,8 @@ def _torch_client(port: int):
 
 
 MAKERS: Dict[str, Tuple[Callable, Callable]] = {
-    "ncclpy": (_ncclpy_server, _ncclpy_client), "torch": (_torch_server, _torch_client)}
+    "ncclpy": (_ncclpy_server, _ncclpy_client), "torch": (_torch_server, _torch_client),
+    "floor": (floor_server, lambda port: FloorClient(HOST, port))}
 
 
 def torch_warmup() -> float:
@@ -262,6 +267,9 @@ kind = sys.argv[1]
 if kind == "ncclpy":
     from ncclpy.store import StoreServer
     s = StoreServer("127.0.0.1", 0).start(); port = s.port
+elif kind == "floor":
+    from bench.store_floor import FloorServer
+    s = FloorServer("127.0.0.1", 0); port = s.port
 else:
     import torch.distributed as dist
     s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -363,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"where to write the results as JSON (default {DEFAULT_JSON})")
     ap.add_argument("--no-json", action="store_true", help="do not write the JSON file")
     ap.add_argument("--no-torch", action="store_true", help="leave torch's column out")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="leave out the ops/s column of the floor (bench/store_floor.py: the "
+                         "least a pure-Python store does per request)")
     return ap
 
 
@@ -426,30 +437,36 @@ def main(argv=None) -> int:
               flush=True)
 
     ops: List[Dict[str, object]] = []
+    rate_kinds = kinds + ([] if args.no_floor else ["floor"])
+    pairs = [(a, b) for a, b in (("ncclpy", "torch"), ("floor", "torch"), ("ncclpy", "floor"))
+             if a in rate_kinds and b in rate_kinds]
     print(f"\none client, {args.ops} operations of each kind, 16-byte values (ops/s; set+get: "
           f"pairs/s, torch's set being unacknowledged)")
-    print(f"{'server':>14} {'op':>8} " + " ".join(f"{k + ' min/med/max':>24}" for k in kinds)
-          + ("   ncclpy/torch (medians)" if "torch" in kinds else ""))
-    remote = {k: _RemoteServer(k) for k in kinds}
+    print(f"{'server':>14} {'op':>8} "
+          + " ".join(f"{k + ' min/med/max':>24}" for k in rate_kinds)
+          + ("   " + " ".join(f"{a + '/' + b:>12}" for a, b in pairs) + " (medians)"
+             if pairs else ""))
+    remote = {k: _RemoteServer(k) for k in rate_kinds}
     try:
         for where, fn in (("same process", lambda k: _ops_local(k, args.ops)),
                           ("other process", lambda k: _ops_remote(k, args.ops, remote))):
-            runs2: Dict[str, List[Dict[str, float]]] = {k: [] for k in kinds}
+            runs2: Dict[str, List[Dict[str, float]]] = {k: [] for k in rate_kinds}
             for i in range(args.warmup + args.repeat):
-                for k in kinds:
+                for k in rate_kinds:
                     r = fn(k)
                     if i >= args.warmup:
                         runs2[k].append(r)
             for op in OPS:
-                st = {k: _stats([r[op] for r in runs2[k]]) for k in kinds}
-                for k in kinds:
+                st = {k: _stats([r[op] for r in runs2[k]]) for k in rate_kinds}
+                for k in rate_kinds:
                     ops.append({"server": where, "op": op, "store": k,
                                 **{f"{f}_ops_s": st[k][f] for f in ("runs", "min", "median",
                                                                     "max")}})
-                ratio = ("   " + _ratio(st["ncclpy"]["median"], st["torch"]["median"])
-                         if "torch" in kinds else "")
-                print(f"{where:>14} {op:>8} " + " ".join(f"{_rate(st[k]):>24}" for k in kinds)
-                      + ratio, flush=True)
+                ratio = "   " + " ".join(
+                    f"{_ratio(st[a]['median'], st[b]['median']):>12}" for a, b in pairs)
+                print(f"{where:>14} {op:>8} "
+                      + " ".join(f"{_rate(st[k]):>24}" for k in rate_kinds)
+                      + (ratio if pairs else ""), flush=True)
     finally:
         for r in remote.values():
             r.close()
@@ -465,7 +482,7 @@ def main(argv=None) -> int:
                           "process_ranks": [n for m, n in cells if m == "processes"],
                           "ops": args.ops,
                           "repeat": args.repeat, "warmup": args.warmup},
-               "stores": kinds, "notes": notes, "torch_warmup_s": warm,
+               "stores": kinds, "rate_stores": rate_kinds, "notes": notes, "torch_warmup_s": warm,
                "rendezvous": rendezvous,
                "ops_per_second": ops}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 
-__all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy"]
+__all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy",
+           "run_ranks"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U32 = struct.Struct("!I").pack
@@ -85,3 +87,22 @@ def assert_healthy(srv: StoreServer, good: TCPStore) -> None:
     assert good.get("health") == b"ok"
     with TCPStore(*srv.address, timeout=5) as fresh:  # and it still accepts new clients
         assert fresh.get("health") == b"ok"
+
+
+def run_ranks(n: int, fn, join: float = 60.0) -> None:
+    """Run ``fn(rank)`` for ``n`` ranks in threads at once; fail with what any of them raised."""
+    errors = []
+
+    def guarded(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+    assert not any(t.is_alive() for t in threads), f"ranks still running after {join} s"
+    assert not errors, errors[:3]

@@ -529,36 +529,30 @@ def test_overhead_without_gpu_says_so(tmp_path):
 
 def test_coord_aggregates_across_ranks_like_nccl_tests():
     """-a 0/1/2/3 (rank 0, mean, min, max) and the #wrong sum, over a real store, 3 ranks."""
-    import threading
+    from store_util import run_ranks
     from ncclpy.store import TCPStore
     from bench.sweep import AVERAGE_NAMES, Coord
 
     server = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
-    results, errors = {}, []
+    results = {}
 
     def rank_main(rank):
-        try:
-            st = TCPStore("127.0.0.1", server.port, timeout=30)
-            c = Coord(st, rank, 3, 30)
-            value = [3.0, 1.0, 8.0][rank]
-            got = {AVERAGE_NAMES[a]: c.reduce(value, AVERAGE_NAMES[a]) for a in range(4)}
-            got["sum"] = c.reduce(rank + 1, "sum")
-            got["any"] = c.any("rank 2 failed" if rank == 2 else None)
-            got["none"] = c.any(None)
-            got["gather"] = c.gather(str(rank).encode())
-            c.barrier()
-            results[rank] = got
-            st.close()
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        st = TCPStore("127.0.0.1", server.port, timeout=30)
+        c = Coord(st, rank, 3, 30)
+        value = [3.0, 1.0, 8.0][rank]
+        got = {AVERAGE_NAMES[a]: c.reduce(value, AVERAGE_NAMES[a]) for a in range(4)}
+        got["sum"] = c.reduce(rank + 1, "sum")
+        got["any"] = c.any("rank 2 failed" if rank == 2 else None)
+        got["none"] = c.any(None)
+        got["gather"] = c.gather(str(rank).encode())
+        c.barrier()
+        results[rank] = got
+        st.close()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    server.close()
-    assert not errors, errors
+    try:
+        run_ranks(3, rank_main)
+    finally:
+        server.close()
     for rank, got in results.items():
         assert (got["rank0"], got["avg"], got["min"], got["max"], got["sum"]) == (3.0, 4.0, 1.0,
                                                                                   8.0, 6.0)

@@ -20,26 +20,9 @@ from ncclpy.errors import (ArgumentError, ArgumentTypeError, StoreAuthError,
 from ncclpy.store import StoreServer, TCPStore, barrier
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Op, Status
+from store_util import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _run_ranks(n: int, fn, join: float = 60.0) -> None:
-    """Run ``fn(rank)`` for ``n`` ranks in threads at once; re-raise what any of them raised."""
-    errors = []
-
-    def guarded(rank: int) -> None:
-        try:
-            fn(rank)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join)
-    assert not errors, errors[:3]
 
 
 def _addr(srv: StoreServer) -> str:
@@ -231,7 +214,7 @@ def test_zero_timeout_does_not_wait(store):
     assert time.monotonic() - t0 < 1.0
 
 
-def test_unresponsive_server_times_out_client_side():
+def test_unresponsive_server_times_out_client_side(timeout_kind):
     """A peer that greets but never answers: the socket timeout still bounds the call."""
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
@@ -253,6 +236,157 @@ def test_unresponsive_server_times_out_client_side():
         lsock.close()
         for c in held:
             c.close()
+
+
+@pytest.fixture(params=["SO_RCVTIMEO", "settimeout"])
+def timeout_kind(request, monkeypatch):
+    """Run a test with the client's Linux socket bounds and with Python's socket timeout (the
+    path taken where SO_RCVTIMEO is not used), both for real."""
+    from ncclpy.store import transport
+    if request.param == "settimeout":
+        monkeypatch.setattr(transport, "_OS_TIMEOUTS", False)
+    elif not transport._OS_TIMEOUTS:
+        pytest.skip("SO_RCVTIMEO bounds are used on Linux only")
+    return request.param
+
+
+class _ScriptedServer:
+    """A fake ncclpy server: greets (with ``flags``), then answers request i as ``script[i]``
+    says: ``(delay, payload, gap)`` sends an OK reply of ``payload`` after ``delay`` seconds,
+    one byte every ``gap`` seconds if ``gap``; None never answers."""
+
+    def __init__(self, script, flags: int = 0) -> None:
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.held = []
+        threading.Thread(target=self._serve, args=(list(script), flags), daemon=True).start()
+
+    def _serve(self, script, flags: int) -> None:
+        conn, _ = self.lsock.accept()
+        self.held.append(conn)
+        conn.sendall(P.pack_hello(flags, 4096, 1 << 20, b"\0" * 32))
+        buf = b""
+        for step in script:
+            while len(buf) < P.HEADER_SIZE or len(buf) < P.HEADER_SIZE + P.REQ_HEADER.unpack_from(
+                    buf)[1]:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                buf += chunk
+            buf = buf[P.HEADER_SIZE + P.REQ_HEADER.unpack_from(buf)[1]:]
+            if step is None:
+                return
+            delay, payload, gap = step
+            time.sleep(delay)
+            reply = P.REP_HEADER.pack(Status.OK, len(payload)) + payload
+            try:
+                if not gap:
+                    conn.sendall(reply)
+                for i in range(len(reply) if gap else 0):
+                    conn.sendall(reply[i:i + 1])
+                    time.sleep(gap)
+            except OSError:   # the client gave up
+                return
+
+    def close(self) -> None:
+        self.lsock.close()
+        for c in self.held:
+            c.close()
+
+
+def test_reply_later_than_the_armed_bound_but_within_the_calls_own_is_received(timeout_kind):
+    """A get's bound is its wait plus slack, longer than the store timeout a set arms; the client
+    keeps the shorter bound armed (no system call) and, when its first recv times out on it,
+    waits on for the rest of the call's own bound: within it the call succeeds, past it the call
+    times out, and an unbounded get (timeout=inf) waits as long as it takes."""
+    fake = _ScriptedServer([(0.0, b"val", 0), (1.0, b"val", 0), (1.2, b"val", 0), None])
+    try:
+        with TCPStore("127.0.0.1", fake.port, timeout=0.5) as s:
+            s.set("k", b"val")                       # bound 0.5 s
+            t0 = time.monotonic()
+            assert s.get("k") == b"val"              # bound 1.5 s, answered after 1.0 s
+            assert 0.9 < time.monotonic() - t0 < 1.5
+            t0 = time.monotonic()
+            assert s.get("k", timeout=float("inf")) == b"val"   # unbounded, answered at 1.2 s
+            assert 1.1 < time.monotonic() - t0
+            t0 = time.monotonic()
+            with pytest.raises(StoreTimeout, match="no reply"):
+                s.get("k")                           # never answered: 1.5 s
+            assert 1.4 < time.monotonic() - t0 < 3.0
+    finally:
+        fake.close()
+
+
+def test_calls_and_their_timeouts_under_either_kind_of_socket_bound(server, timeout_kind):
+    with TCPStore(*server.address, timeout=5) as s:
+        s.set("a", b"1")
+        assert s.get("a") == b"1" and s.add("n", 2) == 2
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeout, match="waiting for key"):
+            s.get("missing", timeout=0.3)             # shorter than the armed bound: re-armed
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        assert s.get("a", timeout=float("inf")) == b"1"   # unbounded
+        s.set("big", b"x" * (1 << 17))                  # large send: its own bound
+        assert s.get("big") == b"x" * (1 << 17)         # large reply: read in place
+        barrier(s, 0, 1, tag="either")
+        assert s.add("n", 1) == 3
+
+
+def test_trickled_reply_cannot_outlast_the_calls_bound(timeout_kind):
+    """A peer sending its reply a byte at a time (each recv returns in time) is still cut off at
+    the call's bound: the bound is on the whole reply, not on each recv."""
+    fake = _ScriptedServer([(0.0, b"x" * 50, 0.05)])
+    try:
+        with TCPStore("127.0.0.1", fake.port, timeout=2.0) as s:
+            t0 = time.monotonic()
+            with pytest.raises(StoreTimeout, match="no reply"):
+                s.set("k", b"v")                     # 55 bytes at 0.05 s: 2.75 s
+            assert 1.9 < time.monotonic() - t0 < 2.6
+    finally:
+        fake.close()
+
+
+def test_barrier_round_trip_waits_out_its_own_bound(timeout_kind):
+    """The barrier's pipelined round trip (arrive, count out) keeps the shorter armed bound too
+    and still receives an answer that comes after it, within its own."""
+    fake = _ScriptedServer([(1.0, b"2", 0), (0.0, b"1", 0)], flags=P.FLAG_ARRIVE)
+    try:
+        with TCPStore("127.0.0.1", fake.port, timeout=0.5) as s:
+            assert s.supports_arrive
+            t0 = time.monotonic()
+            barrier(s, 1, 2, tag="late")             # arrive's bound: 0.5 s + 1 s slack
+            assert 0.9 < time.monotonic() - t0 < 1.5
+    finally:
+        fake.close()
+
+
+def test_set_get_alternation_arms_no_socket_timeout_per_call(server, monkeypatch):
+    """Only a longer-than-armed bound costs a setsockopt: connecting arms two (connect's send
+    bound, the greeting's receive bound) and the send bound for good; after that the default
+    get's bound (timeout + slack), add's and the barrier's round trips arm nothing, and a get
+    with a shorter timeout of its own does."""
+    from ncclpy.store import transport
+    calls = []
+    real = transport._set_timeout
+    monkeypatch.setattr(transport, "_set_timeout",
+                        lambda *a, **k: (calls.append(a[1]), real(*a, **k)))
+    store = TCPStore(*server.address, timeout=10)
+    peer = TCPStore(*server.address, timeout=10)
+    assert len(calls) == 6, calls   # 3 per connection
+    calls.clear()
+    for i in range(10):
+        store.set(f"k{i}", b"v")
+        assert store.get(f"k{i}") == b"v"
+        store.add("n", 1)
+        t = threading.Thread(target=barrier, args=(peer, 0, 2), kwargs={"tag": f"b{i}"})
+        t.start()
+        barrier(store, 1, 2, tag=f"b{i}")   # two clients: the pipelined round trip
+        t.join(10)
+    assert calls == []
+    assert store.get("k0", timeout=0.25) == b"v"
+    assert calls and calls[0] < store.timeout
+    store.close()
+    peer.close()
 
 
 # ---------------------------------------------------------------------------- limits and args
@@ -314,31 +448,22 @@ def test_one_client_shared_by_threads(store):
 
 def test_512_concurrent_clients():
     n = 512
-    errors = []
     with StoreServer().start() as srv:
         gate = threading.Barrier(n)
         peak = []
 
         def rank_fn(rank: int) -> None:
-            try:
-                with TCPStore(*srv.address, timeout=60) as s:
-                    gate.wait(60)
-                    peak.append(srv.num_clients)
-                    s.set(f"val/{rank}", str(rank))
-                    nxt = (rank + 1) % n
-                    assert s.get(f"val/{nxt}", timeout=60) == str(nxt).encode()
-                    s.add("count", 1)
-                    barrier(s, rank, n, tag="c512", timeout=60)
-                    assert s.get("count") == str(n).encode()
-            except BaseException as e:
-                errors.append(e)
+            with TCPStore(*srv.address, timeout=60) as s:
+                gate.wait(60)
+                peak.append(srv.num_clients)
+                s.set(f"val/{rank}", str(rank))
+                nxt = (rank + 1) % n
+                assert s.get(f"val/{nxt}", timeout=60) == str(nxt).encode()
+                s.add("count", 1)
+                barrier(s, rank, n, tag="c512", timeout=60)
+                assert s.get("count") == str(n).encode()
 
-        threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not errors, errors[:3]
+        run_ranks(n, rank_fn, join=90)
         assert max(peak) == n  # all 512 connections were open at once
         assert srv.running
 
@@ -360,7 +485,7 @@ def test_barrier_is_reusable_with_the_same_tag(server):
                 with lock:
                     assert arrived[r] == world, (r, arrived[r])
 
-    _run_ranks(world, rank_fn)
+    run_ranks(world, rank_fn)
     with TCPStore(*server.address, timeout=5) as s:  # old generations are cleaned up
         assert s.num_keys() <= 3
 
@@ -519,7 +644,7 @@ def _arrive_all(server, key, group, n, timeout=10):
             with lock:
                 got.append(v)
 
-    _run_ranks(n, fn, join=30)
+    run_ranks(n, fn, join=30)
     return sorted(got)
 
 
@@ -619,7 +744,7 @@ def test_barrier_without_arrive_falls_back_to_keys(server):
             for _ in range(3):
                 barrier(s, rank, world, tag="old", timeout=20)
 
-    _run_ranks(world, fn)
+    run_ranks(world, fn)
     with TCPStore(*server.address, timeout=5) as s:
         assert s.get("ncclpy/barrier/old/arrived") == b"9"
         assert not s.check(["ncclpy/barrier/old/count"])
@@ -634,7 +759,7 @@ def test_barrier_on_ncclpy_store_is_held_by_the_server(server):
             for _ in range(rounds):
                 barrier(s, rank, world, tag="held", timeout=20)
 
-    _run_ranks(world, fn)
+    run_ranks(world, fn)
     with TCPStore(*server.address, timeout=5) as s:
         assert s.num_keys() == 2
         assert s.get("ncclpy/barrier/held/count") == str(world * rounds).encode()
@@ -743,7 +868,7 @@ def test_barrier_over_a_real_torch_store():
         for _ in range(3):
             barrier(s, rank, world, tag="torch", timeout=30)
 
-    _run_ranks(world, rank_fn)
+    run_ranks(world, rank_fn)
 
 
 def test_same_answers_as_torch_store(server, store):

@@ -33,9 +33,11 @@ def _check_stats(rec: dict, suffix: str, repeat: int) -> None:
     assert rec[f"min{suffix}"] <= rec[f"median{suffix}"] <= rec[f"max{suffix}"], rec
 
 
-def _validate(doc: dict, stores, cells, repeat: int) -> None:
+def _validate(doc: dict, stores, cells, repeat: int, floor: bool = True) -> None:
     assert doc["benchmark"] == "store" and doc["version"] == store_bench.JSON_VERSION
     assert doc["stores"] == stores
+    rate_stores = stores + ["floor"] if floor else stores
+    assert doc["rate_stores"] == rate_stores
     assert doc["machine"]["cpus"] >= 1 and doc["config"]["repeat"] == repeat
     assert any("unacknowledged" in n or "not acknowledged" in n for n in doc["notes"])
     got = {(r["mode"], r["ranks"], r["store"]) for r in doc["rendezvous"]}
@@ -45,7 +47,7 @@ def _validate(doc: dict, stores, cells, repeat: int) -> None:
         assert rec["max_s"] < 120  # seconds: a real rendezvous, not a timeout
     got = {(r["server"], r["op"], r["store"]) for r in doc["ops_per_second"]}
     assert got == {(w, op, s) for w in ("same process", "other process")
-                   for op in store_bench.OPS for s in stores}
+                   for op in store_bench.OPS for s in rate_stores}
     for rec in doc["ops_per_second"]:
         _check_stats(rec, "_ops_s", repeat)
 
@@ -56,7 +58,7 @@ def test_bench_runs_threads_and_processes_and_writes_json(tmp_path):
               "--warmup", "0", "--no-torch", "--json", str(out))
     assert cp.returncode == 0, cp.stderr[-3000:]
     assert "rendezvous" in cp.stdout and "set+get" in cp.stdout and str(out) in cp.stdout
-    assert "min/med/max" in cp.stdout
+    assert "min/med/max" in cp.stdout and "ncclpy/floor" in cp.stdout
     doc = json.loads(out.read_text())
     _validate(doc, ["ncclpy"], [("threads", 8), ("processes", 8)], 2)
     assert doc["config"]["ranks"] == [8] and doc["config"]["process_ranks"] == [8]
@@ -69,6 +71,7 @@ def test_bench_compares_with_torch(tmp_path):
               "--warmup", "0", "--json", str(out))
     assert cp.returncode == 0, cp.stderr[-3000:]
     assert "torch/ncclpy" in cp.stdout and "ncclpy/torch" in cp.stdout
+    assert "floor/torch" in cp.stdout and "ncclpy/floor" in cp.stdout
     doc = json.loads(out.read_text())
     _validate(doc, ["ncclpy", "torch"], [("threads", 8)], 1)
     assert doc["machine"]["torch"]
@@ -82,6 +85,15 @@ def test_json_is_written_by_default_and_can_be_turned_off(tmp_path):
               "--warmup", "0", "--no-torch", "--no-json", timeout=120)
     assert cp.returncode == 0, cp.stderr[-3000:]
     assert "wrote" not in cp.stdout
+
+
+def test_floor_column_can_be_left_out(tmp_path):
+    out = tmp_path / "store.json"
+    cp = _run("--ranks", "2", "--process-ranks", "", "--ops", "20", "--repeat", "1",
+              "--warmup", "0", "--no-torch", "--no-floor", "--json", str(out), timeout=120)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    assert "floor" not in cp.stdout.split("one client")[1].splitlines()[1]
+    _validate(json.loads(out.read_text()), ["ncclpy"], [("threads", 2)], 1, floor=False)
 
 
 def test_bad_arguments_are_refused():

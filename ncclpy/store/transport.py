@@ -4,7 +4,9 @@
 its timeouts and the mapping of replies to named errors. On Linux each blocking ``send``/``recv``
 is bounded by ``SO_RCVTIMEO``/``SO_SNDTIMEO`` rather than Python's socket timeout (which polls
 before every call: twice the system calls and GIL hand-offs, which is what a rendezvous of
-hundreds of ranks in one process pays for).
+hundreds of ranks in one process pays for). Arming a bound is a system call too, so a call keeps
+the receive bound already armed when that one is shorter than its own (but at least ``_KEEP``)
+and only a recv that times out on it early re-arms: see :meth:`Connection._arm`.
 """
 from __future__ import annotations
 
@@ -42,11 +44,16 @@ _TIMEVAL = struct.Struct("@ll").pack
 _TIMED_OUT = (socket.timeout, BlockingIOError)   # how either kind of timeout surfaces
 
 
-def _set_timeout(sock: socket.socket, seconds: Optional[float], send: bool = True) -> None:
-    """Bound each blocking recv (and send, unless ``send`` is false) on ``sock`` by ``seconds``
-    (None: unbounded). Per call only the receive side is re-armed: a request under 64 KiB never
-    waits for send-buffer space (one request is in flight at a time), so the send bound armed at
-    connect time is only a safety net; large sends re-arm it."""
+_KEEP = 1.0   # seconds: a shorter receive bound than a call needs is kept if at least this long
+
+
+def _set_timeout(sock: socket.socket, seconds: Optional[float], send: bool = True,
+                 recv: bool = True) -> None:
+    """Bound each blocking recv and/or send on ``sock`` by ``seconds`` (None: unbounded).
+
+    Where only Python's socket timeout exists, it bounds both whatever is asked. A request under
+    64 KiB never waits for send-buffer space (one request is in flight at a time), so the send
+    bound armed at connect time is only a safety net; large sends re-arm it."""
     if not _OS_TIMEOUTS:
         sock.settimeout(seconds)
         return
@@ -55,7 +62,8 @@ def _set_timeout(sock: socket.socket, seconds: Optional[float], send: bool = Tru
     else:  # 0 would mean "no timeout" to the kernel
         s = min(max(seconds, 0.001), 1e9)
         tv = _TIMEVAL(int(s), int((s - int(s)) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    if recv:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     if send:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
@@ -124,13 +132,25 @@ class Connection:
         self._family = _numeric(host)
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
-        self._sock_timeout: Optional[float] = -1.0   # what _set_timeout last armed
+        # the receive bound armed on the socket in use or being set up: None unbounded, -1.0
+        # unknown. Kept so that a call re-arms (a system call) only when it must; see _arm.
+        self._sock_timeout: Optional[float] = -1.0
         self._rbuf = bytearray()
         self._closed = False
         self.max_key_size = 0
         self.max_value_size = 0
         self.max_keys_per_request = 0
         self.server_flags = 0   # the greeting's feature bits (protocol.FLAG_*)
+
+    def _arm(self, sock: socket.socket, seconds: Optional[float], send: bool = False) -> None:
+        """Arm the receive bound (and the send bound if ``send``) and remember the former.
+
+        Why the bookkeeping: a call whose reply comes at once never meets its bound, so the
+        calls keep any armed bound that is shorter than theirs but at least ``_KEEP`` long, and
+        re-arm only when the kept one runs out first (see :meth:`_recv_exact`). A get (bound:
+        timeout + slack) after a set (bound: timeout) then costs no system call."""
+        _set_timeout(sock, seconds, send=send)
+        self._sock_timeout = seconds
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -146,8 +166,12 @@ class Connection:
         err: Optional[OSError] = None
         for family, sockaddr in targets:
             sock = socket.socket(family, socket.SOCK_STREAM)
+            self._sock_timeout = None   # a new socket's receives are unbounded
             try:
-                _set_timeout(sock, min(max(remaining, 0.05), 30.0))
+                if _OS_TIMEOUTS:   # connect() is bounded by the send side
+                    _set_timeout(sock, min(max(remaining, 0.05), 30.0), recv=False)
+                else:
+                    self._arm(sock, min(max(remaining, 0.05), 30.0))
                 sock.connect(sockaddr)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
@@ -172,9 +196,11 @@ class Connection:
                 sock = self._open(remaining)
                 self._handshake(sock, deadline)
                 bound = None if self.timeout == _INF else self.timeout
-                _set_timeout(sock, bound)   # arms the send side for good (see _set_timeout)
+                if _OS_TIMEOUTS:   # the send side for good; the handshake's receive bound
+                    _set_timeout(sock, bound, recv=False)   # stays until a call needs another
+                else:
+                    self._arm(sock, bound)
                 self._sock = sock
-                self._sock_timeout = bound
                 self._rbuf = bytearray()
                 return
             except (StoreAuthError, StoreProtocolError):
@@ -200,11 +226,11 @@ class Connection:
             delay = min(delay * 2.0, 1.0)
 
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
-        remaining = max(deadline - time.monotonic(), 0.05)
+        now = time.monotonic()
+        remaining = max(deadline - now, 0.05)
         greet = min(remaining, GREETING_TIMEOUT)
-        _set_timeout(sock, greet)
         try:
-            hello = self._recv_exact(sock, P.HELLO_SIZE, bytearray())
+            hello = self._recv_exact(sock, P.HELLO_SIZE, bytearray(), now + greet)
         except _TIMED_OUT:
             msg = (f"the server at {self._addr} accepted the connection but did not send the "
                    f"ncclpy greeting within {greet:.1f} s: it is not an ncclpy store (torch's "
@@ -227,15 +253,15 @@ class Connection:
         need_auth = bool(flags & P.FLAG_AUTH)
         if not need_auth and self._token is None:
             return
-        _set_timeout(sock, remaining)
         cnonce = os.urandom(P.NONCE_SIZE)
         body = b"" if self._token is None else P.client_mac(self._token, nonce) + cnonce
         sock.sendall(P.request(Op.AUTH, body))
         buf = bytearray()
-        status, n = P.REP_HEADER.unpack(self._recv_exact(sock, P.HEADER_SIZE, buf))
+        status, n = P.REP_HEADER.unpack(self._recv_exact(sock, P.HEADER_SIZE, buf,
+                                                         now + remaining))
         if n > 4096:
             raise StoreProtocolError(f"the store at {self._addr} sent a {n}-byte auth reply")
-        payload = self._recv_exact(sock, n, buf)
+        payload = self._recv_exact(sock, n, buf, now + remaining)
         if status == Status.ERR_AUTH or (status == Status.OK and self._token is None):
             msg = bytes(payload).decode("utf-8", "replace")
             if self._token is None:
@@ -252,20 +278,32 @@ class Connection:
             raise StoreAuthError(f"the store at {self._addr} could not prove it holds the same "
                                  "token; refusing to use it")
 
-    @staticmethod
-    def _recv_exact(sock: socket.socket, n: int, buf: bytearray,
-                    deadline: Optional[float] = None) -> bytearray:
+    def _recv_exact(self, sock: socket.socket, n: int, buf: bytearray,
+                    deadline: Optional[float]) -> bytearray:
         """Read until ``n`` bytes are available; return them and keep any surplus in ``buf``.
 
-        ``deadline`` (monotonic) bounds the whole read, not just each ``recv``: a peer that
-        trickles bytes cannot stretch a call past its timeout.
+        ``deadline`` (monotonic; None: none) bounds the whole read, not just each ``recv``: a
+        peer that trickles bytes cannot stretch a call past its timeout. The armed receive
+        bound is kept while it is at least ``_KEEP`` and ends before the deadline; a recv that
+        times out on it early is simply retried.
         """
-        def rearm() -> None:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise socket.timeout("timed out")
-                _set_timeout(sock, left)
+        def recv(fn, arg):
+            while True:
+                armed = self._sock_timeout
+                if deadline is None:
+                    if armed is not None:
+                        self._arm(sock, None)
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise socket.timeout("timed out")
+                    if armed is None or armed < min(_KEEP, left) or armed > left:
+                        self._arm(sock, left)
+                try:
+                    return fn(arg)
+                except _TIMED_OUT:
+                    if deadline is None:
+                        raise
 
         if len(buf) < n and n - len(buf) > _SMALL:  # large value: read straight into place
             out = bytearray(n)
@@ -274,15 +312,13 @@ class Connection:
             buf.clear()
             view = memoryview(out)
             while have < n:
-                rearm()
-                got = sock.recv_into(view[have:])
+                got = recv(sock.recv_into, view[have:])
                 if not got:
                     raise ConnectionResetError("the store closed the connection")
                 have += got
             return out
         while len(buf) < n:
-            rearm()
-            chunk = sock.recv(_SMALL)
+            chunk = recv(sock.recv, _SMALL)
             if not chunk:
                 raise ConnectionResetError("the store closed the connection")
             buf += chunk
@@ -323,29 +359,39 @@ class Connection:
                     self.connect_timeout, sock_timeout)
                 self._connect(budget, what, keys)
             sock = self._sock
-            if sock_timeout != self._sock_timeout:
-                _set_timeout(sock, sock_timeout, send=False)
-                self._sock_timeout = sock_timeout
+            armed = self._sock_timeout
+            # a shorter armed bound is kept (see _arm): if the first recv times out on it, the
+            # slow path goes on for the rest of this call's own bound
+            short = armed != sock_timeout and armed is not None and armed >= _KEEP and (
+                sock_timeout is None or armed < sock_timeout)
+            if armed != sock_timeout and not short:
+                self._arm(sock, sock_timeout)
             try:
                 if size < _SMALL:
                     sock.sendall(_REQ(op, size) + head + tail)
                 else:  # large value: no concatenated copy, and a send bound of its own
-                    _set_timeout(sock, sock_timeout)
+                    self._arm(sock, sock_timeout, send=True)
+                    short = False
                     sock.sendall(_REQ(op, size) + head)
                     sock.sendall(tail)
                 buf = self._rbuf
                 if not buf:  # fast path: the whole reply in one recv
-                    data = sock.recv(_SMALL)
-                    if len(data) >= 5:
-                        status, n = _REP_FROM(data, 0)
-                        if len(data) == 5 + n:
-                            if status == Status.OK:
-                                return data[5:]
-                    elif not data:
-                        raise ConnectionResetError("the store closed the connection")
-                    buf += data
+                    try:
+                        data: Optional[bytes] = sock.recv(_SMALL)
+                    except _TIMED_OUT:
+                        if not short:
+                            raise
+                        data = None   # on to the slow path, which re-arms as it goes
+                    if data is not None:
+                        if len(data) >= 5:
+                            status, n = _REP_FROM(data, 0)
+                            if len(data) == 5 + n:
+                                if status == Status.OK:
+                                    return data[5:]
+                        elif not data:
+                            raise ConnectionResetError("the store closed the connection")
+                        buf += data
                 deadline = None if sock_timeout is None else start + sock_timeout
-                self._sock_timeout = -1.0  # the slow path re-arms the socket as it goes
                 status, n = _REP_FROM(self._recv_exact(sock, P.HEADER_SIZE, buf, deadline), 0)
                 limit = max(self.max_value_size, 1 << 16) + 16
                 if n > limit:
@@ -417,9 +463,7 @@ class Connection:
             deadline = start
             i = 0
             try:
-                self._sock_timeout = -1.0
-                _set_timeout(sock, None if bounds[0] == _INF else bounds[0])
-                sock.sendall(frames)
+                sock.sendall(frames)   # bounded by the send side armed at connect
                 for i, bound in enumerate(bounds):
                     deadline += bound
                     dl = None if deadline == _INF else deadline
