@@ -16,9 +16,11 @@ every cell reports min / median / max of ``--repeat`` runs (after ``--warmup`` u
   (every other rank's view): ``set+get`` pairs, ``get`` and ``add``. torch's ``set`` is not
   acknowledged (no reply), so a bare set rate compares a one-way send with a round trip; a set
   followed by a get of the same key makes both sides complete the write before the clock moves.
-  A third column, the floor (:mod:`bench.store_floor`, ``--no-floor`` leaves it out), times a
-  store that does nothing but the system calls and a dict: the least a pure-Python store of this
-  design costs per request here, which tells ncclpy's own overhead apart from Python's.
+
+A third column in both tables, the floor (:mod:`bench.store_floor`, ``--no-floor`` leaves it
+out), times a store that does nothing but the system calls and a dict (its barrier: one
+``arrive`` per rank): the least a pure-Python store of this design costs here, which tells
+ncclpy's own overhead apart from Python's. Ratios are speeds, ``a/b`` > 1 meaning a is faster.
 
 Usage: ``python -m bench.store_bench [--ranks 8,64,512] [--process-ranks 8,64] [--ops N]
 [--repeat R] [--warmup W] [--json PATH | --no-json] [--no-torch] [--no-floor]``. The JSON goes to
@@ -126,7 +128,10 @@ def _rank_work(store, rank: int, nranks: int, tag: str) -> None:
         store.set("uid", UID)
     elif store.get("uid") != UID:
         raise AssertionError(f"rank {rank} got a wrong uid")
-    barrier(store, rank, nranks, tag=tag, timeout=TIMEOUT)
+    if isinstance(store, FloorClient):   # the least a barrier can be: one arrival each
+        store.arrive(f"barrier/{tag}", nranks)
+    else:
+        barrier(store, rank, nranks, tag=tag, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------------------- rendezvous
@@ -372,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-json", action="store_true", help="do not write the JSON file")
     ap.add_argument("--no-torch", action="store_true", help="leave torch's column out")
     ap.add_argument("--no-floor", action="store_true",
-                    help="leave out the ops/s column of the floor (bench/store_floor.py: the "
-                         "least a pure-Python store does per request)")
+                    help="leave out the floor's columns (bench/store_floor.py: the least a "
+                         "pure-Python store does per request)")
     return ap
 
 
@@ -392,7 +397,7 @@ def main(argv=None) -> int:
     if any(n < 1 for _, n in cells) or args.ops < 1 or args.repeat < 1 or args.warmup < 0:
         ap.error("rank counts, --ops and --repeat must be positive, --warmup >= 0")
 
-    kinds = ["ncclpy"]
+    kinds = ["ncclpy"]   # then torch, then the floor, as asked
     notes = ["torch's set is not acknowledged: rates time a set followed by a get of the same "
              "key so that both stores complete the write inside the clock"]
     torch_version = None
@@ -409,6 +414,13 @@ def main(argv=None) -> int:
                 notes.append(f"torch's first connection in this process took {warm:.1f} s (its "
                              f"reverse-DNS lookup of the peer stalled; c10d then stops looking "
                              f"up); paid before timing")
+    if not args.no_floor:
+        kinds.append("floor")
+    # speed ratios a/b (rates a/b, times b/a), medians, for the columns present
+    pairs = [(a, b) for a, b in (("ncclpy", "torch"), ("floor", "torch"), ("ncclpy", "floor"))
+             if a in kinds and b in kinds]
+    ratio_head = ("   speed " + " ".join(f"{a + '/' + b:>12}" for a, b in pairs)
+                  + " (medians)" if pairs else "")
     print(f"store benchmark on {platform.node()} ({os.cpu_count()} CPUs, Python "
           f"{platform.python_version()}, torch {torch_version or 'n/a'}); min / median / max of "
           f"{args.repeat} run(s) after {args.warmup} warm-up")
@@ -416,12 +428,11 @@ def main(argv=None) -> int:
     rendezvous: List[Dict[str, object]] = []
     print("\nrendezvous: connect + 128-byte uid get + barrier; rank 0 hosts the server (ms)")
     print(f"{'mode':>10} {'ranks':>6} " + " ".join(f"{k + ' min/med/max':>26}" for k in kinds)
-          + ("   ncclpy speed-up = torch/ncclpy (medians, mins)" if "torch" in kinds
-             else ""))
+          + ratio_head)
     for mode, n in cells:
         runs: Dict[str, List[float]] = {k: [] for k in kinds}
         for i in range(args.warmup + args.repeat):
-            for k in kinds:  # interleaved: the same noise for both
+            for k in kinds:  # interleaved: the same noise for all
                 t = rendezvous_time(k, n, mode)
                 if i >= args.warmup:
                     runs[k].append(t)
@@ -429,43 +440,36 @@ def main(argv=None) -> int:
         for k in kinds:
             rendezvous.append({"mode": mode, "ranks": n, "store": k,
                                **{f"{f}_s": st[k][f] for f in ("runs", "min", "median", "max")}})
-        ratio = ""
-        if "torch" in kinds:
-            ratio = ("   " + _ratio(st["torch"]["median"], st["ncclpy"]["median"]) + " "
-                     + _ratio(st["torch"]["min"], st["ncclpy"]["min"]))
-        print(f"{mode:>10} {n:>6} " + " ".join(f"{_ms(st[k]):>26}" for k in kinds) + ratio,
-              flush=True)
+        ratio = "         " + " ".join(
+            f"{_ratio(st[b]['median'], st[a]['median']):>12}" for a, b in pairs)
+        print(f"{mode:>10} {n:>6} " + " ".join(f"{_ms(st[k]):>26}" for k in kinds)
+              + (ratio if pairs else ""), flush=True)
 
     ops: List[Dict[str, object]] = []
-    rate_kinds = kinds + ([] if args.no_floor else ["floor"])
-    pairs = [(a, b) for a, b in (("ncclpy", "torch"), ("floor", "torch"), ("ncclpy", "floor"))
-             if a in rate_kinds and b in rate_kinds]
     print(f"\none client, {args.ops} operations of each kind, 16-byte values (ops/s; set+get: "
           f"pairs/s, torch's set being unacknowledged)")
-    print(f"{'server':>14} {'op':>8} "
-          + " ".join(f"{k + ' min/med/max':>24}" for k in rate_kinds)
-          + ("   " + " ".join(f"{a + '/' + b:>12}" for a, b in pairs) + " (medians)"
-             if pairs else ""))
-    remote = {k: _RemoteServer(k) for k in rate_kinds}
+    print(f"{'server':>14} {'op':>8} " + " ".join(f"{k + ' min/med/max':>24}" for k in kinds)
+          + ratio_head)
+    remote = {k: _RemoteServer(k) for k in kinds}
     try:
         for where, fn in (("same process", lambda k: _ops_local(k, args.ops)),
                           ("other process", lambda k: _ops_remote(k, args.ops, remote))):
-            runs2: Dict[str, List[Dict[str, float]]] = {k: [] for k in rate_kinds}
+            runs2: Dict[str, List[Dict[str, float]]] = {k: [] for k in kinds}
             for i in range(args.warmup + args.repeat):
-                for k in rate_kinds:
+                for k in kinds:
                     r = fn(k)
                     if i >= args.warmup:
                         runs2[k].append(r)
             for op in OPS:
-                st = {k: _stats([r[op] for r in runs2[k]]) for k in rate_kinds}
-                for k in rate_kinds:
+                st = {k: _stats([r[op] for r in runs2[k]]) for k in kinds}
+                for k in kinds:
                     ops.append({"server": where, "op": op, "store": k,
                                 **{f"{f}_ops_s": st[k][f] for f in ("runs", "min", "median",
                                                                     "max")}})
-                ratio = "   " + " ".join(
+                ratio = "         " + " ".join(
                     f"{_ratio(st[a]['median'], st[b]['median']):>12}" for a, b in pairs)
                 print(f"{where:>14} {op:>8} "
-                      + " ".join(f"{_rate(st[k]):>24}" for k in rate_kinds)
+                      + " ".join(f"{_rate(st[k]):>24}" for k in kinds)
                       + (ratio if pairs else ""), flush=True)
     finally:
         for r in remote.values():
@@ -482,7 +486,7 @@ def main(argv=None) -> int:
                           "process_ranks": [n for m, n in cells if m == "processes"],
                           "ops": args.ops,
                           "repeat": args.repeat, "warmup": args.warmup},
-               "stores": kinds, "rate_stores": rate_kinds, "notes": notes, "torch_warmup_s": warm,
+               "stores": kinds, "notes": notes, "torch_warmup_s": warm,
                "rendezvous": rendezvous,
                "ops_per_second": ops}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

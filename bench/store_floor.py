@@ -3,10 +3,13 @@
 Why: ncclpy's store is pure Python and ``torch.distributed.TCPStore`` is C++. To tell how much of
 a gap between them is ncclpy's own code and how much is Python making the same system calls,
 the benchmark also times this store, which does nothing but the system calls and a dict: an
-epoll loop on one thread, a blocking client, one round trip per ``set``/``get``/``add``, the whole
-request in one ``send``. It has none of the store's semantics (no waiting ``get``, no limits,
-no auth, no timeouts, no error replies), so it is a lower bound on what any Python store of this
-design costs per request on the machine at hand, not a store to use.
+epoll loop on one thread, a blocking client, one round trip per operation, the whole request in
+one ``send``. Its operations are the least a rendezvous needs: ``set``, ``get`` (waits for a
+missing key), ``add`` and ``arrive`` (a barrier held on the server: answered when the key's count
+reaches a multiple of the group). It has nothing else of a store (no greeting, limits, auth,
+server-side timeouts, error replies, or order among a connection's pipelined requests once one
+waits), so it is a lower bound on what any Python store of this design costs per request on the
+machine at hand, not a store to use.
 
 Wire format: request ``!BII`` (op, key length, value length) + key + value; reply ``!I``
 (length) + payload.
@@ -17,14 +20,24 @@ import select
 import socket
 import struct
 import threading
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 __all__ = ["FloorServer", "FloorClient", "floor_server"]
 
 _REQ = struct.Struct("!BII")
 _REP = struct.Struct("!I")
-_SET, _GET, _ADD = 0, 1, 2
+_SET, _GET, _ADD, _ARRIVE = 0, 1, 2, 3
 _CHUNK = 1 << 16
+
+
+def _answer(socks: List[socket.socket], payload: bytes) -> None:
+    """Send the parked requests of ``socks`` their reply (a vanished client is skipped)."""
+    frame = _REP.pack(len(payload)) + payload
+    for sock in socks:
+        try:
+            sock.sendall(frame)
+        except OSError:
+            pass
 
 
 class FloorServer:
@@ -46,6 +59,7 @@ class FloorServer:
         ep.register(wfd, select.EPOLLIN)
         conns: Dict[int, Tuple[socket.socket, bytearray]] = {}
         data = self._data
+        parked: Dict[bytes, List[socket.socket]] = {}   # gets of a missing key, arrivals
         poll = ep.poll
         try:
             while True:
@@ -76,16 +90,28 @@ class FloorServer:
                         if len(buf) < end:
                             break
                         key = bytes(buf[9:9 + nk])
+                        reply = None
                         if op == _SET:
-                            data[key] = bytes(buf[9 + nk:end])
+                            data[key] = value = bytes(buf[9 + nk:end])
                             reply = b""
+                            if key in parked:
+                                _answer(parked.pop(key), value)
                         elif op == _GET:
-                            reply = data.get(key, b"")
-                        else:
+                            reply = data.get(key)
+                            if reply is None:
+                                parked.setdefault(key, []).append(sock)
+                        elif op == _ADD:
                             reply = b"%d" % (int(data.get(key, b"0")) + int(buf[9 + nk:end]))
                             data[key] = reply
+                        else:
+                            count = int(data.get(key, b"0")) + 1
+                            data[key] = b"%d" % count
+                            parked.setdefault(key, []).append(sock)
+                            if count % int(buf[9 + nk:end]) == 0:
+                                _answer(parked.pop(key), data[key])
                         del buf[:end]
-                        out += _REP.pack(len(reply)) + reply
+                        if reply is not None:
+                            out += _REP.pack(len(reply)) + reply
                     if out:
                         sock.sendall(out)
         finally:
@@ -103,7 +129,7 @@ class FloorServer:
 
 
 class FloorClient:
-    """The floor's client: ``set``, ``get`` and ``add`` of bytes, one round trip each."""
+    """The floor's client: ``set``, ``get``, ``add`` and ``arrive``, one round trip each."""
 
     def __init__(self, host: str, port: int, timeout: float = 60.0) -> None:
         self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -132,6 +158,11 @@ class FloorClient:
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(_ADD, key.encode(), b"%d" % amount))
+
+    def arrive(self, key: str, group: int) -> int:
+        """Count this caller on ``key``; answered once the count reaches a multiple of
+        ``group`` (a barrier of ``group`` callers per generation)."""
+        return int(self._call(_ARRIVE, key.encode(), b"%d" % group))
 
     def close(self) -> None:
         self._sock.close()

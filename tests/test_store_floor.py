@@ -1,10 +1,12 @@
 """The store benchmark's floor (bench/store_floor.py) is a real store, however bare: over real
-sockets it keeps values and counters, frames requests however TCP splits or joins them, serves
-several clients, survives a client vanishing, and stops when closed."""
+sockets it keeps values and counters, parks a get until its key is set and an arrival until its
+group is complete, frames requests however TCP splits or joins them, serves several clients,
+survives a client vanishing, and stops when closed."""
 from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import pytest
 
@@ -39,7 +41,6 @@ def _reply(sock: socket.socket) -> bytes:
 def test_set_get_add(server):
     c = FloorClient(server.host, server.port)
     try:
-        assert c.get("missing") == b""
         c.set("k", b"v" * 100)
         assert c.get("k") == b"v" * 100
         c.set("k", b"w")
@@ -51,6 +52,28 @@ def test_set_get_add(server):
         assert c.get("big") == big
     finally:
         c.close()
+
+
+def test_get_waits_for_the_key_and_arrive_for_the_group(server):
+    got = {}
+
+    def rank(r: int) -> None:
+        c = FloorClient(server.host, server.port, timeout=10)
+        if r == 0:
+            time.sleep(0.3)
+            c.set("uid", b"u" * 128)
+        else:
+            got[r] = c.get("uid")            # parked until rank 0's set
+        for _ in range(3):                   # three generations of one barrier key
+            got[(r, "arrive")] = got.get((r, "arrive"), []) + [c.arrive("bar", 4)]
+        c.close()
+
+    t0 = time.monotonic()
+    run_ranks(4, rank, join=30)
+    assert time.monotonic() - t0 >= 0.25
+    assert [got[r] for r in (1, 2, 3)] == [b"u" * 128] * 3
+    # each generation is answered with the count that completed it
+    assert {tuple(got[(r, "arrive")]) for r in range(4)} == {(4, 8, 12)}
 
 
 def test_joined_and_split_frames(server):
@@ -89,7 +112,7 @@ def test_vanished_client_leaves_server_serving(server):
     s.close()   # RST with half a request buffered on the server
     c = FloorClient(server.host, server.port)
     c.set("after", b"ok")
-    assert c.get("after") == b"ok" and c.get("half") == b""
+    assert c.get("after") == b"ok" and c.add("half", 1) == 1   # the half request never ran
     c.close()
 
 
