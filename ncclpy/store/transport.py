@@ -304,6 +304,7 @@ class Connection:
                 except _TIMED_OUT:
                     if deadline is None:
                         raise
+                    self._sock_timeout = -1.0   # a long wait: re-arm for all that is left
 
         if len(buf) < n and n - len(buf) > _SMALL:  # large value: read straight into place
             out = bytearray(n)
