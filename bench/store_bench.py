@@ -355,6 +355,18 @@ def _rate(st: Dict[str, object]) -> str:
     return f"{st['min']:7.0f} /{st['median']:7.0f} /{st['max']:7.0f}"
 
 
+def _speeds(st: Dict[str, Dict[str, object]], pairs: List[Tuple[str, str]],
+            times: bool) -> str:
+    """The speed ratio a/b of each pair, from medians (of times: b/a; of rates: a/b)."""
+    if not pairs:
+        return ""
+    cells = []
+    for a, b in pairs:
+        fast, slow = (b, a) if times else (a, b)
+        cells.append(f"{_ratio(st[fast]['median'], st[slow]['median']):>12}")
+    return "         " + " ".join(cells)
+
+
 def _ratio(num: Optional[float], den: Optional[float]) -> str:
     return f"{num / den:8.2f}x" if num and den else "     n/a"
 
@@ -440,10 +452,8 @@ def main(argv=None) -> int:
         for k in kinds:
             rendezvous.append({"mode": mode, "ranks": n, "store": k,
                                **{f"{f}_s": st[k][f] for f in ("runs", "min", "median", "max")}})
-        ratio = "         " + " ".join(
-            f"{_ratio(st[b]['median'], st[a]['median']):>12}" for a, b in pairs)
         print(f"{mode:>10} {n:>6} " + " ".join(f"{_ms(st[k]):>26}" for k in kinds)
-              + (ratio if pairs else ""), flush=True)
+              + _speeds(st, pairs, times=True), flush=True)
 
     ops: List[Dict[str, object]] = []
     print(f"\none client, {args.ops} operations of each kind, 16-byte values (ops/s; set+get: "
@@ -466,11 +476,8 @@ def main(argv=None) -> int:
                     ops.append({"server": where, "op": op, "store": k,
                                 **{f"{f}_ops_s": st[k][f] for f in ("runs", "min", "median",
                                                                     "max")}})
-                ratio = "         " + " ".join(
-                    f"{_ratio(st[a]['median'], st[b]['median']):>12}" for a, b in pairs)
-                print(f"{where:>14} {op:>8} "
-                      + " ".join(f"{_rate(st[k]):>24}" for k in kinds)
-                      + (ratio if pairs else ""), flush=True)
+                print(f"{where:>14} {op:>8} " + " ".join(f"{_rate(st[k]):>24}" for k in kinds)
+                      + _speeds(st, pairs, times=False), flush=True)
     finally:
         for r in remote.values():
             r.close()

@@ -47,6 +47,14 @@ _TIMED_OUT = (socket.timeout, BlockingIOError)   # how either kind of timeout su
 _KEEP = 1.0   # seconds: a shorter receive bound than a call needs is kept if at least this long
 
 
+def _keeps(armed: Optional[float], need: Optional[float]) -> bool:
+    """Whether a receive bound ``armed`` (None: unbounded, < 0: unknown) may stay for a read
+    bounded by ``need`` (None: unbounded): the same, or shorter but at least ``_KEEP``; a recv
+    that times out on a kept bound early is retried with the bound re-armed."""
+    return armed == need or (armed is not None and armed >= _KEEP
+                             and (need is None or armed <= need))
+
+
 def _set_timeout(sock: socket.socket, seconds: Optional[float], send: bool = True,
                  recv: bool = True) -> None:
     """Bound each blocking recv and/or send on ``sock`` by ``seconds`` (None: unbounded).
@@ -142,15 +150,17 @@ class Connection:
         self.max_keys_per_request = 0
         self.server_flags = 0   # the greeting's feature bits (protocol.FLAG_*)
 
-    def _arm(self, sock: socket.socket, seconds: Optional[float], send: bool = False) -> None:
-        """Arm the receive bound (and the send bound if ``send``) and remember the former.
+    def _arm(self, sock: socket.socket, seconds: Optional[float], recv: bool = True,
+             send: bool = False) -> None:
+        """Arm the receive and/or send bound and remember the receive one.
 
         Why the bookkeeping: a call whose reply comes at once never meets its bound, so the
-        calls keep any armed bound that is shorter than theirs but at least ``_KEEP`` long, and
-        re-arm only when the kept one runs out first (see :meth:`_recv_exact`). A get (bound:
-        timeout + slack) after a set (bound: timeout) then costs no system call."""
-        _set_timeout(sock, seconds, send=send)
-        self._sock_timeout = seconds
+        calls keep an armed bound that :func:`_keeps` allows and re-arm only when the kept one
+        runs out first. A get (bound: timeout + slack) after a set (bound: timeout) then costs
+        no system call."""
+        _set_timeout(sock, seconds, send=send, recv=recv)
+        if recv or not _OS_TIMEOUTS:   # Python's socket timeout bounds both sides
+            self._sock_timeout = seconds
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -168,10 +178,8 @@ class Connection:
             sock = socket.socket(family, socket.SOCK_STREAM)
             self._sock_timeout = None   # a new socket's receives are unbounded
             try:
-                if _OS_TIMEOUTS:   # connect() is bounded by the send side
-                    _set_timeout(sock, min(max(remaining, 0.05), 30.0), recv=False)
-                else:
-                    self._arm(sock, min(max(remaining, 0.05), 30.0))
+                # connect() is bounded by the send side
+                self._arm(sock, min(max(remaining, 0.05), 30.0), recv=False, send=True)
                 sock.connect(sockaddr)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
@@ -196,10 +204,8 @@ class Connection:
                 sock = self._open(remaining)
                 self._handshake(sock, deadline)
                 bound = None if self.timeout == _INF else self.timeout
-                if _OS_TIMEOUTS:   # the send side for good; the handshake's receive bound
-                    _set_timeout(sock, bound, recv=False)   # stays until a call needs another
-                else:
-                    self._arm(sock, bound)
+                # the send side for good; the handshake's receive bound stays until a call
+                self._arm(sock, bound, recv=False, send=True)   # needs another
                 self._sock = sock
                 self._rbuf = bytearray()
                 return
@@ -284,26 +290,20 @@ class Connection:
 
         ``deadline`` (monotonic; None: none) bounds the whole read, not just each ``recv``: a
         peer that trickles bytes cannot stretch a call past its timeout. The armed receive
-        bound is kept while it is at least ``_KEEP`` and ends before the deadline; a recv that
-        times out on it early is simply retried.
+        bound stays where :func:`_keeps` allows; a recv that times out on it early is retried.
         """
         def recv(fn, arg):
             while True:
-                armed = self._sock_timeout
-                if deadline is None:
-                    if armed is not None:
-                        self._arm(sock, None)
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+                need = None
+                if deadline is not None:
+                    need = deadline - time.monotonic()
+                    if need <= 0:
                         raise socket.timeout("timed out")
-                    if armed is None or armed < min(_KEEP, left) or armed > left:
-                        self._arm(sock, left)
+                if not _keeps(self._sock_timeout, need):
+                    self._arm(sock, need)
                 try:
                     return fn(arg)
                 except _TIMED_OUT:
-                    if deadline is None:
-                        raise
                     self._sock_timeout = -1.0   # a long wait: re-arm for all that is left
 
         if len(buf) < n and n - len(buf) > _SMALL:  # large value: read straight into place
@@ -360,13 +360,11 @@ class Connection:
                     self.connect_timeout, sock_timeout)
                 self._connect(budget, what, keys)
             sock = self._sock
-            armed = self._sock_timeout
-            # a shorter armed bound is kept (see _arm): if the first recv times out on it, the
-            # slow path goes on for the rest of this call's own bound
-            short = armed != sock_timeout and armed is not None and armed >= _KEEP and (
-                sock_timeout is None or armed < sock_timeout)
-            if armed != sock_timeout and not short:
+            # a kept shorter bound (see _keeps): if the first recv times out on it, the slow
+            # path goes on for the rest of this call's own bound
+            if not _keeps(self._sock_timeout, sock_timeout):
                 self._arm(sock, sock_timeout)
+            short = self._sock_timeout != sock_timeout
             try:
                 if size < _SMALL:
                     sock.sendall(_REQ(op, size) + head + tail)
@@ -382,7 +380,8 @@ class Connection:
                     except _TIMED_OUT:
                         if not short:
                             raise
-                        data = None   # on to the slow path, which re-arms as it goes
+                        self._sock_timeout = -1.0   # on to the slow path, re-armed for the rest
+                        data = None
                     if data is not None:
                         if len(data) >= 5:
                             status, n = _REP_FROM(data, 0)
