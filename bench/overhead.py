@@ -3,9 +3,13 @@
 What it measures: the wall time the calling thread spends inside one call, i.e. until the call
 returns with the work enqueued on the stream, for 8 B ... 4 KiB messages, over many calls (the
 queue is drained outside the timed region every ``--batch`` calls so it never fills up), on
-ncclpy, raw CuPy (``cupy.cuda.nccl``, the floor) and torch.distributed.  Three modes:
+ncclpy, raw CuPy (``cupy.cuda.nccl``, the floor) and torch.distributed.  Modes:
 
 * ``eager``: the call itself;
+* ``prepared`` (asked for with ``--modes``): ncclpy's prepared call (``comm.prepare(...)`` once,
+  then ``p()`` per call, on the same stream and buffers); backends without prepared calls run
+  their eager call here, so ``ncclpy_minus_cupy_us`` of this mode is ncclpy prepared minus raw
+  CuPy;
 * ``capture``: the same call while the stream is capturing a CUDA graph (what building a graph
   costs per call);
 * ``graph``: replaying a captured one-call graph (``cudaGraphLaunch``), what a graph-based
@@ -25,7 +29,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,9 +39,12 @@ from bench import output
 from bench.backends import get_backend
 from bench.sweep import Coord, _make_store, _pick_device, _rendezvous, launched_world
 
-__all__ = ["OverheadConfig", "parse_args", "main", "summarize", "run_rank"]
+__all__ = ["OverheadConfig", "parse_args", "main", "summarize", "run_rank", "prepare_args",
+           "MODES"]
 
 DEFAULT_SIZES = (8, 64, 512, 4096)
+#: every mode; the default leaves out ``prepared`` (ask for it: ``--modes eager,prepared``)
+MODES = ("eager", "prepared", "capture", "graph")
 
 
 @dataclass
@@ -91,7 +98,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> OverheadConfig:
     p.add_argument("--batch", type=int, default=50,
                    help="drain the stream every this many calls, outside the timing (default 50)")
     p.add_argument("--backend", default="ncclpy,cupy,torch", help="default ncclpy,cupy,torch")
-    p.add_argument("--modes", default="eager,capture,graph", help="default eager,capture,graph")
+    p.add_argument("--modes", default="eager,capture,graph",
+                   help="of eager, prepared, capture, graph (default eager,capture,graph)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="cpu: torch/gloo synchronous call time, for reference only")
     p.add_argument("--nproc", type=int, default=None,
@@ -104,9 +112,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> OverheadConfig:
         raise ArgumentError(f"--collective: {coll.name} moves no data")
     sizes = [parse_size(s, "--sizes") for s in a.sizes.split(",") if s.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("eager", "capture", "graph")]
+    bad = [m for m in modes if m not in MODES]
     if bad:
-        raise ArgumentError(f"--modes: expected eager, capture, graph; got {', '.join(bad)}")
+        raise ArgumentError(f"--modes: expected {', '.join(MODES)}; got {', '.join(bad)}")
     for name, v in (("--calls", a.calls), ("--batch", a.batch)):
         if v < 1:
             raise ArgumentError(f"{name}: expected >= 1, got {v}")
@@ -167,6 +175,11 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
                     coord.barrier()
                     if mode == "eager":
                         ns = _time_calls(b, call, cfg.calls, cfg.batch)
+                    elif mode == "prepared":
+                        p = _prepared(b, cfg.collective, bufs, root) or call
+                        for _ in range(cfg.warmup):
+                            p()
+                        ns = _time_calls(b, p, cfg.calls, cfg.batch)
                     elif mode == "capture":
                         ns = []
                         while len(ns) < cfg.calls:
@@ -212,6 +225,34 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
             except Exception as e:  # pragma: no cover
                 print(f"[bench.overhead] {b.label} teardown: {e}", file=sys.stderr)
         store.close()
+
+
+def prepare_args(collective: str, s: Any, r: Any, root: int, rank: int, world: int,
+                 op: str = "sum") -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """``comm.prepare(collective, *args, **kwargs)``'s arguments for the call the ncclpy
+    backend makes eagerly (``NcclpyBackend.run``) on send/recv sides ``s``, ``r``."""
+    if collective in ("all_reduce", "reduce_scatter"):
+        return (s, r), {"op": op}
+    if collective == "reduce":
+        return (s, r), {"root": root, "op": op}
+    if collective in ("broadcast", "gather", "scatter"):
+        return (s, r), {"root": root}
+    if collective in ("all_gather", "all_to_all"):
+        return (s, r), {}
+    if collective == "send_recv":
+        return (s, r, (rank + 1) % world, (rank - 1) % world), {}
+    raise ValueError(f"collective {collective!r} is not benchmarked")
+
+
+def _prepared(b: Any, collective: str, bufs: Any, root: int) -> Optional[Callable[[], Any]]:
+    """The ncclpy backend's call prepared once (in place, on its stream); None for a backend
+    without prepared calls."""
+    if b.name != "ncclpy":
+        return None
+    from bench.backends.ncclpy import call_args
+    s, r = call_args(collective, bufs.extra["args"], True, b.rank, root)
+    args, kwargs = prepare_args(collective, s, r, root, b.rank, b.world)
+    return b.comm.prepare(collective, *args, stream=b.stream, **kwargs)
 
 
 def derive(results: List[Dict[str, object]]) -> List[Dict[str, object]]:

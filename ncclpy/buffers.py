@@ -9,20 +9,27 @@ touches the GPU and never imports torch or CuPy: pointers are only read, never d
 Rejected here, each with a message naming the argument: host memory (numpy arrays, CPU tensors,
 DLPack CPU/pinned buffers), non-contiguous or negative strides, CAI masks, dtypes NCCL cannot
 carry, NULL pointers of non-empty buffers.
+
+Cheap by type: what kind of object a buffer is (raw, CuPy array, torch tensor, numpy, something
+else) is decided once per Python type (:func:`type_kind`), never by scanning the MRO per call;
+CuPy arrays (exactly ``cupy.ndarray``) are read directly (pointer, size, dtype, flags) instead of
+through ``__cuda_array_interface__``, whose export costs a stream lookup; dtype names are looked
+up in dicts filled on first sight.  Every check still runs on every parse.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .dtypes import LOGICAL, dtype_name
 from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError, as_int
 
 __all__ = ["BufferSpec", "Buffer", "as_buffer", "DEVICE_HOST", "DEVICE_UNKNOWN",
-           "parse_dlpack_capsule", "DLPackInfo"]
+           "parse_dlpack_capsule", "DLPackInfo", "type_kind", "device_of"]
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +39,10 @@ DEVICE_HOST = -1
 DEVICE_UNKNOWN = -2
 
 
-@dataclass(frozen=True)
+_set = object.__setattr__
+
+
+@dataclass(frozen=True, init=False)
 class BufferSpec:
     """One parsed buffer.
 
@@ -52,6 +62,15 @@ class BufferSpec:
     obj: Any = field(default=None, compare=False, repr=False)
     #: the producer marked the memory read-only (CAI data[1], DLPack READ_ONLY flag)
     readonly: bool = False
+
+    def __init__(self, ptr: int, count: int, dtype: str, device: int,
+                 shape: Tuple[int, ...] = (), framework: str = "raw", contiguous: bool = True,
+                 obj: Any = None, readonly: bool = False) -> None:
+        # frozen: the fields go in with one object.__setattr__ instead of one per field (every
+        # cold call parses its buffers, and this halves what a BufferSpec costs)
+        _set(self, "__dict__", {"ptr": ptr, "count": count, "dtype": dtype, "device": device,
+                                "shape": shape, "framework": framework,
+                                "contiguous": contiguous, "obj": obj, "readonly": readonly})
 
     @property
     def itemsize(self) -> int:
@@ -112,7 +131,8 @@ class Buffer:
 
 # -- helpers -----------------------------------------------------------------------------------
 def _prod(shape: Sequence[int]) -> int:
-    return int(math.prod(int(s) for s in shape))
+    """Product of a shape of ints (1 for ``()``)."""
+    return math.prod(shape)
 
 
 def _check_layout(name: str, shape: Tuple[int, ...], strides: Optional[Sequence[int]],
@@ -167,10 +187,11 @@ def _device_of(obj: Any, hint: Optional[int], known: Optional[int] = None) -> in
     ``.index`` (torch)); the caller's ``hint`` only where the object does not say."""
     if known is None:
         d = getattr(obj, "device", None)
-        for v in (d, getattr(d, "id", None), getattr(d, "index", None)):
-            if isinstance(v, int) and not isinstance(v, bool):
-                known = v
-                break
+        if d is not None:
+            for v in (d, getattr(d, "id", None), getattr(d, "index", None)):
+                if isinstance(v, int) and not isinstance(v, bool):
+                    known = v
+                    break
     if known is not None:
         return known
     if hint is not None:
@@ -183,22 +204,75 @@ def _host_error(name: str, what: str, expected: str) -> ArgumentError:
                          f"expected {expected}")
 
 
-def _mro_modules(obj: Any) -> Tuple[str, ...]:
-    return tuple((getattr(c, "__module__", "") or "").split(".")[0] for c in type(obj).__mro__)
+def device_of(obj: Any) -> int:
+    """The device ``obj`` states itself (see :func:`_device_of`), else DEVICE_UNKNOWN."""
+    return _device_of(obj, None)
 
 
-def _is_torch(obj: Any) -> bool:
-    return "torch" in _mro_modules(obj)
+# -- what a type is, decided once per type ------------------------------------------------------
+#: type -> kind (see type_kind); bounded, refilled on demand
+_KINDS: Dict[type, str] = {}
+_NOT_BUFFERS = (type(None), bool, int, float, str, bytes, list, tuple, dict)
+
+
+def _mro_modules(t: type) -> Tuple[str, ...]:
+    return tuple((getattr(c, "__module__", "") or "").split(".")[0] for c in t.__mro__)
+
+
+def _classify(t: type) -> str:
+    if issubclass(t, BufferSpec):
+        return "spec"
+    if issubclass(t, Buffer):
+        return "raw"
+    if issubclass(t, _NOT_BUFFERS):
+        return "prim"
+    mods = _mro_modules(t)
+    if "torch" in mods:
+        return "torch"
+    if "numpy" in mods:
+        return "numpy"
+    cp = sys.modules.get("cupy")
+    if cp is not None and t is getattr(cp, "ndarray", None):
+        return "cupy"
+    return "cupy-cai" if "cupy" in mods else "other"
+
+
+def type_kind(t: type) -> str:
+    """What an object of type ``t`` is as a buffer, decided once per type (a class's MRO and
+    module do not change): 'spec' (BufferSpec), 'raw' (Buffer), 'prim' (None, numbers,
+    strings, containers: never a buffer), 'torch' (a class from torch), 'numpy', 'cupy'
+    (exactly ``cupy.ndarray``: read directly), 'cupy-cai' (another CuPy class: read through
+    ``__cuda_array_interface__``) or 'other' (probed per object: CAI, DLPack, host arrays)."""
+    k = _KINDS.get(t)
+    if k is None:
+        k = _classify(t)
+        if len(_KINDS) >= 1024:   # classes made on the fly must not pile up
+            _KINDS.clear()
+        _KINDS[t] = k
+    return k
 
 
 # -- torch -------------------------------------------------------------------------------------
+#: torch dtype object -> logical name (real torch dtypes only)
+_TORCH_NAMES: Dict[Any, str] = {}
+
+
+def _torch_dtype(name: str, d: Any) -> str:
+    dt = _TORCH_NAMES.get(d) if type(d).__module__ == "torch" else None
+    if dt is None:
+        dt = _dtype(name, str(d))
+        if type(d).__module__ == "torch" and len(_TORCH_NAMES) < 256:
+            _TORCH_NAMES[d] = dt
+    return dt
+
+
 def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
     dev = getattr(obj, "device", None)
-    dtype_str = str(getattr(obj, "dtype", "?"))
+    dtype_obj = getattr(obj, "dtype", "?")
     dev_type = str(getattr(dev, "type", dev))
     if dev_type != "cuda":
         if dev_type == "cpu":
-            raise _host_error(name, f"a torch tensor on device 'cpu' ({dtype_str})",
+            raise _host_error(name, f"a torch tensor on device 'cpu' ({dtype_obj})",
                               "a CUDA tensor (e.g. tensor.cuda())")
         raise UnsupportedError(f"{name}: a torch tensor on device {dev_type!r}; expected a "
                                f"CUDA tensor")
@@ -211,8 +285,8 @@ def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
         if callable(f) and f():
             raise ArgumentError(f"{name}: the tensor is a lazy {flag[3:]} view whose memory "
                                 f"does not hold its values; call .{fix} first")
-    dt = _dtype(name, dtype_str)
-    shape = tuple(int(s) for s in obj.shape)
+    dt = _torch_dtype(name, dtype_obj)
+    shape = tuple(map(int, obj.shape))
     _check_layout(name, shape, tuple(obj.stride()), 1, "elements")
     count = _prod(shape)
     ptr = int(obj.data_ptr() or 0)
@@ -222,7 +296,14 @@ def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
 
 
 # -- __cuda_array_interface__ ------------------------------------------------------------------
+#: CAI typestr -> logical name, for the typestrs that name a dtype on their own (not 'V')
+_TYPESTRS: Dict[str, str] = {}
+
+
 def _cai_dtype(name: str, obj: Any, typestr: Any) -> str:
+    dt = _TYPESTRS.get(typestr) if type(typestr) is str else None
+    if dt is not None:
+        return dt
     import numpy as np
     if not isinstance(typestr, str) or len(typestr) < 3:
         raise ArgumentError(f"{name}: __cuda_array_interface__ typestr {typestr!r} is "
@@ -256,38 +337,78 @@ def _cai_dtype(name: str, obj: Any, typestr: Any) -> str:
     except TypeError:
         raise UnsupportedError(f"{name}: typestr {typestr!r} is not a dtype NCCL can carry; "
                                f"expected one of {', '.join(LOGICAL)}") from None
-    return _dtype(name, npdt.name)
+    dt = _dtype(name, npdt.name)
+    if type(typestr) is str and len(_TYPESTRS) < 256:
+        _TYPESTRS[typestr] = dt
+    return dt
 
 
 def _from_cai(obj: Any, cai: Any, name: str, hint: Optional[int], framework: str) -> BufferSpec:
     if not isinstance(cai, dict):
         raise ArgumentTypeError(f"{name}: __cuda_array_interface__ must be a dict, got "
                                 f"{type(cai).__name__}")
-    missing = [k for k in ("shape", "typestr", "data") if k not in cai]
-    if missing:
-        raise ArgumentError(f"{name}: __cuda_array_interface__ lacks {', '.join(missing)}")
+    try:
+        shape, typestr, data = cai["shape"], cai["typestr"], cai["data"]
+    except KeyError:
+        missing = [k for k in ("shape", "typestr", "data") if k not in cai]
+        raise ArgumentError(f"{name}: __cuda_array_interface__ lacks "
+                            f"{', '.join(missing)}") from None
     version = cai.get("version", 0)
-    if not isinstance(version, int) or version > 3 or version < 0:
+    if not isinstance(version, int) or not 0 <= version <= 3:
         raise UnsupportedError(f"{name}: __cuda_array_interface__ version {version!r} is not "
                                f"supported; expected 0..3")
     if cai.get("mask") is not None:
         raise UnsupportedError(f"{name}: masked arrays (__cuda_array_interface__ 'mask' is "
                                f"set) cannot be communicated; expected mask None")
-    dt = _cai_dtype(name, obj, cai["typestr"])
-    shape = tuple(int(s) for s in cai["shape"])
-    if any(s < 0 for s in shape):
-        raise ArgumentError(f"{name}: negative extent in shape {shape}")
-    data = cai["data"]
+    dt = _TYPESTRS.get(typestr) if type(typestr) is str else None
+    if dt is None:
+        dt = _cai_dtype(name, obj, typestr)
+    shape = tuple(map(int, shape))
+    count = 1
+    for n in shape:
+        if n < 0:
+            raise ArgumentError(f"{name}: negative extent in shape {shape}")
+        count *= n
     if not isinstance(data, (tuple, list)) or len(data) != 2:
         raise ArgumentError(f"{name}: __cuda_array_interface__ data must be (ptr, readonly), "
                             f"got {data!r}")
-    ptr, readonly = int(data[0] or 0), bool(data[1])
-    count = _prod(shape)
-    _check_layout(name, shape, cai.get("strides"), LOGICAL[dt].itemsize, "bytes")
+    ptr, readonly = data
+    ptr, readonly = int(ptr or 0), bool(readonly)
+    strides = cai.get("strides")
+    if strides is not None:
+        _check_layout(name, shape, strides, LOGICAL[dt].itemsize, "bytes")
     if count and not ptr:
         raise ArgumentError(f"{name}: {count} elements but a NULL data pointer")
     return BufferSpec(ptr, count, dt, _device_of(obj, hint), shape, framework, True, obj,
                       readonly)
+
+
+# -- CuPy, read directly -----------------------------------------------------------------------
+#: numpy dtype (CuPy's dtypes are numpy's) -> logical name
+_NP_NAMES: Dict[Any, str] = {}
+
+
+def _from_cupy(obj: Any, name: str) -> BufferSpec:
+    """A ``cupy.ndarray``: its memory pointer, size, dtype, flags and device, read directly (the
+    ``__cuda_array_interface__`` export would also look up the current stream)."""
+    d = obj.dtype
+    dt = _NP_NAMES.get(d)
+    if dt is None:
+        dt = _dtype(name, d)
+        if len(_NP_NAMES) < 256:
+            _NP_NAMES[d] = dt
+    shape = obj.shape
+    try:
+        contiguous = obj._c_contiguous
+    except AttributeError:  # pragma: no cover - a CuPy without the cached flag
+        contiguous = obj.flags.c_contiguous
+    if not contiguous:      # same rule as CuPy's flag; this names the strides in the error
+        _check_layout(name, shape, obj.strides, LOGICAL[dt].itemsize, "bytes")
+    mem = obj.data
+    count, ptr = obj.size, mem.ptr
+    if count and not ptr:
+        raise ArgumentError(f"{name}: {count} elements but a NULL data pointer")
+    return BufferSpec(ptr, count, dt, mem.device_id, shape, "cupy", True, obj)
 
 
 # -- DLPack ------------------------------------------------------------------------------------
@@ -453,20 +574,22 @@ def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> B
     ``__cuda_array_interface__`` objects); without it such buffers get ``device`` -2 and the
     executor resolves it.  Objects that do say (CuPy, torch, DLPack) keep their own device.
     """
-    if isinstance(obj, BufferSpec):
-        return obj
-    if isinstance(obj, Buffer):
+    t = type(obj)
+    kind = _KINDS.get(t) or type_kind(t)
+    if kind == "cupy":
+        return _from_cupy(obj, name)
+    if kind == "raw":
         return BufferSpec(obj.ptr, obj.count, obj.dtype, obj.device, (obj.count,), "raw", True,
                           obj)
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes, list, tuple, dict)):
+    if kind == "spec":
+        return obj
+    if kind == "prim":
         hint = " (for a raw pointer use ncclpy.Buffer(ptr, count, dtype, device))" \
             if isinstance(obj, int) and not isinstance(obj, bool) else ""
-        raise ArgumentTypeError(f"{name}: expected {_ACCEPTED}; got {type(obj).__name__}"
-                                f"{hint}")
-    if _is_torch(obj) and callable(getattr(obj, "data_ptr", None)):
+        raise ArgumentTypeError(f"{name}: expected {_ACCEPTED}; got {t.__name__}{hint}")
+    if kind == "torch" and callable(getattr(obj, "data_ptr", None)):
         return _from_torch(obj, name, device)
-    mods = _mro_modules(obj)
-    if "numpy" in mods:
+    if kind == "numpy":
         raise _host_error(name, f"a numpy array ({getattr(obj, 'dtype', '?')})",
                           "a device array (e.g. cupy.asarray(x))")
     try:
@@ -474,7 +597,7 @@ def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> B
     except AttributeError:
         cai = None
     if cai is not None:
-        return _from_cai(obj, cai, name, device, "cupy" if "cupy" in mods else "cai")
+        return _from_cai(obj, cai, name, device, "cupy" if kind == "cupy-cai" else "cai")
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, name, device)
     if hasattr(obj, "__array_interface__"):

@@ -1,52 +1,50 @@
 """``Communicator``: every NCCL collective and point-to-point call on raw device buffers.
 
 Creation: without a :class:`Config`, through CuPy's ``cupy.cuda.nccl.NcclCommunicator`` (inside
-``cupy.cuda.Device(device)``); with one, through ``ncclCommInitRankConfig`` bound with ctypes
-from the same libnccl (a nonblocking config is polled with ``ncclCommGetAsyncError`` until ready,
-within ``timeout``).  Each communicator builds, once, a dispatch table ``NCCL name ->
+``cupy.cuda.Device(device)``); with one, or when ``NCCL_COMM_BLOCKING=0`` makes NCCL create every
+communicator nonblocking, through ``ncclCommInitRankConfig`` bound with ctypes from the same
+libnccl.  A nonblocking communicator (the effective mode, environment included:
+:func:`ncclpy._nccl.config.effective_nonblocking`) is polled with ``ncclCommGetAsyncError``
+until ready, within ``timeout``, after init and after each call.  Split and registration live
+in :mod:`ncclpy.comm_extras`.  Each communicator builds, once, a dispatch table ``NCCL name ->
 callable(*args, stream)`` (:mod:`ncclpy._nccl.dispatch`): CuPy's bound methods where CuPy wraps
 the call and the communicator came from CuPy, ctypes functions on the raw ``ncclComm_t``
 otherwise (AlltoAll, Gather, Scatter, and everything on a ctypes-created communicator).  NCCL
 errors from either path become ncclpy's NcclError subclass with the code, the call and
 ``ncclGetLastError``'s text.
 
-Each method: parse buffers (``ncclpy.buffers.as_buffer``), plan (pure, ``ncclpy.plan``), resolve
-the stream (``ncclpy.streams``), execute (``ncclpy.execute``) -> :class:`~ncclpy.work.Work`.
+Each method: resolve (``ncclpy.resolver``: parse the buffers, plan (pure, ``ncclpy.plan``) and
+pick the stream on the first call; a cached, never-stale result on a repeated one), issue
+(``ncclpy.execute.issue``) -> :class:`~ncclpy.work.Work`.  ``prepare`` resolves a call once for
+repeated use (``ncclpy.prepared``).
 """
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Dict, List, Optional
 
-from . import registry as _registry
-from ._nccl.config import Config
-from ._nccl.dispatch import (build_dispatch, cupy_init, cupy_stream_for, int_arg, lib_group,
-                             require_device, uid_bytes)
-from ._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE,
+from ._nccl.config import Config, effective_nonblocking, init_struct
+from ._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, cupy_stream_for, int_arg,
+                             lib_group, require_device, uid_bytes)
+from ._nccl.lib import (NCCL_IN_PROGRESS, SCALAR_HOST_IMMEDIATE,
                         CudaUnavailableError, get_lib, require_version)
-from .errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
-from .execute import execute, group_scope, group_state
+from .errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError, NcclTimeoutError
+from .comm_extras import CommExtras, Registration
+from .execute import group_scope, group_state, issue
 from .plan.types import PlanContext
-from .streams import resolve_stream
+from .prepared import Prepared
+from .resolver import Resolver
 from .work import Work
 
 __all__ = ["Communicator", "Config", "Registration", "init", "group"]
 
 log = logging.getLogger(__name__)
 
-@dataclasses.dataclass(frozen=True)
-class Registration:
-    """A buffer registered with ``ncclCommRegister`` (pass it to ``deregister``)."""
-
-    handle: int
-    ptr: int
-    nbytes: int
-
-
-class Communicator:
+class Communicator(CommExtras):
     """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``."""
 
     def __init__(self, world_size: int, rank: int, uid: Any, device: int,
@@ -64,33 +62,43 @@ class Communicator:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ArgumentError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         lib = get_lib()
-        cfg_struct = None
-        if config is not None:
+        # NCCL_COMM_BLOCKING=0 makes even a config-less communicator nonblocking: its init then
+        # returns ncclInProgress, which CuPy cannot represent, so it is made through ctypes.
+        nonblocking = effective_nonblocking(config, lib.version)
+        cfg_struct = init_struct(config, lib.version)
+        if cfg_struct is not None:
             require_version("ncclCommInitRankConfig", lib.version, lib.path)
-            cfg_struct = config.to_struct(lib.version)
         require_device(device)
         import cupy
         nc = None
         code = 0
         with cupy.cuda.Device(device):
-            if config is None:
+            if cfg_struct is None:
                 try:
-                    nc = cupy_init(lib.cupy_nccl, world_size, uid, rank)
-                except lib.cupy_nccl.NcclError as e:
-                    err = lib.error(e.status, "ncclCommInitRank")
+                    code, nc = call_cupy(lib, "ncclCommInitRank", None, cupy_init,
+                                         lib.cupy_nccl, world_size, uid, rank)
+                except NcclError:
                     lib.repair_group_depth()
-                    raise err from None
+                    raise
+                if nc is None:  # ncclInProgress: the environment changed under us
+                    raise NcclpyError("ncclCommInitRank (through CuPy) returned ncclInProgress: "
+                                      "NCCL made the communicator nonblocking (NCCL_COMM_BLOCKING"
+                                      f"={os.environ.get('NCCL_COMM_BLOCKING')!r}) and CuPy "
+                                      "cannot hand it back; set it before creating the "
+                                      "communicator")
                 handle = int(nc.comm)
             else:
                 handle, code = lib.comm_init_rank_config(world_size, uid, rank, cfg_struct)
         self._setup(lib, handle, nc, rank, world_size, device, config, float(timeout),
-                    cfg_struct)
-        if config is not None and (config.nonblocking or code == NCCL_IN_PROGRESS):
+                    cfg_struct, nonblocking)
+        if nonblocking or code == NCCL_IN_PROGRESS:
             try:
-                self._wait_ready("ncclCommInitRankConfig")
+                self._wait_ready("ncclCommInitRank" if config is None
+                                 else "ncclCommInitRankConfig")
             except BaseException:
                 self.abort()
                 raise
+        lib.mark_seen()
 
     @classmethod
     def from_bootstrap(cls, bs: Any, config: Optional[Config] = None, *,
@@ -106,10 +114,13 @@ class Communicator:
               nonblocking: bool, timeout: float, name: str) -> "Communicator":
         """A Communicator around an existing handle (split children)."""
         obj = cls.__new__(cls)
-        obj._setup(lib, handle, nc, 0, 1, device, config, timeout, None)
-        obj._nonblocking = nonblocking
+        obj._setup(lib, handle, nc, 0, 1, device, config, timeout, None, nonblocking)
         if nonblocking:
-            obj._wait_ready("ncclCommSplit")
+            try:
+                obj._wait_ready("ncclCommSplit")
+            except BaseException:
+                obj.abort()
+                raise
         obj._rank = lib.comm_query("ncclCommUserRank", handle)
         obj._world_size = lib.comm_query("ncclCommCount", handle)
         obj._ctx = PlanContext(obj._rank, obj._world_size, device, lib.version)
@@ -117,7 +128,8 @@ class Communicator:
         return obj
 
     def _setup(self, lib: Any, handle: int, nc: Any, rank: int, world_size: int, device: int,
-               config: Optional[Config], timeout: float, cfg_struct: Any) -> None:
+               config: Optional[Config], timeout: float, cfg_struct: Any,
+               nonblocking: bool) -> None:
         self._lib = lib
         self._handle = handle
         self._nc = nc
@@ -126,12 +138,14 @@ class Communicator:
         self._device = device
         self._config = config
         self._cfg_struct = cfg_struct        # NCCL may keep pointers to its strings
-        self._nonblocking = bool(config is not None and config.nonblocking)
+        self._nonblocking = bool(nonblocking)   # the mode NCCL gave it (env included)
         self._timeout = timeout
-        self._ctx = PlanContext(rank, world_size, device, lib.version)
+        # the resolver owns the planning context (``_ctx`` below) and the call cache
+        self._resolver = Resolver(PlanContext(rank, world_size, device, lib.version),
+                                  mode="nonblocking" if nonblocking else "blocking")
         self._closed = self._finalized = self._aborted = False
         self._premul_ops: set = set()
-        self._registrations: Dict[int, Registration] = {}
+        self._registrations: Dict[int, Registration] = {}   # by Registration.id
         self._allocations: Dict[int, int] = {}
         self._captured: List[Any] = []       # scratch used by CUDA-graph captures
         self._barrier_buf: Any = None
@@ -187,6 +201,15 @@ class Communicator:
     @force_fallback.setter
     def force_fallback(self, value: bool) -> None:
         self._ctx = dataclasses.replace(self._ctx, force_fallback=bool(value))
+
+    @property
+    def _ctx(self) -> PlanContext:
+        """The planning context, held by the resolver: setting it drops every cached call."""
+        return self._resolver.ctx
+
+    @_ctx.setter
+    def _ctx(self, ctx: PlanContext) -> None:
+        self._resolver.set_context(ctx)
 
     def _check_usable(self, what: str) -> None:
         if self._closed:
@@ -255,82 +278,92 @@ class Communicator:
             self._wait_ready("ncclRedOpDestroy")
 
     # -- calls ----------------------------------------------------------------------------
-    def _run(self, name: str, stream: Any, specs: List[Any], *args: Any, **kwargs: Any) -> Work:
-        self._check_usable(name)
-        plan = _registry.get(name).plan(self._ctx, *args, **kwargs)
-        return execute(self, plan, resolve_stream(stream, specs, self._device), keep=specs)
-
-    def _run_p2p(self, planner: str, stream: Any, spec: Any, peer: Any) -> Work:
-        self._check_usable(planner)
-        from .plan import collectives
-        ctx = self._ctx
-        if group_state().depth:  # inside a user group NCCL pairs send/recv to self
-            ctx = dataclasses.replace(ctx, in_group=True)
-        plan = getattr(collectives, "plan_" + planner)(ctx, spec, peer)
-        return execute(self, plan, resolve_stream(stream, [spec], self._device), keep=[spec])
-
+    # Each method: refuse if closed, resolve (the resolver's cache: a repeated call is not
+    # parsed or planned again; a new one is, with every check), issue the C calls, record.
     def all_reduce(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
                    stream: Any = None) -> Work:
         """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None)."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("all_reduce", stream, _flat(s, r), s, r, op=op)
+        if self._closed or self._finalized:
+            self._check_usable("all_reduce")
+        return issue(self, self._resolver.resolve("all_reduce", stream, sendbuf, recvbuf, (op,)),
+                     (sendbuf, recvbuf))
 
     def reduce(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, op: Any = "sum", *,
                stream: Any = None) -> Work:
         """``root`` gets ``op`` over all ranks' ``sendbuf``."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("reduce", stream, _flat(s, r), s, r, root=root, op=op)
+        if self._closed or self._finalized:
+            self._check_usable("reduce")
+        return issue(self, self._resolver.resolve("reduce", stream, sendbuf, recvbuf,
+                                                  (root, op)), (sendbuf, recvbuf))
 
     def broadcast(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
                   stream: Any = None) -> Work:
         """Every rank gets ``root``'s ``sendbuf``."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("broadcast", stream, _flat(s, r), s, r, root=root)
+        if self._closed or self._finalized:
+            self._check_usable("broadcast")
+        return issue(self, self._resolver.resolve("broadcast", stream, sendbuf, recvbuf, (root,)),
+                     (sendbuf, recvbuf))
 
     def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> Work:
         """``recvbuf`` (N*count, or a list of N) gets every rank's ``sendbuf`` in rank order;
         ``sendbuf`` None: in place (this rank's block of recvbuf is its input)."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("all_gather", stream, _flat(s, r), s, r)
+        if self._closed or self._finalized:
+            self._check_usable("all_gather")
+        return issue(self, self._resolver.resolve("all_gather", stream, sendbuf, recvbuf),
+                     (sendbuf, recvbuf))
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
                        stream: Any = None) -> Work:
         """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list)."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("reduce_scatter", stream, _flat(s, r), s, r, op=op)
+        if self._closed or self._finalized:
+            self._check_usable("reduce_scatter")
+        return issue(self, self._resolver.resolve("reduce_scatter", stream, sendbuf, recvbuf,
+                                                  (op,)), (sendbuf, recvbuf))
 
     def all_to_all(self, sendbuf: Any, recvbuf: Any = None, send_counts: Any = None,
                    recv_counts: Any = None, *, stream: Any = None) -> Work:
         """Block d of this rank's ``sendbuf`` goes to rank d (even, uneven counts, lists)."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("all_to_all", stream, _flat(s, r), s, r, send_counts=send_counts,
-                         recv_counts=recv_counts)
+        if self._closed or self._finalized:
+            self._check_usable("all_to_all")
+        return issue(self, self._resolver.resolve("all_to_all", stream, sendbuf, recvbuf,
+                                                  (send_counts, recv_counts)),
+                     (sendbuf, recvbuf))
 
     def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
                stream: Any = None) -> Work:
         """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("gather", stream, _flat(s, r), s, r, root=root)
+        if self._closed or self._finalized:
+            self._check_usable("gather")
+        return issue(self, self._resolver.resolve("gather", stream, sendbuf, recvbuf, (root,)),
+                     (sendbuf, recvbuf))
 
     def scatter(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
                 stream: Any = None) -> Work:
         """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf``."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("scatter", stream, _flat(s, r), s, r, root=root)
+        if self._closed or self._finalized:
+            self._check_usable("scatter")
+        return issue(self, self._resolver.resolve("scatter", stream, sendbuf, recvbuf, (root,)),
+                     (sendbuf, recvbuf))
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Send ``buf`` to ``peer`` (which must post a matching recv)."""
-        return self._run_p2p("send", stream, _parse(buf, "buf"), peer)
+        if self._closed or self._finalized:
+            self._check_usable("send")
+        return issue(self, self._resolver.resolve("send", stream, buf, None, (peer,)), (buf,))
 
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Receive into ``buf`` from ``peer``."""
-        return self._run_p2p("recv", stream, _parse(buf, "buf"), peer)
+        if self._closed or self._finalized:
+            self._check_usable("recv")
+        return issue(self, self._resolver.resolve("recv", stream, buf, None, (peer,)), (buf,))
 
     def send_recv(self, sendbuf: Any, recvbuf: Any, send_peer: int, recv_peer: int, *,
                   stream: Any = None) -> Work:
         """Send ``sendbuf`` to ``send_peer``, receive ``recvbuf`` from ``recv_peer`` (grouped)."""
-        s, r = _parse(sendbuf, "sendbuf"), _parse(recvbuf, "recvbuf")
-        return self._run("send_recv", stream, _flat(s, r), s, r, send_peer, recv_peer)
+        if self._closed or self._finalized:
+            self._check_usable("send_recv")
+        return issue(self, self._resolver.resolve("send_recv", stream, sendbuf, recvbuf,
+                                                  (send_peer, recv_peer)), (sendbuf, recvbuf))
 
     def barrier(self, *, stream: Any = None, timeout: Optional[float] = None) -> Work:
         """Block the host until every rank has reached the barrier.
@@ -345,9 +378,17 @@ class Communicator:
                 arr = cupy.zeros(1, dtype=cupy.float32)
             self._barrier_buf = _parse(arr, "barrier buffer")
         buf = self._barrier_buf
-        work = self._run("barrier", stream, [buf], buf)
+        work = issue(self, self._resolver.resolve("barrier", stream, buf), (buf,))
         work.wait(timeout=self._timeout if timeout is None else timeout)
         return work
+
+    def prepare(self, name: str, *args: Any, stream: Any = None, **kwargs: Any) -> Prepared:
+        """Validate and plan one call once: ``p = comm.prepare("all_reduce", x, op="sum")``,
+        then ``p()`` / ``p(stream=s)`` issues the same NCCL call(s) with nothing but the C
+        calls and the Work bookkeeping (see :mod:`ncclpy.prepared`).  Arguments as the method
+        ``name`` takes them; ``stream`` fixes the default stream of every call."""
+        self._check_usable("prepare")
+        return Prepared(self, name, args, kwargs, stream)
 
     def group(self):
         """``with comm.group():`` fuse the calls inside into one NCCL group."""
@@ -355,97 +396,13 @@ class Communicator:
         return group_scope(self._dispatch["GroupStart"], self._dispatch["GroupEnd"], self)
 
     # -- lifecycle ------------------------------------------------------------------------
-    def split(self, color: int, key: int) -> Optional["Communicator"]:
-        """ncclCommSplit: ranks with the same ``color`` form a new communicator, ordered by
-        ``key``; ``color`` < 0 (NCCL_SPLIT_NOCOLOR) joins none and returns None."""
-        self._check_usable("split")
-        color = int_arg("color", color, -(2 ** 31) + 1)
-        key = int_arg("key", key, -(2 ** 31) + 1)
-        if color < 0:
-            color = NCCL_SPLIT_NOCOLOR
-        lib = self._lib
-        require_version("ncclCommSplit", lib.version, lib.path)
-        import cupy
-        name = f"{self.name}/split{color}"
-        with cupy.cuda.Device(self._device):
-            if self._nc is not None and hasattr(self._nc, "commSplit"):
-                try:
-                    child = self._nc.commSplit(color, key)
-                except lib.cupy_nccl.NcclError as e:
-                    raise lib.error(e.status, "ncclCommSplit", self._handle) from None
-                if child is None:
-                    return None
-                return Communicator._wrap(lib, int(child.comm), child, self._device, None,
-                                          False, self._timeout, name)
-            newh = ctypes.c_void_p(0)
-            code = lib.ncclCommSplit(self._handle, color, key, ctypes.byref(newh), None)
-            lib.check(code, "ncclCommSplit", self._handle, in_progress_ok=True)
-            if not newh.value:
-                if self._nonblocking or code == NCCL_IN_PROGRESS:
-                    self._wait_ready("ncclCommSplit")
-                return None
-            return Communicator._wrap(lib, newh.value, None, self._device, self._config,
-                                      self._nonblocking or code == NCCL_IN_PROGRESS,
-                                      self._timeout, name)
-
-    def register(self, buf: Any) -> Registration:
-        """ncclCommRegister ``buf`` (freed by ``deregister`` or ``close``)."""
-        self._check_usable("register")
-        spec = _parse(buf, "buf")
-        if isinstance(spec, list):
-            raise ArgumentTypeError("register: expected one buffer, got a list")
-        nbytes = int(spec.count) * _itemsize(spec.dtype)
-        h = ctypes.c_void_p(0)
-        self._lib.check(self._lib.ncclCommRegister(self._handle, spec.ptr, nbytes,
-                                                   ctypes.byref(h)), "ncclCommRegister",
-                        self._handle)
-        reg = Registration(h.value or 0, int(spec.ptr), nbytes)
-        self._registrations[reg.handle] = reg
-        return reg
-
-    def deregister(self, reg: Any) -> None:
-        """Undo ``register`` (a Registration or its handle)."""
-        self._check_usable("deregister")
-        handle = reg.handle if isinstance(reg, Registration) else reg
-        if handle not in self._registrations:
-            raise ArgumentError(f"deregister: {reg!r} is not a registration of this communicator")
-        self._registrations.pop(handle)
-        self._lib.check(self._lib.ncclCommDeregister(self._handle, handle),
-                        "ncclCommDeregister", self._handle)
-
-    def mem_alloc(self, count: int, dtype: Any = "uint8") -> Any:
-        """``ncclMemAlloc`` ``count`` elements of ``dtype`` on this device -> ncclpy.Buffer."""
-        self._check_usable("mem_alloc")
-        from .buffers import Buffer
-        from .dtypes import dtype_name
-        count = int_arg("count", count, 0)
-        name = dtype_name(dtype)
-        nbytes = count * _itemsize(name)
-        p = ctypes.c_void_p(0)
-        import cupy
-        with cupy.cuda.Device(self._device):
-            self._lib.check(self._lib.ncclMemAlloc(ctypes.byref(p), max(nbytes, 1)),
-                            "ncclMemAlloc")
-        self._allocations[p.value] = nbytes
-        return Buffer(p.value, count, name, self._device)
-
-    def mem_free(self, buf: Any) -> None:
-        """``ncclMemFree`` a buffer from ``mem_alloc`` (a Buffer or its pointer)."""
-        ptr = int(getattr(buf, "ptr", buf))
-        if ptr not in self._allocations:
-            raise ArgumentError(f"mem_free: {buf!r} was not allocated by this communicator's "
-                                f"mem_alloc")
-        self._allocations.pop(ptr)
-        import cupy
-        with cupy.cuda.Device(self._device):
-            self._lib.check(self._lib.ncclMemFree(ptr), "ncclMemFree")
-
     def _finalize_now(self) -> None:
         code = self._lib.ncclCommFinalize(self._handle)
         self._lib.check(code, "ncclCommFinalize", self._handle, in_progress_ok=True)
         if code == NCCL_IN_PROGRESS or self._nonblocking:
             self._wait_ready("ncclCommFinalize")
         self._finalized = True
+        self._resolver.clear()
 
     def finalize(self) -> None:
         """ncclCommFinalize: flush outstanding work (collective); then only close() is allowed."""
@@ -457,9 +414,10 @@ class Communicator:
         if self._closed:
             return
         self._closed = self._aborted = True
+        self._resolver.clear()
         try:
             if self._nc is not None:
-                self._nc.abort()
+                call_cupy(self._lib, "ncclCommAbort", self._handle, self._nc.abort)
             else:
                 self._lib.check(self._lib.ncclCommAbort(self._handle), "ncclCommAbort")
         finally:
@@ -475,7 +433,7 @@ class Communicator:
         lib, h = self._lib, self._handle
         for reg in list(self._registrations.values()):
             try:
-                lib.check(lib.ncclCommDeregister(h, reg.handle), "ncclCommDeregister", h)
+                self._deregister(reg)
             except Exception as e:
                 log.warning("close: deregistering %s failed: %s", reg, e)
         self._registrations.clear()
@@ -491,12 +449,10 @@ class Communicator:
                 self.abort()
                 raise
         self._closed = True
+        self._resolver.clear()
         try:
             if self._nc is not None:
-                try:
-                    self._nc.destroy()
-                except lib.cupy_nccl.NcclError as e:
-                    raise lib.error(e.status, "ncclCommDestroy", h) from None
+                call_cupy(lib, "ncclCommDestroy", h, self._nc.destroy)
             else:
                 lib.check(lib.ncclCommDestroy(h), "ncclCommDestroy", h)
         finally:
@@ -536,16 +492,6 @@ def _parse(obj: Any, name: str) -> Any:
     if isinstance(obj, (list, tuple)):
         return [as_buffer(o, f"{name}[{i}]") for i, o in enumerate(obj)]
     return as_buffer(obj, name)
-
-
-def _flat(*parts: Any) -> List[Any]:
-    out: List[Any] = []
-    for p in parts:
-        if isinstance(p, list):
-            out.extend(x for x in p if x is not None)
-        elif p is not None:
-            out.append(p)
-    return out
 
 
 def _itemsize(dtype: Any) -> int:

@@ -4,6 +4,11 @@
 copies with ``cudaMemcpyAsync``, NCCL calls through the communicator's dispatch table, grouped
 when the plan says so), destroys the op and records the Work's event.
 
+``issue`` runs a resolved call (:class:`ncclpy.resolver.Resolved`): when it is nothing but NCCL
+calls with final arguments -- the common case -- it makes exactly those C calls through the
+dispatch table and records the Work, nothing else; otherwise it hands the call's plan to
+``execute``.
+
 Groups are thread-local, like NCCL's own: inside ``with group():`` NCCL only launches the work
 at the outermost ``ncclGroupEnd``, so everything that must follow the launch (copies out of
 scratch, destroying PreMulSum ops, recording Work events, polling nonblocking communicators)
@@ -21,7 +26,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 from .plan.types import PREMUL_OP, Copy, NcclCall, Scratch
 from .work import Work
 
-__all__ = ["execute", "group_scope", "group_state", "segments", "Resources"]
+__all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "segments",
+           "Resources", "device_current"]
 
 log = logging.getLogger(__name__)
 _MEMCPY_D2D = 3  # cudaMemcpyDeviceToDevice
@@ -45,6 +51,14 @@ def group_state() -> GroupState:
     if st is None:
         st = _tls.state = GroupState()
     return st
+
+
+def group_depth() -> int:
+    """This thread's ncclpy group nesting (0: not inside ``group()``)."""
+    try:
+        return _tls.state.depth
+    except AttributeError:        # first look from this thread: make its state once
+        return group_state().depth
 
 
 def _group_exit(st: GroupState, end: Callable[[], int]) -> None:
@@ -112,6 +126,21 @@ def segments(steps: Sequence[Any]) -> List[Tuple[bool, Tuple[Any, ...]]]:
     return [(k, tuple(v)) for k, v in out]
 
 
+@contextmanager
+def device_current(runtime: Any, device: int) -> Iterator[None]:
+    """Make ``device`` CUDA's current device for the block (restored after); two cheap
+    runtime calls when it already is."""
+    prev = runtime.getDevice()
+    if prev == device:
+        yield
+        return
+    runtime.setDevice(device)
+    try:
+        yield
+    finally:
+        runtime.setDevice(prev)
+
+
 class Resources:
     """A plan's scratch memory and PreMulSum op; resolves Scratch/PREMUL_OP placeholders."""
 
@@ -137,11 +166,15 @@ class Resources:
         return tuple(self.value(a) for a in call.args)
 
     def copy(self, steps: Sequence[Copy], stream: int) -> None:
+        """Issue ``steps`` on ``stream`` with the communicator's device current: a copy on the
+        null (or per-thread) stream goes to the *current* device's stream, which must be the
+        one the NCCL call was issued on for the two to be ordered."""
         from cupy.cuda import runtime
-        for s in steps:
-            if s.nbytes:
-                runtime.memcpyAsync(self.value(s.dst), self.value(s.src), s.nbytes, _MEMCPY_D2D,
-                                    stream)
+        with device_current(runtime, self.comm.device):
+            for s in steps:
+                if s.nbytes:
+                    runtime.memcpyAsync(self.value(s.dst), self.value(s.src), s.nbytes,
+                                        _MEMCPY_D2D, stream)
 
     def release(self, err: Optional[BaseException] = None) -> None:
         op, self.op = self.op, None
@@ -200,4 +233,41 @@ def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
         st.pending.append(partial(_finish, res, work))
     else:
         _finish(res, work, None)
+    return work
+
+
+def issue(comm: Any, r: Any, keep: Any = ()) -> Work:
+    """Run the resolved call ``r`` on ``comm`` (see module docstring); returns its Work."""
+    calls = r.calls
+    if calls is None:                 # scratch, copies or a PreMulSum op: the plan's executor
+        return execute(comm, r.plan, r.stream, keep)
+    if r.group or r.in_group:
+        return _issue_grouped(comm, r, keep)
+    table, s = comm._dispatch, r.stream
+    for fn, args in calls:
+        table[fn](*args, stream=s)
+    work = Work(comm, comm._device, s, r.plan, keep)
+    work._record()
+    return work
+
+
+def _issue_grouped(comm: Any, r: Any, keep: Any) -> Work:
+    """``issue`` for a call that groups its NCCL calls or is made inside a user group."""
+    st = group_state()
+    outer = st.depth > 0
+    table, s = comm._dispatch, r.stream
+    if outer:
+        st.comms[id(comm)] = comm
+    if r.group:
+        with group_scope(table["GroupStart"], table["GroupEnd"], comm):
+            for fn, args in r.calls:
+                table[fn](*args, stream=s)
+    else:
+        for fn, args in r.calls:
+            table[fn](*args, stream=s)
+    work = Work(comm, comm._device, s, r.plan, keep)
+    if outer:
+        st.pending.append(work._settle)
+    else:
+        work._record()
     return work

@@ -11,6 +11,7 @@ import-light and free of cycles.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Tuple
@@ -18,6 +19,7 @@ from typing import Callable, Dict, Iterator, Tuple
 __all__ = ["Collective", "COLLECTIVES", "get", "names", "iter_collectives"]
 
 
+@functools.lru_cache(maxsize=None)
 def _resolve(path: str) -> Callable:
     mod, _, attr = path.partition(":")
     return getattr(importlib.import_module(mod), attr)
@@ -42,6 +44,11 @@ class Collective:
     torch_call: str           #: torch.distributed function used by check/bench
     in_place: str             #: how in-place is arranged (NCCL's rule)
     data: bool = True         #: False for barrier (no payload)
+
+    @property
+    def planner_fn(self) -> Callable:
+        """This collective's planner function (imported once)."""
+        return _resolve(self.planner)
 
     def plan(self, *args, **kwargs):
         """Run this collective's planner."""

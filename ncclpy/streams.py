@@ -12,9 +12,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, Optional
 
+from .buffers import type_kind
 from .errors import ArgumentTypeError
 
-__all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream"]
+__all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream",
+           "stream_handle", "default_stream_of", "torch_stream"]
 
 
 def as_stream_handle(stream: Any, name: str = "stream") -> int:
@@ -58,14 +60,34 @@ def _cai_stream(obj: Any) -> Optional[int]:
     return 0 if s == 1 else s  # 1 = legacy default stream (handle 0); 2 = per-thread default
 
 
+_get_current_stream: Any = None
+
+
 def cupy_stream(device: int) -> int:
     """CuPy's current stream on ``device``."""
-    import cupy
+    global _get_current_stream
+    get = _get_current_stream
+    if get is None:
+        import cupy
+        get = _get_current_stream = cupy.cuda.get_current_stream
     try:
-        return int(cupy.cuda.get_current_stream(device).ptr)
+        return get(device).ptr
     except TypeError:  # older CuPy: no device argument
+        import cupy
         with cupy.cuda.Device(device):
-            return int(cupy.cuda.get_current_stream().ptr)
+            return int(get().ptr)
+
+
+def torch_stream(device: int) -> int:
+    """torch's current stream on ``device`` (the raw handle, without making a Stream object
+    where torch offers that)."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # pragma: no cover - a tensor implies torch is imported
+        import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def default_stream(buffers: Iterable[Any], device: int) -> int:
@@ -76,10 +98,7 @@ def default_stream(buffers: Iterable[Any], device: int) -> int:
         obj = getattr(spec, "obj", spec)
         fw = str(getattr(spec, "framework", "") or "").lower()
         if fw == "torch" or _is_torch(obj):
-            torch = sys.modules.get("torch")
-            if torch is None:  # pragma: no cover - a tensor implies torch is imported
-                import torch
-            return int(torch.cuda.current_stream(device).cuda_stream)
+            return torch_stream(device)
         if fw != "cupy" and not type(obj).__module__.startswith("cupy"):
             s = _cai_stream(obj)
             if s is not None:
@@ -93,3 +112,25 @@ def resolve_stream(stream: Any, buffers: Iterable[Any], device: int) -> int:
     if stream is None:
         return default_stream(buffers, device)
     return as_stream_handle(stream)
+
+
+def stream_handle(stream: Any) -> int:
+    """:func:`as_stream_handle`, with a raw handle (a non-negative int) taken as it is."""
+    if type(stream) is int and stream >= 0:
+        return stream
+    return as_stream_handle(stream)
+
+
+def default_stream_of(obj: Any, device: int) -> int:
+    """:func:`default_stream` for one user object (the call's first buffer), by its type:
+    CuPy's current stream for CuPy arrays and raw Buffers, torch's for tensors, the
+    ``__cuda_array_interface__`` stream or CuPy's for anything else."""
+    kind = type_kind(type(obj))
+    if kind == "cupy" or kind == "raw" or kind == "cupy-cai":
+        return cupy_stream(device)
+    if kind == "other":         # a __cuda_array_interface__ v3 export may name its stream
+        s = _cai_stream(obj)
+        return cupy_stream(device) if s is None else s
+    if kind == "torch":
+        return torch_stream(device)
+    return default_stream((obj,), device)

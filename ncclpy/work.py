@@ -1,53 +1,174 @@
-"""``Work``: the handle every communicator call returns, built on a CUDA event.
+"""``Work``: the handle every communicator call returns, built on a pooled CUDA event.
 
 The event is recorded on the call's stream right after the NCCL work was enqueued (for calls
 made inside ``group()``: right after the outermost group end).  ``wait()`` blocks the host on
 it, ``wait(stream)`` makes another stream wait for it (no host block), ``is_completed()`` queries
 it.  A Work keeps the call's scratch memory and buffers alive until it has seen completion; for
 nonblocking communicators (and on every host wait) it also checks ``ncclCommGetAsyncError``.
+
+Cheap: events are not created per call.  Each device has a pool of ``cudaEventDisableTiming``
+events; a Work takes one when it records and gives it back as soon as it has seen completion
+(a host wait, ``is_completed()`` True) or is dropped.  Re-recording an event later is safe:
+whatever already waited on it (``wait(stream)``) captured its state at that moment, and a Work
+that has seen completion never touches its event again.  A call recorded while its stream is
+capturing a CUDA graph gets an event of its own instead (never pooled: an event recorded in a
+capture belongs to that capture), destroyed with the Work.
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from .errors import NcclpyError, NcclTimeoutError
 
-__all__ = ["Work"]
+__all__ = ["Work", "EventPool", "event_pool"]
+
+_NOT_READY = 600            # cudaErrorNotReady
+_POOL_MAX = 256             # free events kept per device; more are destroyed
+_runtime: Any = None
+
+
+def _rt() -> Any:
+    global _runtime
+    if _runtime is None:
+        from cupy.cuda import runtime
+        _runtime = runtime
+    return _runtime
+
+
+class EventPool:
+    """Free ``cudaEventDisableTiming`` events of one device (raw ``cudaEvent_t`` ints)."""
+
+    __slots__ = ("device", "_free", "created")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._free: List[int] = []
+        self.created = 0
+
+    def take(self, rt: Any) -> int:
+        """A free event (a new one when none is free); the device must be current."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            self.created += 1
+            return rt.eventCreateWithFlags(rt.eventDisableTiming)
+
+    def give(self, ev: int) -> None:
+        """Hand ``ev`` back (destroyed when the pool is full)."""
+        if len(self._free) < _POOL_MAX:
+            self._free.append(ev)
+        else:
+            _destroy(ev)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+
+_pools: Dict[int, EventPool] = {}
+_release_lock = threading.Lock()
+
+
+def event_pool(device: int) -> EventPool:
+    """The event pool of ``device`` (one per process and device)."""
+    p = _pools.get(device)
+    if p is None:
+        p = _pools.setdefault(device, EventPool(device))
+    return p
+
+
+def _destroy(ev: int) -> None:
+    try:
+        _rt().eventDestroy(ev)
+    except Exception:  # pragma: no cover - context gone at interpreter exit
+        pass
 
 
 class Work:
     """Completion handle of one communicator call (see module docstring)."""
 
-    __slots__ = ("_comm", "_device", "_stream", "_event", "_keep", "_error", "plan",
-                 "__weakref__")
+    __slots__ = ("_comm", "_device", "_stream", "_event", "_owned", "_done", "_keep", "_error",
+                 "plan", "__weakref__")
 
     def __init__(self, comm: Any, device: int, stream: int, plan: Any = None,
                  keep: Any = ()) -> None:
         self._comm = comm
         self._device = device
         self._stream = stream
-        self._event = None
+        self._event: Optional[int] = None
+        self._owned = False     # True: the event is this Work's own (recorded in a capture)
+        self._done = False      # completion seen: the event went back to the pool
         self._keep = keep
         self._error: Optional[BaseException] = None
         self.plan = plan
 
     # -- set up by the executor ---------------------------------------------------------
     def _record(self) -> None:
-        """Create the event and record it on the call's stream."""
-        import cupy
-        from cupy.cuda import runtime
-        with cupy.cuda.Device(self._device):
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
-            runtime.eventRecord(ev.ptr, self._stream)
+        """Take an event (pooled, or its own while the stream captures) and record it on the
+        call's stream, with the call's device current."""
+        rt = _runtime or _rt()
+        dev, stream = self._device, self._stream
+        prev = rt.getDevice()
+        if prev != dev:
+            rt.setDevice(dev)
+        try:
+            try:
+                capturing = rt.streamIsCapturing(stream)
+            except Exception:  # an invalidated capture, or the legacy stream during one
+                capturing = True
+            if capturing:
+                ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
+            else:
+                ev = event_pool(dev).take(rt)
+            try:
+                rt.eventRecord(ev, stream)
+            except BaseException:
+                if capturing:
+                    _destroy(ev)
+                else:
+                    event_pool(dev).give(ev)
+                raise
+        finally:
+            if prev != dev:
+                rt.setDevice(prev)
+        self._owned = capturing
         self._event = ev
+
+    def _settle(self, err: Optional[BaseException]) -> None:
+        """At the outermost group end: record, or fail with the group's error."""
+        if err is None:
+            self._record()
+        else:
+            self._fail(err)
 
     def _fail(self, err: BaseException) -> None:
         self._error = err
         self._keep = ()
 
     def _completed(self) -> None:
+        """Completion seen: drop what was kept alive and give the pooled event back (once)."""
         self._keep = ()
+        with _release_lock:
+            if self._done:
+                return
+            self._done = True
+            ev, owned = self._event, self._owned
+        if ev is not None and not owned:
+            event_pool(self._device).give(ev)
+
+    def __del__(self) -> None:
+        ev = self._event
+        if ev is None:
+            return
+        try:
+            if self._owned:           # recorded in a capture: never pooled, never reused
+                _destroy(ev)
+            elif not self._done:      # dropped before anyone saw completion: re-recordable
+                self._done = True
+                event_pool(self._device).give(ev)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -56,13 +177,17 @@ class Work:
         return self._stream
 
     @property
-    def event(self):
-        """The ``cupy.cuda.Event`` (None while the enclosing group is still open)."""
-        return self._event
+    def event(self) -> Optional[int]:
+        """The raw ``cudaEvent_t`` recorded after the call (None while the enclosing group is
+        still open, and once completion has been seen: the event is then reused)."""
+        return None if self._done else self._event
 
-    def _ready_event(self):
+    def _ready_event(self) -> Optional[int]:
+        """The event to wait on; None when completion was already seen."""
         if self._error is not None:
             raise self._error
+        if self._done:
+            return None
         if self._event is None:
             raise NcclpyError("this Work comes from a call made inside group(): its NCCL work "
                               "is launched when the outermost group ends; wait after the "
@@ -78,39 +203,53 @@ class Work:
         """
         ev = self._ready_event()
         if stream is not None:
-            from cupy.cuda import runtime
-
-            from .streams import as_stream_handle
-            runtime.streamWaitEvent(as_stream_handle(stream), ev.ptr, 0)
+            if ev is not None:     # done already: any stream is ordered after it
+                from .streams import as_stream_handle
+                _rt().streamWaitEvent(as_stream_handle(stream), ev, 0)
             return
-        if timeout is None:
-            ev.synchronize()
-        else:
-            deadline = time.monotonic() + timeout
-            delay = 1e-5
-            while not ev.done:
-                self._check_comm()
-                if time.monotonic() > deadline:
-                    raise NcclTimeoutError(8, "Work.wait",
-                                           f"not complete after {timeout:g} s (stream "
-                                           f"{self._stream:#x})")
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
-        self._completed()
+        if ev is not None:
+            if timeout is None:
+                _rt().eventSynchronize(ev)
+            else:
+                deadline = time.monotonic() + timeout
+                delay = 1e-5
+                while not self._query(ev):
+                    self._check_comm()
+                    if time.monotonic() > deadline:
+                        raise NcclTimeoutError(8, "Work.wait",
+                                               f"not complete after {timeout:g} s (stream "
+                                               f"{self._stream:#x})")
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1e-3)
+            self._completed()
         self._check_comm()
 
     def is_completed(self) -> bool:
         """Whether the work is done (never blocks)."""
         if self._error is not None:
             raise self._error
-        if self._event is None:
+        if self._done:
+            return True
+        ev = self._event
+        if ev is None:
             return False
         if self._comm is not None and getattr(self._comm, "nonblocking", False):
             self._check_comm()
-        if self._event.done:
+        if self._query(ev):
             self._completed()
             return True
         return False
+
+    @staticmethod
+    def _query(ev: int) -> bool:
+        rt = _rt()
+        status = rt.eventQuery(ev)
+        if status == 0:
+            return True
+        if status == _NOT_READY:
+            return False
+        rt.check_status(status)   # raises CUDARuntimeError
+        return False              # pragma: no cover
 
     def _check_comm(self) -> None:
         comm = self._comm
@@ -118,7 +257,7 @@ class Work:
             comm._raise_async_error()
 
     def __repr__(self) -> str:
-        state = ("failed" if self._error is not None else "pending group end"
-                 if self._event is None else "recorded")
+        state = ("failed" if self._error is not None else "completed" if self._done
+                 else "pending group end" if self._event is None else "recorded")
         name = getattr(self.plan, "collective", "?")
         return f"<ncclpy.Work {name} stream={self._stream:#x} {state}>"

@@ -10,7 +10,17 @@ __all__ = ["cuda_reason", "requires_gpu", "gpu_count"]
 
 @functools.lru_cache(maxsize=1)
 def cuda_reason() -> str:
-    """Empty string when a CUDA GPU and NCCL are usable, else why not."""
+    """Empty string when a CUDA GPU and NCCL are usable, else why not: the reason
+    ``ncclpy info`` gives (``ncclpy.info.no_gpu_reason``) where ncclpy has it."""
+    try:
+        from ncclpy.info import no_gpu_reason
+    except ImportError:
+        pass
+    else:
+        try:
+            return no_gpu_reason()
+        except Exception as e:  # pragma: no cover - a broken install is a reason too
+            return f"ncclpy cannot tell ({type(e).__name__}: {e})"
     try:
         import cupy
     except Exception as e:  # pragma: no cover - depends on the machine

@@ -226,3 +226,44 @@ def test_bad_call(name, call, exc, words):
     assert isinstance(ei.value, errors.NcclpyError)
     for w in words:
         assert w in msg, f"{w!r} not in {msg!r}"
+
+
+# -- the same refusals through the resolver, after the good call was cached (issue 14) -----------
+def _warm_resolver(n=4):
+    from ncclpy.resolver import Resolver
+    res = Resolver(C(n=n))
+    for name, a, b, params in (("all_reduce", B(S, 4), None, ("sum",)),
+                               ("reduce", B(S, 4), None, (0, "sum")),
+                               ("send", B(S, 4), None, (1,)),
+                               ("all_gather", B(S, 3), B(R, 12), ())):
+        res.resolve(name, 0x51, a, b, params)
+    return res
+
+
+THROUGH_RESOLVER = [
+    ("host memory", ("all_reduce", host(), None, ("sum",)), AE, ["sendbuf", "host memory"]),
+    ("other device", ("all_reduce", B(S, 4, dev=1), None, ("sum",)), AE, ["device 1"]),
+    ("read-only output", ("all_reduce", B(S, 4), readonly(), ("sum",)), AE, ["read-only"]),
+    ("non-contiguous", ("all_reduce", strided(), None, ("sum",)), AE, ["not contiguous"]),
+    ("count mismatch", ("all_reduce", B(S, 4), B(R, 5), ("sum",)), AE, ["recvbuf has 5"]),
+    ("bitwise op", ("all_reduce", B(S, 4), None, ("bxor",)), UE, ["no bitwise"]),
+    ("bool op", ("all_reduce", B(S, 4), None, (True,)), ATE, ["op"]),
+    ("root out of range", ("reduce", B(S, 4), None, (4, "sum")), AE, ["root 4"]),
+    ("root bool", ("reduce", B(S, 4), None, (False, "sum")), ATE, ["root must be an int"]),
+    ("send to self", ("send", B(S, 4), None, (0,)), AE, ["peer 0 is this rank"]),
+    ("all_gather size", ("all_gather", B(S, 3), B(R, 10), ()), AE, ["recvbuf has 10"]),
+    ("not a buffer", ("all_reduce", 1234, None, ("sum",)), ATE, ["ncclpy.Buffer"]),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, words", THROUGH_RESOLVER,
+                         ids=[c[0] for c in THROUGH_RESOLVER])
+def test_bad_call_through_a_warm_resolver(name, call, exc, words):
+    res = _warm_resolver()
+    cached = len(res)
+    for _ in range(2):               # refused every time: an error is never cached
+        with pytest.raises(exc) as ei:
+            res.resolve(call[0], 0x51, *call[1:])
+        for w in words:
+            assert w in str(ei.value), f"{w!r} not in {str(ei.value)!r}"
+    assert len(res) == cached

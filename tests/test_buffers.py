@@ -370,3 +370,56 @@ def test_dlpack_consumed_capsule_rejected():
         parse_dlpack_capsule(cap, "x")
     with pytest.raises(ArgumentTypeError, match="PyCapsule"):
         parse_dlpack_capsule(object(), "x")
+
+
+# -- real CuPy arrays, read directly (no __cuda_array_interface__ export, no device touched) --
+def _cupy_array(shape, dtype="float32", ptr=PTR, device=0):
+    cupy = pytest.importorskip("cupy")
+    n = int(np.prod(shape)) if shape else 1
+    mem = cupy.cuda.UnownedMemory(ptr, max(n, 1) * np.dtype(dtype).itemsize, None, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int8", "uint8", "int32",
+                                   "uint32", "int64", "uint64", "bool", "complex64",
+                                   "complex128"])
+def test_real_cupy_array(dtype):
+    a = _cupy_array((3, 4), dtype)
+    s = as_buffer(a, "x")
+    assert (s.ptr, s.count, s.dtype, s.device, s.shape, s.framework) == \
+        (PTR, 12, dtype, 0, (3, 4), "cupy")
+    assert s.obj is a and s.contiguous and not s.readonly
+
+
+def test_real_cupy_views_and_refusals():
+    a = _cupy_array((4, 6))
+    s = as_buffer(a[1:], "x")                      # a contiguous view: offset pointer
+    assert (s.ptr, s.count) == (PTR + 24, 18)
+    assert as_buffer(a[:, :1][:1], "x").count == 1   # size-1 dims, any stride
+    assert as_buffer(_cupy_array((0, 3)), "x").count == 0
+    assert as_buffer(_cupy_array(()), "x").count == 1
+    with pytest.raises(ArgumentError, match=r"not C-contiguous.*\(24, 8\)"):
+        as_buffer(a[:, ::2], "x")
+    with pytest.raises(ArgumentError, match="not C-contiguous"):
+        as_buffer(a.T, "x")
+    with pytest.raises(ArgumentError, match="negative strides"):
+        as_buffer(a[::-1], "x")
+    with pytest.raises(UnsupportedError) as ei:
+        as_buffer(_cupy_array((4,), "int16"), "mybuf")
+    assert "mybuf" in str(ei.value) and "int16" in str(ei.value)
+    assert as_buffer(_cupy_array((4,), device=1), "x").device == 1
+
+
+def test_type_kind_is_decided_once_per_type():
+    from ncclpy.buffers import _KINDS, type_kind
+    assert type_kind(Buffer) == "raw" and type_kind(BufferSpec) == "spec"
+    assert type_kind(int) == type_kind(list) == type_kind(type(None)) == "prim"
+    assert type_kind(np.ndarray) == "numpy" and type_kind(TorchLike) == "torch"
+    assert type_kind(CupyLike) == "cupy-cai" and type_kind(CaiOnly) == "other"
+    cupy = pytest.importorskip("cupy")
+    assert type_kind(cupy.ndarray) == "cupy"
+
+    class Sub(cupy.ndarray):
+        pass
+    assert type_kind(Sub) == "cupy-cai"             # only the exact type is read directly
+    assert _KINDS[Buffer] == "raw"

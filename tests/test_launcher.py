@@ -24,8 +24,9 @@ def _env(extra_path: str | None = None, **kw) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), extra_path,
                                                     env.get("PYTHONPATH")) if p)
-    for k in ("CUDA_VISIBLE_DEVICES", "NCCLPY_STORE_TOKEN"):
+    for k in ("CUDA_VISIBLE_DEVICES", "NCCLPY_STORE_TOKEN", "CUDA_MPS_PIPE_DIRECTORY"):
         env.pop(k, None)
+    env["NCCLPY_MPS"] = "off"   # never a real MPS daemon here (tests/test_mps.py covers it)
     env.update(kw)
     return env
 
@@ -490,10 +491,12 @@ def test_placement_variables_reach_the_ranks(tmp_path):
     """)
     # CUDA_VISIBLE_DEVICES="0" makes the launcher see one GPU (it counts entries, no CUDA
     # needed); the ranks only print their environment.
-    cp = run(["-n", 3, prog], env=_env(CUDA_VISIBLE_DEVICES="0", NCCL_NET="IB"))
+    cp = run(["-n", 3, prog],
+             env=_env(CUDA_VISIBLE_DEVICES="0", NCCL_NET="IB", NCCL_MAX_CTAS="5"))
     assert cp.returncode == 0, cp.stderr
     (line,) = summary_lines(cp.stderr)
-    assert "3 ranks on 1 GPU" in line
+    assert "3 ranks on 1 GPU" in line and line.endswith("; MPS: off")
+    assert ", NCCL_MAX_CTAS=" not in line and "kept the user's NCCL_MAX_CTAS=5 (" in line
     from ncclpy.launch.placement import loaded_nccl_version
     v = loaded_nccl_version()
     rows = sorted(cp.stdout.splitlines())
@@ -515,6 +518,19 @@ def test_ranks_per_gpu_reaches_the_ranks(tmp_path):
     assert [devs[f"[rank {r}"] for r in range(4)] == ["0", "1", "0", "1"]   # r mod 2 GPUs used
     (line,) = summary_lines(cp.stderr)
     assert "4 ranks on 2 GPUs of 4, rank r -> GPU r mod 2" in line
+    assert "NCCL_MAX_CTAS" not in line        # 2 ranks per GPU: NCCL's defaults fit
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--mps", "sometimes"], {}, "ncclpy run: error: argument --mps: invalid choice: 'sometimes'"),
+    ([], {"NCCLPY_MPS": "yes"},
+     "ncclpy run: error: NCCLPY_MPS: expected one of auto, on, off, got 'yes'"),
+])
+def test_bad_mps_mode(tmp_path, args, env, message):
+    prog = _script(tmp_path, "print('never')")
+    cp = run(["-n", 2, *args, prog], env=_env(**env))
+    assert cp.returncode == 2 and cp.stdout == ""
+    assert message in cp.stderr.splitlines()[-1]
 
 
 def test_launch_in_process_to_binary_streams(tmp_path):

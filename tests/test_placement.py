@@ -8,9 +8,12 @@ import os
 import pytest
 
 from ncclpy.errors import ArgumentError
-from ncclpy.launch.placement import (MODES, SHARED_MODES, Placement, loaded_nccl_version,
-                                     plan_placement, summary_line, visible_gpu_count)
+from ncclpy.launch import placement as P
+from ncclpy.launch.placement import (ASSUMED_SM_COUNT, MODES, SHARED_MODES, Placement, cta_limit,
+                                     gpu_sm_count, loaded_nccl_version, place, plan_placement,
+                                     summary_line, visible_gpu_count, with_mps)
 
+NCCL_216, NCCL_224, NCCL_225 = 21603, 22405, 22501
 NCCL_227, NCCL_230, NCCL_232 = 22703, 23000, 23203
 
 
@@ -72,16 +75,30 @@ def test_placement_table(ngpus, nranks, ver, rpg):
         assert p.mode == "one-per-gpu"
         assert all(e == {} for e in p.envs)
         assert p.devices == tuple(range(nranks))
-    elif ver is not None and ver >= 23000:
-        assert p.mode == "multi-rank-gpu"
-        assert all(e == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} for e in p.envs)
-        assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in p.summary and ">= 2.30" in p.summary
     else:
-        assert p.mode == "hostid-socket"
-        hostids = [e["NCCL_HOSTID"] for e in p.envs]
-        assert len(set(hostids)) == nranks
-        assert all(e["NCCL_NET"] == "Socket" and e["NCCL_SOCKET_IFNAME"] == "lo" for e in p.envs)
-        assert ("< 2.30" in p.summary) if ver else ("unknown" in p.summary)
+        per_gpu = max(p.devices.count(d) for d in p.devices)
+        assert p.ranks_per_gpu == per_gpu and p.shared
+        # the CTA limit: none up to 2 ranks per GPU (NCCL's defaults), S // R above (S unknown
+        # here: ASSUMED_SM_COUNT), in NCCL_MAX_CTAS (NCCL_MAX_NCHANNELS too when the version is
+        # unknown: one of the two is what that NCCL reads)
+        limit = None if per_gpu <= 2 else max(1, ASSUMED_SM_COUNT // per_gpu)
+        assert p.max_ctas == limit
+        ctas = {} if limit is None else {"NCCL_MAX_CTAS": str(limit)}
+        if limit is not None and ver is None:
+            ctas["NCCL_MAX_NCHANNELS"] = str(limit)
+        assert all({k: e.get(k) for k in ctas} == ctas for e in p.envs)
+        assert ("NCCL_MAX_CTAS" in p.summary) == (limit is not None)
+        if ver is not None and ver >= 23000:
+            assert p.mode == "multi-rank-gpu"
+            assert all(e == {"NCCL_MULTI_RANK_GPU_ENABLE": "1", **ctas} for e in p.envs)
+            assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in p.summary and ">= 2.30" in p.summary
+        else:
+            assert p.mode == "hostid-socket"
+            hostids = [e["NCCL_HOSTID"] for e in p.envs]
+            assert len(set(hostids)) == nranks
+            assert all(e["NCCL_NET"] == "Socket" and e["NCCL_SOCKET_IFNAME"] == "lo"
+                       for e in p.envs)
+            assert ("< 2.30" in p.summary) if ver else ("unknown" in p.summary)
     assert p.mode in p.summary
 
 
@@ -92,9 +109,16 @@ def test_one_per_gpu_when_ranks_fit():
 
 
 def test_summary_example():
-    p = plan_placement(4, 1, NCCL_232, env={})
+    p = plan_placement(4, 1, NCCL_232, env={}, sm_count=132)
     assert p.summary == ("placement: 4 ranks on 1 GPU (multi-rank-gpu: NCCL 2.32.3 >= 2.30, "
+                         "NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS=33 (4 ranks per GPU, "
+                         "132 SMs))")
+    p = plan_placement(2, 1, NCCL_232, env={}, sm_count=132)     # NCCL's defaults fit 2
+    assert p.summary == ("placement: 2 ranks on 1 GPU (multi-rank-gpu: NCCL 2.32.3 >= 2.30, "
                          "NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    p = plan_placement(4, 1, NCCL_232, env={})
+    assert p.summary.endswith(
+        "NCCL_MAX_CTAS=2 (4 ranks per GPU, SM count unknown, 8 assumed))")
 
 
 def test_ranks_per_gpu_forces_sharing_even_with_enough_gpus():
@@ -176,3 +200,159 @@ def test_bad_arguments(kwargs):
     nranks, ngpus = kwargs.pop("nranks"), kwargs.pop("ngpus")
     with pytest.raises(ArgumentError):
         plan_placement(nranks, ngpus, NCCL_232, env={}, **kwargs)
+
+
+# ---------------------------------------------------------------- CTA limit (defect 9)
+@pytest.mark.parametrize("nranks, sms, expected", [
+    (2, 132, None),       # "NCCL should be able to run up to 2 ranks per GPU" by default
+    (3, 132, 44), (4, 132, 33), (6, 132, 22), (3, 40, 13), (6, 40, 6), (8, 40, 5),
+    (4, None, ASSUMED_SM_COUNT // 4), (6, None, 1),
+])
+def test_cta_limit_on_one_gpu(nranks, sms, expected):
+    p = plan_placement(nranks, 1, NCCL_232, env={}, sm_count=sms)
+    assert p.mode == "multi-rank-gpu" and p.ranks_per_gpu == nranks
+    assert p.max_ctas == expected
+    assert cta_limit(nranks, sms, NCCL_232) == expected
+    for e in p.envs:
+        assert e.get("NCCL_MAX_CTAS") == (None if expected is None else str(expected))
+        assert "NCCL_MAX_NCHANNELS" not in e            # NCCL >= 2.17 reads NCCL_MAX_CTAS
+    if expected is not None:
+        assert f"NCCL_MAX_CTAS={expected} ({nranks} ranks per GPU, " in p.summary
+        assert expected * nranks <= (sms or ASSUMED_SM_COUNT)   # all ranks' CTAs fit together
+    else:
+        assert "CTAS" not in p.summary
+
+
+def test_cta_limit_eight_ranks_on_two_gpus():
+    p = plan_placement(8, 2, NCCL_232, ranks_per_gpu=4, env={}, sm_count=132)
+    assert p.devices == (0, 1, 0, 1, 0, 1, 0, 1) and p.ranks_per_gpu == 4
+    assert p.max_ctas == 33 and {e["NCCL_MAX_CTAS"] for e in p.envs} == {"33"}
+    assert "rank r -> GPU r mod 2" in p.summary and "NCCL_MAX_CTAS=33 (4 ranks per GPU" in p.summary
+
+
+def test_cta_limit_uses_the_busiest_gpu():
+    p = plan_placement(5, 2, NCCL_232, env={}, sm_count=132)   # 3 ranks on GPU 0, 2 on GPU 1
+    assert p.devices == (0, 1, 0, 1, 0) and p.ranks_per_gpu == 3 and p.max_ctas == 44
+
+
+@pytest.mark.parametrize("ver, nranks, sms, expected", [
+    (NCCL_224, 3, 132, 32),   # up to 32 before 2.25 (NCCL's env docs)
+    (NCCL_225, 3, 132, 44),   # up to 64 from 2.25
+    (NCCL_232, 3, 228, 64),
+])
+def test_cta_limit_is_capped_at_nccls_maximum(ver, nranks, sms, expected):
+    assert plan_placement(nranks, 1, ver, env={}, sm_count=sms).max_ctas == expected
+
+
+def test_cta_limit_more_ranks_than_sms_says_it_may_not_fit():
+    p = plan_placement(12, 1, NCCL_232, env={}, sm_count=10)
+    assert p.max_ctas == 1 and "even 1 CTA per rank may not fit" in p.summary
+
+
+def test_one_rank_per_gpu_sets_no_cta_limit():
+    p = plan_placement(4, 4, NCCL_232, env={}, sm_count=132)
+    assert p.mode == "one-per-gpu" and p.max_ctas is None and p.ranks_per_gpu == 1
+    assert all(e == {} for e in p.envs) and "CTAS" not in p.summary
+
+
+def test_user_max_ctas_is_kept_and_reported():
+    p = plan_placement(4, 1, NCCL_232, env={"NCCL_MAX_CTAS": "16"}, sm_count=132)
+    assert all("NCCL_MAX_CTAS" not in e for e in p.envs)
+    assert p.max_ctas is None and p.kept == ("NCCL_MAX_CTAS",)
+    assert ("; kept the user's NCCL_MAX_CTAS=16 (ncclpy's limit: 33, 4 ranks per GPU, 132 SMs)"
+            in p.summary)
+
+
+def test_user_min_ctas_below_the_limit_is_left_alone():
+    p = plan_placement(4, 1, NCCL_232, env={"NCCL_MIN_CTAS": "8"}, sm_count=132)
+    assert p.max_ctas == 33 and {e["NCCL_MAX_CTAS"] for e in p.envs} == {"33"}
+    assert all("NCCL_MIN_CTAS" not in e for e in p.envs) and "raised" not in p.summary
+
+
+@pytest.mark.parametrize("user", [{"NCCL_MIN_CTAS": "40"}, {"NCCL_MIN_NCHANNELS": "40"},
+                                  {"NCCL_MIN_CTAS": "12", "NCCL_MIN_NCHANNELS": "40"}])
+def test_user_min_ctas_above_the_limit_raises_the_limit_and_says_so(user):
+    # NCCL 2.17 refuses min > max (ncclInvalidArgument); later versions lower min to max,
+    # silently overriding the user: ncclpy raises its max to the user's min and says so
+    p = plan_placement(4, 1, NCCL_232, env=user, sm_count=132)
+    assert p.max_ctas == 40 and {e["NCCL_MAX_CTAS"] for e in p.envs} == {"40"}
+    assert all(not (set(e) & set(user)) for e in p.envs)            # the user's min untouched
+    name = "NCCL_MIN_NCHANNELS" if "NCCL_MIN_NCHANNELS" in user else "NCCL_MIN_CTAS"
+    assert (f"NCCL_MAX_CTAS=40 (raised to the user's {name}=40: NCCL refuses or lowers a min "
+            f"above the max; 4 ranks per GPU, 132 SMs call for <= 33, so ranks may hang)"
+            in p.summary)
+
+
+def test_user_min_ctas_unparsable_is_ignored():
+    p = plan_placement(4, 1, NCCL_232, env={"NCCL_MIN_CTAS": "lots"}, sm_count=132)
+    assert p.max_ctas == 33
+
+
+def test_older_nccl_hostid_socket_gets_the_cta_limit_too():
+    p = plan_placement(4, 1, NCCL_227, env={}, sm_count=132)
+    assert p.mode == "hostid-socket" and p.max_ctas == 33
+    assert {e["NCCL_MAX_CTAS"] for e in p.envs} == {"33"}
+    assert len({e["NCCL_HOSTID"] for e in p.envs}) == 4
+    assert "NCCL_MAX_CTAS=33 (4 ranks per GPU, 132 SMs)" in p.summary
+
+
+def test_nccl_before_2_17_gets_max_nchannels():
+    p = plan_placement(4, 1, NCCL_216, env={}, sm_count=40)
+    assert p.mode == "hostid-socket" and p.max_ctas == 10
+    assert all(e["NCCL_MAX_NCHANNELS"] == "10" and "NCCL_MAX_CTAS" not in e for e in p.envs)
+    assert "NCCL_MAX_NCHANNELS=10 (4 ranks per GPU, 40 SMs)" in p.summary
+    kept = plan_placement(4, 1, NCCL_216, env={"NCCL_MAX_NCHANNELS": "2"}, sm_count=40)
+    assert kept.kept == ("NCCL_MAX_NCHANNELS",) and "kept the user's NCCL_MAX_NCHANNELS=2" in \
+        kept.summary
+
+
+def test_unknown_nccl_version_sets_both_names():
+    p = plan_placement(3, 1, None, env={}, sm_count=132)
+    assert p.max_ctas == 32          # the cap NCCL has had since 2.5 (64 only from 2.25)
+    assert all(e["NCCL_MAX_CTAS"] == e["NCCL_MAX_NCHANNELS"] == "32" for e in p.envs)
+    assert "NCCL_MAX_CTAS/NCCL_MAX_NCHANNELS=32" in p.summary
+
+
+def test_user_nvls_enable_1_is_flagged():
+    p = plan_placement(2, 1, NCCL_232, env={"NCCL_NVLS_ENABLE": "1"})
+    assert "NCCL_NVLS_ENABLE=1 makes NCCL fail init with several ranks per GPU" in p.summary
+    assert "NVLS" not in plan_placement(2, 1, NCCL_232, env={"NCCL_NVLS_ENABLE": "0"}).summary
+
+
+@pytest.mark.parametrize("bad", [0, -4, True, 1.5, "132"])
+def test_bad_sm_count(bad):
+    with pytest.raises(ArgumentError, match="sm_count"):
+        plan_placement(4, 1, NCCL_232, env={}, sm_count=bad)
+
+
+def test_with_mps_adds_env_unset_and_summary():
+    p = plan_placement(3, 1, NCCL_232, env={}, sm_count=132)
+    q = with_mps(p, "started (CUDA_MPS_PIPE_DIRECTORY=/x/pipe)",
+                 {"CUDA_MPS_PIPE_DIRECTORY": "/x/pipe"}, ("CUDA_VISIBLE_DEVICES",))
+    assert q.summary == p.summary + "; MPS: started (CUDA_MPS_PIPE_DIRECTORY=/x/pipe)"
+    assert q.mps.startswith("started") and q.unset == ("CUDA_VISIBLE_DEVICES",)
+    assert all(e == {**pe, "CUDA_MPS_PIPE_DIRECTORY": "/x/pipe"} for e, pe in zip(q.envs, p.envs))
+    assert p.mps is None and all("CUDA_MPS_PIPE_DIRECTORY" not in e for e in p.envs)
+    line = summary_line("ncclpy run", q)
+    assert "\n" not in line and line.endswith("; MPS: started (CUDA_MPS_PIPE_DIRECTORY=/x/pipe)")
+
+
+# ---------------------------------------------------------------- the probes behind place()
+def test_gpu_sm_count_never_raises():
+    n = gpu_sm_count()
+    assert n is None or (isinstance(n, int) and n > 0)
+    assert gpu_sm_count({**os.environ, "CUDA_VISIBLE_DEVICES": ""}) is None   # no device
+
+
+def test_place_reads_sm_count_only_above_two_ranks_per_gpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(P, "gpu_sm_count", lambda env=None: calls.append(1) or 100)
+    monkeypatch.setattr(P, "loaded_nccl_version", lambda: NCCL_232)
+    p = place(2, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert p.ranks_per_gpu == 2 and p.max_ctas is None and calls == []
+    p = place(3, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert p.max_ctas == 33 and calls == [1] and "100 SMs" in p.summary
+    p = place(3, env={"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert p.mode == "one-per-gpu" and calls == [1]
+    monkeypatch.setattr(P, "gpu_sm_count", lambda env=None: None)   # unreadable: assumed
+    assert place(4, env={"CUDA_VISIBLE_DEVICES": "0"}).max_ctas == ASSUMED_SM_COUNT // 4

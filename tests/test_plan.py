@@ -491,3 +491,39 @@ def test_premul_on_complex_and_int():
     assert p.premul.scalar == (-3).to_bytes(8, "little", signed=True)
     p = plan_reduce_scatter(ctx(0, 2), B(SEND, 4, "float8_e5m2"), op=ncclpy.premul_sum(1.5))
     assert p.premul.scalar == bytes([0x3E]) and p.premul.datatype == 11
+
+
+# -- the planner's memos (wire types, reductions) never change an outcome -----------------------
+def test_reduction_memo_tells_scalars_apart_to_the_bit():
+    from ncclpy.plan.types import PREMUL_OP
+    c = ctx(0, 2)
+    pz = plan_all_reduce(c, B(SEND, 4), None, premul_sum(0.0))
+    nz = plan_all_reduce(c, B(SEND, 4), None, premul_sum(-0.0))
+    assert pz.premul.scalar == b"\x00\x00\x00\x00" and nz.premul.scalar == b"\x00\x00\x00\x80"
+    assert pz.calls[0].arg("op") is PREMUL_OP
+    again = plan_all_reduce(c, B(SEND, 4), None, premul_sum(-0.0))
+    assert again.premul.scalar == nz.premul.scalar
+    # the same op on another dtype or NCCL version is decided again
+    assert plan_all_reduce(c, B(SEND, 4, "float16"), None, premul_sum(-0.0)).premul.scalar \
+        == b"\x00\x80"
+    with pytest.raises(ncclpy.errors.UnsupportedError, match="premul_sum"):
+        plan_all_reduce(ctx(0, 2, ver=21000), B(SEND, 4), None, premul_sum(2.0))
+    # bools are never taken for the int op codes they equal
+    assert plan_all_reduce(c, B(SEND, 4), None, 1).calls[0].arg("op") == NCCL_OPS["prod"]
+    with pytest.raises(ncclpy.errors.ArgumentTypeError):
+        plan_all_reduce(c, B(SEND, 4), None, True)
+
+
+def test_one_call_plans_equal_make_plan():
+    from ncclpy.plan.checks import make_plan, one_call
+    call = NcclCall("AllReduce", (SEND, SEND, 4, 7, 0))
+    a = one_call("all_reduce", call, 16, {"in_place": True})
+    b = make_plan("all_reduce", [call], nbytes=16, in_place=True)
+    assert a == b and a.meta == b.meta and a.steps == (call,) and not a.group
+
+
+def test_count_rule_is_filled_in_on_failure_only():
+    with pytest.raises(ncclpy.errors.ArgumentError) as ei:
+        plan_all_reduce(ctx(0, 2), B(SEND, 4), B(RECV, 5))
+    assert str(ei.value) == ("all_reduce: recvbuf has 5 elements; expected the count of "
+                             "sendbuf (4)")

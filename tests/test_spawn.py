@@ -198,10 +198,23 @@ def test_spawn_join_false_and_timeout(tmp_path):
     (_ok_child, 1, {"start_method": "teleport"}, ArgumentError),
     (_ok_child, 1, {"ranks_per_gpu": 0}, ArgumentError),
     (_ok_child, 1, {"ranks_per_gpu": "2"}, ArgumentError),
+    (_ok_child, 1, {"mps": "sometimes"}, ArgumentError),
+    (_ok_child, 1, {"mps": True}, ArgumentError),
+    (_ok_child, 1, {"env": {"NCCLPY_MPS": "yes"}}, ArgumentError),
 ])
 def test_spawn_argument_errors(fn, nprocs, kwargs, exc):
     with pytest.raises(exc):
         spawn(fn, nprocs, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mps": "sometimes"}, "mps: expected None or one of 'auto', 'on', 'off', got 'sometimes'"),
+    ({"env": {"NCCLPY_MPS": "yes"}}, "NCCLPY_MPS: expected one of auto, on, off, got 'yes'"),
+])
+def test_spawn_bad_mps_mode_is_named(kwargs, message):
+    with pytest.raises(ArgumentError) as ei:
+        spawn(_ok_child, 1, **kwargs)
+    assert str(ei.value) == message
 
 
 def test_spawn_is_exported():
@@ -282,7 +295,8 @@ def test_spawn_parent_signal_stops_the_children_first(tmp_path, sig):
 
 # --- placement ------------------------------------------------------------------------------------
 def _env_child(rank: int, outdir: str) -> None:
-    keys = ("NCCLPY_DEVICE", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_HOSTID", "NCCL_NET")
+    keys = ("NCCLPY_DEVICE", "NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_HOSTID", "NCCL_NET",
+            "NCCL_MAX_CTAS", "CUDA_VISIBLE_DEVICES")
     with open(os.path.join(outdir, f"env{rank}.json"), "w") as f:
         json.dump({k: os.environ.get(k) for k in keys}, f)
 
@@ -294,8 +308,10 @@ def _placement_lines(err: str) -> list[str]:
 def test_spawn_states_a_shared_gpu_mode_in_one_line(tmp_path, capfd):
     # CUDA_VISIBLE_DEVICES="0" makes spawn count one GPU without touching CUDA; the children
     # only record their environment
-    spawn(_env_child, 3, args=(str(tmp_path),), env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=120)
+    spawn(_env_child, 3, args=(str(tmp_path),), env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=120,
+          mps="off")   # a real MPS daemon is tests/test_mps.py's business (with a stand-in)
     (line,) = _placement_lines(capfd.readouterr().err)
+    assert line.endswith("; MPS: off")
     envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
     assert [e["NCCLPY_DEVICE"] for e in envs] == ["0", "0", "0"]
     assert line.startswith("ncclpy spawn: placement: 3 ranks on 1 GPU (")
@@ -306,15 +322,21 @@ def test_spawn_states_a_shared_gpu_mode_in_one_line(tmp_path, capfd):
         assert {e["NCCL_MULTI_RANK_GPU_ENABLE"] for e in envs} == {"1"}
     else:
         assert "hostid-socket" in line and len({e["NCCL_HOSTID"] for e in envs}) == 3
+    # 3 ranks on one GPU: a CTA limit for all of them, stated in the line
+    (ctas,) = {e["NCCL_MAX_CTAS"] for e in envs}
+    assert int(ctas) >= 1 and f"NCCL_MAX_CTAS={ctas} (3 ranks per GPU, " in line
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0"}   # no MPS: nothing unset
 
 
 def test_spawn_ranks_per_gpu(tmp_path, capfd):
-    spawn(_env_child, 4, args=(str(tmp_path),), env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
-          ranks_per_gpu=2, timeout=120)
+    spawn(_env_child, 4, args=(str(tmp_path),),
+          env={"CUDA_VISIBLE_DEVICES": "0,1,2,3", "NCCLPY_MPS": "off"}, ranks_per_gpu=2,
+          timeout=120)
     envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(4)]
     assert [e["NCCLPY_DEVICE"] for e in envs] == ["0", "1", "0", "1"]   # r mod 2 GPUs used
     (line,) = _placement_lines(capfd.readouterr().err)
-    assert "4 ranks on 2 GPUs of 4, rank r -> GPU r mod 2" in line
+    assert "4 ranks on 2 GPUs of 4, rank r -> GPU r mod 2" in line and line.endswith("MPS: off")
+    assert {e["NCCL_MAX_CTAS"] for e in envs} == {None}   # 2 per GPU: NCCL's defaults fit
 
 
 def test_spawn_one_rank_per_gpu_prints_nothing(tmp_path, capfd):

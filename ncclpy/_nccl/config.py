@@ -11,14 +11,18 @@ than silently ignored.
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError
 from ..ops import format_version
 
 __all__ = ["Config", "NcclConfigStruct", "CONFIG_FIELDS", "CONFIG_MAGIC", "CONFIG_VERSION",
-           "CONFIG_UNDEF_INT", "CTA_POLICY_DEFAULT", "CTA_POLICY_EFFICIENCY", "CTA_POLICY_ZERO"]
+           "CONFIG_UNDEF_INT", "BLOCKING_UNDEF_FROM", "MAX_CTAS_FILL", "COMM_BLOCKING_ENV_FROM",
+           "nccl_env_int", "env_blocking", "effective_nonblocking", "init_struct",
+           "CTA_POLICY_DEFAULT", "CTA_POLICY_EFFICIENCY", "CTA_POLICY_ZERO"]
 
 CONFIG_MAGIC = 0xCAFEBEEF          # NCCL_API_MAGIC
 CONFIG_VERSION = 22800             # NCCL_VERSION(2, 28, 0): the layout declared below
@@ -52,10 +56,11 @@ class NcclConfigStruct(ctypes.Structure):
     ]
 
 
-#: python field -> (C field, kind, first NCCL version that reads it).  Versions follow NCCL's
-#: own parseCommConfig gates (2.14 blocking; 2.17 CGA/CTAs/netName; 2.25 trafficClass; 2.27
-#: collnet/CTA policy/shrinkShare/nvlsCTAs; 2.28 nChannelsPerNetPeer/nvlinkCentricSched),
-#: splitShare arrived with ncclCommSplit (2.18); commName is gated with trafficClass (2.25).
+#: python field -> (C field, kind, first NCCL version that reads it): the version whose
+#: ``ncclConfig_t`` has the field (an older NCCL copies only the prefix it knows and silently
+#: drops the rest): 2.14 blocking; 2.17 CGA/CTAs/netName; 2.18 splitShare (with
+#: ncclCommSplit); 2.26 trafficClass; 2.27 commName, collnet/CTA policy/shrinkShare/nvlsCTAs;
+#: 2.28 nChannelsPerNetPeer/nvlinkCentricSched.
 CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
     "blocking": ("blocking", "bool", 21400),
     "cga_cluster_size": ("cgaClusterSize", "int", 21700),
@@ -63,8 +68,8 @@ CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
     "max_ctas": ("maxCTAs", "int", 21700),
     "net_name": ("netName", "str", 21700),
     "split_share": ("splitShare", "bool", 21800),
-    "traffic_class": ("trafficClass", "int", 22500),
-    "comm_name": ("commName", "str", 22500),
+    "traffic_class": ("trafficClass", "int", 22600),
+    "comm_name": ("commName", "str", 22700),
     "collnet_enable": ("collnetEnable", "bool", 22700),
     "cta_policy": ("CTAPolicy", "int", 22700),
     "shrink_share": ("shrinkShare", "bool", 22700),
@@ -72,6 +77,14 @@ CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
     "n_channels_per_net_peer": ("nChannelsPerNetPeer", "int", 22800),
     "nvlink_centric_sched": ("nvlinkCentricSched", "bool", 22800),
 }
+
+#: NCCL 2.14-2.16 accept only 0 or 1 in ``blocking`` (no "unset"): ncclpy writes 1 there
+BLOCKING_UNDEF_FROM = 21700
+#: What ncclpy writes for ``maxCTAs`` when only ``min_ctas`` is given: NCCL compares
+#: ``minCTAs > maxCTAs`` before it fills its defaults (INT_MIN < anything), so min alone is
+#: always ncclInvalidArgument.  64 is MAXCHANNELS of current NCCL (its own default); an NCCL
+#: with fewer channels caps it to its limit, exactly as for its default.
+MAX_CTAS_FILL = 64
 
 _CTA_POLICIES = {"default": CTA_POLICY_DEFAULT, "efficiency": CTA_POLICY_EFFICIENCY,
                  "zero": CTA_POLICY_ZERO}
@@ -168,7 +181,11 @@ class Config:
     def to_struct(self, nccl_version: Optional[int] = None) -> NcclConfigStruct:
         """The ``ncclConfig_t`` for this config (checked against ``nccl_version`` if given).
 
-        The struct keeps the encoded strings alive (ctypes stores them in ``_objects``).
+        Two fields are written even when unset, where NCCL would otherwise refuse the config:
+        ``blocking`` is 1 on NCCL 2.14-2.16 (no "unset" there), and ``maxCTAs`` is
+        ``max(64, min_ctas)`` when only ``min_ctas`` is given (NCCL checks min <= max before
+        filling its defaults).  The struct keeps the encoded strings alive (ctypes stores them
+        in ``_objects``).
         """
         if nccl_version is not None:
             self.check_version(nccl_version)
@@ -182,4 +199,72 @@ class Config:
                 setattr(s, cname, None if value is None else value.encode())
             else:
                 setattr(s, cname, CONFIG_UNDEF_INT if value is None else int(value))
+        if self.blocking is None and nccl_version is not None \
+                and nccl_version < BLOCKING_UNDEF_FROM:
+            s.blocking = 1           # NCCL's default, written out for 2.14-2.16
+        if self.min_ctas is not None and self.max_ctas is None:
+            s.maxCTAs = max(MAX_CTAS_FILL, self.min_ctas)
         return s
+
+
+#: First NCCL that reads ``NCCL_COMM_BLOCKING`` (with ncclCommInitRankConfig)
+COMM_BLOCKING_ENV_FROM = 21400
+_STRTOLL0 = re.compile(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)")
+_INT64_MAX = 2 ** 63 - 1
+
+
+def nccl_env_int(value: Optional[str]) -> Optional[int]:
+    """An NCCL integer parameter as NCCL reads it from the environment, None when unset.
+
+    NCCL's loader takes ``strtoll(value, NULL, 0)`` of a non-empty value and falls back to the
+    default only on ``errno`` (overflow): so "0x10" is 16, "012" is 10, "7abc" is 7, and a value
+    with no digits at all (e.g. "off") is 0.
+    """
+    if not value:
+        return None
+    m = _STRTOLL0.match(value)
+    if m is None:
+        return 0
+    sign, digits = m.groups()
+    base = 16 if digits[:2] in ("0x", "0X") else 8 if digits.startswith("0") else 10
+    v = int(digits, base)
+    v = -v if sign == "-" else v
+    if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+        return None
+    return v
+
+
+def env_blocking(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """What ``NCCL_COMM_BLOCKING`` forces: True (1), False (0), or None (unset or another
+    value, which NCCL ignores)."""
+    env = os.environ if environ is None else environ
+    v = nccl_env_int(env.get("NCCL_COMM_BLOCKING"))
+    return {0: False, 1: True}.get(v) if v is not None else None
+
+
+def effective_nonblocking(config: Optional[Config], nccl_version: int,
+                          environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether NCCL will make the communicator nonblocking, so ncclpy must poll it.
+
+    ``NCCL_COMM_BLOCKING`` overrides the config (NCCL's env override runs after it):
+    1 makes every communicator blocking, 0 nonblocking.  A communicator NCCL made blocking but
+    ncclpy treats as nonblocking only costs a poll that answers at once (older NCCLs honour
+    only the 1), never a misuse; the reverse would fail the next call.
+    """
+    forced = env_blocking(environ) if nccl_version >= COMM_BLOCKING_ENV_FROM else None
+    if forced is not None:
+        return not forced
+    return config is not None and config.nonblocking
+
+
+def init_struct(config: Optional[Config], nccl_version: int,
+                environ: Optional[Mapping[str, str]] = None) -> Optional[NcclConfigStruct]:
+    """The ``ncclConfig_t`` to create a communicator with ``ncclCommInitRankConfig``, or None
+    to create it through CuPy's ``ncclCommInitRank``.
+
+    A config always needs the ctypes path; so does a nonblocking mode from the environment
+    (NCCL_COMM_BLOCKING=0), whose ncclInProgress CuPy cannot hand back.
+    """
+    if config is None and not effective_nonblocking(None, nccl_version, environ):
+        return None
+    return (config or Config()).to_struct(nccl_version)

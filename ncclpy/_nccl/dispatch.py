@@ -3,19 +3,23 @@
 The dispatch table maps each NCCL function a plan may name (``AllReduce``, ..., ``GroupEnd``) to
 a callable ``(*args, stream)`` built once per communicator: CuPy's bound method where CuPy wraps
 the call and created the communicator, otherwise the ctypes function of the same libnccl with the
-raw ``ncclComm_t``.  Both raise ncclpy's NcclError subclass with ``ncclGetLastError``'s text.
+raw ``ncclComm_t``.  Both raise ncclpy's NcclError subclass with ``ncclGetLastError``'s text,
+including for the codes CuPy cannot represent (ncclInProgress, ncclTimeout: CuPy 14 raises a
+bare ``KeyError(7)`` / ``KeyError(8)`` for them), and both wait for a nonblocking communicator
+whose call returned ncclInProgress.  Group start/end always go through ctypes.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError, as_int
 from ..plan.types import NCCL_FUNCTIONS
 from .lib import NCCL_IN_PROGRESS, CudaUnavailableError
 
-__all__ = ["CUPY_METHODS", "build_dispatch", "lib_group", "int_arg", "uid_bytes",
-           "require_device", "cupy_init", "cupy_stream_for"]
+__all__ = ["CUPY_METHODS", "CUPY_UNREPRESENTABLE", "build_dispatch", "lib_group", "int_arg",
+           "uid_bytes", "require_device", "cupy_init", "cupy_stream_for", "cupy_status",
+           "call_cupy"]
 
 #: NCCL function (plan name) -> CuPy NcclCommunicator method with the same C-order arguments
 CUPY_METHODS = {"AllReduce": "allReduce", "Reduce": "reduce", "Broadcast": "broadcast",
@@ -48,28 +52,51 @@ def _ctypes_call(comm: Any, lib: Any, handle: int, name: str) -> Callable[..., N
     return call
 
 
-def _cupy_call(lib: Any, handle: int, method: Any, name: str) -> Callable[..., None]:
-    nccl_error = lib.cupy_nccl.NcclError
+#: ncclResult_t codes CuPy 14 cannot put in its NcclError: its message table stops at 6, so
+#: ``NcclError(7)`` (ncclInProgress) and ``NcclError(8)`` (ncclTimeout) raise ``KeyError(code)``
+CUPY_UNREPRESENTABLE = (7, 8)
 
+
+def cupy_status(exc: BaseException, lib: Any) -> Optional[int]:
+    """The ncclResult_t a CuPy NCCL call failed with, or None if ``exc`` is not such a failure.
+
+    CuPy raises its NcclError for codes 1-6 and, for 7 and 8, the KeyError its NcclError
+    constructor raises on the missing message (a bare ``KeyError(7)``).
+    """
+    if isinstance(exc, lib.cupy_nccl.NcclError):
+        return int(exc.status)
+    if type(exc) is KeyError and len(exc.args) == 1 and exc.args[0] in CUPY_UNREPRESENTABLE:
+        return int(exc.args[0])
+    return None
+
+
+def call_cupy(lib: Any, name: str, handle: Optional[int], fn: Callable[..., Any],
+              *args: Any) -> Tuple[int, Any]:
+    """``fn(*args)`` (a CuPy NCCL call) -> (0, result), or (ncclInProgress, None); any other
+    NCCL failure raises ncclpy's NcclError subclass for it (codes 7/8 included)."""
+    try:
+        return 0, fn(*args)
+    except (KeyError, lib.cupy_nccl.NcclError) as e:
+        code = cupy_status(e, lib)
+        if code is None:
+            raise
+        if code == NCCL_IN_PROGRESS:
+            return code, None
+        raise lib.error(code, name, handle) from None
+
+
+def _cupy_call(comm: Any, lib: Any, handle: int, method: Any, name: str) -> Callable[..., None]:
     def call(*args: Any, stream: int) -> None:
         try:
             method(*args, stream)
-        except nccl_error as e:
-            raise lib.error(e.status, name, handle) from None
-    return call
-
-
-def _cupy_group(lib: Any, fn: Any, name: str) -> Callable[[], int]:
-    nccl_error = lib.cupy_nccl.NcclError
-
-    def call() -> int:
-        try:
-            fn()
-        except nccl_error as e:
-            if e.status == NCCL_IN_PROGRESS:
-                return NCCL_IN_PROGRESS
-            raise lib.error(e.status, name) from None
-        return 0
+        except (KeyError, lib.cupy_nccl.NcclError) as e:
+            code = cupy_status(e, lib)
+            if code is None:
+                raise
+            if code != NCCL_IN_PROGRESS:
+                raise lib.error(code, name, handle) from None
+            if _depth() == 0:          # nonblocking communicator: wait before the next call
+                comm._wait_ready(name)
     return call
 
 
@@ -87,15 +114,14 @@ def build_dispatch(comm: Any, lib: Any, handle: int, nc: Any) -> Dict[str, Calla
     table: Dict[str, Callable] = {}
     for fn in NCCL_FUNCTIONS:
         if nc is not None and fn in CUPY_METHODS:
-            table[fn] = _cupy_call(lib, handle, getattr(nc, CUPY_METHODS[fn]), "nccl" + fn)
+            table[fn] = _cupy_call(comm, lib, handle, getattr(nc, CUPY_METHODS[fn]), "nccl" + fn)
         else:
             table[fn] = _ctypes_call(comm, lib, handle, "nccl" + fn)
-    if nc is not None:
-        table["GroupStart"] = _cupy_group(lib, lib.cupy_nccl.groupStart, "ncclGroupStart")
-        table["GroupEnd"] = _cupy_group(lib, lib.cupy_nccl.groupEnd, "ncclGroupEnd")
-    else:
-        table["GroupStart"] = lib_group(lib, "ncclGroupStart")
-        table["GroupEnd"] = lib_group(lib, "ncclGroupEnd")
+    # Group calls always go through ctypes (the same libnccl, so the same thread-local group
+    # state as CuPy's): a group may hold a nonblocking communicator's calls, and then
+    # ncclGroupEnd returns ncclInProgress, which CuPy cannot represent.
+    table["GroupStart"] = lib_group(lib, "ncclGroupStart")
+    table["GroupEnd"] = lib_group(lib, "ncclGroupEnd")
     return table
 
 

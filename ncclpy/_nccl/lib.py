@@ -263,6 +263,7 @@ class NcclLib:
             raise MissingDependencyError(f"cannot reopen the loaded libnccl {self.path}: {e}; "
                                          f"{INSTALL_HINT}") from e
         self._fns: Dict[str, Callable] = {}
+        self._seen_error = ""
         v = ctypes.c_int(0)
         res = self.fn("ncclGetVersion", check_version=False)(ctypes.byref(v))
         if res != NCCL_SUCCESS:  # pragma: no cover
@@ -275,6 +276,7 @@ class NcclLib:
         if self.cupy_version not in (-1, self.version):  # pragma: no cover
             log.warning("CuPy reports NCCL %s but %s reports %s", self.cupy_version, self.path,
                         self.version)
+        self.mark_seen()   # text left by whoever used NCCL before ncclpy is not ncclpy's
         log.debug("bound libnccl %s (NCCL %s)", self.path, format_version(self.version))
 
     # -- bindings -------------------------------------------------------------------------
@@ -324,8 +326,28 @@ class NcclLib:
             return ""
         return s.decode(errors="replace") if s else ""
 
+    def mark_seen(self) -> None:
+        """Note NCCL's current last-error text as already seen (after a step that may leave
+        text behind without failing, e.g. the repair ``ncclGroupEnd`` or a successful init)."""
+        self._seen_error = self.last_error()
+
+    def fresh_error_text(self, comm: Optional[int] = None) -> str:
+        """``ncclGetLastError`` text if NCCL wrote it since the last look, else ''.
+
+        NCCL keeps one process-wide last-error buffer and never clears it, so a failure that
+        writes no text of its own would otherwise be reported with an earlier, unrelated one.
+        (The same text written twice in a row cannot be told from a stale one and is dropped.)
+        """
+        text = self.last_error(comm)
+        if text == self._seen_error:
+            return ""
+        self._seen_error = text
+        return text
+
     def error(self, code: int, call: str, comm: Optional[int] = None) -> NcclError:
-        text = self.last_error(comm) or self.error_string(code)
+        """The NcclError for ``code`` from ``call``, with NCCL's text for this failure only
+        (``ncclGetErrorString(code)`` where NCCL wrote none)."""
+        text = self.fresh_error_text(comm) or self.error_string(code)
         return nccl_error_from_code(code, call, text)
 
     def check(self, code: int, call: str, comm: Optional[int] = None,
@@ -380,6 +402,7 @@ class NcclLib:
         closed = 0
         while closed < 16 and end() == NCCL_SUCCESS:  # ncclInvalidUsage: not in a group
             closed += 1
+        self.mark_seen()   # the final ncclGroupEnd leaves "not in a group call" behind
         if closed:
             log.debug("closed %d NCCL group level(s) left open by a failed init", closed)
         return closed

@@ -13,6 +13,10 @@
   after ``grace`` seconds; the exit code is the first failure's (signal death -> 128 + signum) and
   one summary line goes to stderr.  Rank 0 gets the launcher's stdin, the others /dev/null.
 * Ranks die with the launcher (``PR_SET_PDEATHSIG``, Linux) if it is killed outright.
+* Ranks sharing a GPU: :mod:`ncclpy.launch.placement` sets NCCL's variables (a CTA limit above 2
+  ranks per GPU) and :mod:`ncclpy.launch.mps` starts a CUDA MPS daemon for the run (``--mps``,
+  ``NCCLPY_MPS``; default ``auto``), stopped when the run ends, whatever the outcome; the
+  placement line says what was set.
 """
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import ArgumentError, LaunchError
 from ._pdeath import PR_SET_PDEATHSIG, prctl_function
-from .placement import (Placement, loaded_nccl_version, plan_placement, summary_line,
-                        visible_gpu_count)
+from .mps import MPS_MODES, MPS_ENV, resolve_mode, setup_mps
+from .placement import Placement, place, summary_line, with_mps
 
 __all__ = ["launch", "add_run_arguments", "run_from_args", "build_command", "DEFAULT_GRACE",
            "PREFIX_FORMAT"]
@@ -207,14 +211,16 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
            master_addr: Optional[str] = None, master_port: Optional[int] = None,
            ranks_per_gpu: Optional[int] = None, prefix: bool = True,
            grace: float = DEFAULT_GRACE, env: Optional[Mapping[str, str]] = None,
-           stdout: Any = None, stderr: Any = None) -> int:
+           stdout: Any = None, stderr: Any = None, mps: Optional[str] = None) -> int:
     """Start ``nproc`` local ranks of ``command`` and supervise them; returns the exit code.
 
     ``env`` (default ``os.environ``) is the base environment of every rank.  Multi-node runs
     (``nnodes > 1``) need ``master_addr``, ``master_port`` and a shared ``NCCLPY_STORE_TOKEN``
     in ``env``; single-node runs pick a free port and a fresh random token.  On one node
     ``master_addr`` must be an address of this machine (rank 0 hosts the store here); a
-    ``master_port`` must lie in 1..65534 (torch's store gets ``master_port + 1``).
+    ``master_port`` must lie in 1..65534 (torch's store gets ``master_port + 1``).  ``mps``
+    (``"auto"``, ``"on"``, ``"off"``; None: ``NCCLPY_MPS`` in ``env``, else ``"auto"``) says whether
+    to run a CUDA MPS daemon while ranks share a GPU (:mod:`ncclpy.launch.mps`).
     """
     base = dict(os.environ if env is None else env)
     for name, val, lo in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
@@ -230,6 +236,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
         raise ArgumentError(f"--ranks-per-gpu: expected a positive int, got {ranks_per_gpu!r}")
     if master_port is not None:
         _check_port(master_port)
+    mps_mode = resolve_mode(mps, base, name="--mps")
     command = list(command)
     if not command:
         raise ArgumentError("command: expected a program to run, got an empty command")
@@ -261,15 +268,30 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     assert master_addr is not None and master_port is not None
     world = nnodes * nproc
 
-    ngpus = visible_gpu_count(base)
-    shares = ngpus > 0 and (nproc > ngpus or (ranks_per_gpu or 1) > 1)
-    placement: Placement = plan_placement(
-        nproc, ngpus, loaded_nccl_version() if shares else None, ranks_per_gpu=ranks_per_gpu,
-        single_node=single, env=base)
+    placement: Placement = place(nproc, ranks_per_gpu=ranks_per_gpu, single_node=single, env=base)
+    mps_setup = setup_mps(mps_mode, placement.shared, base, name="--mps")
+    if mps_setup.status is not None:
+        placement = with_mps(placement, mps_setup.status, mps_setup.env, mps_setup.unset)
     where = "" if single else f"node {node_rank} of {nnodes}, ranks {node_rank * nproc}-" \
                               f"{node_rank * nproc + nproc - 1} of {world}; "
-    err.line(summary_line("ncclpy run", placement, where))
+    failed = True
+    try:
+        err.line(summary_line("ncclpy run", placement, where))
+        rc = _start_and_supervise(command, base, placement, out, err, prefix, grace, master_addr,
+                                  master_port, token, node_rank, nproc, world)
+        failed = rc != 0
+        return rc
+    finally:
+        kept = mps_setup.stop(failed=failed)   # also on errors and signals: never leave it
+        if kept:
+            err.line(f"ncclpy run: the run failed; MPS logs kept in {kept}")
 
+
+def _start_and_supervise(command: list[str], base: Mapping[str, str], placement: Placement,
+                         out: _Sink, err: _Sink, prefix: bool, grace: float, master_addr: str,
+                         master_port: int, token: str, node_rank: int, nproc: int,
+                         world: int) -> int:
+    """Start the ranks with their environment and supervise them; the exit code."""
     preexec = _pdeathsig_fn()
     procs: list[subprocess.Popen] = []
     ranks = [node_rank * nproc + lr for lr in range(nproc)]
@@ -287,6 +309,8 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
                              master_port=master_port, token=token,
                              device=placement.devices[lr], extra=placement.envs[lr])
             renv.setdefault("PYTHONUNBUFFERED", "1")
+            for name in placement.unset:      # e.g. CUDA_VISIBLE_DEVICES under ncclpy's MPS
+                renv.pop(name, None)
             try:
                 procs.append(subprocess.Popen(
                     command, env=renv, stdin=None if lr == 0 else subprocess.DEVNULL,
@@ -408,6 +432,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    default=None, metavar="R",
                    help="share each GPU among R ranks: N ranks use ceil(N/R) GPUs, rank r -> "
                         "GPU r mod ceil(N/R) (default: one rank per GPU while they suffice)")
+    p.add_argument("--mps", choices=MPS_MODES, default=None,
+                   help=f"CUDA MPS while ranks share a GPU: auto starts a daemon for the run when "
+                        f"nvidia-cuda-mps-control is on PATH, on requires it, off never starts "
+                        f"one (default: ${MPS_ENV}, else auto)")
     p.add_argument("--no-prefix", "--no_prefix", dest="no_prefix", action="store_true",
                    help="do not prefix output lines with '[rank R] '")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
@@ -425,7 +453,8 @@ def run_from_args(ns: argparse.Namespace, parser: Optional[argparse.ArgumentPars
         command = build_command(ns.program, ns.module)
         return launch(command, ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                       master_addr=ns.master_addr, master_port=ns.master_port,
-                      ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace)
+                      ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace,
+                      mps=getattr(ns, "mps", None))
     except (ArgumentError, LaunchError) as e:
         sys.stderr.write(f"ncclpy run: error: {e}\n")  # CLI usage error, as argparse does
         return 2

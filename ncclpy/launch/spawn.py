@@ -10,7 +10,9 @@ Only strings cross the pipe back; nothing is unpickled from a child's exception.
 The children die with the parent (SIGTERM through ``PR_SET_PDEATHSIG`` on Linux, even when the
 parent is SIGKILLed); SIGINT/SIGTERM reaching the parent stop them before taking effect.  GPU
 placement is ``ncclpy run``'s (:mod:`ncclpy.launch.placement`, ``ranks_per_gpu`` included), and
-when ranks share a GPU the same one-line mode statement goes to stderr.
+when ranks share a GPU the same one-line mode statement goes to stderr, CUDA MPS included
+(``mps=``, as ``ncclpy run --mps``; :mod:`ncclpy.launch.mps`): a daemon started for the children
+is stopped once they have all ended, whatever the outcome.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 from ncclpy.errors import ArgumentError, ArgumentTypeError, LaunchError, ProcessRaisedException
 from ncclpy.launch._pdeath import die_with_parent
 from ncclpy.launch.env import rank_env
+from ncclpy.launch.mps import MpsSetup, resolve_mode, setup_mps
 
 __all__ = ["spawn", "SpawnContext", "TERM_GRACE_S"]
 
@@ -41,15 +44,17 @@ TERM_GRACE_S = 3.0
 
 
 def _trampoline(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: Mapping[str, str],
-                conn: Any, parent_pid: Optional[int] = None) -> None:
-    """Child entry point: die with the parent (SIGTERM, Linux), set the rank's environment, run
-    ``fn``, send back a traceback on error."""
+                conn: Any, parent_pid: Optional[int] = None, unset: Sequence[str] = ()) -> None:
+    """Child entry point: die with the parent (SIGTERM, Linux), set the rank's environment
+    (removing the names in ``unset``), run ``fn``, send back a traceback on error."""
     for sig, default in ((signal.SIGINT, signal.default_int_handler),
                          (signal.SIGTERM, signal.SIG_DFL)):
         if getattr(signal.getsignal(sig), "_ncclpy_spawn", False):  # inherited through fork
             signal.signal(sig, default)
     die_with_parent(signal.SIGTERM, parent_pid)
     os.environ.update(env)
+    for name in unset:
+        os.environ.pop(name, None)
     try:
         fn(rank, *args)
     except KeyboardInterrupt:
@@ -87,28 +92,35 @@ def _two_free_ports(host: str) -> tuple[int, int]:
         return int(a.getsockname()[1]), int(b.getsockname()[1])
 
 
-def _plan_placement(nprocs: int, child_env: Mapping[str, str], ranks_per_gpu: Optional[int]
-                    ) -> tuple[list[Optional[int]], list[dict[str, str]]]:
-    """The single placement call site: device and extra NCCL variables per rank (one node).
+def _stderr_line(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # no usable stderr: the log still has it
+        pass
+
+
+def _plan_placement(nprocs: int, child_env: Mapping[str, str], ranks_per_gpu: Optional[int],
+                    mps_mode: str = "off"
+                    ) -> tuple[list[Optional[int]], list[dict[str, str]], tuple[str, ...],
+                               MpsSetup]:
+    """The single placement call site (one node): device, extra variables and variables to
+    remove per rank, and the MPS set up for them (``mps_mode``, :mod:`ncclpy.launch.mps`).
 
     When ranks share a GPU the mode is stated in one line on stderr, as ``ncclpy run`` does.
     """
     from ncclpy.launch import placement
 
-    ngpus = placement.visible_gpu_count(child_env)
-    shares = ngpus > 0 and (nprocs > ngpus or (ranks_per_gpu or 1) > 1)
-    version = placement.loaded_nccl_version() if shares else None
-    plan = placement.plan_placement(nprocs, ngpus, version, ranks_per_gpu=ranks_per_gpu,
-                                    single_node=True, env=child_env)
+    plan = placement.place(nprocs, ranks_per_gpu=ranks_per_gpu, single_node=True, env=child_env)
+    mps_setup = setup_mps(mps_mode, plan.shared, child_env, name="mps")
+    if mps_setup.status is not None:
+        plan = placement.with_mps(plan, mps_setup.status, mps_setup.env, mps_setup.unset)
     line = placement.summary_line("ncclpy spawn", plan)
-    if plan.mode in placement.SHARED_MODES:
-        try:
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-        except (OSError, ValueError, AttributeError):  # no usable stderr: the log still has it
-            pass
+    if plan.shared:
+        _stderr_line(line)
     log.info("%s", line)
-    return [plan.device(r) for r in range(nprocs)], [plan.env(r) for r in range(nprocs)]
+    return ([plan.device(r) for r in range(nprocs)], [plan.env(r) for r in range(nprocs)],
+            plan.unset, mps_setup)
 
 
 class _Interrupted(BaseException):
@@ -151,12 +163,26 @@ def _after_interrupt(context: "SpawnContext", e: _Interrupted) -> None:
 class SpawnContext:
     """The running children of one :func:`spawn` call (what ``join=False`` returns)."""
 
-    def __init__(self, processes: list, envs: list[dict[str, str]]) -> None:
+    def __init__(self, processes: list, envs: list[dict[str, str]],
+                 mps: Optional[MpsSetup] = None) -> None:
         self.processes = processes
         self.envs = envs
         self._conns: dict[int, Any] = {}
         self._tracebacks: dict[int, str] = {}
         self._done = False
+        self._mps = mps
+
+    def _end_mps(self) -> None:
+        """Stop the MPS daemon started for these children (once they all ended); keep its logs
+        and say where when a child failed."""
+        setup, self._mps = self._mps, None
+        if setup is None or setup.daemon is None:
+            return
+        failed = any(p.exitcode != 0 for p in self.processes)
+        kept = setup.stop(failed=failed)
+        if kept:
+            log.warning("spawn: a rank failed; MPS logs kept in %s", kept)
+            _stderr_line(f"ncclpy spawn: a rank failed; MPS logs kept in {kept}")
 
     def pids(self) -> list[Optional[int]]:
         return [p.pid for p in self.processes]
@@ -201,6 +227,8 @@ class SpawnContext:
             p.join(timeout=5.0)
         for rank in list(self._conns):
             self._read(rank)
+        if not any(p.is_alive() for p in self.processes):
+            self._end_mps()
 
     def _fail(self, rank: int) -> None:
         p = self.processes[rank]
@@ -244,6 +272,7 @@ class SpawnContext:
                     if p.exitcode != 0:
                         self._fail(r)
                 self._done = True
+                self._end_mps()
                 return True
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait([*running, *conns], timeout=wait_s)
@@ -269,16 +298,19 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
           timeout: Optional[float] = None, master_addr: str = "127.0.0.1",
           master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
           start_method: str = "spawn", ranks_per_gpu: Optional[int] = None,
-          ) -> Optional[SpawnContext]:
+          mps: Optional[str] = None) -> Optional[SpawnContext]:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes of one node with the rendezvous env set.
 
     ``master_port`` None picks a free port; ``env`` adds variables for every child (the
     rendezvous variables always win).  ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R
     ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
-    chosen is stated in one line on stderr.  ``join=False`` returns a :class:`SpawnContext`; with
-    ``join=True`` this returns None when every child exited 0 and raises otherwise
-    (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for a non-zero exit, a
-    signal, or ``timeout`` seconds passing; the other children are stopped in every case).
+    chosen is stated in one line on stderr.  ``mps`` is ``ncclpy run --mps`` (``"auto"``,
+    ``"on"``, ``"off"``; None: ``NCCLPY_MPS``, else ``"auto"``): a CUDA MPS daemon for children
+    sharing a GPU, stopped when they have all ended.  ``join=False`` returns a
+    :class:`SpawnContext`; with ``join=True`` this returns None when every child exited 0 and
+    raises otherwise (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for
+    a non-zero exit, a signal, or ``timeout`` seconds passing; the other children are stopped in
+    every case).
 
     The children die with the parent (SIGTERM via ``PR_SET_PDEATHSIG``, Linux): with
     ``join=False``, call this from a thread that outlives them (e.g. the main thread).  SIGINT
@@ -304,20 +336,27 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
                             f"got {start_method!r}") from e
 
     user_env = {str(k): str(v) for k, v in (env or {}).items()}
+    child_env = {**os.environ, **user_env}
+    mps_mode = resolve_mode(mps, child_env, name="mps")
     if master_port is None:
         master_port, torch_port = _two_free_ports(master_addr)
     else:
         torch_port = None  # rank_env's default: master_port + 1
     token = secrets.token_hex(16)
-    devices, extras = _plan_placement(nprocs, {**os.environ, **user_env}, ranks_per_gpu)
-    envs = [{**user_env, **rank_env(r, nprocs, r, nprocs, master_addr, master_port, token,
-                                    device=devices[r], extra=extras[r],
-                                    torch_master_port=torch_port)}
-            for r in range(nprocs)]
+    devices, extras, unset, mps_setup = _plan_placement(nprocs, child_env, ranks_per_gpu,
+                                                        mps_mode)
+    try:
+        envs = [{k: v for k, v in {**user_env, **rank_env(
+                    r, nprocs, r, nprocs, master_addr, master_port, token, device=devices[r],
+                    extra=extras[r], torch_master_port=torch_port)}.items() if k not in unset}
+                for r in range(nprocs)]
+    except BaseException:
+        mps_setup.stop()
+        raise
     log.debug("spawn: %d ranks, store %s:%d", nprocs, master_addr, master_port)
 
     processes: list = []
-    context = SpawnContext(processes, envs)
+    context = SpawnContext(processes, envs, mps_setup)
     # a forkserver child's parent is the fork server (which dies with this process), not us
     parent = None if start_method == "forkserver" else os.getpid()
     try:
@@ -325,7 +364,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
             for r in range(nprocs):
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_trampoline,
-                                args=(fn, r, tuple(args), envs[r], writer, parent),
+                                args=(fn, r, tuple(args), envs[r], writer, parent, unset),
                                 name=f"ncclpy-rank-{r}")
                 p.start()
                 writer.close()

@@ -5,8 +5,9 @@ argument, what was given and what was expected.  Nothing here touches a GPU.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..buffers import DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, as_buffer
 from ..dtypes import DType, Logical, LOGICAL, nccl_dtype
@@ -17,8 +18,8 @@ from .types import PREMUL_OP, NcclCall, Plan, PlanContext, PremulSpec, Step
 
 __all__ = ["Wire", "check_ctx", "buf", "buf_list", "wire", "reduction", "rank_arg",
            "same_dtype", "expect_count", "divisible", "overlaps", "adjacent", "counts_arg",
-           "self_overlap", "cross_overlap", "make_plan", "is_list", "same_list", "region",
-           "sub", "disjoint_outputs"]
+           "self_overlap", "cross_overlap", "make_plan", "one_call", "is_list", "same_list",
+           "region", "sub", "disjoint_outputs"]
 
 
 def check_ctx(ctx: PlanContext, coll: str) -> None:
@@ -34,23 +35,27 @@ def check_ctx(ctx: PlanContext, coll: str) -> None:
 def buf(ctx: PlanContext, coll: str, name: str, b: Any, *, output: bool = False) -> BufferSpec:
     """Parse (if needed) and check one buffer: device memory on the communicator's device,
     contiguous, a known dtype, writable when it is an output."""
-    if isinstance(b, (list, tuple)):
-        raise ArgumentTypeError(f"{coll}: {name} must be one buffer here, got a "
-                                f"{type(b).__name__} of {len(b)}")
-    spec = b if isinstance(b, BufferSpec) else as_buffer(b, f"{coll}: {name}")
+    if type(b) is BufferSpec:
+        spec = b
+    else:
+        if isinstance(b, (list, tuple)):
+            raise ArgumentTypeError(f"{coll}: {name} must be one buffer here, got a "
+                                    f"{type(b).__name__} of {len(b)}")
+        spec = b if isinstance(b, BufferSpec) else as_buffer(b, f"{coll}: {name}")
     if spec.dtype not in LOGICAL:
         raise UnsupportedError(f"{coll}: {name} has dtype {spec.dtype!r}; expected one of "
                                f"{', '.join(LOGICAL)}")
-    if spec.count < 0 or spec.ptr < 0:
-        raise ArgumentError(f"{coll}: {name} has count {spec.count} / ptr {spec.ptr}; "
+    count, ptr, device = spec.count, spec.ptr, spec.device
+    if count < 0 or ptr < 0:
+        raise ArgumentError(f"{coll}: {name} has count {count} / ptr {ptr}; "
                             f"expected non-negative values")
-    if spec.count and not spec.ptr:
-        raise ArgumentError(f"{coll}: {name} has {spec.count} elements but a NULL pointer")
-    if spec.device == DEVICE_HOST:
+    if count and not ptr:
+        raise ArgumentError(f"{coll}: {name} has {count} elements but a NULL pointer")
+    if device == DEVICE_HOST:
         raise ArgumentError(f"{coll}: {name} is in host memory (device -1); NCCL needs device "
                             f"memory on device {ctx.device}")
-    if spec.device != DEVICE_UNKNOWN and spec.device != ctx.device:
-        raise ArgumentError(f"{coll}: {name} is on device {spec.device} but the communicator "
+    if device != DEVICE_UNKNOWN and device != ctx.device:
+        raise ArgumentError(f"{coll}: {name} is on device {device} but the communicator "
                             f"is on device {ctx.device}; expected a buffer on device "
                             f"{ctx.device}")
     if not spec.contiguous:
@@ -96,18 +101,52 @@ class Wire:
         return elements * self.logical.factor
 
 
+#: (logical dtype, NCCL version) -> Wire; and (type(op), op, dtype, version) -> reduction.
+#: Both are pure functions of their (hashable, value-compared) keys; failures are never
+#: stored, so a bad dtype or op is checked, and refused, on every call.
+_WIRES: Dict[Tuple[str, int], Wire] = {}
+_REDUCTIONS: Dict[Tuple[Any, ...], Tuple[Any, Optional[PremulSpec], RedOp]] = {}
+_OP_TYPES = (str, int)   # exact types whose equality is their value (not bool, float)
+_MEMO_MAX = 1024
+
+
+def _remember(memo: Dict[Any, Any], key: Any, value: Any) -> None:
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+
+
 def wire(ctx: PlanContext, coll: str, dtype: str) -> Wire:
     """The wire type of ``dtype``, gated on the loaded NCCL version."""
-    try:
-        d = nccl_dtype(dtype, ctx.nccl_version)
-    except NcclpyError as e:
-        raise type(e)(f"{coll}: {e}") from None
-    return Wire(LOGICAL[dtype], d)
+    key = (dtype, ctx.nccl_version)
+    w = _WIRES.get(key)
+    if w is None:
+        try:
+            d = nccl_dtype(dtype, ctx.nccl_version)
+        except NcclpyError as e:
+            raise type(e)(f"{coll}: {e}") from None
+        w = Wire(LOGICAL[dtype], d)
+        _remember(_WIRES, key, w)
+    return w
 
 
 def reduction(ctx: PlanContext, coll: str, op: Any, w: Wire) -> Tuple[Any, Optional[PremulSpec],
                                                                        RedOp]:
     """(op argument for the NCCL call, premul spec or None, effective RedOp)."""
+    t = type(op)
+    key = None
+    if t is RedOp:          # by the scalar's exact bits: -0.0 == 0.0 but scales differently
+        sc = op.scalar
+        if sc is None or type(sc) is int:
+            key = (t, op.name, type(sc), sc, w.logical.name, ctx.nccl_version)
+        elif type(sc) is float:
+            key = (t, op.name, struct.pack("<d", sc), w.logical.name, ctx.nccl_version)
+    elif t in _OP_TYPES:
+        key = (t, op, w.logical.name, ctx.nccl_version)
+    if key is not None:
+        hit = _REDUCTIONS.get(key)
+        if hit is not None:
+            return hit
     try:
         o = effective_op(op, w.logical.name, ctx.nccl_version)
     except NcclpyError as e:
@@ -117,8 +156,12 @@ def reduction(ctx: PlanContext, coll: str, op: Any, w: Wire) -> Tuple[Any, Optio
             scalar = encode_scalar(o.scalar, w.dtype.name)
         except NcclpyError as e:
             raise type(e)(f"{coll}: {e}") from None
-        return PREMUL_OP, PremulSpec(scalar, w.nccl), o
-    return NCCL_OPS[o.name], None, o
+        out: Tuple[Any, Optional[PremulSpec], RedOp] = (PREMUL_OP, PremulSpec(scalar, w.nccl), o)
+    else:
+        out = (NCCL_OPS[o.name], None, o)
+    if key is not None:
+        _remember(_REDUCTIONS, key, out)
+    return out
 
 
 def rank_arg(ctx: PlanContext, coll: str, name: str, value: Any) -> int:
@@ -138,9 +181,11 @@ def same_dtype(coll: str, a_name: str, a: BufferSpec, b_name: str, b: BufferSpec
 
 def expect_count(coll: str, name: str, got: int, want: int, rule: str) -> None:
     """``got == want`` or an error saying which rule gave ``want`` (``rule`` shows the
-    arithmetic, e.g. "world_size(4) * sendbuf count(3) = 12")."""
+    arithmetic, e.g. "world_size(4) * sendbuf count(3) = 12"; ``{want}`` in it is filled in
+    only when the check fails)."""
     if got != want:
-        raise ArgumentError(f"{coll}: {name} has {got} elements; expected {rule}")
+        raise ArgumentError(f"{coll}: {name} has {got} elements; expected "
+                            f"{rule.replace('{want}', str(want))}")
 
 
 def divisible(coll: str, name: str, count: int, n: int, why: str) -> int:
@@ -211,8 +256,15 @@ def make_plan(coll: str, steps: Sequence[Step], *, group: bool = False, premul=N
               scratch: int = 0, path: str = "native", nbytes: int = 0, **meta: Any) -> Plan:
     """A Plan; ``group`` only when there is an NCCL call to group; ``meta`` -> Plan.meta."""
     steps = tuple(steps)
-    has_calls = any(isinstance(s, NcclCall) for s in steps)
-    return Plan(coll, steps, group and has_calls, premul, scratch, path, nbytes, dict(meta))
+    group = group and any(isinstance(s, NcclCall) for s in steps)
+    return Plan(coll, steps, group, premul, scratch, path, nbytes, meta)
+
+
+def one_call(coll: str, call: NcclCall, nbytes: int, meta: dict, premul=None,
+             path: str = "native") -> Plan:
+    """The Plan of exactly one NCCL call (most calls): ``make_plan`` without its generality,
+    taking ``meta`` as a dict (keyword packing is a measurable share of a cold call)."""
+    return Plan(coll, (call,), False, premul, 0, path, nbytes, meta)
 
 
 def is_list(x: Any) -> bool:

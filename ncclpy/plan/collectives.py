@@ -43,6 +43,7 @@ from .checks import (adjacent, buf_list, check_ctx, disjoint_outputs, divisible,
                      overlaps, rank_arg, reduction, region, same_dtype, sub, wire)
 from .checks import is_list as _is_list
 from .checks import make_plan as _mk
+from .checks import one_call
 from .checks import same_list as _same_list
 from .rooted import plan_all_to_all, plan_gather, plan_scatter
 from .types import Copy, NcclCall, Plan, PlanContext, Scratch, Step
@@ -75,14 +76,16 @@ def plan_all_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None,
     check_ctx(ctx, C)
     s = _buf(ctx, C, "sendbuf", sendbuf, output=recvbuf is None)
     r = s if recvbuf is None else _buf(ctx, C, "recvbuf", recvbuf, output=True)
-    same_dtype(C, "sendbuf", s, "recvbuf", r)
-    expect_count(C, "recvbuf", r.count, s.count, f"the count of sendbuf ({s.count})")
+    if r is not s:   # (recvbuf None: one buffer, nothing to compare)
+        same_dtype(C, "sendbuf", s, "recvbuf", r)
+        expect_count(C, "recvbuf", r.count, s.count, "the count of sendbuf ({want})")
     w = wire(ctx, C, s.dtype)
     opv, pre, o = reduction(ctx, C, op, w)
-    inplace = _in_place_or_disjoint(C, "sendbuf", s.ptr, s.nbytes, "recvbuf", r.ptr, r.nbytes,
-                                    s.ptr, "recvbuff == sendbuff")
+    nb = s.count * w.itemsize   # == r's: same dtype and count
+    inplace = r is s or _in_place_or_disjoint(C, "sendbuf", s.ptr, nb, "recvbuf", r.ptr, nb,
+                                              s.ptr, "recvbuff == sendbuff")
     call = NcclCall("AllReduce", (s.ptr, r.ptr, w.count(s.count), w.nccl, opv))
-    return _mk(C, [call], premul=pre, nbytes=s.nbytes, in_place=inplace, op=o, dtype=s.dtype)
+    return one_call(C, call, nb, {"in_place": inplace, "op": o, "dtype": s.dtype}, pre)
 
 
 def plan_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any = 0,
@@ -95,7 +98,7 @@ def plan_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any =
     s = _buf(ctx, C, "sendbuf", sendbuf, output=is_root and recvbuf is None)
     r = s if recvbuf is None else _buf(ctx, C, "recvbuf", recvbuf, output=is_root)
     same_dtype(C, "sendbuf", s, "recvbuf", r)
-    expect_count(C, "recvbuf", r.count, s.count, f"the count of sendbuf ({s.count})")
+    expect_count(C, "recvbuf", r.count, s.count, "the count of sendbuf ({want})")
     w = wire(ctx, C, s.dtype)
     opv, pre, o = reduction(ctx, C, op, w)
     inplace = r.ptr == s.ptr
@@ -103,8 +106,8 @@ def plan_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any =
         inplace = _in_place_or_disjoint(C, "sendbuf", s.ptr, s.nbytes, "recvbuf", r.ptr,
                                         r.nbytes, s.ptr, "recvbuff == sendbuff")
     call = NcclCall("Reduce", (s.ptr, r.ptr, w.count(s.count), w.nccl, opv, root))
-    return _mk(C, [call], premul=pre, nbytes=s.nbytes, in_place=inplace, op=o, dtype=s.dtype,
-               root=root)
+    return one_call(C, call, s.nbytes, {"in_place": inplace, "op": o, "dtype": s.dtype,
+                                        "root": root}, pre)
 
 
 def plan_broadcast(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any = 0) -> Plan:
@@ -120,12 +123,12 @@ def plan_broadcast(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: An
     r = s if recvbuf is None else _buf(ctx, C, "recvbuf", recvbuf, output=True)
     s = r if s is None else s
     same_dtype(C, "sendbuf", s, "recvbuf", r)
-    expect_count(C, "recvbuf", r.count, s.count, f"the count of sendbuf ({s.count})")
+    expect_count(C, "recvbuf", r.count, s.count, "the count of sendbuf ({want})")
     w = wire(ctx, C, s.dtype)
     inplace = _in_place_or_disjoint(C, "sendbuf", s.ptr, s.nbytes, "recvbuf", r.ptr, r.nbytes,
                                     s.ptr, "recvbuff == sendbuff")
     call = NcclCall("Broadcast", (s.ptr, r.ptr, w.count(s.count), w.nccl, root))
-    return _mk(C, [call], nbytes=s.nbytes, in_place=inplace, dtype=s.dtype, root=root)
+    return one_call(C, call, s.nbytes, {"in_place": inplace, "dtype": s.dtype, "root": root})
 
 
 # -- all_gather / reduce_scatter ----------------------------------------------------------------
@@ -168,7 +171,7 @@ def plan_all_gather(ctx: PlanContext, sendbuf: Any, recvbuf: Any) -> Plan:
     inplace = _in_place_or_disjoint(C, "recvbuf", r.ptr, r.nbytes, "sendbuf", s.ptr, s.nbytes,
                                     r.offset(me * s.count), "sendbuff == recvbuff + rank*count")
     call = NcclCall("AllGather", (s.ptr, r.ptr, w.count(s.count), w.nccl))
-    return _mk(C, [call], nbytes=r.nbytes, in_place=inplace, dtype=s.dtype)
+    return one_call(C, call, r.nbytes, {"in_place": inplace, "dtype": s.dtype})
 
 
 def plan_reduce_scatter(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None,
@@ -217,7 +220,7 @@ def plan_reduce_scatter(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None,
                                     s.offset(me * r.count),
                                     "recvbuff == sendbuff + rank*recvcount")
     call = NcclCall("ReduceScatter", (s.ptr, r.ptr, w.count(r.count), w.nccl, opv))
-    return _mk(C, [call], premul=pre, nbytes=s.nbytes, in_place=inplace, op=o, dtype=s.dtype)
+    return one_call(C, call, s.nbytes, {"in_place": inplace, "op": o, "dtype": s.dtype}, pre)
 
 
 # -- point to point ----------------------------------------------------------------------------
@@ -229,8 +232,8 @@ def plan_send(ctx: PlanContext, buf: Any, peer: Any) -> Plan:
     peer = rank_arg(ctx, C, "peer", peer)
     _no_self(ctx, C, peer)
     w = wire(ctx, C, b.dtype)
-    return _mk(C, [NcclCall("Send", (b.ptr, w.count(b.count), w.nccl, peer))], path="p2p",
-               nbytes=b.nbytes, dtype=b.dtype, peer=peer)
+    return one_call(C, NcclCall("Send", (b.ptr, w.count(b.count), w.nccl, peer)), b.nbytes,
+                    {"dtype": b.dtype, "peer": peer}, path="p2p")
 
 
 def plan_recv(ctx: PlanContext, buf: Any, peer: Any) -> Plan:
@@ -241,8 +244,8 @@ def plan_recv(ctx: PlanContext, buf: Any, peer: Any) -> Plan:
     peer = rank_arg(ctx, C, "peer", peer)
     _no_self(ctx, C, peer)
     w = wire(ctx, C, b.dtype)
-    return _mk(C, [NcclCall("Recv", (b.ptr, w.count(b.count), w.nccl, peer))], path="p2p",
-               nbytes=b.nbytes, dtype=b.dtype, peer=peer)
+    return one_call(C, NcclCall("Recv", (b.ptr, w.count(b.count), w.nccl, peer)), b.nbytes,
+                    {"dtype": b.dtype, "peer": peer}, path="p2p")
 
 
 def _no_self(ctx: PlanContext, coll: str, peer: int) -> None:
@@ -286,7 +289,7 @@ def plan_barrier(ctx: PlanContext, buf: Any) -> Plan:
     w = wire(ctx, C, b.dtype)
     opv, _, o = reduction(ctx, C, "sum", w)
     call = NcclCall("AllReduce", (b.ptr, b.ptr, w.count(1), w.nccl, opv))
-    return _mk(C, [call], nbytes=0, in_place=True, op=o, dtype=b.dtype)
+    return one_call(C, call, 0, {"in_place": True, "op": o, "dtype": b.dtype})
 
 
 def plan_call(name: str, ctx: PlanContext, *args: Any, **kw: Any) -> Plan:

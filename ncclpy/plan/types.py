@@ -52,19 +52,23 @@ class _PremulOp:
 PREMUL_OP = _PremulOp()
 
 
-@dataclass(frozen=True)
+_set = object.__setattr__
+
+
+@dataclass(frozen=True, init=False)
 class NcclCall:
     """One NCCL call: function name (no ``nccl`` prefix) and its C-order args before comm."""
 
     fn: str
     args: Tuple
 
-    def __post_init__(self) -> None:
-        want = NCCL_FUNCTIONS.get(self.fn)
+    def __init__(self, fn: str, args: Tuple) -> None:
+        want = NCCL_FUNCTIONS.get(fn)
         if want is None:
-            raise ValueError(f"unknown NCCL function {self.fn!r}")
-        if len(self.args) != len(want):
-            raise ValueError(f"nccl{self.fn} takes {len(want)} args {want}, got {self.args!r}")
+            raise ValueError(f"unknown NCCL function {fn!r}")
+        if len(args) != len(want):
+            raise ValueError(f"nccl{fn} takes {len(want)} args {want}, got {args!r}")
+        _set(self, "__dict__", {"fn": fn, "args": args})   # frozen: one setattr, not two
 
     def arg(self, name: str):
         """Argument by its NCCL parameter name."""
@@ -112,7 +116,7 @@ class PlanContext:
         return not self.force_fallback and self.nccl_version >= need
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Plan:
     """The exact work for one user call.
 
@@ -132,6 +136,14 @@ class Plan:
     #: bytes this rank sends / receives (for logs and the bench)
     nbytes: int = 0
     meta: dict = field(default_factory=dict, compare=False)
+
+    def __init__(self, collective: str, steps: Tuple[Step, ...], group: bool = False,
+                 premul: Optional[PremulSpec] = None, scratch_bytes: int = 0,
+                 path: str = "native", nbytes: int = 0, meta: Optional[dict] = None) -> None:
+        # frozen: the fields go in with one object.__setattr__ instead of one per field
+        _set(self, "__dict__", {"collective": collective, "steps": steps, "group": group,
+                                "premul": premul, "scratch_bytes": scratch_bytes, "path": path,
+                                "nbytes": nbytes, "meta": {} if meta is None else meta})
 
     @property
     def calls(self) -> Tuple[NcclCall, ...]:

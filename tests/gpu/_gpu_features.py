@@ -46,7 +46,8 @@ def chk_stream_kinds(s: Session) -> None:
             return (0, self.st.ptr)
 
     st = cupy.cuda.Stream(non_blocking=True)
-    x = cupy.ones(C, dtype=cupy.float32)
+    x = cupy.ones(C, dtype=cupy.float32)           # filled on the current (legacy) stream
+    st.wait_event(cupy.cuda.get_current_stream().record())   # ... which st does not wait for
     for arg in (st, st.ptr, Proto(st)):
         w = s.comm.all_reduce(x, stream=arg)
         assert w.stream == st.ptr, (arg, w.stream, st.ptr)
@@ -123,6 +124,81 @@ def chk_register_mem_alloc(s: Session) -> None:
     s.comm.mem_free(buf)
     other = s.comm.mem_alloc(16, "int32")       # left for close() to free
     assert other.ptr
+
+
+class _DeregisterSpy:
+    """Counts the ncclCommDeregister calls (by handle) made while it is installed; each call
+    still reaches NCCL.  Installed on the process's NcclLib, both where ``lib.fn`` caches the
+    binding and as the attribute, so either way of calling it is seen."""
+
+    NAME = "ncclCommDeregister"
+
+    def __init__(self) -> None:
+        from ncclpy._nccl.lib import get_lib
+        self.lib = get_lib()
+        self.real = self.lib.fn(self.NAME)
+        self.handles: list = []
+
+    def __call__(self, comm: Any, handle: Any) -> int:
+        self.handles.append(int(getattr(handle, "value", handle) or 0))
+        return self.real(comm, handle)
+
+    def __enter__(self) -> "_DeregisterSpy":
+        self.lib._fns[self.NAME] = self
+        setattr(self.lib, self.NAME, self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lib._fns[self.NAME] = self.real
+        try:
+            delattr(self.lib, self.NAME)
+        except AttributeError:
+            pass
+
+
+def chk_register_twice(s: Session) -> None:
+    import collections
+    import logging
+
+    import cupy
+    x = cupy.full(1 << 18, float(s.rank + 1), dtype=cupy.float32)     # 1 MiB
+    r1 = s.comm.register(x)
+    r2 = s.comm.register(x)
+    assert r1 is not r2 and r1 != r2, f"one buffer registered twice gave equal registrations " \
+                                      f"{r1!r} and {r2!r}"
+    done(s.comm.all_reduce(x))
+    assert bool(cupy.all(x == s.n * (s.n + 1) / 2))
+    s.comm.deregister(r1)
+    s.comm.deregister(r2)                  # the second one is still known
+    try:
+        s.comm.deregister(r1)
+    except s.ncclpy.ArgumentError:
+        pass
+    else:
+        raise AssertionError("a third deregister of the same registration was accepted")
+    # close() with registrations held: every one is deregistered, none fails
+    comm = s.ncclpy.init(name="register-twice-close")
+    y = cupy.zeros(1 << 16, dtype=cupy.float32)
+    z = cupy.zeros(1 << 16, dtype=cupy.float32)
+    regs = [comm.register(y), comm.register(y), comm.register(z)]
+    done(comm.all_reduce(y))
+    warned: list = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.append(record.getMessage())
+
+    catch = _Catch(logging.WARNING)
+    logging.getLogger("ncclpy").addHandler(catch)
+    try:
+        with _DeregisterSpy() as spy:
+            comm.close()
+    finally:
+        logging.getLogger("ncclpy").removeHandler(catch)
+    assert not warned, f"close() warned: {warned}"
+    held = collections.Counter(getattr(r, "handle", 0) for r in regs if getattr(r, "handle", 0))
+    seen = collections.Counter(h for h in spy.handles if h in held)
+    assert seen == held, f"close() deregistered {dict(seen)}; registrations held: {dict(held)}"
 
 
 def _mini(s: Session, comm: Any) -> None:
@@ -217,6 +293,7 @@ def misc(rank: int, outdir: str) -> None:
                      ("stream_kinds", chk_stream_kinds), ("raw_pointers", chk_raw_pointers),
                      ("premul_bf16_raw", chk_premul_bf16_raw), ("large_256MiB", chk_large),
                      ("cuda_graph", chk_graph), ("register_mem_alloc", chk_register_mem_alloc),
+                     ("register_twice", chk_register_twice),
                      ("ctypes_comm", chk_ctypes_comm), ("nonblocking_comm", chk_nonblocking_comm),
                      ("lifecycle", chk_lifecycle)):
         s.check(name, fn)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,16 @@ import pytest
 from gpu_util import requires_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
+#: time bounds, innermost first: check's own --run-timeout stops its ranks and reports; then
+#: the subprocess timeout; then the test's mark; all below the device tool's 600 s
+FULL_RUN_S = 450
+FULL_SUBPROCESS_S = 480
+FULL_TEST_S = 520
+SMALL_RUN_S = 200
+SMALL_SUBPROCESS_S = 240
+SMALL_TEST_S = 300
+#: where ``python -m ncclpy.selftest`` collects the check JSON and output (see its stages)
+ARTIFACTS_ENV = "NCCLPY_GPU_ARTIFACTS"
 
 
 def _torch_cuda_reason() -> str:
@@ -31,7 +42,12 @@ def _torch_cuda_reason() -> str:
     return ""
 
 
-def _check(n: int, tmp_path: Path, *extra: str, inject: str = "", timeout: float = 1500):
+def _check(n: int, tmp_path: Path, *extra: str, inject: str = "",
+           timeout: float = FULL_SUBPROCESS_S, run_timeout: float = FULL_RUN_S,
+           keep: bool = False):
+    """Run ``ncclpy check -n N --backend nccl`` on one GPU; (process, JSON document or None).
+    ``keep``: copy the JSON and the output where NCCLPY_GPU_ARTIFACTS says, if it is set."""
+    assert run_timeout < timeout
     js = tmp_path / f"check{n}.json"
     env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -41,10 +57,17 @@ def _check(n: int, tmp_path: Path, *extra: str, inject: str = "", timeout: float
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if inject:
         env["NCCLPY_CHECK_INJECT"] = inject
-    p = subprocess.run([sys.executable, "-m", "ncclpy", "check", "--backend", "nccl", "-n", str(n),
-                        "-q", "--json", str(js), *extra], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "ncclpy", "check", "--backend", "nccl", "-n", str(n), "-q",
+           "--json", str(js), "--run-timeout", str(run_timeout), *extra]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     doc = json.loads(js.read_text()) if js.exists() else None
+    keep_dir = os.environ.get(ARTIFACTS_ENV)
+    if keep and keep_dir and os.path.isdir(keep_dir):
+        if js.exists():
+            shutil.copyfile(js, os.path.join(keep_dir, f"check-n{n}.json"))
+        with open(os.path.join(keep_dir, f"check-n{n}.log"), "w") as f:
+            f.write(f"$ CUDA_VISIBLE_DEVICES=0 {' '.join(cmd)}\n# exit {p.returncode}\n"
+                    f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}\n")
     return p, doc
 
 
@@ -58,12 +81,13 @@ def _refusal_domain(case: dict) -> bool:
 
 
 @requires_gpu
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.timeout(FULL_TEST_S)
+@pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.gpu_world(n)) for n in (2, 4)])
 def test_check_on_one_gpu_is_bitwise(n, tmp_path):
     why = _torch_cuda_reason()
     if why:
         pytest.skip(why)
-    p, doc = _check(n, tmp_path)
+    p, doc = _check(n, tmp_path, keep=True)
     out = p.stdout[-6000:] + p.stderr[-3000:]
     assert doc is not None, out
     h = doc["header"]
@@ -104,6 +128,8 @@ def test_check_on_one_gpu_is_bitwise(n, tmp_path):
 
 
 @requires_gpu
+@pytest.mark.timeout(SMALL_TEST_S)
+@pytest.mark.gpu_world(2)
 @pytest.mark.parametrize("spec,column", [("all_reduce:0", "ncclpy_torch"),
                                          ("all_reduce:1:ncclpy:bit", "ncclpy_ref"),
                                          ("all_reduce:*:reference:sign", "ncclpy_ref")])
@@ -112,7 +138,8 @@ def test_injected_corruption_fails_on_gpu(spec, column, tmp_path):
     if why:
         pytest.skip(why)
     p, doc = _check(2, tmp_path, "--collectives", "all_reduce", "--dtypes", "float32",
-                    "--sizes", "8", inject=spec, timeout=600)
+                    "--sizes", "8", inject=spec, timeout=SMALL_SUBPROCESS_S,
+                    run_timeout=SMALL_RUN_S)
     assert p.returncode == 1, p.stdout + p.stderr
     bad = [c for c in doc["cases"] if c["status"] == "fail"]
     assert bad and all(c[column] is False and c.get("injected") for c in bad), bad

@@ -1,0 +1,188 @@
+"""Communicator parts beyond the calls: ``split`` and buffer registration / NCCL memory.
+
+A mixin of :class:`ncclpy.comm.Communicator` (kept apart so each module stays one screenful of
+concerns): ``split`` (ncclCommSplit, blocking or not), ``register``/``deregister``
+(ncclCommRegister, one :class:`Registration` per call), ``mem_alloc``/``mem_free``
+(ncclMemAlloc).  It uses the communicator's ``_lib``, ``_handle``, ``_device``, ``_nc``,
+``_resolver``, ``_registrations`` and ``_allocations``.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import logging
+from typing import Any, List, Optional
+
+from ._nccl.config import effective_nonblocking
+from ._nccl.dispatch import call_cupy, int_arg
+from ._nccl.lib import NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, require_version
+from .errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
+
+__all__ = ["CommExtras", "Registration"]
+
+log = logging.getLogger(__name__)
+
+#: ``ncclComm_t`` slots a nonblocking ncclCommSplit may still write (see Communicator.split)
+_SPLIT_SLOTS: List[ctypes.c_void_p] = []
+_REG_IDS = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Registration:
+    """A buffer registered with ``ncclCommRegister`` (pass it to ``deregister``).
+
+    ``handle`` is NCCL's: NULL (0) when NCCL registered nothing (local registration off) and
+    the same refcounted handle for a buffer registered twice, so each Registration is its own
+    entry (``id``), and compares by identity.
+    """
+
+    handle: int
+    ptr: int
+    nbytes: int
+    id: int = dataclasses.field(default_factory=lambda: next(_REG_IDS))
+
+class CommExtras:
+    """split, register/deregister and mem_alloc/mem_free of a Communicator."""
+
+    _lib: Any
+    _handle: int
+    _device: int
+    _nc: Any
+    _config: Any
+    _timeout: float
+    _nonblocking: bool
+    _resolver: Any
+    _registrations: Any
+    _allocations: Any
+    name: str
+
+    def split(self, color: int, key: int) -> Optional[Any]:
+        """ncclCommSplit: ranks with the same ``color`` form a new communicator, ordered by
+        ``key``; ``color`` < 0 (NCCL_SPLIT_NOCOLOR) joins none and returns None.  The child
+        inherits this communicator's config (blocking mode included)."""
+        self._check_usable("split")
+        self._resolver.clear()
+        color = int_arg("color", color, -(2 ** 31) + 1)
+        key = int_arg("key", key, -(2 ** 31) + 1)
+        if color < 0:
+            color = NCCL_SPLIT_NOCOLOR
+        lib = self._lib
+        require_version("ncclCommSplit", lib.version, lib.path)
+        import cupy
+        name = f"{self.name}/split{color}"
+        with cupy.cuda.Device(self._device):
+            if self._nc is not None and hasattr(self._nc, "commSplit"):
+                code, child = call_cupy(lib, "ncclCommSplit", self._handle, self._nc.commSplit,
+                                        color, key)
+                if code:  # pragma: no cover - a CuPy-made communicator is blocking
+                    raise NcclpyError("ncclCommSplit (through CuPy) returned ncclInProgress on "
+                                      "a blocking communicator")
+                if child is None:
+                    return None
+                child_nb = effective_nonblocking(None, lib.version)
+                return type(self)._wrap(lib, int(child.comm), child, self._device, None,
+                                          child_nb, self._timeout, name)
+            return self._split_ctypes(color, key, name)
+
+    def _split_ctypes(self, color: int, key: int, name: str) -> Optional[Any]:
+        """ncclCommSplit through ctypes.  A nonblocking split returns ncclInProgress and NCCL
+        writes ``*newcomm`` only when the child's init completes, so the handle is read after
+        the parent is ready, and its storage outlives any wait that gives up (NCCL may still
+        write it): it stays in ``_SPLIT_SLOTS`` until read."""
+        lib = self._lib
+        slot = ctypes.c_void_p(0)
+        _SPLIT_SLOTS.append(slot)
+        code = lib.ncclCommSplit(self._handle, color, key, ctypes.byref(slot), None)
+        try:
+            lib.check(code, "ncclCommSplit", self._handle, in_progress_ok=True)
+        except BaseException:
+            _SPLIT_SLOTS.remove(slot)   # failed outright: NCCL will not write it
+            raise
+        nonblocking = self._nonblocking or code == NCCL_IN_PROGRESS
+        if nonblocking:
+            try:
+                self._wait_ready("ncclCommSplit")
+            except BaseException as e:
+                if slot.value:          # the child exists: abort it rather than leak it
+                    _SPLIT_SLOTS.remove(slot)
+                    child_code = lib.ncclCommAbort(slot.value)
+                    log.warning("split: aborted the child communicator after %s (ncclCommAbort "
+                                "-> %s)", type(e).__name__, child_code)
+                if isinstance(e, NcclTimeoutError):
+                    raise NcclTimeoutError(e.code, "ncclCommSplit", f"{e.last_error}; the parent "
+                                           f"should be aborted (comm.abort())") from None
+                raise
+        _SPLIT_SLOTS.remove(slot)
+        if not slot.value:
+            return None
+        return type(self)._wrap(lib, slot.value, None, self._device, self._config,
+                                  nonblocking, self._timeout, name)
+
+    def register(self, buf: Any) -> Registration:
+        """ncclCommRegister ``buf`` (freed by ``deregister`` or ``close``)."""
+        self._check_usable("register")
+        if isinstance(buf, (list, tuple)):
+            raise ArgumentTypeError("register: expected one buffer, got a list")
+        from .buffers import as_buffer
+        spec = as_buffer(buf, "buf")
+        nbytes = int(spec.count) * _itemsize(spec.dtype)
+        h = ctypes.c_void_p(0)
+        self._lib.check(self._lib.ncclCommRegister(self._handle, spec.ptr, nbytes,
+                                                   ctypes.byref(h)), "ncclCommRegister",
+                        self._handle)
+        reg = Registration(h.value or 0, int(spec.ptr), nbytes)
+        self._registrations[reg.id] = reg
+        return reg
+
+    def deregister(self, reg: Any) -> None:
+        """Undo ``register``: a Registration, or an NCCL handle (its latest registration)."""
+        self._check_usable("deregister")
+        if isinstance(reg, Registration):
+            found = self._registrations.get(reg.id)
+            found = found if found is reg else None
+        else:
+            found = next((r for r in reversed(list(self._registrations.values()))
+                          if r.handle == reg and not isinstance(reg, bool)), None)
+        if found is None:
+            raise ArgumentError(f"deregister: {reg!r} is not a live registration of this "
+                                f"communicator (already deregistered, or made by another)")
+        del self._registrations[found.id]
+        self._deregister(found)
+
+    def _deregister(self, reg: Registration) -> None:
+        if reg.handle:   # NULL: NCCL registered nothing (local registration off)
+            self._lib.check(self._lib.ncclCommDeregister(self._handle, reg.handle),
+                            "ncclCommDeregister", self._handle)
+
+    def mem_alloc(self, count: int, dtype: Any = "uint8") -> Any:
+        """``ncclMemAlloc`` ``count`` elements of ``dtype`` on this device -> ncclpy.Buffer."""
+        self._check_usable("mem_alloc")
+        from .buffers import Buffer
+        from .dtypes import dtype_name
+        count = int_arg("count", count, 0)
+        name = dtype_name(dtype)
+        nbytes = count * _itemsize(name)
+        p = ctypes.c_void_p(0)
+        import cupy
+        with cupy.cuda.Device(self._device):
+            self._lib.check(self._lib.ncclMemAlloc(ctypes.byref(p), max(nbytes, 1)),
+                            "ncclMemAlloc")
+        self._allocations[p.value] = nbytes
+        return Buffer(p.value, count, name, self._device)
+
+    def mem_free(self, buf: Any) -> None:
+        """``ncclMemFree`` a buffer from ``mem_alloc`` (a Buffer or its pointer)."""
+        ptr = int(getattr(buf, "ptr", buf))
+        if ptr not in self._allocations:
+            raise ArgumentError(f"mem_free: {buf!r} was not allocated by this communicator's "
+                                f"mem_alloc")
+        self._allocations.pop(ptr)
+        import cupy
+        with cupy.cuda.Device(self._device):
+            self._lib.check(self._lib.ncclMemFree(ptr), "ncclMemFree")
+
+
+def _itemsize(dtype: Any) -> int:
+    from .dtypes import logical
+    return logical(dtype).itemsize

@@ -1,0 +1,196 @@
+"""Read what the stages leave behind: pytest's junit XML (or its summary line), the ``ncclpy
+check`` JSON, the bench sweep JSON and the overhead JSON, into the few numbers a record needs.
+
+Every reader takes a path (or text), returns None where the file is missing or unreadable, and
+never raises for a malformed file: a stage that was killed may leave half a file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import xml.etree.ElementTree as ET
+from typing import Any, Dict, List, Optional
+
+__all__ = ["junit_counts", "pytest_log_counts", "check_summary", "bench_figures",
+           "overhead_figures", "load_json", "BIG_BYTES", "MiB"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: the sizes at and above which the bench ratio ncclpy/torch is reported
+BIG_BYTES = 64 * MiB
+_MAX_FAILURES = 20
+_MAX_MESSAGE = 2000
+
+
+def load_json(path: str) -> Optional[Any]:
+    """The JSON document at ``path``, or None (missing, empty, truncated)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        log.debug("cannot read %s: %s", path, e)
+        return None
+
+
+def _test_id(case: ET.Element) -> str:
+    cls, name = case.get("classname", ""), case.get("name", "")
+    parts = cls.split(".")
+    # tests.gpu.test_comm_gpu -> tests/gpu/test_comm_gpu.py (a class name, if any, stays)
+    for i in range(len(parts), 0, -1):
+        if parts[i - 1].startswith("test_"):
+            path = "/".join(parts[:i]) + ".py"
+            rest = parts[i:]
+            return "::".join([path, *rest, name])
+    return f"{cls}::{name}" if cls else name
+
+
+def junit_counts(path: str) -> Optional[Dict[str, Any]]:
+    """Counts from a pytest junit XML file: passed, failed, errors, skipped, total, and the
+    failures (id, kind, first part of the message).  None when missing or unparsable."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as e:
+        log.debug("cannot parse %s: %s", path, e)
+        return None
+    out: Dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0,
+                           "failures": []}
+    seen: Dict[str, str] = {}
+    for case in root.iter("testcase"):
+        if not case.get("name"):          # the test running when pytest was interrupted
+            continue
+        tid = _test_id(case)
+        kind = "passed"
+        msg = ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                kind = "failed" if child.tag == "failure" else "errors"
+                msg = (child.get("message") or "") + "\n" + (child.text or "")
+                break
+            if child.tag == "skipped":
+                kind = "skipped"
+                msg = child.get("message") or ""
+        if tid in seen:                   # a teardown error after a pass or a failure
+            if kind == "errors" and seen[tid] != "errors":
+                out[seen[tid]] -= 1
+                out["total"] -= 1
+            else:
+                continue
+        seen[tid] = kind
+        out[kind] += 1
+        out["total"] += 1
+        if kind in ("failed", "errors") and len(out["failures"]) < _MAX_FAILURES:
+            out["failures"].append({"id": tid, "kind": "error" if kind == "errors" else "failed",
+                                    "message": msg.strip()[:_MAX_MESSAGE]})
+    return out
+
+
+_SUMMARY = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+)(?: in [0-9.]+s.*)?=*\s*$")
+_PART = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)")
+
+
+def pytest_log_counts(text: str) -> Optional[Dict[str, Any]]:
+    """Counts from pytest's last summary line (``1 failed, 3 passed, 2 skipped in 4.0s``),
+    for when the junit file is missing.  None when there is no such line."""
+    for line in reversed(text.splitlines()):
+        m = _SUMMARY.match(line.strip())
+        if not m or not _PART.search(m.group("body")):
+            continue
+        out: Dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
+                               "total": 0, "failures": []}
+        for num, word in _PART.findall(m.group("body")):
+            key = {"error": "errors", "errors": "errors", "xfailed": "skipped",
+                   "xpassed": "passed"}.get(word, word)
+            if key in ("passed", "failed", "errors", "skipped"):
+                out[key] += int(num)
+                out["total"] += int(num)
+        return out
+    return None
+
+
+def check_summary(path: str) -> Optional[Dict[str, Any]]:
+    """The verdict of one ``ncclpy check --json`` file: world size, the summary counts, exit
+    code, whether torch and ncclpy used one libnccl, the problems, the seconds."""
+    doc = load_json(path)
+    if not isinstance(doc, dict) or "summary" not in doc:
+        return None
+    h = doc.get("header") or {}
+    lib = h.get("libnccl") or {}
+    return {"world_size": h.get("world_size"), "backend": h.get("backend"),
+            "device": h.get("device"), "summary": dict(doc["summary"]),
+            "exit_code": doc.get("exit_code"), "problems": list(doc.get("problems") or []),
+            "same_libnccl": lib.get("same"), "nccl": lib.get("ncclpy_nccl_version"),
+            "seconds": doc.get("seconds")}
+
+
+def _num(v: Any) -> Optional[float]:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def bench_figures(path: str, big: int = BIG_BYTES) -> Optional[Dict[str, Any]]:
+    """From a ``python -m bench -J`` file: per backend the out-of-place bus bandwidth by size,
+    the ratios ncclpy/torch and ncclpy/cupy at sizes >= ``big`` (out of place), their mean,
+    and the wrong-element count."""
+    doc = load_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        return None
+    busbw: Dict[str, Dict[int, Optional[float]]] = {}
+    for r in doc["results"]:
+        try:
+            size, backend = int(r["size"]), str(r["experiment_name"])
+            busbw.setdefault(backend, {})[size] = _num(r["out_of_place"]["bus_bw"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    ext = doc.get("ncclpy") or {}
+    out: Dict[str, Any] = {
+        "collective": ext.get("collective"), "world_size": ext.get("world_size"),
+        "backends": list(busbw), "nccl_version": doc.get("nccl_version"),
+        "out_of_bounds": (doc.get("out_of_bounds") or {}).get("count"),
+        "max_size": max((s for b in busbw.values() for s in b), default=None),
+        "busbw_at_max": {}, "ratios": {}}
+    if out["max_size"] is not None:
+        out["busbw_at_max"] = {b: v.get(out["max_size"]) for b, v in busbw.items()}
+    base = busbw.get("ncclpy", {})
+    for other in ("torch", "cupy"):
+        if other not in busbw:
+            continue
+        per = {s: _ratio(base.get(s), busbw[other].get(s)) for s in sorted(base) if s >= big}
+        vals = [v for v in per.values() if v is not None]
+        out["ratios"][other] = {"by_size": per,
+                                "mean": sum(vals) / len(vals) if vals else None}
+    return out
+
+
+def overhead_figures(path: str, size: int = 8) -> Optional[Dict[str, Any]]:
+    """From a ``python -m bench.overhead -J`` file: per mode at ``size`` bytes the medians of
+    every backend and ncclpy minus cupy / minus torch (µs)."""
+    doc = load_json(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        return None
+    modes: Dict[str, Dict[str, Any]] = {}
+    for r in doc["results"]:
+        try:
+            if int(r["size"]) != size:
+                continue
+            modes.setdefault(str(r["mode"]), {})[str(r["backend"])] = _num(r["median_us"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    for mode, med in modes.items():
+        nc = med.get("ncclpy")
+        for other in ("cupy", "torch"):
+            if nc is not None and med.get(other) is not None:
+                med[f"ncclpy_minus_{other}_us"] = nc - med[other]
+    sizes: List[int] = sorted({int(r.get("size", 0)) for r in doc["results"]
+                               if isinstance(r, dict)})
+    return {"size": size, "modes": modes, "sizes": sizes, "calls": doc.get("calls"),
+            "world_size": doc.get("world_size")}

@@ -1,0 +1,84 @@
+"""Spawning GPU test workers (``fn(rank, outdir)`` on n ranks) and reading what they recorded.
+
+Time bounds, innermost first (each fires before the next, so the innermost one that applies
+says what hung):
+
+* ``_gpu_common.HANG_S`` (150 s): a rank's watchdog ends a check that makes no progress,
+  recording its name;
+* ``SPAWN_TIMEOUT`` (420 s): ``ncclpy.spawn`` stops every rank and raises; the ranks' records
+  are reported with it;
+* ``TEST_TIMEOUT`` (480 s): pytest-timeout's mark on each test, the last resort;
+* all below the device tool's 600 s per command.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+SPAWN_TIMEOUT = 420.0
+TEST_TIMEOUT = 480
+#: a smaller spawn bound for the short workers (one or two checks)
+SHORT_SPAWN_TIMEOUT = 240.0
+SHORT_TEST_TIMEOUT = 300
+
+Records = Tuple[List[Dict[str, Any]], List[str], str]
+
+
+def spawn_records(fn: Callable[..., Any], n: int, outdir: str, monkeypatch: Any,
+                  timeout: float = SPAWN_TIMEOUT) -> Records:
+    """Run ``fn(rank, outdir)`` on ``n`` ranks; (records, failure lines, launch error text).
+
+    Variables set with ``monkeypatch.setenv`` before the call reach the ranks (they are
+    started with the 'spawn' method and inherit this process's environment)."""
+    import ncclpy
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (HERE, os.path.dirname(HERE), ROOT, os.environ.get("PYTHONPATH", "")) if p))
+    launch_error = ""
+    try:
+        ncclpy.spawn(fn, n, args=(outdir,), timeout=timeout)
+    except Exception as e:  # reported together with what the ranks recorded
+        launch_error = f"{type(e).__name__}: {e}"
+    records, failures = [], []
+    for path in sorted(glob.glob(os.path.join(outdir, "rank*.jsonl"))):
+        rank = os.path.basename(path)[4:-6]
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                rec["rank"] = rank
+                records.append(rec)
+                if not rec["ok"]:
+                    failures.append(f"rank {rank} {rec['name']}:\n{rec.get('error', '')}")
+    return records, failures, launch_error
+
+
+def report(failures: List[str], launch_error: str, limit: int = 25) -> str:
+    head = f"{len(failures)} failed checks" + (f"; launch: {launch_error}" if launch_error else "")
+    return head + "\n\n" + "\n\n".join(failures[:limit])
+
+
+def assert_clean(run: Records, min_checks: int) -> None:
+    """No check failed, the launch went well, and at least ``min_checks`` distinct checks ran."""
+    records, failures, launch_error = run
+    assert not failures and not launch_error, report(failures, launch_error)
+    names = {r["name"] for r in records if not r["name"].startswith("_")}
+    assert len(names) >= min_checks, f"only {len(names)} checks ran: {sorted(names)[:20]}"
+
+
+def feature(run: Records, name: str, n: int) -> None:
+    """Check ``name`` ran and passed on each of the ``n`` ranks."""
+    records, failures, err = run
+    mine = [r for r in records if r["name"] == name]
+    bad = [f for f in failures if f.split(":", 1)[0].endswith(" " + name)]
+    assert mine, f"check {name!r} never ran; " + report(failures, err)
+    assert not bad, report(bad, err)
+    assert all(r["ok"] for r in mine) and len(mine) == n, mine
+
+
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)

@@ -1,0 +1,149 @@
+"""The benchmarks of issue 14, on the CPU: ``python -m bench.host_overhead`` runs end to end
+(table, JSON shape, what each path times) and ``bench.overhead``'s prepared mode parses and
+maps every collective onto ``comm.prepare`` as the ncclpy backend calls it eagerly.  No timing
+is asserted: the figures and targets live in docs/performance.md."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ncclpy.buffers import Buffer
+from ncclpy.errors import ArgumentError
+from ncclpy.plan.types import PlanContext
+from ncclpy.prepared import PreparedCall, bind_call
+from ncclpy.resolver import Resolver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _nccl_or_skip():
+    try:
+        from ncclpy._nccl.lib import get_lib
+        return get_lib()
+    except Exception as e:  # pragma: no cover - the test extra installs the NCCL wheel
+        pytest.skip(f"libnccl unavailable: {e}")
+
+
+def test_host_overhead_runs_and_writes_the_issue_json(tmp_path):
+    _nccl_or_skip()
+    js = tmp_path / "h.json"
+    cp = _run("bench.host_overhead", "--repeats", "5", "--batch", "5", "--json", str(js))
+    assert cp.returncode == 0, cp.stderr
+    doc = json.loads(js.read_text())
+    assert doc["floor_ns"] > 0
+    inputs = {r["input"] for r in doc["results"]}
+    assert {"Buffer", "cai"} <= inputs and "torch" not in inputs and "torch" in doc["omitted"]
+    for r in doc["results"]:
+        assert {"input", "path", "median_ns", "ratio_to_floor"} <= set(r)
+        assert r["path"] in ("cold", "cached", "prepared")
+        assert 0 < r["min_ns"] <= r["median_ns"] <= r["p90_ns"]
+        assert r["ratio_to_floor"] == pytest.approx(r["median_ns"] / doc["floor_ns"], abs=0.01)
+    for inp in inputs:
+        assert sorted(r["path"] for r in doc["results"] if r["input"] == inp) == \
+            ["cached", "cold", "prepared"]
+    assert doc["call"]["collective"] == "all_reduce" and doc["repeats"] == 5
+    lines = cp.stdout.splitlines()
+    assert any(line.startswith("floor ") for line in lines)
+    assert sum(1 for line in lines if line.split()[:1] in (["Buffer"], ["cai"], ["cupy"])) == \
+        len(doc["results"])
+    assert "# torch: not measured" in cp.stdout
+
+
+def test_host_overhead_bad_arguments_exit_2():
+    cp = _run("bench.host_overhead", "--repeats", "0")
+    assert cp.returncode == 2 and "--repeats" in cp.stderr
+
+
+def test_host_overhead_times_the_real_paths():
+    """What each sampler times produces the expected ncclAllReduce call (the bench checks this
+    itself before timing; here the same functions are driven directly)."""
+    lib = _nccl_or_skip()
+    from bench import host_overhead as H
+    inputs, omitted = H.make_inputs()
+    res = Resolver(PlanContext(0, 2, 0, lib.version))
+    for name, (make, stream) in inputs.items():
+        x = make(H.BASE)
+        r = res.resolve("all_reduce", stream, x, None, ("sum",))
+        H._expect(r, H.BASE, H.STREAM)
+        H._expect(PreparedCall(res, "all_reduce", x, None, ("sum",), stream=stream).bind(),
+                  H.BASE, H.STREAM)
+        with pytest.raises(AssertionError):
+            H._expect(r, H.BASE + 4, H.STREAM)
+    assert "torch" in omitted
+
+
+def test_stats_nearest_rank():
+    from bench.host_overhead import stats
+    s = stats([5.0, 1.0, 3.0, 2.0, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    assert (s["min_ns"], s["median_ns"], s["p90_ns"]) == (1.0, 5.5, 9.0)
+    assert stats([])["median_ns"] == 0.0 and stats([2.0])["p90_ns"] == 2.0
+
+
+# -- bench/overhead.py: the prepared mode ------------------------------------------------------
+def test_overhead_prepared_mode_parses():
+    from bench import overhead
+    cfg = overhead.parse_args(["--modes", "eager,prepared", "--device", "cuda"])
+    assert cfg.modes == ["eager", "prepared"]
+    assert overhead.parse_args(["--device", "cuda"]).modes == ["eager", "capture", "graph"]
+    with pytest.raises(ArgumentError, match="prepared"):
+        overhead.parse_args(["--modes", "eager,warp", "--device", "cuda"])
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce", "broadcast", "all_gather",
+                                        "reduce_scatter", "all_to_all", "gather", "scatter",
+                                        "send_recv"])
+def test_overhead_prepare_args_match_the_eager_call(collective):
+    """``prepare_args`` gives ``comm.prepare`` the arguments the ncclpy backend passes to the
+    eager method, and they plan (on buffers laid out as the bench lays them out)."""
+    from bench import overhead
+    from bench.backends import layout
+    from bench.backends.ncclpy import call_args
+    world, rank, root = 2, 0, 0
+    lay = layout(collective, 8, world, rank)
+    base = 0x7F00_0000_0000
+
+    def buf(off, n):
+        return Buffer(base + 4 * off, n, "float32", 0)
+    a = {"send": buf(0, lay.send), "recv": buf(1 << 20, lay.recv),
+         "whole": buf(2 << 20, lay.whole),
+         "ip_send": buf((2 << 20) + lay.ip_send[0], lay.ip_send[1]),
+         "ip_recv": buf((2 << 20) + lay.ip_recv[0], lay.ip_recv[1])}
+    in_place = collective != "send_recv"     # the eager bench's in-place send_recv overlaps
+    s, r = call_args(collective, a, in_place, rank, root)
+    args, kwargs = overhead.prepare_args(collective, s, r, root, rank, world)
+    name, pa, pb, params = bind_call(collective, args, kwargs)
+    assert (name, pa, pb) == (collective, s, r)
+    if collective in ("all_reduce", "reduce_scatter"):
+        assert params == ("sum",)
+    elif collective == "reduce":
+        assert params == (root, "sum")
+    elif collective == "send_recv":
+        assert params == (1, 1)
+    res = Resolver(PlanContext(rank, world, 0, 23203))
+    pc = PreparedCall(res, name, pa, pb, params, stream=0x51)
+    assert pc.bind().plan.collective == collective
+
+
+def test_overhead_prepare_args_unknown():
+    from bench import overhead
+    with pytest.raises(ValueError, match="barrier"):
+        overhead.prepare_args("barrier", None, None, 0, 0, 2)
+
+
+def test_overhead_derive_covers_the_prepared_mode():
+    from bench.overhead import derive
+    rows = [{"backend": b, "size": 8, "mode": m, "median_us": v}
+            for b, m, v in (("ncclpy", "prepared", 9.5), ("cupy", "prepared", 9.0),
+                            ("ncclpy", "eager", 10.0), ("cupy", "eager", 9.0))]
+    d = {(x["mode"]): x for x in derive(rows)}
+    assert d["prepared"]["ncclpy_minus_cupy_us"] == pytest.approx(0.5)
+    assert d["eager"]["ncclpy_minus_cupy_us"] == pytest.approx(1.0)
