@@ -12,6 +12,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from ncclpy import registry
+from ncclpy.cli_util import EXIT_CLOSED_PIPE, run_cli, silence_stdout, stdout_reader_gone
 from ncclpy.dtypes import DTYPES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
@@ -256,8 +257,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         argv=["python -m bench", *argv])
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: parse, then run as this process's rank or spawn ``--nproc`` ranks."""
+def _spawn_ranks(cfg: SweepConfig) -> int:
+    """:func:`bench.sweep.spawn_ranks`, except that a closed stdout (``| head``) is quiet (141)."""
+    from bench import sweep
+    from ncclpy.launch.spawn import spawn
+    try:
+        spawn(sweep._spawned, cfg.nproc, args=(cfg,))
+    except Exception as e:
+        if stdout_reader_gone():           # rank 0 lost its reader: not an error to report
+            silence_stdout()
+            return EXIT_CLOSED_PIPE
+        print(f"python -m bench: a rank failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse, then run as this process's rank or spawn ``--nproc`` ranks."""
     from bench import sweep
     try:
         cfg = parse_args(argv)
@@ -267,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = launched_world()
     if cfg.nproc is not None and world is None and cfg.nproc > 1:
         try:
-            return sweep.spawn_ranks(cfg)
+            return _spawn_ranks(cfg)
         except NcclpyError as e:
             print(f"python -m bench: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
@@ -280,6 +296,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except NcclpyError as e:
         print(f"python -m bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: :func:`_main` with Ctrl-C (130, one line) and a closed stdout (141, quiet)
+    handled as command-line tools do."""
+    return run_cli("python -m bench", lambda: _main(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

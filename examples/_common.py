@@ -16,6 +16,11 @@ mpirun: ``NCCLPY_RANK``/``RANK``/... in the environment) runs as one rank and ca
 ``ncclpy.init()``; a script started plainly (``python examples/x.py``) starts its own ranks
 with ``ncclpy.spawn(...)``, as the seeds do with ``torch.multiprocessing.spawn``.  Both work with
 several ranks on one GPU (the launcher and spawn set what NCCL needs for that).
+
+Every example needs an NVIDIA GPU with a working CUDA driver, CuPy and NCCL.  Without one the
+script says so in one line on stderr (the reason is :func:`ncclpy.info.no_gpu_reason`'s, the
+words of ``ncclpy info``) and exits with status 1 before starting any rank; under a launcher only
+local rank 0 prints it.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["Section", "emit", "emit_input", "emit_error", "parse", "collect", "LINE_RE",
-           "launched_by_launcher", "main", "load_example", "to_json", "sync", "column_views"]
+           "launched_by_launcher", "main", "load_example", "to_json", "sync", "column_views",
+           "require_gpu", "EXIT_NO_GPU"]
 
 #: ``E3 rank=2 result=[...]`` anywhere in a line (after an optional launcher prefix).
 LINE_RE = re.compile(
@@ -38,6 +44,11 @@ LINE_RE = re.compile(
 
 # Environment variables that say "a launcher started this process as one rank".
 _LAUNCHER_VARS = ("NCCLPY_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# ... and those that give its local rank
+_LOCAL_RANK_VARS = ("NCCLPY_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "MPI_LOCALRANKID", "SLURM_LOCALID")
+#: exit status of an example started where no GPU can run it
+EXIT_NO_GPU = 1
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,21 @@ def run_rank(sections: Sequence[Section], script: str) -> None:
                           f"--only {s.eid}", flush=True)
 
 
+def require_gpu(prog: str, env: Optional[Dict[str, str]] = None) -> None:
+    """Exit (status :data:`EXIT_NO_GPU`) with one line on stderr when no CUDA GPU with NCCL is
+    usable here; under a launcher only local rank 0 prints the line."""
+    from ncclpy.info import no_gpu_reason
+    why = no_gpu_reason()
+    if not why:
+        return
+    env = os.environ if env is None else env
+    local = next((env[v] for v in _LOCAL_RANK_VARS if env.get(v)), "0")
+    if not launched_by_launcher(env) or local.strip() == "0":
+        print(f"{prog}: needs an NVIDIA GPU with a working CUDA driver, CuPy and NCCL; here: "
+              f"{why}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_NO_GPU)
+
+
 def _spawned(rank: int, path: str, ids: List[str]) -> None:
     """Body of each process ``ncclpy.spawn`` starts: load the script, run its sections."""
     mod = load_example(path)
@@ -210,6 +236,7 @@ def main(sections: Sequence[Section], path: str, doc: Optional[str] = None,
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s.strip()]
     chosen = _select(sections, only)
+    require_gpu(p.prog)
     if launched_by_launcher():
         run_rank(chosen, os.path.relpath(path))
         return

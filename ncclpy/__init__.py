@@ -1,6 +1,7 @@
 """ncclpy: a thin, fast, honest Python layer over NVIDIA NCCL.
 
 ``import ncclpy`` needs neither a GPU, CuPy, NCCL nor torch: heavy pieces load on first use.
+Every exception ncclpy raises is reachable from here (all derive from :class:`NcclpyError`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ _LAZY = {
         "NcclpyError", "ArgumentError", "ArgumentTypeError", "UnsupportedError", "VersionError",
         "MissingDependencyError", "RendezvousError", "LaunchError", "ProcessRaisedException",
         "StoreError", "StoreTimeout", "StoreConnectionError", "StoreAuthError",
-        "StoreProtocolError", "StoreRequestError", "NcclError")},
+        "StoreProtocolError", "StoreRequestError", "NcclError", "CallMismatchError",
+        "CallCheckTimeout", "CommAbortedError", "NcclTimeoutError", "NcclUnhandledCudaError",
+        "NcclSystemError", "NcclInternalError", "NcclInvalidArgument", "NcclInvalidUsage",
+        "NcclRemoteError", "NcclInProgress")},
+    "CudaUnavailableError": "ncclpy._nccl.lib",
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},
     # store

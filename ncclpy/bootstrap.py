@@ -14,6 +14,12 @@ the uid (the last one sets ``.../all``), and rank 0 returns only after that, wit
 ``timeout``; rank 0 may then exit (taking the store with it) without cutting anyone off.
 Store failures, ncclpy's or torch's (``DistStoreError``), surface as one
 :class:`~ncclpy.errors.RendezvousError` naming the key, the store address and the wait.
+
+``uid_exchange`` (argument, else ``$NCCLPY_UID_EXCHANGE``, else "store") picks how the uid
+travels: "store" (ncclpy's TCP store, or torchrun's), "mpi" (``MPI_Bcast`` of the 128 bytes over
+mpi4py's ``COMM_WORLD``, as nccl-tests does: no store at all, ``Bootstrap.store`` is None; needs
+an MPI launcher and mpi4py), or "auto" ("mpi" where both are there, else "store").  The debug
+log says which one was used and why.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import os
 import sys
 import types
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -32,7 +39,8 @@ from ncclpy.errors import (ArgumentError, ArgumentTypeError, MissingDependencyEr
 from ncclpy.rendezvous import RendezvousInfo, resolve
 
 __all__ = ["Bootstrap", "bootstrap", "exchange_uid", "get_unique_id", "UID_BYTES",
-           "uid_key", "generation_key", "ack_key", "connect_store"]
+           "uid_key", "generation_key", "ack_key", "connect_store", "UID_EXCHANGES",
+           "choose_uid_exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +56,8 @@ class Bootstrap:
     """Everything a communicator needs: rank, world size, device, the shared uid and the store.
 
     ``store`` stays open for the life of the process (rank 0 hosts the server in a daemon
-    thread); the communicator may use it for host-side barriers and later exchanges.
+    thread); the communicator may use it for host-side barriers and later exchanges.  It is
+    None when the uid came over MPI (``uid_exchange == "mpi"``): then there is no store.
     """
 
     rank: int
@@ -60,6 +69,13 @@ class Bootstrap:
     generation: int
     store: Any = field(repr=False)
     info: RendezvousInfo
+    #: how the uid was shared: "store" or "mpi"
+    uid_exchange: str = "store"
+
+
+#: the values of ``uid_exchange`` / ``$NCCLPY_UID_EXCHANGE``
+UID_EXCHANGES = ("store", "mpi", "auto")
+_MPI_SOURCES = ("openmpi", "mpich")
 
 
 def uid_key(name: str, generation: int) -> str:
@@ -198,6 +214,7 @@ def exchange_uid(store: Any, rank: int, *, name: str = "default",
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ArgumentError(f"timeout: expected seconds > 0, got {timeout!r}")
     timeout = float(timeout)
+    counted = generation is None   # every rank bumps its generation key: who came is known
     if generation is None:
         gkey = generation_key(name, rank)
         generation = int(_store_call(store, rank, "count the generation of communicator "
@@ -210,7 +227,7 @@ def exchange_uid(store: Any, rank: int, *, name: str = "default",
         log.debug("bootstrap: rank 0 published the uid of %r generation %d under %s",
                   name, generation, key)
         if world_size is not None and world_size > 1:
-            _await_acks(store, name, generation, world_size, timeout)
+            _await_acks(store, name, generation, world_size, timeout, counted)
         return uid, generation
     raw = _store_call(
         store, rank, f"read {what}", key, _store_get, store, key, timeout, wait=timeout,
@@ -227,8 +244,23 @@ def exchange_uid(store: Any, rank: int, *, name: str = "default",
     return uid, generation
 
 
+def _never_came(store: Any, name: str, world_size: int) -> str:
+    """" Ranks 2, 3 never reached the store ..." from the generation keys every rank sets."""
+    try:
+        absent = [r for r in range(1, world_size)
+                  if not store.check([generation_key(name, r)])]
+    except Exception:   # a courtesy, as the count
+        return ""
+    if not absent:
+        return ""
+    shown = ", ".join(map(str, absent[:16])) + (", ..." if len(absent) > 16 else "")
+    return (f" Rank{'s' if len(absent) > 1 else ''} {shown} never reached the store (not "
+            f"started, or a wrong NCCLPY_STORE_TOKEN, address or port where "
+            f"{'they run' if len(absent) > 1 else 'it runs'}?).")
+
+
 def _await_acks(store: Any, name: str, generation: int, world_size: int,
-                timeout: float) -> None:
+                timeout: float, counted: bool = False) -> None:
     """Rank 0: wait until the other ranks have read the uid, then drop the exchange's keys."""
     akey = ack_key(name, generation)
     try:
@@ -237,12 +269,22 @@ def _await_acks(store: Any, name: str, generation: int, world_size: int,
                     akey + "/all", _store_get, store, akey + "/all", timeout, wait=timeout)
     except RendezvousError as e:
         try:
-            seen = f"{int(store.add(akey, 0))} of {world_size - 1}"
+            read = int(store.add(akey, 0))
         except Exception:  # the count is a courtesy; the error below says what matters
-            seen = f"not all {world_size - 1}"
-        raise RendezvousError(f"{e}. Only {seen} other ranks read the id; are all {world_size} "
-                              f"ranks running, with the same communicator names in the same "
-                              f"order?") from e.__cause__
+            read = None
+        if read is not None and read >= world_size - 1:
+            # every rank has the id; only the last reader's "/all" came late: the hand-over is
+            # complete, so this is no failure (the count is the truth, the flag a wake-up call)
+            log.warning("bootstrap: all %d other ranks read the uid of %r generation %d, but "
+                        "the last one's notice (%s/all) did not arrive within %g s",
+                        world_size - 1, name, generation, akey, timeout)
+        else:
+            seen = (f"Not all {world_size - 1}" if read is None else
+                    f"Only {read} of {world_size - 1}")
+            who = _never_came(store, name, world_size) if counted else ""
+            raise RendezvousError(f"{e}. {seen} other ranks read the id;{who} are all "
+                                  f"{world_size} ranks running, with the same communicator "
+                                  f"names in the same order?") from e.__cause__
     delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
     if delete is not None:  # every rank has the uid: the keys are garbage now
         for k in (uid_key(name, generation), akey, akey + "/all"):
@@ -312,10 +354,30 @@ def _default_store(info: RendezvousInfo, token: Optional[str], timeout: float) -
             return store
         if info.rank == 0:
             log.debug("bootstrap: rank 0 hosts the store on %s:%d", *key[:2])
-        store = TCPStore(info.master_addr, info.master_port, token=token, timeout=timeout,
-                         is_server=info.rank == 0)
+        store = _open_ncclpy_store(TCPStore, info, token, timeout)
         _STORES[key] = store
         return store
+
+
+def _open_ncclpy_store(store_type: Any, info: RendezvousInfo, token: Optional[str],
+                       timeout: float) -> Any:
+    """ncclpy's store for ``info`` (rank 0 hosts it); a failure to host or reach it is a
+    :class:`RendezvousError` naming the address and how long this rank tried."""
+    addr = f"{info.master_addr}:{info.master_port}"
+    try:
+        return store_type(info.master_addr, info.master_port, token=token, timeout=timeout,
+                          is_server=info.rank == 0)
+    except StoreError as e:
+        if info.rank == 0:
+            raise RendezvousError(f"rank 0 could not host the store at {addr}: "
+                                  f"{type(e).__name__}: {e}") from e
+        raise RendezvousError(
+            f"rank {info.rank} could not reach the store at {addr} (hosted by rank 0) within "
+            f"{timeout:g} s: {type(e).__name__}: {e}. Is rank 0 running, and are "
+            f"NCCLPY_MASTER_ADDR/NCCLPY_MASTER_PORT the same on every rank?") from e
+    except OSError as e:   # rank 0: the port is taken, or the address is not this machine's
+        raise RendezvousError(f"rank {info.rank} could not host the store at {addr}: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def _gpu_count() -> int:
@@ -354,9 +416,103 @@ def _pick_device(info: RendezvousInfo, explicit: bool) -> int:
     return info.local_rank % n if n > 0 else info.local_rank
 
 
+def _mpi_launched(info: RendezvousInfo, env: Any) -> Optional[str]:
+    """The MPI launcher this process was started by (rank from its variables), else None."""
+    if info.source in _MPI_SOURCES:
+        return info.source
+    return None
+
+
+def _import_mpi() -> Any:
+    """mpi4py's MPI module (initialises MPI), or None when mpi4py is not importable."""
+    try:
+        from mpi4py import MPI
+    except Exception as e:   # ImportError; RuntimeError when the wheel finds no libmpi
+        log.debug("bootstrap: mpi4py is not importable: %s: %s", type(e).__name__, e)
+        return None
+    return MPI
+
+
+def choose_uid_exchange(choice: Optional[str], info: RendezvousInfo,
+                        env: Any = None, *, store_given: bool = False) -> tuple[str, str]:
+    """("store" | "mpi", why): the uid exchange for ``choice`` (None: ``$NCCLPY_UID_EXCHANGE``,
+    else "store").  "mpi" that cannot work raises :class:`ArgumentError` naming what is missing."""
+    env = os.environ if env is None else env
+    src = "argument uid_exchange"
+    if choice is None:
+        raw = env.get("NCCLPY_UID_EXCHANGE", "").strip()
+        choice, src = (raw.lower(), "NCCLPY_UID_EXCHANGE") if raw else ("store", "default")
+    if not isinstance(choice, str) or choice.lower() not in UID_EXCHANGES:
+        what = f"{src}={choice!r}" if src != "default" else repr(choice)
+        raise ArgumentError(f"uid_exchange: expected one of {', '.join(UID_EXCHANGES)}, got "
+                            f"{what}")
+    choice = choice.lower()
+    if choice == "store":
+        return "store", f"{src} says store"
+    launcher = _mpi_launched(info, env)
+    problem = None
+    if store_given:
+        problem = "a store= was passed, which the MPI exchange would not use"
+    elif launcher is None:
+        problem = (f"this process was not started by an MPI launcher (its rank came from "
+                   f"{info.source})")
+    elif _import_mpi() is None:
+        problem = "mpi4py is not importable (pip install mpi4py; it needs an MPI library)"
+    if problem is None:
+        return "mpi", f"{src} says {choice}; started by {launcher}, mpi4py importable"
+    if choice == "auto":
+        return "store", f"{src} says auto and {problem}"
+    raise ArgumentError(f"uid_exchange: {src}='mpi' cannot be used: {problem}; use "
+                        f"uid_exchange='store' (the default) or 'auto'")
+
+
+_MPI_GENERATIONS: dict[str, int] = {}
+_MPI_LOCK = threading.Lock()
+
+
+def exchange_uid_mpi(info: RendezvousInfo, *, name: str = "default",
+                     generation: Optional[int] = None, timeout: float = 300.0,
+                     mpi: Any = None) -> tuple[bytes, int]:
+    """Share the uid by ``MPI_Bcast`` from rank 0 over ``COMM_WORLD`` (nonblocking, polled, so
+    a rank that never joins is a :class:`RendezvousError` after ``timeout``, not a hang)."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ArgumentError(f"timeout: expected seconds > 0, got {timeout!r}")
+    _check_int("generation", generation, 0, allow_none=True)
+    MPI = mpi if mpi is not None else _import_mpi()
+    if MPI is None:
+        raise MissingDependencyError("uid_exchange='mpi' needs mpi4py: pip install mpi4py")
+    world = MPI.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (info.rank, info.world_size):
+        raise RendezvousError(
+            f"uid_exchange='mpi': MPI_COMM_WORLD says rank {world.Get_rank()} of "
+            f"{world.Get_size()}, the rendezvous says rank {info.rank} of {info.world_size} "
+            f"(from {info.source}); the MPI exchange needs the ranks to be MPI's own")
+    with _MPI_LOCK:
+        if generation is None:
+            generation = _MPI_GENERATIONS.get(name, 0) + 1
+        _MPI_GENERATIONS[name] = max(generation, _MPI_GENERATIONS.get(name, 0))
+    buf = bytearray(get_unique_id() if info.rank == 0 else bytes(UID_BYTES))
+    req = world.Ibcast([buf, MPI.BYTE], root=0)
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while not req.Test():
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"rank {info.rank} waited {timeout:g} s for the MPI_Bcast of the NCCL unique id "
+                f"of communicator {name!r} generation {generation} (uid_exchange='mpi'); are all "
+                f"{info.world_size} ranks running, with the same communicator names in the same "
+                f"order?")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    uid = _as_uid(buf, f"uid received by MPI_Bcast (communicator {name!r})")
+    log.debug("bootstrap: rank %d %s the uid of %r generation %d over MPI_Bcast", info.rank,
+              "sent" if info.rank == 0 else "got", name, generation)
+    return uid, generation
+
+
 def bootstrap(name: str = "default", *, store: Any = None, timeout: float = 300.0,
               token: Optional[str] = None, generation: Optional[int] = None,
-              **resolve_kwargs: Any) -> Bootstrap:
+              uid_exchange: Optional[str] = None, **resolve_kwargs: Any) -> Bootstrap:
     """Resolve the rendezvous, connect to the store and share a uid; see the module docstring.
 
     ``store``: any object with ncclpy's or torch's store methods; None connects to (rank 0:
@@ -364,13 +520,30 @@ def bootstrap(name: str = "default", *, store: Any = None, timeout: float = 300.
     ``resolve_kwargs`` go to :func:`ncclpy.rendezvous.resolve`.  The device is chosen and
     checked (against the visible GPU count, when GPUs are visible) before the store is
     contacted, so a bad device fails at once instead of after waiting for the peers.
+    ``uid_exchange``: "store", "mpi" or "auto" (see the module docstring).
     """
     _check_device_arg(resolve_kwargs.get("device"))
     info = resolve(**resolve_kwargs)
     device = _pick_device(info, explicit=resolve_kwargs.get("device") is not None)
+    env = resolve_kwargs.get("env")
+    how, why = choose_uid_exchange(uid_exchange, info, env, store_given=store is not None)
+    log.debug("bootstrap: uid exchange of %r: %s (%s)", name, how, why)
+    if how == "mpi":
+        if (os.environ if env is None else env).get("NCCLPY_CHECKED", "").strip().lower() in (
+                "1", "true", "yes", "on"):
+            raise ArgumentError(f"uid_exchange: {why.split(';')[0]}, but NCCLPY_CHECKED is on "
+                                f"and checked mode needs the rendezvous store, which the MPI "
+                                f"exchange does not open; use uid_exchange='store' or "
+                                f"NCCLPY_CHECKED=0")
+        uid, gen = exchange_uid_mpi(info, name=name, generation=generation, timeout=timeout)
+        log.debug("bootstrap: %r generation %d: rank %d/%d local rank %d device %d (rendezvous "
+                  "from %s, uid over MPI_Bcast, no store)", name, gen, info.rank,
+                  info.world_size, info.local_rank, device, info.source)
+        return Bootstrap(rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+                         device=device, uid=uid, name=name, generation=gen, store=None,
+                         info=info, uid_exchange="mpi")
     if store is None:
         if token is None:
-            env = resolve_kwargs.get("env")
             token = (os.environ if env is None else env).get("NCCLPY_STORE_TOKEN") or None
         store = _default_store(info, token, timeout)
     uid, gen = exchange_uid(store, info.rank, name=name, generation=generation, timeout=timeout,

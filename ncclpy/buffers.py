@@ -18,18 +18,20 @@ up in dicts filled on first sight.  Every check still runs on every parse.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from .dlpack import (DL_DEVICE_NAMES, DLDataType, DLDevice, DLManagedTensor,  # noqa: F401
+                     DLManagedTensorVersioned, DLPackInfo, DLPackVersion, DLTensor,
+                     dlpack_dtype, parse_dlpack_capsule)
 from .dtypes import LOGICAL, dtype_name
 from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError, as_int
 
 __all__ = ["BufferSpec", "Buffer", "as_buffer", "DEVICE_HOST", "DEVICE_UNKNOWN",
-           "parse_dlpack_capsule", "DLPackInfo", "type_kind", "device_of"]
+           "parse_dlpack_capsule", "DLPackInfo", "type_kind", "device_of", "from_cai"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the buffer spans: ``count * itemsize`` of its dtype."""
         return self.count * self.itemsize
 
     @property
@@ -89,6 +92,21 @@ class BufferSpec:
     def offset(self, elements: int) -> int:
         """Pointer ``elements`` logical elements past ``ptr``."""
         return self.ptr + elements * self.itemsize
+
+
+_new = object.__new__
+
+
+def _spec(ptr: int, count: int, dtype: str, device: int, shape: Tuple[int, ...],
+          framework: str, obj: Any, readonly: bool = False) -> BufferSpec:
+    """``BufferSpec(ptr, count, dtype, device, shape, framework, True, obj, readonly)`` for the
+    parsers, without the cost of calling a class with a Python ``__init__`` (a cold call
+    parses every buffer; on Python 3.11 the class call alone is ~150 ns)."""
+    b = _new(BufferSpec)
+    _set(b, "__dict__", {"ptr": ptr, "count": count, "dtype": dtype, "device": device,
+                         "shape": shape, "framework": framework, "contiguous": True,
+                         "obj": obj, "readonly": readonly})
+    return b
 
 
 def _int_arg(name: str, what: str, value: Any, minimum: int) -> int:
@@ -126,6 +144,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the buffer spans: ``count * itemsize`` of its dtype."""
         return self.count * LOGICAL[self.dtype].itemsize
 
 
@@ -292,7 +311,7 @@ def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
     ptr = int(obj.data_ptr() or 0)
     if count and not ptr:
         raise ArgumentError(f"{name}: the tensor has {count} elements but a NULL data pointer")
-    return BufferSpec(ptr, count, dt, _device_of(obj, hint), shape, "torch", True, obj)
+    return _spec(ptr, count, dt, _device_of(obj, hint), shape, "torch", obj)
 
 
 # -- __cuda_array_interface__ ------------------------------------------------------------------
@@ -343,8 +362,31 @@ def _cai_dtype(name: str, obj: Any, typestr: Any) -> str:
     return dt
 
 
-def _from_cai(obj: Any, cai: Any, name: str, hint: Optional[int], framework: str) -> BufferSpec:
-    if not isinstance(cai, dict):
+def _shape(name: str, shape: Any) -> Tuple[Tuple[int, ...], int]:
+    """``shape`` as a tuple of ints and its element count; a negative extent is an error."""
+    count = 1
+    if type(shape) is tuple:
+        for n in shape:
+            if type(n) is not int or n < 0:
+                break
+            count *= n
+        else:
+            return shape, count         # exact non-negative ints (the common case): no copy
+    shape = tuple(map(int, shape))
+    count = 1
+    for n in shape:
+        if n < 0:
+            raise ArgumentError(f"{name}: negative extent in shape {shape}")
+        count *= n
+    return shape, count
+
+
+def from_cai(obj: Any, cai: Any, name: str, hint: Optional[int] = None,
+             framework: str = "cai") -> BufferSpec:
+    """Parse ``obj`` from its ``__cuda_array_interface__`` export ``cai``, already read (what
+    :func:`as_buffer` does for such an object after reading ``obj.__cuda_array_interface__``;
+    the resolver reads the export once per call and shares it with the stream and the key)."""
+    if type(cai) is not dict and not isinstance(cai, dict):
         raise ArgumentTypeError(f"{name}: __cuda_array_interface__ must be a dict, got "
                                 f"{type(cai).__name__}")
     try:
@@ -363,24 +405,21 @@ def _from_cai(obj: Any, cai: Any, name: str, hint: Optional[int], framework: str
     dt = _TYPESTRS.get(typestr) if type(typestr) is str else None
     if dt is None:
         dt = _cai_dtype(name, obj, typestr)
-    shape = tuple(map(int, shape))
-    count = 1
-    for n in shape:
-        if n < 0:
-            raise ArgumentError(f"{name}: negative extent in shape {shape}")
-        count *= n
-    if not isinstance(data, (tuple, list)) or len(data) != 2:
+    shape, count = _shape(name, shape)
+    if (type(data) is not tuple and not isinstance(data, (tuple, list))) or len(data) != 2:
         raise ArgumentError(f"{name}: __cuda_array_interface__ data must be (ptr, readonly), "
                             f"got {data!r}")
     ptr, readonly = data
-    ptr, readonly = int(ptr or 0), bool(readonly)
+    if type(ptr) is not int:
+        ptr = int(ptr or 0)
     strides = cai.get("strides")
     if strides is not None:
         _check_layout(name, shape, strides, LOGICAL[dt].itemsize, "bytes")
     if count and not ptr:
         raise ArgumentError(f"{name}: {count} elements but a NULL data pointer")
-    return BufferSpec(ptr, count, dt, _device_of(obj, hint), shape, framework, True, obj,
-                      readonly)
+    own = getattr(obj, "device", None)    # a pure CAI object does not say: the hint decides
+    device = DEVICE_UNKNOWN if own is None and hint is None else _device_of(obj, hint)
+    return _spec(ptr, count, dt, device, shape, framework, obj, bool(readonly))
 
 
 # -- CuPy, read directly -----------------------------------------------------------------------
@@ -408,128 +447,11 @@ def _from_cupy(obj: Any, name: str) -> BufferSpec:
     count, ptr = obj.size, mem.ptr
     if count and not ptr:
         raise ArgumentError(f"{name}: {count} elements but a NULL data pointer")
-    return BufferSpec(ptr, count, dt, mem.device_id, shape, "cupy", True, obj)
+    return _spec(ptr, count, dt, mem.device_id, shape, "cupy", obj)
 
 
-# -- DLPack ------------------------------------------------------------------------------------
+# -- DLPack (the capsule layout and reader live in ncclpy.dlpack) -------------------------------
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_ROCM_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 11, 13
-_DL_DEVICE_NAMES = {1: "kDLCPU", 2: "kDLCUDA", 3: "kDLCUDAHost", 4: "kDLOpenCL",
-                    7: "kDLVulkan", 8: "kDLMetal", 9: "kDLVPI", 10: "kDLROCM",
-                    11: "kDLROCMHost", 12: "kDLExtDev", 13: "kDLCUDAManaged", 14: "kDLOneAPI",
-                    15: "kDLWebGPU", 16: "kDLHexagon", 17: "kDLMAIA"}
-#: (code, bits) -> logical dtype; codes from dlpack.h
-_DL_DTYPES = {
-    (0, 8): "int8", (0, 32): "int32", (0, 64): "int64",
-    (1, 8): "uint8", (1, 32): "uint32", (1, 64): "uint64",
-    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
-    (4, 16): "bfloat16", (5, 32): "complex32", (5, 64): "complex64", (5, 128): "complex128",
-    (6, 8): "bool", (10, 8): "float8_e4m3", (12, 8): "float8_e5m2",
-}
-_DL_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat",
-                  5: "complex", 6: "bool", 7: "float8_e3m4", 8: "float8_e4m3 (with inf)",
-                  9: "float8_e4m3b11fnuz", 10: "float8_e4m3fn", 11: "float8_e4m3fnuz",
-                  12: "float8_e5m2", 13: "float8_e5m2fnuz", 14: "float8_e8m0fnu",
-                  15: "float6_e2m3fn", 16: "float6_e3m2fn", 17: "float4_e2m1fn"}
-
-
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
-
-
-class DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
-                ("dl_tensor", DLTensor)]
-
-
-@dataclass(frozen=True)
-class DLPackInfo:
-    """What a DLPack capsule describes (pointer already includes ``byte_offset``)."""
-
-    ptr: int
-    device_type: int
-    device_id: int
-    shape: Tuple[int, ...]
-    strides: Optional[Tuple[int, ...]]   # elements; None: compact row-major
-    code: int
-    bits: int
-    lanes: int
-    readonly: bool
-    versioned: bool
-
-
-def _capsule_api():
-    api = ctypes.pythonapi
-    api.PyCapsule_GetName.restype = ctypes.c_char_p
-    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    return api
-
-
-def parse_dlpack_capsule(capsule: Any, name: str = "buffer") -> DLPackInfo:
-    """Read a ``dltensor`` or ``dltensor_versioned`` capsule without consuming it.
-
-    The capsule is neither renamed nor its deleter called here: when the caller drops it, the
-    producer's capsule destructor frees the managed tensor, while the data stays owned by the
-    producing object.
-    """
-    if type(capsule).__name__ != "PyCapsule":
-        raise ArgumentTypeError(f"{name}: __dlpack__() returned {type(capsule).__name__}, "
-                                f"expected a PyCapsule")
-    api = _capsule_api()
-    cname = api.PyCapsule_GetName(capsule)
-    if cname == b"dltensor":
-        mt = DLManagedTensor.from_address(api.PyCapsule_GetPointer(capsule, cname))
-        t, readonly, versioned = mt.dl_tensor, False, False
-    elif cname == b"dltensor_versioned":
-        mv = DLManagedTensorVersioned.from_address(api.PyCapsule_GetPointer(capsule, cname))
-        if mv.version.major != 1:
-            raise UnsupportedError(f"{name}: DLPack ABI version {mv.version.major}."
-                                   f"{mv.version.minor} is not supported; expected 1.x")
-        t, readonly, versioned = mv.dl_tensor, bool(mv.flags & 1), True
-    else:
-        raise ArgumentError(f"{name}: DLPack capsule named {cname!r} (already consumed?); "
-                            f"expected 'dltensor' or 'dltensor_versioned'")
-    ndim = int(t.ndim)
-    if ndim < 0:
-        raise ArgumentError(f"{name}: DLPack ndim {ndim} is negative")
-    shape = tuple(int(t.shape[i]) for i in range(ndim)) if ndim else ()
-    strides = tuple(int(t.strides[i]) for i in range(ndim)) if ndim and t.strides else None
-    return DLPackInfo(int(t.data or 0) + int(t.byte_offset), int(t.device.device_type),
-                      int(t.device.device_id), shape, strides, int(t.dtype.code),
-                      int(t.dtype.bits), int(t.dtype.lanes), readonly, versioned)
-
-
-def _dlpack_dtype(name: str, code: int, bits: int, lanes: int) -> str:
-    if lanes != 1:
-        raise UnsupportedError(f"{name}: DLPack vector dtype ({lanes} lanes) is not supported; "
-                               f"expected lanes 1")
-    dt = _DL_DTYPES.get((code, bits))
-    if dt is None:
-        kind = _DL_CODE_NAMES.get(code, f"type code {code}")
-        raise UnsupportedError(f"{name}: DLPack dtype {kind}{bits} cannot be carried by NCCL; "
-                               f"expected one of {', '.join(LOGICAL)}")
-    return dt
 
 
 def _from_dlpack(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
@@ -537,7 +459,7 @@ def _from_dlpack(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
     if dev_fn is None:
         raise ArgumentTypeError(f"{name}: object has __dlpack__ but no __dlpack_device__")
     dev_type, dev_id = (int(x) for x in dev_fn())
-    dev_name = _DL_DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
+    dev_name = DL_DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
     if dev_type in (_DL_CPU, _DL_CUDA_HOST, _DL_ROCM_HOST):
         raise _host_error(name, f"a DLPack buffer on {dev_name}",
                           "a CUDA device buffer (DLPack kDLCUDA)")
@@ -552,8 +474,8 @@ def _from_dlpack(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
     del cap
     if info.device_type != _DL_CUDA:
         raise ArgumentError(f"{name}: __dlpack_device__ says kDLCUDA but the capsule says "
-                            f"{_DL_DEVICE_NAMES.get(info.device_type, info.device_type)}")
-    dt = _dlpack_dtype(name, info.code, info.bits, info.lanes)
+                            f"{DL_DEVICE_NAMES.get(info.device_type, info.device_type)}")
+    dt = dlpack_dtype(name, info.code, info.bits, info.lanes)
     _check_layout(name, info.shape, info.strides, 1, "elements")
     count = _prod(info.shape)
     if count and not info.ptr:
@@ -579,8 +501,7 @@ def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> B
     if kind == "cupy":
         return _from_cupy(obj, name)
     if kind == "raw":
-        return BufferSpec(obj.ptr, obj.count, obj.dtype, obj.device, (obj.count,), "raw", True,
-                          obj)
+        return _spec(obj.ptr, obj.count, obj.dtype, obj.device, (obj.count,), "raw", obj)
     if kind == "spec":
         return obj
     if kind == "prim":
@@ -597,7 +518,7 @@ def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> B
     except AttributeError:
         cai = None
     if cai is not None:
-        return _from_cai(obj, cai, name, device, "cupy" if kind == "cupy-cai" else "cai")
+        return from_cai(obj, cai, name, device, "cupy" if kind == "cupy-cai" else "cai")
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, name, device)
     if hasattr(obj, "__array_interface__"):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Hashable
 
 from .buffers import DEVICE_UNKNOWN, device_of, type_kind
 
-__all__ = ["Uncacheable", "buffer_key", "keyer"]
+__all__ = ["Uncacheable", "buffer_key", "keyer", "cai_key"]
 
 Keyer = Callable[[Any], Hashable]
 
@@ -69,6 +69,17 @@ def _cai(obj: Any) -> Hashable:
         cai = obj.__cuda_array_interface__
     except AttributeError:
         raise Uncacheable(type(obj).__name__) from None
+    return cai_key(obj, cai)
+
+
+def _cupy_cai(obj: Any) -> Hashable:
+    """Another CuPy class: keyed like any CAI producer (its own function, because its default
+    stream is CuPy's, not the export's: the resolver shares the export only for 'other')."""
+    return _cai(obj)
+
+
+def cai_key(obj: Any, cai: Any) -> Hashable:
+    """The key of ``obj`` from its ``__cuda_array_interface__`` export ``cai``, already read."""
     if type(cai) is not dict or cai.get("mask") is not None:
         raise Uncacheable("unusual __cuda_array_interface__")
     ts = cai.get("typestr")
@@ -105,7 +116,9 @@ def _choose(t: type) -> Keyer:
         if torch is not None and issubclass(t, torch.Tensor):
             return _torch
         return _never
-    if kind in ("cupy-cai", "other"):
+    if kind == "cupy-cai":
+        return _cupy_cai
+    if kind == "other":
         return _cai
     return _never            # 'prim' (not a buffer), 'numpy' (host memory): parse and refuse
 

@@ -2,7 +2,9 @@
 
 ``main(argv)`` returns the exit code; the console script and ``python -m ncclpy`` call it.
 Subcommand modules are imported lazily so ``ncclpy info`` works even where a colleague module
-(``ncclpy.check``) is missing or broken.
+(``ncclpy.check``) is missing or broken.  Usage errors are one line naming the flag as typed
+(exit status 2); Ctrl-C ends a command with one line and exit status 130, a closed output pipe
+(``ncclpy info | head -3``) quietly with 141 (:mod:`ncclpy.cli_util`).
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
+
+from .cli_util import OneLineParser, run_cli
 
 __all__ = ["main", "build_parser"]
 
@@ -20,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .launch.launcher import add_run_arguments
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="ncclpy", description="ncclpy: a Python layer over NVIDIA NCCL.")
     p.add_argument("--version", action="version", version=f"ncclpy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -61,11 +65,7 @@ def _info(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the ``ncclpy`` command line with ``argv`` (default ``sys.argv[1:]``); the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "check":   # pass everything through untouched
-        return _check(argv[1:])
+def _main(argv: List[str]) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "run":
@@ -75,6 +75,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _info(ns)
     parser.print_help(sys.stderr)
     return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``ncclpy`` command line with ``argv`` (default ``sys.argv[1:]``); the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "check":   # pass everything through untouched
+        return _check(argv[1:])        # (ncclpy check handles Ctrl-C and closed pipes itself)
+    prog = f"ncclpy {argv[0]}" if argv and argv[0] in ("run", "info") else "ncclpy"
+    return run_cli(prog, lambda: _main(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -20,7 +20,6 @@ repeated use (``ncclpy.prepared``).
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -28,16 +27,17 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ._nccl.config import Config, effective_nonblocking, init_struct
-from ._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, cupy_stream_for, int_arg,
+from ._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, int_arg,
                              lib_group, require_device, uid_bytes)
-from ._nccl.lib import (NCCL_IN_PROGRESS, SCALAR_HOST_IMMEDIATE,
-                        CudaUnavailableError, get_lib, require_version)
-from .errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError, NcclTimeoutError
+from ._nccl.lib import (NCCL_IN_PROGRESS, CudaUnavailableError, get_lib, require_version)
+from .errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError, NcclpyError,
+                     NcclTimeoutError)
 from .comm_extras import CommExtras, Registration
-from .execute import group_scope, group_state, issue
+from .execute import group_scope, issue
 from .plan.types import PlanContext
 from .prepared import Prepared
 from .resolver import Resolver
+from .watchdog import default_timeout, env_flag
 from .work import Work
 
 __all__ = ["Communicator", "Config", "Registration", "init", "group"]
@@ -45,10 +45,13 @@ __all__ = ["Communicator", "Config", "Registration", "init", "group"]
 log = logging.getLogger(__name__)
 
 class Communicator(CommExtras):
-    """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``."""
+    """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``.
+    Each call checks its arguments before NCCL (Argument*Error), enqueues on ``stream``
+    (default: see :mod:`ncclpy.streams`; CUDA-graph capture allowed) and returns a Work;
+    NCCL failures raise NcclError subclasses, a closed one NcclpyError."""
 
     def __init__(self, world_size: int, rank: int, uid: Any, device: int,
-                 config: Optional[Config] = None, *, timeout: float = 300.0) -> None:
+                 config: Optional[Config] = None, *, timeout: Optional[float] = None) -> None:
         world_size = int_arg("world_size", world_size, 1)
         rank = int_arg("rank", rank, 0)
         if rank >= world_size:
@@ -59,8 +62,7 @@ class Communicator(CommExtras):
         if config is not None and not isinstance(config, Config):
             raise ArgumentTypeError(f"config: expected ncclpy.Config or None, got "
                                     f"{type(config).__name__}")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ArgumentError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        timeout = default_timeout(timeout)
         lib = get_lib()
         # NCCL_COMM_BLOCKING=0 makes even a config-less communicator nonblocking: its init then
         # returns ncclInProgress, which CuPy cannot represent, so it is made through ctypes.
@@ -102,11 +104,29 @@ class Communicator(CommExtras):
 
     @classmethod
     def from_bootstrap(cls, bs: Any, config: Optional[Config] = None, *,
-                       timeout: float = 300.0) -> "Communicator":
-        """A communicator from an :class:`ncclpy.bootstrap.Bootstrap` hand-over."""
+                       timeout: Optional[float] = None, checked: Optional[bool] = None,
+                       watchdog: Optional[bool] = None) -> "Communicator":
+        """A communicator from an :class:`ncclpy.bootstrap.Bootstrap` hand-over.
+
+        ``checked`` (default ``$NCCLPY_CHECKED``, off): compare every call across ranks
+        through the bootstrap's store before NCCL sees it (:mod:`ncclpy.checked`).
+        ``watchdog`` (default ``$NCCLPY_WATCHDOG``, on): a daemon thread that aborts the
+        communicator when a call outlives ``timeout`` or a peer dies (:mod:`ncclpy.watchdog`).
+        """
+        checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
+        watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
         comm = cls(bs.world_size, bs.rank, bs.uid, bs.device, config, timeout=timeout)
         comm.bootstrap = bs
         comm.name = getattr(bs, "name", "default")
+        store = getattr(bs, "store", None)
+        if checked:
+            from .checked import Checker
+            comm._checker = Checker(store, comm.rank, comm.world_size, name=comm.name,
+                                    prefix=f"ncclpy/{comm.name}/{getattr(bs, 'generation', 0)}"
+                                           f"/chk", timeout=comm._timeout)
+        if watchdog:
+            from .watchdog import Watchdog
+            comm._watchdog = Watchdog(comm, store).start()
         return comm
 
     @classmethod
@@ -149,6 +169,10 @@ class Communicator(CommExtras):
         self._allocations: Dict[int, int] = {}
         self._captured: List[Any] = []       # scratch used by CUDA-graph captures
         self._barrier_buf: Any = None
+        self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
+        self._watch: Any = None              # the watchdog's deque of issued Work
+        self._watchdog: Any = None
+        self._abort_error: Optional[CommAbortedError] = None
         self.bootstrap: Any = None
         self.name = "default"
         self._dispatch = build_dispatch(self, lib, handle, nc)
@@ -156,14 +180,17 @@ class Communicator(CommExtras):
     # -- state ----------------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This process's rank in the communicator (``ncclCommUserRank`` for split children)."""
         return self._rank
 
     @property
     def world_size(self) -> int:
+        """Number of ranks (``ncclCommCount`` for split children)."""
         return self._world_size
 
     @property
     def device(self) -> int:
+        """The CUDA device ordinal this rank uses."""
         return self._device
 
     @property
@@ -173,14 +200,17 @@ class Communicator(CommExtras):
 
     @property
     def config(self) -> Optional[Config]:
+        """The :class:`Config` it was created with (None: NCCL's defaults)."""
         return self._config
 
     @property
     def nonblocking(self) -> bool:
+        """Whether NCCL made it nonblocking (``Config.blocking=False`` or NCCL_COMM_BLOCKING=0)."""
         return self._nonblocking
 
     @property
     def closed(self) -> bool:
+        """True once closed or aborted."""
         return self._closed
 
     @property
@@ -211,7 +241,20 @@ class Communicator(CommExtras):
     def _ctx(self, ctx: PlanContext) -> None:
         self._resolver.set_context(ctx)
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a call, a wait, a barrier or a check may take (``timeout=`` or
+        ``$NCCLPY_TIMEOUT``, default 300)."""
+        return self._timeout
+
+    @property
+    def checked(self) -> bool:
+        """Whether checked mode compares every call across ranks."""
+        return self._checker is not None
+
     def _check_usable(self, what: str) -> None:
+        if self._abort_error is not None:
+            raise self._abort_error
         if self._closed:
             raise NcclpyError(f"{what}: the communicator (rank {self._rank}) is "
                               f"{'aborted' if self._aborted else 'closed'}")
@@ -236,53 +279,21 @@ class Communicator(CommExtras):
             raise self._lib.error(st, call, self._handle)
 
     def _raise_async_error(self) -> None:
+        if self._abort_error is not None:
+            raise self._abort_error
         if self._closed:
             return
         st = self._lib.async_error(self._handle)
         if st not in (0, NCCL_IN_PROGRESS):
             raise self._lib.error(st, "ncclCommGetAsyncError", self._handle)
 
-    # -- resources used by the executor ---------------------------------------------------
-    def _alloc_scratch(self, nbytes: int, stream: int) -> Any:
-        import cupy
-        from cupy.cuda import runtime
-        with cupy.cuda.Device(self._device), cupy_stream_for(stream, self._device):
-            mem = cupy.cuda.alloc(nbytes)
-        try:
-            capturing = bool(runtime.streamIsCapturing(stream))
-        except Exception:
-            capturing = False
-        if capturing:  # a graph replays into it later: the communicator keeps it
-            self._captured.append(mem)
-        return mem
-
-    def _premul_create(self, spec: Any) -> int:
-        lib = self._lib
-        scalar = ctypes.create_string_buffer(bytes(spec.scalar), max(len(spec.scalar), 8))
-        op = ctypes.c_int(0)
-        code = lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), scalar, int(spec.datatype),
-                                            SCALAR_HOST_IMMEDIATE, self._handle)
-        lib.check(code, "ncclRedOpCreatePreMulSum", self._handle, in_progress_ok=True)
-        if code == NCCL_IN_PROGRESS and group_state().depth == 0:
-            self._wait_ready("ncclRedOpCreatePreMulSum")
-        self._premul_ops.add(op.value)
-        return op.value
-
-    def _premul_destroy(self, op: int) -> None:
-        if op not in self._premul_ops or self._closed:
-            return
-        self._premul_ops.discard(op)
-        code = self._lib.ncclRedOpDestroy(op, self._handle)
-        self._lib.check(code, "ncclRedOpDestroy", self._handle, in_progress_ok=True)
-        if code == NCCL_IN_PROGRESS and group_state().depth == 0:
-            self._wait_ready("ncclRedOpDestroy")
-
     # -- calls ----------------------------------------------------------------------------
     # Each method: refuse if closed, resolve (the resolver's cache: a repeated call is not
     # parsed or planned again; a new one is, with every check), issue the C calls, record.
     def all_reduce(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
                    stream: Any = None) -> Work:
-        """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None)."""
+        """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
+        NCCL: ``ncclAllReduce`` (premul_sum: with ``ncclRedOpCreatePreMulSum``)."""
         if self._closed or self._finalized:
             self._check_usable("all_reduce")
         return issue(self, self._resolver.resolve("all_reduce", stream, sendbuf, recvbuf, (op,)),
@@ -290,7 +301,8 @@ class Communicator(CommExtras):
 
     def reduce(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, op: Any = "sum", *,
                stream: Any = None) -> Work:
-        """``root`` gets ``op`` over all ranks' ``sendbuf``."""
+        """``root`` gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
+        NCCL: ``ncclReduce``."""
         if self._closed or self._finalized:
             self._check_usable("reduce")
         return issue(self, self._resolver.resolve("reduce", stream, sendbuf, recvbuf,
@@ -298,7 +310,8 @@ class Communicator(CommExtras):
 
     def broadcast(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
                   stream: Any = None) -> Work:
-        """Every rank gets ``root``'s ``sendbuf``."""
+        """Every rank gets ``root``'s ``sendbuf`` (in place if recvbuf is None).
+        NCCL: ``ncclBroadcast``."""
         if self._closed or self._finalized:
             self._check_usable("broadcast")
         return issue(self, self._resolver.resolve("broadcast", stream, sendbuf, recvbuf, (root,)),
@@ -306,7 +319,8 @@ class Communicator(CommExtras):
 
     def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> Work:
         """``recvbuf`` (N*count, or a list of N) gets every rank's ``sendbuf`` in rank order;
-        ``sendbuf`` None: in place (this rank's block of recvbuf is its input)."""
+        ``sendbuf`` None: in place (this rank's block of recvbuf is its input).
+        NCCL: ``ncclAllGather`` (a list adds copies from a scratch buffer)."""
         if self._closed or self._finalized:
             self._check_usable("all_gather")
         return issue(self, self._resolver.resolve("all_gather", stream, sendbuf, recvbuf),
@@ -314,7 +328,8 @@ class Communicator(CommExtras):
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
                        stream: Any = None) -> Work:
-        """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list)."""
+        """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list).
+        NCCL: ``ncclReduceScatter``."""
         if self._closed or self._finalized:
             self._check_usable("reduce_scatter")
         return issue(self, self._resolver.resolve("reduce_scatter", stream, sendbuf, recvbuf,
@@ -322,7 +337,8 @@ class Communicator(CommExtras):
 
     def all_to_all(self, sendbuf: Any, recvbuf: Any = None, send_counts: Any = None,
                    recv_counts: Any = None, *, stream: Any = None) -> Work:
-        """Block d of this rank's ``sendbuf`` goes to rank d (even, uneven counts, lists)."""
+        """Block d of this rank's ``sendbuf`` goes to rank d (even, uneven counts, lists).
+        NCCL: ``ncclAlltoAll`` (NCCL >= 2.28, even counts), else grouped ncclSend/ncclRecv."""
         if self._closed or self._finalized:
             self._check_usable("all_to_all")
         return issue(self, self._resolver.resolve("all_to_all", stream, sendbuf, recvbuf,
@@ -331,7 +347,8 @@ class Communicator(CommExtras):
 
     def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
                stream: Any = None) -> Work:
-        """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order."""
+        """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order (None off the
+        root).  NCCL: ``ncclGather`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
         if self._closed or self._finalized:
             self._check_usable("gather")
         return issue(self, self._resolver.resolve("gather", stream, sendbuf, recvbuf, (root,)),
@@ -339,27 +356,29 @@ class Communicator(CommExtras):
 
     def scatter(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
                 stream: Any = None) -> Work:
-        """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf``."""
+        """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf`` (None off the root).
+        NCCL: ``ncclScatter`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
         if self._closed or self._finalized:
             self._check_usable("scatter")
         return issue(self, self._resolver.resolve("scatter", stream, sendbuf, recvbuf, (root,)),
                      (sendbuf, recvbuf))
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
-        """Send ``buf`` to ``peer`` (which must post a matching recv)."""
+        """Send ``buf`` to ``peer`` (which must post a matching recv).  NCCL: ``ncclSend``."""
         if self._closed or self._finalized:
             self._check_usable("send")
         return issue(self, self._resolver.resolve("send", stream, buf, None, (peer,)), (buf,))
 
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
-        """Receive into ``buf`` from ``peer``."""
+        """Receive into ``buf`` from ``peer``.  NCCL: ``ncclRecv``."""
         if self._closed or self._finalized:
             self._check_usable("recv")
         return issue(self, self._resolver.resolve("recv", stream, buf, None, (peer,)), (buf,))
 
     def send_recv(self, sendbuf: Any, recvbuf: Any, send_peer: int, recv_peer: int, *,
                   stream: Any = None) -> Work:
-        """Send ``sendbuf`` to ``send_peer``, receive ``recvbuf`` from ``recv_peer`` (grouped)."""
+        """Send ``sendbuf`` to ``send_peer``, receive ``recvbuf`` from ``recv_peer``: one
+        group of ``ncclSend`` + ``ncclRecv``; the buffers must not overlap."""
         if self._closed or self._finalized:
             self._check_usable("send_recv")
         return issue(self, self._resolver.resolve("send_recv", stream, sendbuf, recvbuf,
@@ -370,7 +389,8 @@ class Communicator(CommExtras):
 
         ``timeout`` (seconds; default: the communicator's timeout): a rank that never arrives
         raises NcclTimeoutError instead of hanging; the communicator should then be aborted.
-        """
+        NCCL: ``ncclAllReduce`` of one float32 on ``stream``, then a host wait; the Work returned
+        is complete (symmetry only: ``wait()`` returns at once).  Not during graph capture."""
         self._check_usable("barrier")
         if self._barrier_buf is None:
             import cupy
@@ -386,12 +406,14 @@ class Communicator(CommExtras):
         """Validate and plan one call once: ``p = comm.prepare("all_reduce", x, op="sum")``,
         then ``p()`` / ``p(stream=s)`` issues the same NCCL call(s) with nothing but the C
         calls and the Work bookkeeping (see :mod:`ncclpy.prepared`).  Arguments as the method
-        ``name`` takes them; ``stream`` fixes the default stream of every call."""
+        ``name`` takes them; ``stream`` fixes the default stream of every call.  Argument
+        errors are raised here; ``barrier`` cannot be prepared."""
         self._check_usable("prepare")
         return Prepared(self, name, args, kwargs, stream)
 
     def group(self):
-        """``with comm.group():`` fuse the calls inside into one NCCL group."""
+        """``with comm.group():`` fuse the calls inside into one NCCL group
+        (``ncclGroupStart``/``ncclGroupEnd``); Works are recorded at the outermost end."""
         self._check_usable("group")
         return group_scope(self._dispatch["GroupStart"], self._dispatch["GroupEnd"], self)
 
@@ -415,6 +437,7 @@ class Communicator(CommExtras):
             return
         self._closed = self._aborted = True
         self._resolver.clear()
+        self._stop_watchdog(closed=False)
         try:
             if self._nc is not None:
                 call_cupy(self._lib, "ncclCommAbort", self._handle, self._nc.abort)
@@ -430,6 +453,7 @@ class Communicator(CommExtras):
         should call it)."""
         if self._closed:
             return
+        self._stop_watchdog(closed=True)
         lib, h = self._lib, self._handle
         for reg in list(self._registrations.values()):
             try:
@@ -457,6 +481,22 @@ class Communicator(CommExtras):
                 lib.check(lib.ncclCommDestroy(h), "ncclCommDestroy", h)
         finally:
             self._free_owned()
+
+    def _stop_watchdog(self, closed: bool) -> None:
+        wd, self._watchdog = self._watchdog, None
+        self._watch = None
+        if wd is not None:
+            try:
+                wd.stop(closed=closed)
+            except Exception:
+                log.debug("stopping the watchdog failed", exc_info=True)
+
+    def _watchdog_abort(self, decision: Any) -> None:
+        """The watchdog's verdict: every blocked or later call raises CommAbortedError."""
+        self._abort_error = CommAbortedError(decision.message, collective=decision.collective,
+                                             seq=decision.seq, suspects=decision.suspects,
+                                             reason=decision.reason)
+        self.abort()
 
     def _free_owned(self) -> None:
         import cupy
@@ -505,16 +545,25 @@ def group():
     return group_scope(lib_group(lib, "ncclGroupStart"), lib_group(lib, "ncclGroupEnd"))
 
 
-def init(name: str = "default", config: Optional[Config] = None, timeout: float = 300.0,
-         **resolve_kwargs: Any) -> Communicator:
+def init(name: str = "default", config: Optional[Config] = None,
+         timeout: Optional[float] = None, *, checked: Optional[bool] = None,
+         watchdog: Optional[bool] = None, **resolve_kwargs: Any) -> Communicator:
     """Bootstrap (rendezvous + uid exchange) and create the communicator; makes its device
-    CuPy's current device."""
+    CuPy's current device.  ``timeout`` (default ``$NCCLPY_TIMEOUT``, else 300 s) bounds the
+    rendezvous, ``Work.wait()``, ``barrier()``, checked-mode checks and the watchdog;
+    ``checked`` / ``watchdog``: see :meth:`Communicator.from_bootstrap`.  Raises, before
+    the rendezvous: MissingDependencyError (no CuPy/libnccl), CudaUnavailableError (no
+    GPU); then RendezvousError, or the NcclError of ``ncclCommInitRank``."""
+    timeout = default_timeout(timeout)
+    checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
+    watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
     from .bootstrap import _check_device_arg, bootstrap
     _check_device_arg(resolve_kwargs.get("device"))
     get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
     bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
-    comm = Communicator.from_bootstrap(bs, config, timeout=timeout)
+    comm = Communicator.from_bootstrap(bs, config, timeout=timeout, checked=checked,
+                                       watchdog=watchdog)
     import cupy
     cupy.cuda.Device(comm.device).use()
     return comm
@@ -532,3 +581,4 @@ def _require_gpu(name: str) -> None:
         raise CudaUnavailableError(
             f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "
             f"NVIDIA GPU with a working driver, so this rank did not join the rendezvous")
+

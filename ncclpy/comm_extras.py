@@ -3,7 +3,8 @@
 A mixin of :class:`ncclpy.comm.Communicator` (kept apart so each module stays one screenful of
 concerns): ``split`` (ncclCommSplit, blocking or not), ``register``/``deregister``
 (ncclCommRegister, one :class:`Registration` per call), ``mem_alloc``/``mem_free``
-(ncclMemAlloc).  It uses the communicator's ``_lib``, ``_handle``, ``_device``, ``_nc``,
+(ncclMemAlloc), and the per-call resources the executor asks for (scratch memory, PreMulSum
+ops).  It uses the communicator's ``_lib``, ``_handle``, ``_device``, ``_nc``,
 ``_resolver``, ``_registrations`` and ``_allocations``.
 """
 from __future__ import annotations
@@ -15,9 +16,11 @@ import logging
 from typing import Any, List, Optional
 
 from ._nccl.config import effective_nonblocking
-from ._nccl.dispatch import call_cupy, int_arg
-from ._nccl.lib import NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, require_version
+from ._nccl.dispatch import call_cupy, cupy_stream_for, int_arg
+from ._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE,
+                        require_version)
 from .errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
+from .execute import group_depth
 
 __all__ = ["CommExtras", "Registration"]
 
@@ -55,12 +58,19 @@ class CommExtras:
     _resolver: Any
     _registrations: Any
     _allocations: Any
+    _premul_ops: Any
+    _captured: Any
+    _closed: bool
     name: str
 
     def split(self, color: int, key: int) -> Optional[Any]:
         """ncclCommSplit: ranks with the same ``color`` form a new communicator, ordered by
         ``key``; ``color`` < 0 (NCCL_SPLIT_NOCOLOR) joins none and returns None.  The child
-        inherits this communicator's config (blocking mode included)."""
+        inherits this communicator's config (blocking mode included).  Collective over this
+        communicator; NCCL >= 2.18 (VersionError otherwise).  The child is an independent
+        Communicator (no checked mode, no watchdog) that must be closed on its own; NCCL's
+        nccl.h states no destruction order, and ncclpy recommends closing children before the
+        parent (the safe order also with ``Config(split_share=True)``)."""
         self._check_usable("split")
         self._resolver.clear()
         color = int_arg("color", color, -(2 ** 31) + 1)
@@ -120,7 +130,8 @@ class CommExtras:
                                   nonblocking, self._timeout, name)
 
     def register(self, buf: Any) -> Registration:
-        """ncclCommRegister ``buf`` (freed by ``deregister`` or ``close``)."""
+        """ncclCommRegister ``buf`` (freed by ``deregister`` or ``close``); one Registration
+        per call, even for a buffer registered twice."""
         self._check_usable("register")
         if isinstance(buf, (list, tuple)):
             raise ArgumentTypeError("register: expected one buffer, got a list")
@@ -182,6 +193,41 @@ class CommExtras:
         with cupy.cuda.Device(self._device):
             self._lib.check(self._lib.ncclMemFree(ptr), "ncclMemFree")
 
+
+    # -- resources used by the executor ---------------------------------------------------
+    def _alloc_scratch(self, nbytes: int, stream: int) -> Any:
+        import cupy
+        from cupy.cuda import runtime
+        with cupy.cuda.Device(self._device), cupy_stream_for(stream, self._device):
+            mem = cupy.cuda.alloc(nbytes)
+        try:
+            capturing = bool(runtime.streamIsCapturing(stream))
+        except Exception:
+            capturing = False
+        if capturing:  # a graph replays into it later: the communicator keeps it
+            self._captured.append(mem)
+        return mem
+
+    def _premul_create(self, spec: Any) -> int:
+        lib = self._lib
+        scalar = ctypes.create_string_buffer(bytes(spec.scalar), max(len(spec.scalar), 8))
+        op = ctypes.c_int(0)
+        code = lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), scalar, int(spec.datatype),
+                                            SCALAR_HOST_IMMEDIATE, self._handle)
+        lib.check(code, "ncclRedOpCreatePreMulSum", self._handle, in_progress_ok=True)
+        if code == NCCL_IN_PROGRESS and group_depth() == 0:
+            self._wait_ready("ncclRedOpCreatePreMulSum")
+        self._premul_ops.add(op.value)
+        return op.value
+
+    def _premul_destroy(self, op: int) -> None:
+        if op not in self._premul_ops or self._closed:
+            return
+        self._premul_ops.discard(op)
+        code = self._lib.ncclRedOpDestroy(op, self._handle)
+        self._lib.check(code, "ncclRedOpDestroy", self._handle, in_progress_ok=True)
+        if code == NCCL_IN_PROGRESS and group_depth() == 0:
+            self._wait_ready("ncclRedOpDestroy")
 
 def _itemsize(dtype: Any) -> int:
     from .dtypes import logical

@@ -18,6 +18,7 @@ __all__ = [
     "NcclError", "NcclUnhandledCudaError", "NcclSystemError", "NcclInternalError",
     "NcclInvalidArgument", "NcclInvalidUsage", "NcclRemoteError", "NcclInProgress",
     "NcclTimeoutError", "nccl_error_from_code", "NCCL_RESULT_NAMES",
+    "CallMismatchError", "CallCheckTimeout", "CommAbortedError",
 ]
 
 
@@ -26,7 +27,7 @@ class NcclpyError(Exception):
 
 
 class ArgumentError(NcclpyError, ValueError):
-    """A bad argument value: the message names the argument, what was given and what was expected."""
+    """A bad argument value: the message names the argument, what was given, what was expected."""
 
 
 class ArgumentTypeError(NcclpyError, TypeError):
@@ -87,6 +88,46 @@ class StoreRequestError(StoreError):
     """The server refused a well-formed request (e.g. key or value over the size limit)."""
 
 
+class CallMismatchError(NcclpyError, RuntimeError):
+    """Checked mode: the ranks' calls do not match (raised on every rank before NCCL is called).
+
+    The message is a table, one line per rank with its sequence number and call, differing
+    fields marked ``*field=value*``.  ``table``: rank -> fingerprint (None: never arrived);
+    ``problems``: one line per problem found.
+    """
+
+    def __init__(self, message: str, *, table: Any = None, problems: Any = ()) -> None:
+        super().__init__(message)
+        self.table = table
+        self.problems = list(problems)
+
+
+class CallCheckTimeout(CallMismatchError, TimeoutError):
+    """Checked mode: a rank never arrived at the check within the communicator's timeout;
+    ``missing`` lists those ranks."""
+
+    def __init__(self, message: str, *, table: Any = None, problems: Any = (),
+                 missing: Any = ()) -> None:
+        super().__init__(message, table=table, problems=problems)
+        self.missing = list(missing)
+
+
+class CommAbortedError(NcclpyError, RuntimeError):
+    """The watchdog aborted the communicator (a call exceeded the timeout, or a peer died).
+
+    Attributes: ``collective`` and ``seq`` (the oldest unfinished call and its sequence number
+    on this communicator), ``suspects`` (ranks suspected: dead, or silent), ``reason``.
+    """
+
+    def __init__(self, message: str, *, collective: str = "", seq: int = -1,
+                 suspects: Any = (), reason: str = "") -> None:
+        super().__init__(message)
+        self.collective = collective
+        self.seq = seq
+        self.suspects = list(suspects)
+        self.reason = reason
+
+
 NCCL_RESULT_NAMES = {
     0: "ncclSuccess",
     1: "ncclUnhandledCudaError",
@@ -101,7 +142,7 @@ NCCL_RESULT_NAMES = {
 
 
 class NcclError(NcclpyError, RuntimeError):
-    """An NCCL call returned a non-success result.
+    """An NCCL call returned a non-success result (one subclass per ``ncclResult_t``).
 
     Attributes: ``code`` (ncclResult_t), ``call`` (the NCCL function), ``last_error``
     (``ncclGetLastError`` text, possibly empty).
@@ -121,34 +162,53 @@ class NcclError(NcclpyError, RuntimeError):
 
 
 class NcclUnhandledCudaError(NcclError):
+    """ncclUnhandledCudaError (1): a CUDA call inside NCCL failed."""
+
     code = 1
 
 
 class NcclSystemError(NcclError):
+    """ncclSystemError (2): a system call failed (socket, memory, shared memory, ...)."""
+
     code = 2
 
 
 class NcclInternalError(NcclError):
+    """ncclInternalError (3): an NCCL internal check failed (an NCCL bug or memory corruption)."""
+
     code = 3
 
 
 class NcclInvalidArgument(NcclError):
+    """ncclInvalidArgument (4): NCCL refused an argument value ncclpy let through."""
+
     code = 4
 
 
 class NcclInvalidUsage(NcclError):
+    """ncclInvalidUsage (5): the call sequence is wrong for NCCL (a programming error)."""
+
     code = 5
 
 
 class NcclRemoteError(NcclError):
+    """ncclRemoteError (6): a peer failed or exited, or the network broke."""
+
     code = 6
 
 
 class NcclInProgress(NcclError):
+    """ncclInProgress (7) where ncclpy could not wait for it (nonblocking communicators
+    are polled until ready)."""
+
     code = 7
 
 
 class NcclTimeoutError(NcclError):
+    """ncclTimeout (8), and ncclpy's own bounded waits: ``Work.wait()``, ``barrier()``,
+    nonblocking init/split/finalize not done within the communicator's timeout.  The
+    communicator should then be aborted (``comm.abort()``)."""
+
     code = 8
 
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
+from .errors import NcclpyError
 from .plan.types import PREMUL_OP, Copy, NcclCall, Scratch
 from .work import Work
 
@@ -38,12 +39,13 @@ _tls = threading.local()
 class GroupState:
     """This thread's ncclpy group nesting and what waits for the outermost group end."""
 
-    __slots__ = ("depth", "pending", "comms")
+    __slots__ = ("depth", "pending", "comms", "checks")
 
     def __init__(self) -> None:
         self.depth = 0
         self.pending: List[Callable[[Optional[BaseException]], None]] = []
         self.comms: dict = {}
+        self.checks: List[Any] = []     # checked mode: calls deferred to the outermost end
 
 
 def group_state() -> GroupState:
@@ -61,13 +63,22 @@ def group_depth() -> int:
         return group_state().depth
 
 
-def _group_exit(st: GroupState, end: Callable[[], int]) -> None:
-    st.depth -= 1
+def _group_exit(st: GroupState, end: Callable[[], int],
+                raising: bool = False) -> None:
     err: Optional[BaseException] = None
+    if st.depth == 1 and st.checks:      # checked mode: compare, then issue, before the end
+        if raising:                      # the block raised: its deferred calls never run
+            for d in st.checks:
+                d.work._fail(NcclpyError("the group's block raised; its checked calls were "
+                                         "not issued"))
+            st.checks = []
+        else:
+            err = _run_checks(st)
+    st.depth -= 1
     try:
         end()
     except BaseException as e:  # noqa: B902 - re-raised below after the bookkeeping
-        err = e
+        err = err or e
     if st.depth > 0:
         if err is not None:
             raise err
@@ -104,7 +115,7 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
         yield st
     except BaseException:
         try:
-            _group_exit(st, end)
+            _group_exit(st, end, raising=True)
         except Exception:
             log.warning("ncclGroupEnd failed while the group's block was raising; the block's "
                         "exception is re-raised", exc_info=True)
@@ -236,19 +247,94 @@ def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
     return work
 
 
-def issue(comm: Any, r: Any, keep: Any = ()) -> Work:
-    """Run the resolved call ``r`` on ``comm`` (see module docstring); returns its Work."""
+def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
+    """Run the resolved call ``r`` on ``comm`` (see module docstring); returns its Work.
+
+    A communicator in checked mode (``comm._checker``) first compares the call across ranks
+    (:func:`_checked_issue`); ``_after`` 1: the check passed; 2: a deferred call of a checked
+    group (its Work is watched through the user's Work it hands its event to).  A
+    communicator with a watchdog (``comm._watch``, a deque) gets the Work appended."""
+    if not _after and comm._checker is not None:
+        return _checked_issue(comm, r, keep)
     calls = r.calls
     if calls is None:                 # scratch, copies or a PreMulSum op: the plan's executor
-        return execute(comm, r.plan, r.stream, keep)
-    if r.group or r.in_group:
-        return _issue_grouped(comm, r, keep)
-    table, s = comm._dispatch, r.stream
-    for fn, args in calls:
-        table[fn](*args, stream=s)
-    work = Work(comm, comm._device, s, r.plan, keep)
-    work._record()
+        work = execute(comm, r.plan, r.stream, keep)
+    elif r.group or r.in_group:
+        work = _issue_grouped(comm, r, keep)
+    else:
+        table, s = comm._dispatch, r.stream
+        for fn, args in calls:
+            table[fn](*args, stream=s)
+        work = Work(comm, comm._device, s, r.plan, keep)
+        work._record()
+    watch = comm._watch
+    if watch is not None and _after != 2:
+        watch.append(work)
     return work
+
+
+class _Deferred:
+    """A checked call made inside a group: issued at the outermost group end, after the
+    check, between the group's own ncclGroupStart and ncclGroupEnd."""
+
+    __slots__ = ("comm", "resolved", "keep", "work")
+
+    def __init__(self, comm: Any, resolved: Any, keep: Any, work: Work) -> None:
+        self.comm, self.resolved, self.keep, self.work = comm, resolved, keep, work
+
+
+def _checked_issue(comm: Any, r: Any, keep: Any) -> Work:
+    """Checked mode: outside a group, compare then issue; inside one, defer the call (no NCCL
+    call is made) until the outermost group end compares the whole group
+    (:func:`_run_checks`)."""
+    st = group_state()
+    if st.depth == 0:
+        comm._checker.check((r.plan,), (r.plan.collective,))
+        return issue(comm, r, keep, 1)
+    work = Work(comm, comm._device, r.stream, r.plan, keep)
+    st.checks.append(_Deferred(comm, r, keep, work))
+    st.comms[id(comm)] = comm
+    return work
+
+
+def _run_checks(st: GroupState) -> Optional[BaseException]:
+    """At the outermost group end, before ncclGroupEnd: check each communicator's deferred
+    calls across ranks, then issue them (still inside the group); on a mismatch nothing of
+    that communicator is issued and its Works fail."""
+    items, st.checks = st.checks, []
+    by_comm: dict = {}
+    for d in items:
+        by_comm.setdefault(id(d.comm), []).append(d)
+    err: Optional[BaseException] = None
+    for ds in by_comm.values():
+        comm = ds[0].comm
+        try:
+            comm._checker.check(tuple(d.resolved.plan for d in ds),
+                                tuple(d.resolved.plan.collective for d in ds))
+        except BaseException as e:  # noqa: B902 - failed below, raised by the group end
+            err = err or e
+            for d in ds:
+                d.work._fail(e)
+            continue
+        for d in ds:
+            try:
+                real = issue(comm, d.resolved, d.keep, 2)
+            except BaseException as e:  # noqa: B902
+                err = err or e
+                d.work._fail(e)
+                continue
+            st.pending.append(partial(_adopt, d.work, real))
+    return err
+
+
+def _adopt(work: Work, real: Work, err: Optional[BaseException]) -> None:
+    if err is not None:
+        work._fail(err)
+        return
+    work._adopt(real)
+    watch = work._comm._watch
+    if watch is not None:
+        watch.append(work)
 
 
 def _issue_grouped(comm: Any, r: Any, keep: Any) -> Work:

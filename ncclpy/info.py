@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 from .rendezvous import ENV_VARS as _RENDEZVOUS_VARS
 
 __all__ = ["collect", "format_info", "loaded_library_path", "rendezvous_env", "ENV_NAMES",
-           "ENV_PREFIXES", "MASKED"]
+           "ENV_PREFIXES", "MASKED", "no_gpu_reason", "gpu_device_reason", "NO_DRIVER"]
 
 #: Exact variable names reported: every variable :func:`ncclpy.rendezvous.resolve` reads
 #: (torchrun, Open MPI, MPICH/PMI/PMIx, SLURM, ``NCCLPY_*``) plus device selection.
@@ -35,6 +35,60 @@ ENV_PREFIXES = ("NCCL_", "NCCLPY_", "OMPI_COMM_WORLD_", "PMI_")
 MASKED = ("NCCLPY_STORE_TOKEN",)
 
 _INSTALL_HINT = "pip install 'ncclpy[cu13]' (CUDA 13) or 'ncclpy[cu12]' (CUDA 12)"
+#: the words for a machine without a CUDA driver (libcuda), in ``ncclpy info`` and skip reasons
+NO_DRIVER = "no CUDA driver"
+_NO_LIBNCCL = "CuPy cannot load libnccl (install nvidia-nccl-cu12/cu13 or set LD_LIBRARY_PATH)"
+
+
+def _no_cupy_reason() -> str:
+    """Why CuPy cannot be used ('' if it can): what ``ncclpy info`` says in its GPUs line."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:
+        return f"CuPy is not usable ({type(e).__name__}: {e})"
+    return ""
+
+
+def gpu_device_reason() -> str:
+    """'' when CuPy sees at least one CUDA GPU, else why not, in the words ``ncclpy info``
+    prints after "GPUs: none visible": CuPy missing, :data:`NO_DRIVER`, the CUDA error, or no
+    GPU (with ``CUDA_VISIBLE_DEVICES`` when it is set)."""
+    why = _no_cupy_reason()
+    if why:
+        return why
+    from cupy.cuda import runtime
+    try:
+        drv = int(runtime.driverGetVersion())
+    except Exception:
+        drv = 0
+    if not drv:
+        return NO_DRIVER
+    try:
+        n = int(runtime.getDeviceCount())
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    if n < 1:
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return "no CUDA GPU" + (f" with CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "")
+    return ""
+
+
+def no_gpu_reason() -> str:
+    """'' when a CUDA GPU and NCCL are usable from here, else why not: the one reason
+    ``ncclpy info``, the GPU tests' skips and the examples give (see :func:`gpu_device_reason`;
+    a missing CuPy adds the install hint, a missing libnccl says so)."""
+    why = gpu_device_reason()
+    if why:
+        return f"{why}; {_INSTALL_HINT}" if why.startswith("CuPy is not") else why
+    try:
+        from cupy.cuda import nccl
+        if not getattr(nccl, "available", True):
+            return _NO_LIBNCCL
+    except Exception as e:
+        return f"cupy.cuda.nccl unavailable ({type(e).__name__}: {e})"
+    return ""
 
 
 def _version_str(code: int) -> str:
@@ -107,8 +161,7 @@ def _nccl_section() -> dict[str, Any]:
         d["error"] = f"cupy.cuda.nccl unavailable: {type(e).__name__}: {e}"
         return d
     if not getattr(nccl, "available", True):
-        d["error"] = ("CuPy cannot load libnccl "
-                      "(install nvidia-nccl-cu12/cu13 or set LD_LIBRARY_PATH)")
+        d["error"] = _NO_LIBNCCL
         return d
     for key, fn in (("runtime", "get_version"), ("build", "get_build_version")):
         try:
@@ -132,29 +185,24 @@ def _cuda_section() -> dict[str, Any]:
     try:
         drv = int(runtime.driverGetVersion())
         d["driver"] = drv
-        d["driver_str"] = _cuda_version_str(drv) if drv else "no CUDA driver"
+        d["driver_str"] = _cuda_version_str(drv) if drv else NO_DRIVER
     except Exception as e:
-        drv = 0
         d["driver"] = 0
-        d["driver_str"] = f"no CUDA driver ({type(e).__name__}: {e})"
+        d["driver_str"] = f"{NO_DRIVER} ({type(e).__name__}: {e})"
     try:
         rt = int(runtime.runtimeGetVersion())
         d["runtime"] = rt
         d["runtime_str"] = _cuda_version_str(rt)
     except Exception as e:
         d["runtime_error"] = f"{type(e).__name__}: {e}"
-    if not drv:
-        d["gpus_note"] = "none visible (no CUDA driver)"
+    why = gpu_device_reason()       # the same words as the GPU tests' skip reason
+    if why:
+        d["gpus_note"] = f"none visible ({why})"
         return d
     try:
         n = int(runtime.getDeviceCount())
-    except Exception as e:
+    except Exception as e:  # pragma: no cover - a device lost between the two calls
         d["gpus_note"] = f"none visible ({type(e).__name__}: {e})"
-        return d
-    if n == 0:
-        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-        d["gpus_note"] = ("none visible" + (f" (CUDA_VISIBLE_DEVICES={cvd!r})"
-                                             if cvd is not None else ""))
         return d
     for i in range(n):
         g: dict[str, Any] = {"index": i}
@@ -220,7 +268,7 @@ def collect(import_torch: bool = False) -> dict[str, Any]:
         d["nccl"] = _safe(_nccl_section)
         d["cuda"] = _safe(_cuda_section)
     else:
-        why = "CuPy is not installed" if not d["cupy"].get("installed") else "CuPy is not usable"
+        why = _no_cupy_reason() or "CuPy is not usable"
         d["nccl"] = {"error": f"{why}; {_INSTALL_HINT}"}
         d["cuda"] = {"error": why, "gpus": [], "gpus_note": f"none visible ({why})"}
     d["torch"] = _torch_section(import_torch)

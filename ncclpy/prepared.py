@@ -172,7 +172,14 @@ def _memory_owners(specs: Tuple[Any, ...]) -> Tuple[Any, ...]:
 
 
 class Prepared:
-    """A prepared call on a communicator: ``p()`` / ``p(stream=s)`` -> Work."""
+    """A prepared call on a communicator: ``p()`` / ``p(stream=s)`` -> Work.
+
+    Made by :meth:`ncclpy.Communicator.prepare`.  It fixes the buffers (pointers, counts,
+    dtypes), op/root/peer; not the stream (default: the one given to ``prepare``, else the
+    buffers' current stream at each call) nor the group state.  Each call issues the same NCCL
+    call(s) as the eager method; it may be captured into a CUDA graph.  After the communicator
+    is closed, finalized or aborted, calling it raises NcclpyError.
+    """
 
     __slots__ = ("_comm", "_call", "_keep", "__weakref__")
 
@@ -185,6 +192,7 @@ class Prepared:
 
     @property
     def name(self) -> str:
+        """The call prepared, e.g. ``"all_reduce"``."""
         return self._call.name
 
     def __call__(self, *, stream: Any = None) -> Work:

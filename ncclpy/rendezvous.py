@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import socket
+import zlib
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -25,7 +26,7 @@ from ncclpy.errors import RendezvousError
 
 __all__ = [
     "RendezvousInfo", "resolve", "expand_hostlist", "first_host", "free_port", "SOURCES",
-    "ENV_VARS",
+    "ENV_VARS", "mpi_job_port", "SLURM_PORT_BASE", "MPI_PORT_BASE",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,16 @@ _FIELDS = ("rank", "world_size", "local_rank", "local_world_size")
 _ADDR_VARS = ("NCCLPY_MASTER_ADDR", "MASTER_ADDR")
 _PORT_VARS = ("NCCLPY_MASTER_PORT", "MASTER_PORT")
 _NODELIST_VARS = ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST")
+#: an MPI job's id, for the store port derived on one node (Open MPI 4, PMIx, MPICH's PMI)
+_MPI_JOB_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_KVSNAME")
 _OTHER_VARS = ("NCCLPY_DEVICE", "TORCHELASTIC_RUN_ID", "SLURM_TASKS_PER_NODE",
-               "SLURM_NODEID", "SLURM_JOB_ID")
+               "SLURM_NODEID", "SLURM_JOB_ID", "NCCLPY_UID_EXCHANGE") + _MPI_JOB_VARS
 #: base of the store port derived from SLURM_JOB_ID when no port is given under SLURM
 SLURM_PORT_BASE = 20000
+#: under mpirun on one node with no port given, the store port is MPI_PORT_BASE + the job id
+#: mod MPI_PORT_SPAN: 30000..32766, below Linux's ephemeral ports (32768..60999)
+MPI_PORT_BASE = 30000
+MPI_PORT_SPAN = 2767
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,9 @@ class RendezvousInfo:
     #: "ncclpy": ncclpy's TCP store at (master_addr, master_port), hosted by rank 0;
     #: "torchrun": torchrun's own agent store there, joined as a client (torch's TCPStore)
     store_kind: str = "ncclpy"
+    #: where the store address and port came from, e.g. "MASTER_ADDR, MASTER_PORT" or
+    #: "127.0.0.1 (all ranks on one node), derived from OMPI_MCA_ess_base_jobid" (for errors)
+    store_from: str = ""
 
 
 # ----------------------------------------------------------------------------- hostlists
@@ -182,6 +192,15 @@ def _expand_tasks_per_node(spec: str) -> list[int]:
             raise ValueError(f"bad SLURM_TASKS_PER_NODE item {item!r}")
         out.extend([int(m.group(1))] * int(m.group(2) or 1))
     return out
+
+
+def mpi_job_port(job: str) -> int:
+    """The store port of an MPI job on one node: :data:`MPI_PORT_BASE` + the job id mod
+    :data:`MPI_PORT_SPAN` (an integer id as is, any other string through CRC-32), so every rank
+    of the job derives the same port and concurrent jobs rarely share one."""
+    job = job.strip()
+    n = int(job) if job.isdigit() else zlib.crc32(job.encode())
+    return MPI_PORT_BASE + n % MPI_PORT_SPAN
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -422,16 +441,32 @@ def resolve(rank: Optional[int] = None, world_size: Optional[int] = None,
         job = col.integer("SLURM_JOB_ID")
         if job is not None:
             port, port_from = SLURM_PORT_BASE + job % 10000, "derived from SLURM_JOB_ID"
+    if (launcher in ("openmpi", "mpich") and origin.get("rank") == launcher
+            and lws is not None and lws == ws and (addr is None or port is None)):
+        # mpirun/mpiexec with every rank on this node and no address given: rank 0 hosts the
+        # store on loopback, at a port every rank derives from the job's id
+        job_var = next((v for v in _MPI_JOB_VARS if col.raw(v) is not None), None)
+        if addr is None and (port is not None or job_var is not None):
+            addr, addr_from = "127.0.0.1", f"default of {launcher} with all ranks on one node"
+        if port is None and job_var is not None and not col.bad & set(_PORT_VARS):
+            port, port_from = mpi_job_port(col.raw(job_var) or ""), f"derived from {job_var}"
     if ws == 1:
         if addr is None:
             addr, addr_from = "127.0.0.1", "default for world size 1"
         if port is None:
             port, port_from = free_port(addr if addr in ("127.0.0.1", "localhost", "::1")
                                         else ""), "free port (world size 1)"
+    mpi_hint = ""
+    if launcher in ("openmpi", "mpich"):
+        x = "-x" if launcher == "openmpi" else "-genv"
+        mpi_hint = (f"; under {'mpirun' if launcher == 'openmpi' else 'mpiexec'} on several nodes "
+                    f"pass {x} MASTER_ADDR=<rank 0's host> {x} MASTER_PORT=<free port>")
     if addr is None:
-        col.problems.append("no store address found (set MASTER_ADDR or NCCLPY_MASTER_ADDR)")
+        col.problems.append("no store address found (set MASTER_ADDR or NCCLPY_MASTER_ADDR"
+                            + mpi_hint + ")")
     if port is None and not col.bad & set(_PORT_VARS):
-        col.problems.append("no store port found (set MASTER_PORT or NCCLPY_MASTER_PORT)")
+        col.problems.append("no store port found (set MASTER_PORT or NCCLPY_MASTER_PORT"
+                            + mpi_hint + ")")
 
     dev = _check_arg("device", device, 0, col)
     if dev is None and device is None:
@@ -444,7 +479,7 @@ def resolve(rank: Optional[int] = None, world_size: Optional[int] = None,
     source = origin["rank"]
     info = RendezvousInfo(rank=r, world_size=ws, local_rank=lr, local_world_size=lws,
                           master_addr=addr, master_port=port, source=source, device=dev,
-                          store_kind=store_kind)
+                          store_kind=store_kind, store_from=f"{addr_from}; {port_from}")
     log.debug("rendezvous: rank %d/%d local %d/%d from %s; store %s:%d (%s, %s); device %s",
               r, ws, lr, lws, source, addr, port, addr_from, port_from, dev)
     return info

@@ -22,6 +22,10 @@ What the key does not hold -- the context and the mode -- clears the cache when 
 ``force_fallback``, close, abort, finalize and split).  Anything without a cheap key (DLPack-only
 objects, numpy scalars as roots, ...) is resolved in full on every call.  Errors are never
 cached: a bad call is refused, by the planner, every time.
+
+A first buffer that exports ``__cuda_array_interface__`` (and is not a CuPy or torch object) has
+its export read once per call: the default stream, its key and, on a miss, its parse
+(:func:`ncclpy.buffers.from_cai`, every check) all come from that one dict.
 """
 from __future__ import annotations
 
@@ -30,13 +34,13 @@ import struct
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 from . import registry as _registry
-from .buffers import as_buffer
-from .bufkey import _KEYERS, Uncacheable, keyer
+from .buffers import as_buffer, from_cai
+from .bufkey import _KEYERS, Uncacheable, _cai, cai_key, keyer
 from .execute import group_depth
 from .ops import RedOp
 from .plan import collectives as _c
 from .plan.types import NcclCall, Plan, PlanContext
-from .streams import default_stream_of, stream_handle
+from .streams import cai_stream, cupy_stream, default_stream_of, stream_handle
 
 __all__ = ["Resolver", "Resolved", "PLANNERS", "first_buffer"]
 
@@ -79,9 +83,13 @@ class Resolved:
         for c in plan.steps:
             if type(c) is not NcclCall:         # a device copy: the full executor
                 return
-            args = _final(c.args)
-            if args is None:                    # a placeholder (Scratch, PREMUL_OP)
-                return
+            args = c.args
+            for v in args:
+                if type(v) is not int:          # not all final already (the common case)
+                    args = _final(args)
+                    if args is None:            # a placeholder (Scratch, PREMUL_OP)
+                        return
+                    break
             calls.append((c.fn, args))
         self.calls = tuple(calls)
 
@@ -92,11 +100,6 @@ class Resolved:
 
 def _final(args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
     """``args`` as the C call takes them (None -> NULL), or None if one is a placeholder."""
-    for v in args:
-        if type(v) is not int:
-            break
-    else:
-        return args                             # all final already: the common case
     if any(v is not None and type(v) is not int for v in args):
         return None
     return tuple(0 if v is None else v for v in args)
@@ -207,6 +210,10 @@ class Resolver:
         arguments ``params`` in the planner's order, on ``stream`` (None: the default stream
         of the first buffer's framework)."""
         in_group = group_depth() > 0
+        get = _KEYERS.get
+        key_a = get(type(a)) or keyer(type(a))
+        if key_a is _cai:   # a __cuda_array_interface__ producer: read its export once
+            return self._resolve_cai(name, stream, a, b, params, in_group)
         try:
             if stream is None:
                 first = a if a is not None and type(a) is not list and type(a) is not tuple \
@@ -216,10 +223,10 @@ class Resolver:
                 s = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
         except Exception:   # a bad stream, or no default for a bad buffer: planning says first
             return self._full(None, name, stream, a, b, params, in_group, None)
-        get = _KEYERS.get
         try:
-            key = (name, s, in_group, (get(type(a)) or keyer(type(a)))(a),
-                   (get(type(b)) or keyer(type(b)))(b), _params_key(params))
+            key = (name, s, in_group, key_a(a),
+                   None if b is None else (get(type(b)) or keyer(type(b)))(b),
+                   _params_key(params))
             r = self._cache.get(key)
         except Exception:   # Uncacheable, an unhashable part, an object that cannot be read
             key = r = None
@@ -227,10 +234,41 @@ class Resolver:
             r = self._full(key, name, stream, a, b, params, in_group, s)
         return r
 
+    def _resolve_cai(self, name: str, stream: Any, a: Any, b: Any, params: Tuple[Any, ...],
+                     in_group: bool) -> Resolved:
+        """:meth:`resolve` when ``a`` exports ``__cuda_array_interface__`` (type kind
+        'other'): the export is read once and gives the default stream, ``a``'s key and, on
+        a miss, ``a``'s parse (every check of :func:`ncclpy.buffers.from_cai`)."""
+        try:
+            cai = a.__cuda_array_interface__
+            if type(cai) is not dict:
+                raise Uncacheable("unusual __cuda_array_interface__")
+            if stream is None:
+                s = cai_stream(cai)
+                if s is None:
+                    s = cupy_stream(self._device)
+            else:
+                s = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+        except Exception:   # no export, an odd one, a bad stream: the general path says what
+            return self._full(None, name, stream, a, b, params, in_group, None)
+        get = _KEYERS.get
+        try:
+            key = (name, s, in_group, cai_key(a, cai),
+                   None if b is None else (get(type(b)) or keyer(type(b)))(b),
+                   _params_key(params))
+            r = self._cache.get(key)
+        except Exception:
+            key = r = None
+        if r is None:
+            r = self._full(key, name, stream, a, b, params, in_group, s, cai)
+        return r
+
     def _full(self, key: Any, name: str, stream: Any, a: Any, b: Any,
-              params: Tuple[Any, ...], in_group: bool, s: Optional[int]) -> Resolved:
+              params: Tuple[Any, ...], in_group: bool, s: Optional[int],
+              cai: Optional[dict] = None) -> Resolved:
         """A miss: parse and plan in full (every check), then resolve the stream if that
-        failed before, and keep the result under ``key`` (None: not kept)."""
+        failed before, and keep the result under ``key`` (None: not kept).  ``cai``: ``a``'s
+        ``__cuda_array_interface__`` export when the caller has read it already."""
         gen = self._generation
         self.misses += 1
         try:
@@ -239,10 +277,14 @@ class Resolver:
             raise ValueError(f"unknown call {name!r}; expected one of "
                              f"{', '.join(PLANNERS)}") from None
         ctx = self._ctx_group if in_group else self._ctx
+        sa = _parse(a, names[0]) if cai is None else from_cai(a, cai, names[0])
         if len(names) == 1:
-            plan = planner(ctx, _parse(a, names[0]), *params)
+            plan = planner(ctx, sa, *params)
         else:
-            plan = planner(ctx, _parse(a, names[0]), _parse(b, names[1]), *params)
+            sb = None if b is None else _parse(b, names[1])
+            # one parameter (op, root, peer): a plain call, cheaper than unpacking *params
+            plan = planner(ctx, sa, sb, params[0]) if len(params) == 1 else \
+                planner(ctx, sa, sb, *params)
         if s is None:
             s = default_stream_of(first_buffer(a, b), self._device) if stream is None \
                 else stream_handle(stream)

@@ -6,6 +6,8 @@
 framework: torch's current stream for torch tensors (torch is only touched when a buffer is a
 tensor), the ``stream`` of a ``__cuda_array_interface__`` v3 export when it carries one, and
 CuPy's current stream otherwise (CuPy arrays, raw :class:`ncclpy.Buffer` pointers).
+Inside ``with group():`` each call keeps its own stream; Works are recorded at the outermost
+group end.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .buffers import type_kind
 from .errors import ArgumentTypeError
 
 __all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream",
-           "stream_handle", "default_stream_of", "torch_stream"]
+           "stream_handle", "default_stream_of", "torch_stream", "cai_stream"]
 
 
 def as_stream_handle(stream: Any, name: str = "stream") -> int:
@@ -52,7 +54,13 @@ def _cai_stream(obj: Any) -> Optional[int]:
         cai = obj.__cuda_array_interface__
     except Exception:
         return None
-    if not isinstance(cai, dict):
+    return cai_stream(cai)
+
+
+def cai_stream(cai: Any) -> Optional[int]:
+    """The stream a ``__cuda_array_interface__`` export ``cai`` (already read) names, as a
+    handle, or None when it names none."""
+    if type(cai) is not dict and not isinstance(cai, dict):
         return None
     s = cai.get("stream")
     if s is None or isinstance(s, bool) or not isinstance(s, int):
@@ -129,7 +137,10 @@ def default_stream_of(obj: Any, device: int) -> int:
     if kind == "cupy" or kind == "raw" or kind == "cupy-cai":
         return cupy_stream(device)
     if kind == "other":         # a __cuda_array_interface__ v3 export may name its stream
-        s = _cai_stream(obj)
+        try:
+            s = cai_stream(obj.__cuda_array_interface__)
+        except Exception:
+            s = None
         return cupy_stream(device) if s is None else s
     if kind == "torch":
         return torch_stream(device)

@@ -86,7 +86,17 @@ def _destroy(ev: int) -> None:
 
 
 class Work:
-    """Completion handle of one communicator call (see module docstring)."""
+    """Completion handle of one communicator call, returned as soon as it is enqueued.
+
+    ``wait()`` blocks the host (bounded by the communicator's timeout: NcclTimeoutError, or
+    the watchdog's CommAbortedError); ``wait(stream)`` orders ``stream`` after the call
+    (``cudaStreamWaitEvent``, no host block); ``is_completed()`` never blocks.  It keeps the
+    call's buffers and scratch alive until completion is seen.  A call made inside
+    ``group()`` is recorded at the outermost group end (wait after the block).  A call made
+    while its stream captures a CUDA graph gets an event of its own, recorded into the graph:
+    it marks no replay, so do not host-wait on that Work (synchronize the stream after
+    launching the graph); ``wait(other_stream)`` within the same capture is a graph edge.
+    """
 
     __slots__ = ("_comm", "_device", "_stream", "_event", "_owned", "_done", "_keep", "_error",
                  "plan", "__weakref__")
@@ -141,6 +151,17 @@ class Work:
             self._record()
         else:
             self._fail(err)
+
+    def _adopt(self, other: "Work") -> None:
+        """Take over ``other``'s recorded event (checked mode: the call was issued, deferred,
+        as ``other`` at the group end); ``other`` is left empty."""
+        if other._error is not None:
+            self._fail(other._error)
+            return
+        with _release_lock:
+            self._event, self._owned, self._done = other._event, other._owned, other._done
+            self._keep = (self._keep, other._keep)
+            other._event, other._keep, other._done = None, (), True
 
     def _fail(self, err: BaseException) -> None:
         self._error = err
@@ -197,9 +218,11 @@ class Work:
     def wait(self, stream: Any = None, *, timeout: Optional[float] = None) -> None:
         """Host-block until done (``stream`` None), or make ``stream`` wait (no host block).
 
-        ``timeout`` (seconds, host wait only): poll instead of blocking and raise
-        NcclTimeoutError when exceeded; the communicator's async error is checked while polling,
-        so a failed peer surfaces as an NcclError instead of a hang.
+        The host wait is bounded: ``timeout`` seconds, default the communicator's timeout
+        (``timeout=`` / ``$NCCLPY_TIMEOUT``); past it, NcclTimeoutError names the call.  It
+        polls (a work already complete returns after one query), checking the communicator's
+        async error and the watchdog's verdict, so a failed peer or an abort surfaces as an
+        error instead of a hang.
         """
         ev = self._ready_event()
         if stream is not None:
@@ -208,21 +231,31 @@ class Work:
                 _rt().streamWaitEvent(as_stream_handle(stream), ev, 0)
             return
         if ev is not None:
-            if timeout is None:
-                _rt().eventSynchronize(ev)
-            else:
-                deadline = time.monotonic() + timeout
-                delay = 1e-5
-                while not self._query(ev):
-                    self._check_comm()
-                    if time.monotonic() > deadline:
-                        raise NcclTimeoutError(8, "Work.wait",
-                                               f"not complete after {timeout:g} s (stream "
-                                               f"{self._stream:#x})")
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1e-3)
+            if not self._query(ev):
+                self._poll(ev, timeout)
             self._completed()
         self._check_comm()
+
+    def _poll(self, ev: int, timeout: Optional[float]) -> None:
+        comm = self._comm
+        if timeout is None and comm is not None:
+            timeout = getattr(comm, "_timeout", None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 1e-5
+        grace = getattr(comm, "_watchdog", None) is not None and timeout is not None
+        while not self._query(ev):
+            self._check_comm()
+            if deadline is not None and time.monotonic() > deadline:
+                if grace:       # the watchdog's verdict (it names the suspects) comes first
+                    grace, deadline = False, deadline + 2.0
+                    continue
+                name = getattr(self.plan, "collective", "the call")
+                raise NcclTimeoutError(8, "Work.wait",
+                                       f"{name} not complete after {timeout:g} s (stream "
+                                       f"{self._stream:#x}); abort the communicator, its "
+                                       f"peers may be gone or have skipped the call")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
     def is_completed(self) -> bool:
         """Whether the work is done (never blocks)."""
@@ -254,7 +287,7 @@ class Work:
     def _check_comm(self) -> None:
         comm = self._comm
         if comm is not None:
-            comm._raise_async_error()
+            comm._raise_async_error()     # the watchdog's CommAbortedError included
 
     def __repr__(self) -> str:
         state = ("failed" if self._error is not None else "completed" if self._done

@@ -6,12 +6,14 @@ import os
 import socket
 import struct
 import threading
+import time
 
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
+from ncclpy.store.protocol import Status
 
 __all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy",
-           "run_ranks"]
+           "run_ranks", "ScriptedServer"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 U32 = struct.Struct("!I").pack
@@ -106,3 +108,51 @@ def run_ranks(n: int, fn, join: float = 60.0) -> None:
         t.join(join)
     assert not any(t.is_alive() for t in threads), f"ranks still running after {join} s"
     assert not errors, errors[:3]
+
+
+class ScriptedServer:
+    """A fake ncclpy server: greets (with ``flags``), then answers request i as ``script[i]``
+    says: ``(delay, payload, gap)`` sends an OK reply of ``payload`` after ``delay`` seconds,
+    one byte every ``gap`` seconds if ``gap``; None never answers. ``extra``: bytes sent right
+    behind the greeting in the same ``send()`` (e.g. an auth reply)."""
+
+    def __init__(self, script, flags: int = 0, extra: bytes = b"") -> None:
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.held = []
+        self.accepted = 0
+        threading.Thread(target=self._serve, args=(list(script), flags, extra),
+                         daemon=True).start()
+
+    def _serve(self, script, flags: int, extra: bytes = b"") -> None:
+        conn, _ = self.lsock.accept()
+        self.accepted += 1
+        self.held.append(conn)
+        conn.sendall(P.pack_hello(flags, 4096, 1 << 20, b"\0" * 32) + extra)
+        buf = b""
+        for step in script:
+            while len(buf) < P.HEADER_SIZE or len(buf) < P.HEADER_SIZE + P.REQ_HEADER.unpack_from(
+                    buf)[1]:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                buf += chunk
+            buf = buf[P.HEADER_SIZE + P.REQ_HEADER.unpack_from(buf)[1]:]
+            if step is None:
+                return
+            delay, payload, gap = step
+            time.sleep(delay)
+            reply = P.REP_HEADER.pack(Status.OK, len(payload)) + payload
+            try:
+                if not gap:
+                    conn.sendall(reply)
+                for i in range(len(reply) if gap else 0):
+                    conn.sendall(reply[i:i + 1])
+                    time.sleep(gap)
+            except OSError:   # the client gave up
+                return
+
+    def close(self) -> None:
+        self.lsock.close()
+        for c in self.held:
+            c.close()

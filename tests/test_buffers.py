@@ -423,3 +423,51 @@ def test_type_kind_is_decided_once_per_type():
         pass
     assert type_kind(Sub) == "cupy-cai"             # only the exact type is read directly
     assert _KINDS[Buffer] == "raw"
+
+
+# -- from_cai: the parse of an export already read -----------------------------------------------
+class _Exp:
+    def __init__(self, cai, device=None):
+        self.__cuda_array_interface__ = cai
+        if device is not None:
+            self.device = device
+
+
+@pytest.mark.parametrize("cai", [
+    dict(shape=(2, 3), typestr="<f4", data=(PTR, False), version=3),
+    dict(shape=(np.int64(4),), typestr="<i8", data=(PTR, True), strides=(8,), version=2),
+    dict(shape=[0], typestr="<f2", data=(0, False), version=3),
+    dict(shape=(True, 5), typestr="|u1", data=[PTR, 0], version=1),
+])
+def test_from_cai_equals_as_buffer(cai):
+    from ncclpy.buffers import from_cai
+    x = _Exp(cai)
+    a, b = from_cai(x, cai, "b"), as_buffer(x, "b")
+    assert a == b and a.readonly == b.readonly and a.obj is x and a.framework == "cai"
+    assert type(a.count) is int and all(type(n) is int for n in a.shape)
+    assert from_cai(_Exp(cai, 1), cai, "b").device == 1 == as_buffer(_Exp(cai, 1)).device
+
+
+@pytest.mark.parametrize("cai, err, words", [
+    (dict(shape=(-1,), typestr="<f4", data=(PTR, False)), ArgumentError, "negative extent"),
+    (dict(shape=(2, -1), typestr="<f4", data=(PTR, False)), ArgumentError, "negative extent"),
+    (dict(shape=(2,), typestr="<f4", data=(PTR,)), ArgumentError, "data must be"),
+    (dict(shape=(2,), typestr="<f4", data=(0, False)), ArgumentError, "NULL"),
+    (dict(shape=(2,), typestr="<f4", data=(PTR, False), version=True + 3), UnsupportedError,
+     "version"),
+])
+def test_from_cai_refuses_what_as_buffer_refuses(cai, err, words):
+    from ncclpy.buffers import from_cai
+    with pytest.raises(err, match=words) as e1:
+        from_cai(_Exp(cai), cai, "b")
+    with pytest.raises(err, match=words) as e2:
+        as_buffer(_Exp(cai), "b")
+    assert str(e1.value) == str(e2.value)
+
+
+def test_dlpack_names_stay_importable_from_buffers():
+    import ncclpy.buffers as nb
+    import ncclpy.dlpack as nd
+    for n in ("DLManagedTensor", "DLManagedTensorVersioned", "DLPackInfo",
+              "parse_dlpack_capsule", "DLTensor"):
+        assert getattr(nb, n) is getattr(nd, n)

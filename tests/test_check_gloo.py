@@ -356,9 +356,11 @@ def test_libnccl_identification():
 
 # -- real runs ------------------------------------------------------------------------------
 def _summary(out: str) -> str:
-    lines = [ln for ln in out.splitlines() if " cases on " in ln]
-    assert lines, out
-    return lines[-1]
+    """The summary (its two lines, joined)."""
+    lines = out.splitlines()
+    at = [i for i, ln in enumerate(lines) if " cases on " in ln]
+    assert at, out
+    return " ".join(ln.strip() for ln in lines[at[-1]:at[-1] + 2])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -418,8 +420,9 @@ def test_injected_corruption_is_a_mismatch(spec, tmp_path):
     assert all(c["status"] == "pass" for c in doc["cases"]
                if c["case"]["collective"] == "broadcast" or c["case"]["count"] == 0)
     ranks = "[0, 1]" if ":*:" in spec else f"[{spec.split(':')[1]}]"
-    assert f"torch != reference on rank(s) {ranks}" in p.stdout
-    assert f"corrupted on purpose by NCCLPY_CHECK_INJECT: {side}:{how}" in p.stdout
+    text = " ".join(p.stdout.split())             # the list of failures wraps at 100 columns
+    assert f"torch != reference on rank(s) {ranks}" in text
+    assert f"corrupted on purpose by NCCLPY_CHECK_INJECT: {side}:{how}" in text
     assert doc["summary"]["failed"] == len(bad) and doc["exit_code"] == 1
 
 
@@ -460,7 +463,7 @@ def test_json_to_stdout_keeps_the_table_on_stderr():
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(p.stdout)                 # nothing else on stdout
     assert doc["exit_code"] == 0 and doc["summary"]["passed"] == doc["summary"]["cases"] > 0
-    assert "collective" in p.stderr and " cases on 2 ranks" in p.stderr
+    assert "by collective and dtype:" in p.stderr and " cases on 2 ranks" in p.stderr
 
 
 def test_run_timeout_stops_the_ranks():

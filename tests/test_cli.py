@@ -108,3 +108,57 @@ def test_console_script_entry_point_resolves():
     mod, _, fn = scripts["ncclpy"].partition(":")
     import importlib
     assert getattr(importlib.import_module(mod), fn) is main
+
+
+# -- one-line usage errors, Ctrl-C and closed pipes (ncclpy.cli_util) --------------------------
+@pytest.mark.parametrize("args, line", [
+    (["frobnicate"], "ncclpy: error: COMMAND: invalid choice: 'frobnicate'"),
+    (["info", "--bogus"], "ncclpy: error: unrecognized arguments: --bogus"),
+    (["run", "--nproc-per-node", "abc", "x.py"],
+     "ncclpy run: error: --nproc-per-node: invalid int value: 'abc'"),
+    (["run", "--nproc_per_node=two", "x.py"],
+     "ncclpy run: error: --nproc_per_node: invalid int value: 'two'"),
+    (["run", "--grace", "x", "-n", "1", "x.py"], "ncclpy run: error: --grace: invalid float value"),
+])
+def test_usage_errors_are_one_line_naming_the_flag_as_typed(args, line):
+    cp = _run(*args)
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr
+    assert cp.stderr.count("\n") == 1 and cp.stderr.startswith(line), cp.stderr
+
+
+def test_typed_flag_finds_the_spelling_used():
+    from ncclpy.cli_util import typed_flag
+    names = ["-n", "--nprocs"]
+    assert typed_flag(names, ["-n", "3"]) == "-n"
+    assert typed_flag(names, ["-n3"]) == "-n"
+    assert typed_flag(names, ["--nproc", "3"]) == "--nproc"          # an abbreviation
+    assert typed_flag(names, ["--nprocs=3"]) == "--nprocs"
+    assert typed_flag(names, ["--", "-n"]) == "--nprocs"              # after --: not a flag
+    assert typed_flag(names, []) == "--nprocs"
+
+
+def test_closed_pipe_from_elsewhere_is_not_silenced():
+    """An EPIPE that is not stdout's (a socket to a dead peer) is a real error: it is raised,
+    not turned into the quiet exit of a closed output pipe."""
+    code = ("from ncclpy.cli_util import run_cli\n"
+            "def body():\n"
+            "    raise BrokenPipeError(32, 'Broken pipe (a socket)')\n"
+            "run_cli('prog', body)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cp = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=60)
+    assert cp.returncode == 1 and "BrokenPipeError" in cp.stderr and "a socket" in cp.stderr
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_130():
+    code = ("import os, signal\n"
+            "from ncclpy.cli_util import run_cli\n"
+            "def body():\n"
+            "    print('partial', flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return 0\n"
+            "raise SystemExit(run_cli('prog', body))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cp = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=60)
+    assert cp.returncode == 130 and cp.stderr == "prog: interrupted\n" and cp.stdout == "partial\n"

@@ -29,7 +29,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
 import _common  # noqa: E402  (examples/_common.py)
-from gpu_util import cuda_reason  # noqa: E402
+from ncclpy.info import no_gpu_reason  # noqa: E402
 
 SCRIPTS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
 MODULES = {p.name: _common.load_example(str(p)) for p in SCRIPTS}
@@ -458,40 +458,50 @@ def test_scripts_import_neither_cupy_nor_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), check=True, timeout=60)
 
 
-#: the launch paths are followed up to ncclpy.init, which needs a GPU: on a machine with one,
-#: tests/gpu/test_examples_gpu.py runs every example to the end both ways instead
-_GPU_LESS_WITH_CUPY = pytest.mark.skipif(
-    not cuda_reason() or cuda_reason().startswith("CuPy is not installed"),
-    reason="needs CuPy and no usable GPU (with a GPU, tests/gpu/test_examples_gpu.py runs the "
-           "examples to the end)")
+#: without a usable GPU a script stops before starting any rank, with one line; on a machine with
+#: one, tests/gpu/test_examples_gpu.py runs every example to the end both ways instead
+_GPU_LESS = pytest.mark.skipif(
+    not no_gpu_reason(),
+    reason="a GPU is usable here: tests/gpu/test_examples_gpu.py runs the examples to the end")
 
 
-@_GPU_LESS_WITH_CUPY
+def _one_line_no_gpu(script: Path, stderr: str) -> str:
+    """The no-GPU line a script prints: exactly one, naming the script and the reason."""
+    lines = [ln for ln in stderr.splitlines() if "needs an NVIDIA GPU" in ln]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    line = lines[0]
+    assert line.endswith(f"python {os.path.relpath(script, ROOT)}: needs an NVIDIA GPU with a "
+                         f"working CUDA driver, CuPy and NCCL; here: {no_gpu_reason()}"), line
+    return line
+
+
+@_GPU_LESS
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_started_plainly_a_script_spawns_its_own_ranks(script):
-    """``python examples/x.py`` (no launcher): the script starts its first world size with
-    ncclpy.spawn; each rank gets as far as ncclpy.init, which on this GPU-less machine fails,
-    before the rendezvous, with the clear no-GPU error."""
-    n = MODULES[script.name].SECTIONS[0].world_size
-    res = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(),
+def test_started_plainly_without_a_gpu_a_script_says_so_in_one_line(script):
+    """``python examples/x.py`` on a machine without a GPU: one line saying a GPU is needed and
+    why (the reason ``ncclpy info`` gives), exit status 1, no rank spawned, no traceback."""
+    res = subprocess.run([sys.executable, os.path.relpath(script, ROOT)], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode != 0
-    assert f"# ncclpy.spawn: {n} ranks for " in res.stdout, res.stdout + res.stderr
-    assert "CudaUnavailableError" in res.stderr and "no usable CUDA device" in res.stderr, \
-        res.stderr[-3000:]
+    assert res.returncode == _common.EXIT_NO_GPU == 1, res.stdout + res.stderr
+    assert res.stdout == "", res.stdout                 # no "# ncclpy.spawn: ..." line
+    assert res.stderr.count("\n") == 1
+    _one_line_no_gpu(script, res.stderr)
 
 
-@_GPU_LESS_WITH_CUPY
-def test_under_a_launcher_a_script_runs_as_one_rank():
-    """``ncclpy run -n 2 python examples/09_send_recv.py``: no spawn of its own; every rank goes
-    to ncclpy.init (and stops at the no-GPU error here)."""
+@_GPU_LESS
+def test_under_a_launcher_without_a_gpu_only_local_rank_0_says_so():
+    """``ncclpy run -n 2 python examples/09_send_recv.py``: one line from rank 0 (none from rank
+    1), then the launcher's own line; no traceback."""
+    script = EXAMPLES / "09_send_recv.py"
     res = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable,
-                          str(EXAMPLES / "09_send_recv.py")], cwd=ROOT, env=_env(),
+                          os.path.relpath(script, ROOT)], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=120)
     out = res.stdout + res.stderr
-    assert res.returncode != 0
+    assert res.returncode == 1, out
     assert "ncclpy.spawn" not in out
-    assert "CudaUnavailableError" in out and "no usable CUDA device" in out, out[-3000:]
+    line = _one_line_no_gpu(script, out)
+    assert line.startswith("[rank 0] ")
 
 
 def test_help_lists_each_scripts_examples():

@@ -205,3 +205,32 @@ def test_format_info_with_gpus_and_no_env():
     assert "  GPU 0: NVIDIA H100, 80.0 GiB, compute 9.0, PCI 0000:1b:00" in text
     assert "torch:                not installed" in text
     assert "no NCCL_* or rendezvous variables set" in text
+
+
+# -- one reason for "no GPU": ncclpy info, the GPU tests' skips, the examples -------------------
+def test_info_gives_the_shared_no_gpu_reason():
+    """The GPUs line of ``ncclpy info`` says what :func:`ncclpy.info.no_gpu_reason` says (the
+    reason the GPU tests skip with and the examples print); with no CUDA driver at all that is
+    "no CUDA driver", not a CUDA error name."""
+    from ncclpy.info import NO_DRIVER, gpu_device_reason, no_gpu_reason
+    why = gpu_device_reason()
+    if not why:
+        pytest.skip("a CUDA GPU is visible here")
+    cp = _info()
+    assert cp.returncode == 0, cp.stderr
+    assert f"GPUs:                 none visible ({why})" in cp.stdout.splitlines()
+    assert no_gpu_reason().startswith(why)
+    try:
+        from cupy.cuda import runtime
+        no_driver = runtime.driverGetVersion() == 0
+    except Exception:
+        no_driver = False
+    if no_driver:
+        assert no_gpu_reason() == why == NO_DRIVER == "no CUDA driver"
+        assert f"CUDA driver:          {NO_DRIVER}" in cp.stdout
+
+
+def test_gpu_tests_skip_with_the_same_reason():
+    """tests/gpu_util.py's skip reason is ncclpy.info.no_gpu_reason() (one wording)."""
+    from ncclpy.info import no_gpu_reason
+    assert cuda_reason() == no_gpu_reason()

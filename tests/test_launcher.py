@@ -205,13 +205,13 @@ def test_master_port_65534_is_the_highest(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["-n", 2], "PROGRAM"),
-    (["-n", 0, "x.py"], "nproc"),
-    (["-n", 1, "--nnodes", 2, "--node-rank", 2, "x.py"], "node_rank"),
-    (["-n", 1, "--grace", -1, "x.py"], "grace"),
+    (["-n", 0, "x.py"], "error: -n: "),
+    (["-n", 1, "--nnodes", 2, "--node-rank", 2, "x.py"], "error: --node-rank: "),
+    (["-n", 1, "--grace", -1, "x.py"], "error: --grace: "),
 ])
 def test_usage_errors(args, needle):
     cp = run(args)
-    assert cp.returncode == 2 and needle in cp.stderr
+    assert cp.returncode == 2 and needle in cp.stderr, cp.stderr
 
 
 def test_missing_program_cannot_start():
@@ -522,7 +522,7 @@ def test_ranks_per_gpu_reaches_the_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["--mps", "sometimes"], {}, "ncclpy run: error: argument --mps: invalid choice: 'sometimes'"),
+    (["--mps", "sometimes"], {}, "ncclpy run: error: --mps: invalid choice: 'sometimes'"),
     ([], {"NCCLPY_MPS": "yes"},
      "ncclpy run: error: NCCLPY_MPS: expected one of auto, on, off, got 'yes'"),
 ])
@@ -579,3 +579,138 @@ def test_ranks_rendezvous_through_the_real_store_and_libnccl(tmp_path):
         ["[rank", f"{r}]", str(r), "4", str(r)] for r in range(4)]
     assert {r.split()[5] for r in rows} == {"128"}
     assert len({r.split()[6] for r in rows}) == 1
+
+
+# ---------------------------------------------------------------- issue 15/16: timeout, groups
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_gone(pid: int, bound: float = 10.0) -> bool:
+    end = time.monotonic() + bound
+    while time.monotonic() < end:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+GRANDCHILD = """
+    import os, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    child = subprocess.Popen(["sleep", "300"])
+    with open(sys.argv[1] + f".{rank}", "w") as f:
+        f.write(str(child.pid))
+    if rank == 1 and sys.argv[2] == "fail":
+        sys.exit(3)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("how", ["fail", "timeout"])
+def test_a_ranks_own_children_do_not_outlive_it(tmp_path, how):
+    prog = _script(tmp_path, GRANDCHILD)
+    pidfile = tmp_path / "pid"
+    extra = ["--timeout", "2"] if how == "timeout" else []
+    cp = run(["-n", "2", "--grace", "1", *extra, prog, pidfile, how])
+    assert cp.returncode == (3 if how == "fail" else 124), cp.stderr
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]
+    for pid in pids:   # the sleeps were the ranks' children, in the ranks' process groups
+        assert _wait_gone(pid), f"grandchild {pid} outlived its rank ({how})"
+    if how == "timeout":
+        line = summary_lines(cp.stderr)[-1]
+        assert "--timeout 2 s passed with ranks 0, 1 still running" in line, cp.stderr
+        assert "exit code 124" in line
+
+
+def test_timeout_names_only_the_ranks_still_running(tmp_path):
+    prog = _script(tmp_path, """
+        import os, sys, time
+        if os.environ["RANK"] != "2":
+            sys.exit(0)
+        time.sleep(300)
+    """)
+    cp = run(["-n", "3", "--timeout", "1.5", "--grace", "1", prog])
+    assert cp.returncode == 124, cp.stderr
+    assert "passed with rank 2 still running; stopped it" in summary_lines(cp.stderr)[-1]
+    assert cp.elapsed < 20
+
+
+def test_timeout_not_reached_exits_zero(tmp_path):
+    prog = _script(tmp_path, "print('ok')\n")
+    cp = run(["-n", "2", "--timeout", "60", prog])
+    assert cp.returncode == 0, cp.stderr
+    assert "--timeout" in run(["-h"]).stdout and "124" in run(["-h"]).stdout
+
+
+def test_checked_flag_sets_the_variable_for_every_rank(tmp_path):
+    prog = _script(tmp_path, "import os; print('checked=' + str(os.environ.get('NCCLPY_CHECKED')))\n")
+    on = run(["-n", "2", "--checked", prog])
+    off = run(["-n", "2", prog], env=_env())
+    assert on.returncode == 0 and on.stdout.count("checked=1") == 2, on.stdout
+    assert off.returncode == 0 and "checked=1" not in off.stdout
+
+
+def test_nprocs_is_an_alias_of_n(tmp_path):
+    prog = _script(tmp_path, "import os; print('r' + os.environ['RANK'])\n")
+    cp = run(["--nprocs", "2", prog])
+    assert cp.returncode == 0, cp.stderr
+    assert "[rank 1] r1" in cp.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nprocs", "0", "x.py"], "ncclpy run: error: --nprocs: expected an int >= 1, got 0"),
+    (["-n", "0", "x.py"], "ncclpy run: error: -n: expected an int >= 1, got 0"),
+    (["-n", "1", "--node-rank", "3", "x.py"], "error: --node-rank: expected 0 <= --node-rank"),
+    (["-n", "1", "--grace", "-1", "x.py"], "error: --grace: expected seconds >= 0, got -1.0"),
+    (["-n", "1", "--timeout", "0", "x.py"], "error: --timeout: expected seconds > 0"),
+    (["-n", "1", "--timeout", "soon", "x.py"], "error: --timeout: invalid float value: 'soon'"),
+])
+def test_cli_errors_are_one_line_naming_the_flag_as_typed(args, needle):
+    cp = run(args)
+    assert cp.returncode == 2, cp.stderr
+    assert cp.stderr.count("\n") == 1 and needle in cp.stderr, cp.stderr
+    assert "Traceback" not in cp.stderr
+
+
+def test_master_port_whose_p_plus_1_is_taken_is_a_precise_error(tmp_path):
+    import socket
+    prog = _script(tmp_path, "print('ran')\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        p1 = busy.getsockname()[1]
+        cp = run(["-n", "1", "--master-port", p1 - 1, prog])
+    assert cp.returncode == 2, cp.stderr
+    assert cp.stderr.count("\n") == 1 and "ran" not in cp.stdout
+    assert (f"--master-port {p1 - 1}: port {p1} (torch's store, P+1) on 127.0.0.1 is not free"
+            in cp.stderr), cp.stderr
+
+
+def test_a_failed_rank_is_published_in_the_store(tmp_path):
+    """Rank 0 hosts the store; rank 1 dies; the launcher sets ncclpy/dead/1 before stopping
+    rank 0, which reads it."""
+    prog = _script(tmp_path, """
+        import os, sys
+        from ncclpy.store import TCPStore
+        rank = int(os.environ["RANK"])
+        host, port = os.environ["NCCLPY_MASTER_ADDR"], int(os.environ["NCCLPY_MASTER_PORT"])
+        tok = os.environ["NCCLPY_STORE_TOKEN"]
+        if rank == 0:
+            import signal   # the fail-fast SIGTERM races the read: wait for the grace SIGKILL
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            s = TCPStore(host, port, token=tok, is_server=True, timeout=30)
+            s.set("up", b"1")
+            print("dead:", s.get("ncclpy/dead/1", timeout=25).decode(), flush=True)
+            import time; time.sleep(30)
+        else:
+            TCPStore(host, port, token=tok, timeout=30).get("up")
+            sys.exit(7)
+    """)
+    cp = run(["-n", "2", "--grace", "5", prog])
+    assert cp.returncode == 7, cp.stderr
+    assert "[rank 0] dead: exited with code 7" in cp.stdout, (cp.stdout, cp.stderr)

@@ -527,3 +527,26 @@ def test_count_rule_is_filled_in_on_failure_only():
         plan_all_reduce(ctx(0, 2), B(SEND, 4), B(RECV, 5))
     assert str(ei.value) == ("all_reduce: recvbuf has 5 elements; expected the count of "
                              "sendbuf (4)")
+
+
+def test_nccl_call_and_one_call_plan_equal_the_classes():
+    from ncclpy.plan.checks import one_call
+    from ncclpy.plan.types import nccl_call, one_call_plan
+    args = (SEND, SEND, 4, 7, 0)
+    c = nccl_call("AllReduce", args)
+    assert type(c) is NcclCall and c == NcclCall("AllReduce", args) and c.arg("count") == 4
+    p = one_call_plan("all_reduce", "AllReduce", args, 16, {"in_place": True})
+    assert type(p) is Plan and p == one_call("all_reduce", c, 16, {"in_place": True})
+    assert p.meta == {"in_place": True} and p.steps == (c,) and not p.group
+    for make in (NcclCall, nccl_call):
+        with pytest.raises(ValueError, match="unknown NCCL function"):
+            make("AllReduceTwice", args)
+        with pytest.raises(ValueError, match="takes 5 args"):
+            make("AllReduce", args[:4])
+    with pytest.raises(ValueError, match="takes 5 args"):
+        one_call_plan("all_reduce", "AllReduce", args[:4], 16, {})
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.fn = "Reduce"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.nbytes = 0

@@ -247,3 +247,49 @@ def test_rank_env_port_errors_name_the_argument_given(port, torch_port, msg):
         rank_env(0, 1, 0, 1, "h", port, None, torch_master_port=torch_port)
     assert str(ei.value) == msg
     assert rank_env(0, 1, 0, 1, "h", 65534, None)["MASTER_PORT"] == "65535"
+
+
+# ---------------------------------------------------------------- MPI launchers on one node
+OMPI_ONE_NODE = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                 "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                 "OMPI_MCA_ess_base_jobid": "2127888385"}
+MPICH_ONE_NODE = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+                  "MPI_LOCALNRANKS": "2", "PMI_KVSNAME": "kvs_4711_0"}
+
+
+@pytest.mark.parametrize("env, job_var", [(OMPI_ONE_NODE, "OMPI_MCA_ess_base_jobid"),
+                                          (MPICH_ONE_NODE, "PMI_KVSNAME")])
+def test_mpi_on_one_node_needs_no_address(env, job_var):
+    """Every rank on this node and no MASTER_*: loopback and a port derived from the job id,
+    the same on every rank, in 30000..32766 (below the ephemeral ports)."""
+    from ncclpy.rendezvous import MPI_PORT_BASE, mpi_job_port
+    info = resolve(env=env)
+    assert info.master_addr == "127.0.0.1"
+    assert info.master_port == mpi_job_port(env[job_var])
+    assert MPI_PORT_BASE <= info.master_port <= 32766
+    assert job_var in info.store_from
+    other = {**env, job_var: env[job_var] + "1"}
+    assert resolve(env=other).master_port != info.master_port   # another job, another port
+    # MASTER_ADDR / MASTER_PORT (mpirun -x) win over the derived default, each on its own
+    assert resolve(env={**env, "MASTER_PORT": "31111"}).master_port == 31111
+    got = resolve(env={**env, "MASTER_ADDR": "127.0.0.2"})
+    assert (got.master_addr, got.master_port) == ("127.0.0.2", info.master_port)
+
+
+def test_mpi_on_several_nodes_says_what_to_pass():
+    """Ranks spread over nodes: nothing to derive; the error says which mpirun flags to add."""
+    env = {**OMPI_ONE_NODE, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    with pytest.raises(RendezvousError) as e:
+        resolve(env=env)
+    assert "no store address found" in str(e.value)
+    assert "-x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<free port>" in str(e.value)
+    mpich = {**MPICH_ONE_NODE, "MPI_LOCALNRANKS": "1", "MPI_LOCALRANKID": "0"}
+    with pytest.raises(RendezvousError, match="-genv MASTER_ADDR"):
+        resolve(env=mpich)
+
+
+def test_mpi_job_port_accepts_any_job_id():
+    from ncclpy.rendezvous import mpi_job_port
+    assert mpi_job_port("7") == 30007
+    assert mpi_job_port("prterun-host-1234@1") == mpi_job_port("prterun-host-1234@1")
+    assert 30000 <= mpi_job_port("prterun-host-1234@1") <= 32766

@@ -414,3 +414,63 @@ def test_planner_table_matches_the_planners():
     assert set(PLANNERS) >= {"all_reduce", "reduce", "broadcast", "all_gather",
                              "reduce_scatter", "all_to_all", "gather", "scatter", "send",
                              "recv", "send_recv", "barrier"}
+
+
+# -- a __cuda_array_interface__ export is read once per call ------------------------------------
+class CountingCai:
+    """A CAI producer whose export is a property (as numba's and most producers' are): each
+    read counts, and each read may give a different dict."""
+
+    def __init__(self, *exports):
+        self.exports, self.reads = list(exports), 0
+
+    @property
+    def __cuda_array_interface__(self):
+        self.reads += 1
+        return self.exports[min(self.reads, len(self.exports)) - 1]
+
+
+def _export(ptr=S, n=4, stream=0xABC, **extra):
+    return {**dict(shape=(n,), typestr="<f4", data=(ptr, False), strides=None, version=3,
+                   stream=stream), **extra}
+
+
+def test_the_cai_export_is_read_once_per_call():
+    res = Resolver(ctx())
+    x = CountingCai(_export())
+    r = ar(res, x, stream=None)                     # cold: stream, key and parse share it
+    assert x.reads == 1 and res.misses == 1 and r.stream == 0xABC
+    assert ar(res, x, stream=None) is r and x.reads == 2 and res.misses == 1   # cached
+    assert _arg(ar(res, x, stream=ST)) == (S, S, 4, F32, SUM) and x.reads == 3
+
+
+def test_stream_key_and_parse_come_from_the_same_export():
+    """A producer whose export changes between reads cannot pair one read's stream or key
+    with another read's pointer: the call is resolved from the one export it read."""
+    res = Resolver(ctx())
+    x = CountingCai(_export(S, stream=0xABC), _export(R, stream=0xDEF))
+    r = ar(res, x, stream=None)
+    assert r.stream == 0xABC and _arg(r) == (S, S, 4, F32, SUM)
+    r2 = ar(res, x, stream=None)                    # the second export: a different call
+    assert r2.stream == 0xDEF and _arg(r2) == (R, R, 4, F32, SUM) and res.misses == 2
+
+
+def test_odd_cai_exports_take_the_general_path_with_the_same_errors():
+    res = Resolver(ctx())
+    for bad, err, words in [([1, 2], errors.ArgumentTypeError, "must be a dict"),
+                            (_export(mask=object()), errors.UnsupportedError, "masked"),
+                            (_export(version=9), errors.UnsupportedError, "version 9"),
+                            ({"shape": (4,)}, errors.ArgumentError, "lacks typestr, data")]:
+        for _ in range(2):                          # refused every time, never cached
+            with pytest.raises(err, match=words):
+                ar(res, CountingCai(bad), stream=None)
+            with pytest.raises(err, match=words):
+                as_buffer(CountingCai(bad), "sendbuf")
+    assert len(res) == 0
+
+    class Raising:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("export failed")
+    with pytest.raises(RuntimeError, match="export failed"):
+        ar(res, Raising(), stream=None)

@@ -2,7 +2,8 @@
 
 The seed tutorials are read where ``tests/seed_util.py`` finds them: ``$NCCLPY_SEEDS``, the
 workspace's ``../shared/seeds``, else the committed snapshot ``tests/seeds`` (kept identical to
-the workspace copy by a test), so these tests run on every clone and never turn into no-ops.
+the workspace copy by a test), so these tests run on every clone and never turn into no-ops;
+``NCCLPY_SEEDS=none`` uses the snapshot alone.
 """
 from __future__ import annotations
 
@@ -197,8 +198,8 @@ def test_seed_snapshot_matches_the_workspace():
     snap = sorted(p.name for p in SNAPSHOT.iterdir() if p.is_file())
     assert "README.md" in snap and len([n for n in snap if n.endswith(".txt")]) >= 5, snap
     if ws is None:
-        pytest.skip("no workspace copy of shared/seeds here to compare the snapshot with "
-                    "(the snapshot itself is used)")
+        pytest.skip("no workspace copy of shared/seeds here (or NCCLPY_SEEDS=none) to compare "
+                    "the snapshot with; the snapshot itself is used")
     assert sorted(p.name for p in ws.iterdir() if p.is_file()) == snap
     for name in snap:
         assert (ws / name).read_bytes() == (SNAPSHOT / name).read_bytes(), name

@@ -607,9 +607,13 @@ def test_stage_commands_select_what_they_say():
     gpu2 = S.commands(S.by_name("gpu2"), ctx)[0].argv
     args = [a for a in gpu2[3:] if not a.startswith(("--junitxml", "--basetemp", "-q"))]
     ids = _collect(*args)
-    assert ids and all(i.startswith(("tests/gpu/test_comm_gpu.py", "tests/gpu/test_fixes_gpu.py"))
-                       for i in ids)
+    # gpu2: every GPU test file except the check, bench and examples ones (their own stages)
+    assert ids and not [i for i in ids if i.startswith((
+        "tests/gpu/test_check_gpu.py", "tests/gpu/test_bench_gpu.py",
+        "tests/gpu/test_examples_gpu.py"))]
     assert "tests/gpu/test_comm_gpu.py::test_collective_matrix[1]" in ids
+    assert "tests/gpu/test_fixes_gpu.py::test_nonblocking_split[2]" in ids
+    assert any(i.startswith("tests/gpu/test_prepared_gpu.py") for i in ids)
 
 
 _MARKS_PLUGIN = """

@@ -346,3 +346,19 @@ def test_spawn_one_rank_per_gpu_prints_nothing(tmp_path, capfd):
     envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(2)]
     assert [e["NCCLPY_DEVICE"] for e in envs] == ["0", "1"]
     assert {e["NCCL_MULTI_RANK_GPU_ENABLE"] for e in envs} == {None}
+
+
+def _checked_child(rank: int, outdir: str, want: str) -> None:
+    got = os.environ.get("NCCLPY_CHECKED")
+    if got != want:
+        raise AssertionError(f"rank {rank}: NCCLPY_CHECKED={got!r}, expected {want!r}")
+
+
+@pytest.mark.parametrize("checked, want", [(True, "1"), (False, "0")])
+def test_spawn_checked_sets_the_variable_in_every_child(tmp_path, checked, want):
+    spawn(_checked_child, 2, args=(str(tmp_path), want), checked=checked, mps="off")
+
+
+def test_spawn_checked_must_be_a_bool():
+    with pytest.raises(ArgumentTypeError, match="checked: expected None, True or False"):
+        spawn(_checked_child, 1, args=("", ""), checked="yes")

@@ -20,7 +20,7 @@ from ncclpy.errors import (ArgumentError, ArgumentTypeError, StoreAuthError,
 from ncclpy.store import StoreServer, TCPStore, barrier
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Op, Status
-from store_util import run_ranks
+from store_util import ScriptedServer as _ScriptedServer, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -224,50 +224,6 @@ def timeout_kind(request, monkeypatch):
     elif not transport._OS_TIMEOUTS:
         pytest.skip("SO_RCVTIMEO bounds are used on Linux only")
     return request.param
-
-
-class _ScriptedServer:
-    """A fake ncclpy server: greets (with ``flags``), then answers request i as ``script[i]``
-    says: ``(delay, payload, gap)`` sends an OK reply of ``payload`` after ``delay`` seconds,
-    one byte every ``gap`` seconds if ``gap``; None never answers."""
-
-    def __init__(self, script, flags: int = 0) -> None:
-        self.lsock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lsock.getsockname()[1]
-        self.held = []
-        threading.Thread(target=self._serve, args=(list(script), flags), daemon=True).start()
-
-    def _serve(self, script, flags: int) -> None:
-        conn, _ = self.lsock.accept()
-        self.held.append(conn)
-        conn.sendall(P.pack_hello(flags, 4096, 1 << 20, b"\0" * 32))
-        buf = b""
-        for step in script:
-            while len(buf) < P.HEADER_SIZE or len(buf) < P.HEADER_SIZE + P.REQ_HEADER.unpack_from(
-                    buf)[1]:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                buf += chunk
-            buf = buf[P.HEADER_SIZE + P.REQ_HEADER.unpack_from(buf)[1]:]
-            if step is None:
-                return
-            delay, payload, gap = step
-            time.sleep(delay)
-            reply = P.REP_HEADER.pack(Status.OK, len(payload)) + payload
-            try:
-                if not gap:
-                    conn.sendall(reply)
-                for i in range(len(reply) if gap else 0):
-                    conn.sendall(reply[i:i + 1])
-                    time.sleep(gap)
-            except OSError:   # the client gave up
-                return
-
-    def close(self) -> None:
-        self.lsock.close()
-        for c in self.held:
-            c.close()
 
 
 def test_unresponsive_server_times_out_client_side(timeout_kind):
@@ -837,6 +793,24 @@ def test_token_never_crosses_the_wire():
     assert token.encode() not in got
     assert got[0] == P.Op.AUTH
     assert got[5:37] == P.client_mac(token.encode(), nonce)
+
+
+@pytest.mark.parametrize("token", [None, "some-token"])
+def test_auth_reply_in_the_same_segment_as_the_greeting_is_read(token, monkeypatch):
+    """A server may send its auth reply right behind the greeting, in one send(): the client
+    parses those bytes instead of dropping them and waiting out its connect timeout."""
+    monkeypatch.delenv("NCCLPY_STORE_TOKEN", raising=False)
+    msg = b"this store requires a token" if token is None else b"wrong token"
+    fake = _ScriptedServer([None], flags=P.FLAG_AUTH,
+                           extra=P.REP_HEADER.pack(Status.ERR_AUTH, len(msg)) + msg)
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreAuthError, match=msg.decode()):
+            TCPStore("127.0.0.1", fake.port, token=token, timeout=10, connect_timeout=10)
+        assert time.monotonic() - start < 3.0
+        assert fake.accepted == 1
+    finally:
+        fake.close()
 
 
 # ---------------------------------------------------------------------------- torch

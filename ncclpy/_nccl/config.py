@@ -97,7 +97,10 @@ class Config:
 
     ``blocking=False`` makes a nonblocking communicator: ncclpy then polls
     ``ncclCommGetAsyncError`` after init and after each call, with the communicator's timeout.
-    ``cta_policy`` takes 0/1/2 or "default"/"efficiency"/"zero".
+    ``cta_policy`` takes 0/1/2 or "default"/"efficiency"/"zero".  Any Config makes ncclpy create
+    the communicator with ``ncclCommInitRankConfig`` (NCCL >= 2.14); a set field the loaded
+    NCCL does not read raises VersionError (:data:`CONFIG_FIELDS` has each field's version).
+    Split children inherit the parent's config.
     """
 
     blocking: Optional[bool] = None
@@ -162,6 +165,7 @@ class Config:
 
     @property
     def nonblocking(self) -> bool:
+        """``blocking is False`` (the environment's NCCL_COMM_BLOCKING may still override)."""
         return self.blocking is False
 
     def set_fields(self) -> Dict[str, Any]:

@@ -4,8 +4,10 @@ inputs, compared byte for byte with each other and with :mod:`ncclpy.reference`.
 Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (one case on one rank),
 :mod:`.session` (a rank's whole run), :mod:`.divergences` (torch's known divergences and refusals),
 :mod:`.fairness` (pinned environment, same libnccl, placement under torchrun),
-:mod:`.compare` (byte and ULP comparison), :mod:`.report` (table and JSON), :mod:`.cli`
-(``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples as data).
+:mod:`.compare` (byte and ULP comparison), :mod:`.report` (table rows, summary and JSON),
+:mod:`.overview` (progress line, collective x dtype matrix, what did not pass), :mod:`.cli`
+(``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples as data).  ``session``
+imports ``runner``, never the reverse.
 Importing this package imports neither torch nor CuPy.
 """
 from __future__ import annotations

@@ -216,8 +216,15 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
     ``in_place`` None: both variants where they differ for the side being tested (on gloo only
     all_gather and reduce_scatter, whose torch calls differ; torch's all_reduce, reduce and
     broadcast are in place by nature, gather/scatter take lists).
+
+    ``ops`` selects what the reducing collectives run; data movement ignores the op, so with
+    ``ops`` given and ``collectives`` None only the reducing collectives (all_reduce, reduce,
+    reduce_scatter) are in the matrix: ``--ops premul_sum`` checks premul_sum, not broadcast.
+    A collective named in ``collectives`` always runs (once per case, whatever ``ops`` says).
     """
     n = world_size
+    if collectives is None and ops is not None:
+        collectives = [c for c in COLLECTIVES if registry.get(c).reduces]
     colls = [registry.get(c).name for c in (collectives or COLLECTIVES)]
     dts = [dtype_name(d) for d in (dtypes or ALL_DTYPES)]
     opl = list(ops or REDUCING_OPS)

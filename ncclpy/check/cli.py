@@ -6,29 +6,85 @@ the rank the environment names (under torchrun, which places nothing, the placem
 ``ncclpy run`` is applied first: :func:`ncclpy.check.fairness.apply_launcher_placement`).  With a
 GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one torch's
 gloo backend is checked against the reference on CPU.
+
+Every argument is checked before anything starts (the ``--json`` file included); a bad one is
+one line naming the flag as typed, exit status 2.  Ctrl-C: one line, exit status 130; a closed
+output pipe (``ncclpy check | head``): quiet, exit status 141 (:mod:`ncclpy.cli_util`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..cli_util import EXIT_CLOSED_PIPE, OneLineParser, run_cli, silence_stdout
+from ..errors import ArgumentError, ArgumentTypeError
 from . import cases as C
 from .fairness import PINS, apply_launcher_placement, fairness_env
+from .report import plural
 
-__all__ = ["main", "build_parser", "fairness_env", "PINS"]
+__all__ = ["main", "build_parser", "fairness_env", "PINS", "check_output_path"]
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ncclpy check",
+PROG = "ncclpy check"
+
+
+def _int_at_least(lo: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+    return parse
+
+
+def _seconds(lo: float, strict: bool, what: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (strict and v == lo):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
+
+
+def _finite(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r} (the check's "
+                                         f"inputs keep results exact for finite scalars only)")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def build_parser() -> OneLineParser:
+    """The ``ncclpy check`` parser (errors: one line naming the flag, exit status 2)."""
+    p = OneLineParser(
+        prog=PROG,
         description="Run every collective through torch.distributed and ncclpy on identical "
                     "seeded inputs; compare byte for byte with each other and with ncclpy's "
                     "numpy reference.  Exit status 1 on any mismatch that is not a documented "
-                    "torch divergence.")
-    p.add_argument("-n", "--nprocs", type=int, default=None,
+                    "torch divergence.  Prints a progress line (on a terminal), a matrix of "
+                    "collective x dtype, what did not pass and why, and a summary.")
+    p.add_argument("-n", "--nprocs", type=_int_at_least(1, "a number of ranks >= 1"),
+                   default=None, metavar="N",
                    help="ranks to start (default: WORLD_SIZE under a launcher, else 2)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="torch backend: nccl (GPU, with the ncclpy column) or gloo (CPU); "
@@ -37,29 +93,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list (default all: {','.join(C.COLLECTIVES)})")
     p.add_argument("--dtypes", default=None, help="comma list (default: every dtype the backend "
                                                   "supports)")
-    p.add_argument("--ops", default=None, help=f"comma list of {','.join(C.REDUCING_OPS)}")
+    p.add_argument("--ops", default=None,
+                   help=f"comma list of {','.join(C.REDUCING_OPS)}; without --collectives only "
+                        f"the reducing collectives run (data movement has no op)")
     p.add_argument("--sizes", default=None,
                    help=f"comma list of element counts or byte sizes with a unit (default CPU "
                         f"{C.DEFAULT_SIZES_CPU}; GPU {C.DEFAULT_SIZES_GPU})")
     p.add_argument("--roots", default=None, help="comma list of roots (default 0 and n-1)")
     p.add_argument("--inplace", choices=("both", "yes", "no", "auto"), default="auto",
                    help="in-place variants (auto: where they differ for the side tested)")
-    p.add_argument("--premul-scalar", type=float, default=C.PREMUL_SCALAR,
+    p.add_argument("--premul-scalar", type=_finite, default=C.PREMUL_SCALAR, metavar="X",
                    help="premul_sum factor (any finite value: the inputs keep results exact)")
-    p.add_argument("--seed", type=int, default=1234, help="input seed (per rank and case)")
+    p.add_argument("--seed", type=_seed, default=1234, help="input seed (per rank and case)")
     p.add_argument("--json", metavar="FILE", default=None,
-                   help="write every case as JSON ('-': stdout, the table then goes to stderr)")
+                   help="write every case as JSON ('-': stdout, the report then goes to "
+                        "stderr); the file's directory must exist")
     p.add_argument("--nvls", action="store_true", help="allow NVLS (do not pin NCCL_NVLS_ENABLE=0)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only cases that did not pass")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no matrix: only what did not pass and the summary (with -v: only the "
+                        "rows of cases that did not pass)")
+    p.add_argument("--timeout", type=_seconds(0.0, True, "seconds > 0"), default=300.0,
                    help="seconds any one collective, init or wait may take (default 300)")
-    p.add_argument("--run-timeout", type=float, default=3600.0,
+    p.add_argument("--run-timeout", type=_seconds(0.0, False, "seconds >= 0"), default=3600.0,
                    help="seconds the whole run may take when check starts the ranks itself "
                         "(default 3600; 0: no limit)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--list-skips", action="store_true",
                    help="list what the backend cannot run (with reasons) and exit")
-    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of errors")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the full table (one row per case, as it runs) and the "
+                        "tracebacks of errors")
     return p
 
 
@@ -68,22 +131,109 @@ def _csv(s: Optional[str]) -> Optional[List[str]]:
 
 
 def _gpu_available() -> Tuple[bool, str]:
+    """(a GPU is visible, why not): the reason in the words of ``ncclpy info``."""
     try:
         from ..launch.placement import visible_gpu_count
         n = visible_gpu_count()
     except Exception as e:  # noqa: BLE001
         return False, f"cannot count GPUs: {e}"
-    if n < 1:
-        return False, "no CUDA GPU visible"
-    return True, ""
+    if n >= 1:
+        return True, ""
+    try:
+        from ..info import gpu_device_reason
+        why = gpu_device_reason()
+    except Exception:  # noqa: BLE001 - the count already said no
+        why = ""
+    return False, why or "no CUDA GPU visible"
 
 
-def _config(ns: argparse.Namespace, n: int, backend: str, no_gpu: str) -> Dict[str, Any]:
-    roots = None if ns.roots is None else [int(r) for r in _csv(ns.roots) or []]
+def check_output_path(path: str) -> str:
+    """'' when ``path`` can be written (its directory exists and takes a new file, or the file
+    exists and can be opened for writing), else why not.  Nothing is left behind."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{path!r} is a directory; expected a file name"
+    parent = os.path.dirname(full) or "."
+    if not os.path.isdir(parent):
+        return f"cannot write {path!r}: directory {parent!r} does not exist"
+    try:
+        if os.path.exists(full):
+            with open(full, "a"):
+                pass
+        else:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)
+            os.unlink(full)
+    except OSError as e:
+        return f"cannot write {path!r}: {e.strerror or e}"
+    return ""
+
+
+def _names(parser: OneLineParser, dest: str, text: Optional[str], what: str,
+           canon: Any, allowed: Sequence[str]) -> Optional[List[str]]:
+    """A checked comma list of ``--dest`` (None: not given)."""
+    items = _csv(text)
+    if items is None:
+        return None
+    flag = parser.flag(dest)
+    if not items:
+        parser.error(f"{flag}: no {what} given; expected a comma list of {', '.join(allowed)}")
+    out = []
+    for it in items:
+        try:
+            name = canon(it)
+        except (ArgumentError, ArgumentTypeError, KeyError) as e:
+            parser.error(f"{flag}: {e}")
+        if name not in allowed:
+            article = "an" if what[0] in "aeiou" else "a"
+            parser.error(f"{flag}: {it!r} is not {article} {what} of ncclpy check; expected one of "
+                         f"{', '.join(allowed)}")
+        out.append(name)
+    return out
+
+
+def _roots(parser: OneLineParser, text: Optional[str], n: int) -> Optional[List[int]]:
+    items = _csv(text)
+    if items is None:
+        return None
+    flag = parser.flag("roots")
+    if not items:
+        parser.error(f"{flag}: no root given; expected a comma list of ranks in 0..{n - 1}")
+    out = []
+    for it in items:
+        try:
+            r = int(it)
+        except ValueError:
+            parser.error(f"{flag}: {it!r} is not a rank; expected a comma list of ranks in "
+                         f"0..{n - 1}")
+        if not 0 <= r < n:
+            parser.error(f"{flag}: {r} is not a rank of this run; expected ranks in 0..{n - 1} "
+                         f"({plural(n, 'rank')})")
+        out.append(r)
+    return out
+
+
+def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
+            no_gpu: str) -> Dict[str, Any]:
+    """The run's configuration, every list argument checked (one-line errors)."""
+    from .. import registry
+    from ..dtypes import dtype_name
+    ops = _names(parser, "ops", ns.ops, "op", lambda s: s.lower(), C.REDUCING_OPS)
+    sizes = ns.sizes
+    if sizes is not None:
+        try:
+            C.parse_sizes(sizes)
+        except ArgumentError as e:
+            msg = str(e)
+            msg = msg[len("--sizes: "):] if msg.startswith("--sizes: ") else msg
+            parser.error(f"{parser.flag('sizes')}: {msg}")
     inplace = {"both": [False, True], "yes": [True], "no": [False], "auto": None}[ns.inplace]
     cfg: Dict[str, Any] = {
-        "world_size": n, "backend": backend, "collectives": _csv(ns.collectives),
-        "dtypes": _csv(ns.dtypes), "ops": _csv(ns.ops), "sizes": ns.sizes, "roots": roots,
+        "world_size": n, "backend": backend,
+        "collectives": _names(parser, "collectives", ns.collectives, "collective",
+                              lambda s: registry.get(s).name, C.COLLECTIVES),
+        "dtypes": _names(parser, "dtypes", ns.dtypes, "dtype", dtype_name, C.ALL_DTYPES),
+        "ops": ops, "sizes": sizes, "roots": _roots(parser, ns.roots, n),
         "in_place": inplace, "premul_scalar": ns.premul_scalar, "seed": ns.seed,
         "json": os.path.abspath(ns.json) if ns.json and ns.json != "-" else ns.json,
         "quiet": ns.quiet, "timeout": ns.timeout, "verbose": ns.verbose,
@@ -103,108 +253,98 @@ def _list(cfg: Dict[str, Any], skips: bool) -> int:
         for s in skipped:
             print(f"{s['collective']:<14} {s['dtype'] or '-':<11} {s['op'] or '-':<10} "
                   f"{s['reason']}")
-        print(f"{len(skipped)} combinations skipped on {cfg['backend']}")
+        print(f"{plural(len(skipped), 'combination')} skipped on {cfg['backend']}")
         return 0
     for c in cases:
         print(c.key)
-    print(f"{len(cases)} cases on {cfg['world_size']} ranks ({cfg['backend']})")
+    print(f"{plural(len(cases), 'case')} on {plural(cfg['world_size'], 'rank')} "
+          f"({cfg['backend']})")
     return 0
 
 
 def _spawn(n: int, cfg: Dict[str, Any]) -> int:
     """Start n ranks; rank 0 reports the exit code through a file."""
-    from .runner import spawn_entry
+    from ..launch.spawn import spawn
+    from .session import spawn_entry
     fd, path = tempfile.mkstemp(prefix="ncclpy-check-", suffix=".json")
     os.close(fd)
     os.unlink(path)
     cfg = dict(cfg, result_file=path)
     try:
         try:
-            from ..launch.spawn import spawn
-        except ImportError:
-            spawn = None
-        if spawn is not None:
             spawn(spawn_entry, n, args=(cfg,), env=cfg.get("env") or None,
                   timeout=cfg.get("run_timeout") or None)
-        else:  # pragma: no cover - only before ncclpy.spawn existed
-            _mp_spawn(n, cfg)
-        with open(path) as f:
-            return int(json.load(f)["exit_code"])
-    except FileNotFoundError:
-        print("ncclpy check: rank 0 reported no result", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - a crashed rank: say which and why
-        print(f"ncclpy check: {type(e).__name__}: {e}", file=sys.stderr)
-        tb = getattr(e, "traceback", None)
-        if tb:
-            print(tb, file=sys.stderr)
-        return 2
+        except Exception as e:  # noqa: BLE001 - a crashed rank: say which and why
+            if _result(path).get("output_closed"):     # rank 0 lost its reader: quiet
+                silence_stdout()
+                return EXIT_CLOSED_PIPE
+            print(f"{PROG}: {type(e).__name__}: {e}", file=sys.stderr)
+            tb = getattr(e, "traceback", None)
+            if tb:
+                print(tb, file=sys.stderr)
+            return 2
+        res = _result(path)
+        if "exit_code" not in res:
+            print(f"{PROG}: rank 0 reported no result", file=sys.stderr)
+            return 2
+        return int(res["exit_code"])
     finally:
         if os.path.exists(path):
             os.unlink(path)
 
 
-def _mp_spawn(n: int, cfg: Dict[str, Any]) -> None:  # pragma: no cover
-    import multiprocessing as mp
-    import socket
-    from .runner import spawn_entry
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = []
-    for r in range(n):
-        env = {"RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_RANK": str(r)}
-        c = dict(cfg, env={**(cfg.get("env") or {}), **env})
-        p = ctx.Process(target=spawn_entry, args=(r, c))
-        p.start()
-        procs.append(p)
-    for p in procs:
-        p.join()
-    bad = [i for i, p in enumerate(procs) if p.exitcode]
-    if bad:
-        raise RuntimeError(f"ranks {bad} exited with {[procs[i].exitcode for i in bad]}")
+def _result(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``ncclpy check`` with ``argv``; the exit code."""
+def _main(argv: List[str]) -> int:
     parser = build_parser()
-    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    ns = parser.parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    n = ns.nprocs or (int(os.environ["WORLD_SIZE"]) if launched else 2)
-    if n < 1:
-        parser.error(f"-n: expected >= 1 ranks, got {n}")
+    n = ns.nprocs if ns.nprocs is not None else (
+        int(os.environ["WORLD_SIZE"]) if launched else 2)
     if launched and int(os.environ["WORLD_SIZE"]) != n:
-        parser.error(f"-n {n} disagrees with WORLD_SIZE={os.environ['WORLD_SIZE']} set by the "
-                     f"launcher")
-    if ns.timeout <= 0 or ns.run_timeout < 0:
-        parser.error("--timeout must be > 0 and --run-timeout >= 0 seconds")
+        parser.error(f"{parser.flag('nprocs')} {n} disagrees with "
+                     f"WORLD_SIZE={os.environ['WORLD_SIZE']} set by the launcher")
+    if ns.json and ns.json != "-":
+        why = check_output_path(ns.json)
+        if why:
+            parser.error(f"{parser.flag('json')}: {why}")
     gpu, why = _gpu_available()
     backend = ns.backend if ns.backend != "auto" else ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
-        parser.error(f"--backend nccl: {why}")
-    try:
-        cfg = _config(ns, n, backend, "" if backend == "nccl" else (why or "backend gloo"))
-        if ns.list or ns.list_skips:
-            return _list(cfg, ns.list_skips)
-        cases, skipped = C.build_matrix(
-            n, backend=backend, collectives=cfg["collectives"], dtypes=cfg["dtypes"],
-            ops=cfg["ops"], sizes=cfg["sizes"], roots=cfg["roots"], in_place=cfg["in_place"],
-            premul_scalar=cfg["premul_scalar"])
-    except ValueError as e:  # ArgumentError from a filter
-        parser.error(str(e))
+        parser.error(f"{parser.flag('backend')} nccl: {why}")
+    cfg = _config(parser, ns, n, backend, "" if backend == "nccl" else (why or "backend gloo"))
+    if ns.list or ns.list_skips:
+        return _list(cfg, ns.list_skips)
+    cases, skipped = C.build_matrix(
+        n, backend=backend, collectives=cfg["collectives"], dtypes=cfg["dtypes"],
+        ops=cfg["ops"], sizes=cfg["sizes"], roots=cfg["roots"], in_place=cfg["in_place"],
+        premul_scalar=cfg["premul_scalar"])
     if not cases:
-        sys.stderr.write(f"ncclpy check: no case to run: the filters leave nothing the {backend} "
-                         f"backend can run on {n} ranks ({len(skipped)} combinations skipped; "
-                         f"see --list-skips)\n")
+        sys.stderr.write(f"{PROG}: no case to run: the filters leave nothing the {backend} "
+                         f"backend can run on {plural(n, 'rank')} "
+                         f"({plural(len(skipped), 'combination')} skipped; see --list-skips)\n")
         return 2
     if launched:
-        from .runner import worker
+        from .session import worker
         if backend == "nccl":
             cfg["placement"] = apply_launcher_placement()
         return worker(int(os.environ["RANK"]), cfg)
     return _spawn(n, cfg)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``ncclpy check`` with ``argv``; the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_cli(PROG, lambda: _main(args))
+    except SystemExit as e:       # a usage error (status 2) or --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,13 +1,22 @@
-"""The ``ncclpy check`` table (printed as it runs), its summary line and the JSON file."""
+"""The ``ncclpy check`` table rows (``-v``), the summary lines and the JSON file.
+
+The default report (progress line, matrix, list of what did not pass) is in
+:mod:`ncclpy.check.overview`; every line here and there fits in :data:`WIDTH` columns except the
+full table rows of ``-v``.
+"""
 from __future__ import annotations
 
 import json
 import math
 import sys
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 __all__ = ["COLUMNS", "format_header_row", "format_row", "format_skip_row", "summarize",
-           "summary_line", "write_json", "STATUS_COUNTED", "mark"]
+           "summary_line", "summary_lines", "write_json", "STATUS_COUNTED", "mark", "plural",
+           "WIDTH"]
+
+#: the columns every line of the default report fits in
+WIDTH = 100
 
 #: (title, width) of the table columns
 COLUMNS = (("collective", 14), ("dtype", 11), ("op", 15), ("size", 8), ("root", 4),
@@ -85,13 +94,26 @@ def summarize(records: Iterable[Dict[str, Any]], skipped: int = 0) -> Dict[str, 
     return out
 
 
+def plural(n: int, word: str, many: Optional[str] = None) -> str:
+    """``1 rank``, ``2 ranks``, ``0 ranks`` (``many`` for irregular plurals)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def summary_lines(counts: Dict[str, int], seconds: float, backend: str,
+                  world_size: int) -> List[str]:
+    """The last lines of a run (each within :data:`WIDTH` columns)."""
+    return [f"ncclpy check: {plural(counts['cases'], 'case')} on {plural(world_size, 'rank')} "
+            f"({backend}) in {seconds:.1f} s: {counts['passed']} passed bit for bit, "
+            f"{counts['failed']} failed",
+            f"  {plural(counts['torch_divergence'], 'torch divergence')}, "
+            f"{counts.get('within_ulp', 0)} within ULP tolerance, "
+            f"{counts['unsupported']} unsupported, "
+            f"{plural(counts['skipped'], 'combination')} skipped"]
+
+
 def summary_line(counts: Dict[str, int], seconds: float, backend: str, world_size: int) -> str:
-    """The last line of a run."""
-    return (f"ncclpy check: {counts['cases']} cases on {world_size} ranks ({backend}) in "
-            f"{seconds:.1f} s: {counts['passed']} passed bit for bit, {counts['failed']} failed, "
-            f"{counts.get('within_ulp', 0)} within ULP tolerance (not bitwise), "
-            f"{counts['torch_divergence']} torch divergences, {counts['unsupported']} "
-            f"unsupported, {counts['skipped']} skipped (backend cannot run them)")
+    """The summary as one line (:func:`summary_lines` joined)."""
+    return " ".join(ln.strip() for ln in summary_lines(counts, seconds, backend, world_size))
 
 
 def write_json(path: str, doc: Dict[str, Any]) -> None:

@@ -4,8 +4,8 @@ Every rank walks the same case list.  For each case it builds every rank's seede
 (:func:`ncclpy.numerics.verifiable_input`, so each rank can compute the whole reference
 locally), runs the collective through torch.distributed and, with a GPU, through ncclpy on
 copies of the same input, and compares its own outputs byte for byte with each other and with
-:mod:`ncclpy.reference`.  Rank 0 gathers the per-rank verdicts over a gloo group, prints the table
-line, and at the end the summary and the JSON.
+:mod:`ncclpy.reference`.  The rank's whole run (rank 0 gathering the verdicts, the report, the
+JSON) is :mod:`ncclpy.check.session`, which imports this module; this module never imports it.
 
 Test-only corruption: ``NCCLPY_CHECK_INJECT="collective:rank[:side[:how]][,...]"`` (rank may be
 ``*``; side ``torch`` (default), ``ncclpy`` or ``reference``; how ``bit`` (default), ``invert`` or
@@ -32,8 +32,8 @@ from . import cases as C
 from . import divergences as D
 from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt
 
-__all__ = ["worker", "run_case_torch", "to_torch", "from_torch", "case_inputs",
-           "reference_outputs", "INJECT_ENV", "parse_inject", "run_case"]
+__all__ = ["run_case_torch", "to_torch", "from_torch", "case_inputs", "reference_outputs",
+           "INJECT_ENV", "parse_inject", "run_case", "run_case_ncclpy"]
 
 
 # -- numpy <-> torch ------------------------------------------------------------------------
@@ -405,15 +405,3 @@ def _run_barrier(ctx: Dict[str, Any]) -> Dict[str, Any]:
         res["barrier"][side] = (t_in, time.time())
         dist.barrier(group=ctx["ctrl"])
     return res
-
-
-# -- the worker (see .session) --------------------------------------------------------------
-def worker(rank: int, cfg: Dict[str, Any]) -> int:
-    """Run the whole matrix as ``rank``; the exit code (see :func:`ncclpy.check.session.worker`)."""
-    from .session import worker as _worker
-    return _worker(rank, cfg)
-
-
-def spawn_entry(rank: int, cfg: Dict[str, Any]) -> None:
-    """Entry point for :func:`ncclpy.spawn` / multiprocessing children (exit code via file)."""
-    worker(rank, cfg)

@@ -3,8 +3,14 @@ comparison fair, walk the matrix, and (rank 0) print the table, the summary and 
 
 Exit codes (the same on every rank): 0 every counted case passed; 1 a mismatch or an error, or
 the comparison is unfair (torch and ncclpy on different libnccl files or versions), or ncclpy
-could not start on a GPU run; 2 nothing to run or a bad ``NCCLPY_CHECK_INJECT``.  With
-``--json -`` the JSON is the only thing on stdout and the table goes to stderr.
+could not start on a GPU run; 2 nothing to run, a bad ``NCCLPY_CHECK_INJECT`` or a ``--json``
+file that could not be written.  With ``--json -`` the JSON is the only thing on stdout and the
+report goes to stderr.
+
+What rank 0 prints (:mod:`.overview`): the header, a progress line on a terminal's stderr, the
+collective x dtype matrix, the cases that did not pass with their reasons, the summary; ``-v``
+adds the full table, one row per case, as the cases run.  When the reader of its output goes
+away (``ncclpy check | head``) rank 0 stops the run at once, quietly, with exit status 141.
 """
 from __future__ import annotations
 
@@ -14,23 +20,52 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
+from ..cli_util import EXIT_CLOSED_PIPE, silence_stdout, stdout_reader_gone
 from . import cases as C
+from . import overview as O
 from . import report as R
 from .compare import INJECT_ENV, merge
 from .runner import _short, parse_inject, run_case
 
-__all__ = ["worker", "spawn_entry"]
+__all__ = ["worker", "spawn_entry", "OutputClosed", "Output"]
 
 
-def _out(cfg: Dict[str, Any]) -> TextIO:
-    """Where the table goes: stderr when the JSON takes stdout."""
-    return sys.stderr if cfg.get("json") == "-" else sys.stdout
+class OutputClosed(Exception):
+    """The reader of the report went away (EPIPE): the run stops, quietly."""
 
 
-def _emit(cfg: Dict[str, Any], line: str) -> None:
-    f = _out(cfg)
-    f.write(line + "\n")
-    f.flush()
+class Output:
+    """Rank 0's report stream (stderr when ``--json -`` takes stdout) and its progress line."""
+
+    def __init__(self, cfg: Dict[str, Any]) -> None:
+        self.stream: TextIO = sys.stderr if cfg.get("json") == "-" else sys.stdout
+        self.progress: Optional[O.Progress] = None
+
+    def line(self, text: str) -> None:
+        """Print one line (erasing the progress line first); OutputClosed on a closed pipe."""
+        if self.progress is not None:
+            self.progress.clear()
+        try:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except BrokenPipeError as e:
+            raise OutputClosed(str(e)) from None
+
+    def check_reader(self) -> None:
+        """OutputClosed as soon as the reader of a piped report has gone (``| head -3``), not
+        only when the next line is printed."""
+        if stdout_reader_gone(self.stream):
+            raise OutputClosed("the reader of the report has gone")
+
+    def lines(self, texts: List[str]) -> None:
+        for t in texts:
+            self.line(t)
+
+
+def _wrapped(text: str, indent: str = "    ") -> List[str]:
+    import textwrap
+    return textwrap.wrap(text, width=R.WIDTH, subsequent_indent=indent,
+                         break_on_hyphens=False, break_long_words=False) or [""]
 
 
 def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -93,39 +128,43 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     return ctx
 
 
-def _print_header(cfg: Dict[str, Any], ctx: Dict[str, Any], ncases: int,
+def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases: int,
                   skipped: List[dict]) -> None:
     h = ctx["header"]
-    emit = (lambda line: _emit(cfg, line))
-    emit(f"ncclpy check: {h['world_size']} ranks, torch {h['torch']} backend {h['backend']}, "
-         f"seed {h['seed']}, {ncases} cases, {len(skipped)} combinations skipped, "
-         f"timeout {h['timeout_s']:g} s per collective")
+    emit = out.line
+    emit(f"ncclpy check: {R.plural(h['world_size'], 'rank')}, torch {h['torch']}, backend "
+         f"{h['backend']}, seed {h['seed']}, timeout {h['timeout_s']:g} s per collective")
+    gloo_note = " (what gloo refuses; --list-skips gives each reason)" \
+        if skipped and h["backend"] == "gloo" else ""
+    emit(f"  {R.plural(ncases, 'case')}, {R.plural(len(skipped), 'combination')} "
+         f"skipped{gloo_note}")
     if h.get("placement"):
-        emit(f"  {h['placement']}")
+        out.lines(_wrapped(f"  {h['placement']}"))
     if h["backend"] == "nccl":
         lib = h["libnccl"]
         emit(f"  device: {h.get('device')} (compute capability {h.get('compute_capability')})")
-        emit(f"  torch libnccl:  {lib['torch_libnccl'] or '?'} (NCCL {lib['torch_nccl_version']}"
-             f"; {lib['torch_found_by']})")
-        emit(f"  ncclpy libnccl: {lib['ncclpy_libnccl'] or '?'} "
-             f"(NCCL {lib['ncclpy_nccl_version'] or '?'})")
-        emit("  same libnccl on both sides: " + ("yes" if lib["same"] else
-                                                 "NO: " + "; ".join(lib["problems"])))
-        emit(f"  pinned for both sides: {', '.join(h.get('pinned') or []) or 'nothing'}")
+        out.lines(_wrapped(f"  torch libnccl:  {lib['torch_libnccl'] or '?'} "
+                           f"(NCCL {lib['torch_nccl_version']}; {lib['torch_found_by']})"))
+        out.lines(_wrapped(f"  ncclpy libnccl: {lib['ncclpy_libnccl'] or '?'} "
+                           f"(NCCL {lib['ncclpy_nccl_version'] or '?'})"))
+        out.lines(_wrapped("  same libnccl on both sides: " + (
+            "yes" if lib["same"] else "NO: " + "; ".join(lib["problems"]))))
+        pinned = ", ".join(h.get("pinned") or []) or "nothing"
+        out.lines(_wrapped(f"  pinned for both sides: {pinned}"))
         if h.get("kept"):
-            emit(f"  kept from your environment: {', '.join(h['kept'])}")
-        emit("  NCCL env: " + (" ".join(f"{k}={v}" for k, v in h.get("nccl_env", {}).items())
-                               or "(none)"))
+            out.lines(_wrapped(f"  kept from your environment: {', '.join(h['kept'])}"))
+        out.lines(_wrapped("  NCCL env: " + (
+            " ".join(f"{k}={v}" for k, v in h.get("nccl_env", {}).items()) or "(none)")))
     if h.get("ncclpy_error"):
-        emit(f"  ncclpy column: needs GPU ({h['ncclpy_error']})")
-    if skipped and h["backend"] == "gloo":
-        emit("  skipped: what gloo refuses (see --list-skips for each reason)")
-    emit("  \"==\" columns: yes only when the bytes are identical on every rank; inputs make "
-         "every result exact, so cases are compared bit for bit (max ULP shows any distance)")
-    emit(R.format_header_row())
-    if h["backend"] == "nccl":
-        for sk in skipped:
-            emit(R.format_skip_row(sk))
+        out.lines(_wrapped(f"  ncclpy column: needs GPU ({h['ncclpy_error']})"))
+    if cfg.get("verbose"):
+        out.lines(_wrapped("  \"==\" columns: yes only when the bytes are identical on every "
+                           "rank; inputs make every result exact, so cases are compared bit "
+                           "for bit (max ULP shows any distance)"))
+        emit(R.format_header_row())
+        if h["backend"] == "nccl":
+            for sk in skipped:
+                emit(R.format_skip_row(sk))
 
 
 def _fatal(cfg: Dict[str, Any], ctx: Optional[Dict[str, Any]], rank: int, msg: str,
@@ -135,8 +174,12 @@ def _fatal(cfg: Dict[str, Any], ctx: Optional[Dict[str, Any]], rank: int, msg: s
         if cfg.get("result_file"):
             R.write_json(cfg["result_file"], {"exit_code": rc, "error": msg})
         if cfg.get("json") and cfg["json"] != "-":
-            R.write_json(cfg["json"], {"exit_code": rc, "error": msg,
-                                       "header": (ctx or {}).get("header")})
+            try:
+                R.write_json(cfg["json"], {"exit_code": rc, "error": msg,
+                                           "header": (ctx or {}).get("header")})
+            except OSError as e:
+                sys.stderr.write(f"ncclpy check: --json {cfg['json']}: could not write: "
+                                 f"{e.strerror or e}\n")
     if ctx is not None:
         _close(ctx)
     return rc
@@ -164,7 +207,7 @@ def worker(rank: int, cfg: Dict[str, Any]) -> int:
         return _fatal(cfg, None, rank, f"bad {INJECT_ENV}: {e}", 2)
     ctx = _setup_torch(rank, cfg)
     ctx["inject"] = inject
-    dist, h = ctx["dist"], ctx["header"]
+    h = ctx["header"]
     if any(side == "ncclpy" for _, _, side, _ in inject) and ctx.get("comm") is None:
         return _fatal(cfg, ctx, rank, f"{INJECT_ENV} corrupts the ncclpy side, but this run has "
                                       f"no ncclpy column ({h.get('ncclpy_error')})", 2)
@@ -175,39 +218,88 @@ def worker(rank: int, cfg: Dict[str, Any]) -> int:
         premul_scalar=cfg.get("premul_scalar", C.PREMUL_SCALAR), gpu_cc=ctx.get("gpu_cc"))
     if not cases:
         return _fatal(cfg, ctx, rank, f"no case to run: the filters leave nothing the "
-                                      f"{ctx['backend']} backend can run on {ctx['n']} ranks "
-                                      f"({len(skipped)} combinations skipped; see --list-skips)",
-                      2)
-    if rank == 0:
-        _print_header(cfg, ctx, len(cases), skipped)
+                                      f"{ctx['backend']} backend can run on "
+                                      f"{R.plural(ctx['n'], 'rank')} "
+                                      f"({R.plural(len(skipped), 'combination')} skipped; see "
+                                      f"--list-skips)", 2)
+    out = Output(cfg) if rank == 0 else None
+    try:
+        return _walk(rank, cfg, ctx, cases, skipped, out, t0)
+    except OutputClosed:
+        _output_closed(cfg)
+        raise AssertionError("unreachable")  # pragma: no cover
+    except KeyboardInterrupt:
+        if out is not None and out.progress is not None:
+            out.progress.clear()
+        raise
+
+
+def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Case],
+          skipped: List[dict], out: Optional[Output], t0: float) -> int:
+    """Run every case; rank 0 reports (see the module docstring); the exit code."""
+    dist, h = ctx["dist"], ctx["header"]
+    verbose, quiet = bool(cfg.get("verbose")), bool(cfg.get("quiet"))
+    if out is not None:
+        _print_header(out, cfg, ctx, len(cases), skipped)
+        out.progress = O.Progress(len(cases))
     records: List[Dict[str, Any]] = []
-    for case in cases:
+    failed = 0
+    for i, case in enumerate(cases):
         part = run_case(ctx, case)
         parts: Optional[List[Any]] = [None] * ctx["n"] if rank == 0 else None
         dist.gather_object(part, parts, dst=0, group=ctx["ctrl"])
-        if rank == 0:
+        if out is not None:
             rec = merge(case, parts, ctx)
             records.append(rec)
-            if not cfg.get("quiet") or rec["status"] != "pass":
-                _emit(cfg, R.format_row(rec))
+            failed += O.symbol_of(rec["status"]) == "X"
+            if verbose and (not quiet or rec["status"] != "pass"):
+                out.line(R.format_row(rec))
+            assert out.progress is not None
+            out.progress.update(i + 1, failed, case.collective)
+            out.check_reader()
     rc = 0
-    if rank == 0:
+    if out is not None:
+        assert out.progress is not None
+        out.progress.clear()
         counts = R.summarize(records, len(skipped))
         problems = _run_problems(h)
         rc = 1 if counts["failed"] or problems else 0
-        _emit(cfg, R.summary_line(counts, time.time() - t0, ctx["backend"], ctx["n"]))
+        if not quiet:
+            out.lines(O.matrix_lines(records, skipped))
+        out.lines(O.problem_lines(records, skipped, ctx["backend"]))
+        out.lines([""] + R.summary_lines(counts, time.time() - t0, ctx["backend"], ctx["n"]))
         for p in problems:
-            _emit(cfg, f"ncclpy check: FAILED: {p}")
+            out.lines(_wrapped(f"ncclpy check: FAILED: {p}"))
         doc = {"header": h, "summary": counts, "exit_code": rc, "problems": problems,
                "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped}
         if cfg.get("json"):
-            R.write_json(cfg["json"], doc)
+            try:
+                R.write_json(cfg["json"], doc)
+            except BrokenPipeError:
+                raise OutputClosed("stdout") from None
+            except OSError as e:
+                sys.stderr.write(f"ncclpy check: --json {cfg['json']}: could not write the "
+                                 f"results: {e.strerror or e}\n")
+                rc = rc or 2
         if cfg.get("result_file"):
             R.write_json(cfg["result_file"], {"exit_code": rc, "summary": counts})
     box = [rc]
     dist.broadcast_object_list(box, src=0, group=ctx["ctrl"])
     _close(ctx)
     return int(box[0])
+
+
+def _output_closed(cfg: Dict[str, Any]) -> None:
+    """The report's reader went away: tell the parent (result file), then end this rank at
+    once with 141; the launcher or spawn stops the other ranks."""
+    silence_stdout()
+    try:
+        if cfg.get("result_file"):
+            R.write_json(cfg["result_file"], {"exit_code": EXIT_CLOSED_PIPE,
+                                              "output_closed": True})
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_CLOSED_PIPE)
 
 
 def _run_problems(h: Dict[str, Any]) -> List[str]:

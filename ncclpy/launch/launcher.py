@@ -12,6 +12,15 @@
 * Fail-fast: when a rank exits non-zero or dies by a signal, the others get SIGTERM, then SIGKILL
   after ``grace`` seconds; the exit code is the first failure's (signal death -> 128 + signum) and
   one summary line goes to stderr.  Rank 0 gets the launcher's stdin, the others /dev/null.
+* A rank's own children go with it: every signal goes to the rank's process group, and when a
+  rank exits its group is signalled too (SIGTERM; SIGKILL to every group when the job ends), so a
+  subprocess a rank started does not outlive it.
+* ``--timeout S``: ranks still running S seconds after the start are stopped (SIGTERM, SIGKILL
+  after ``grace``); the summary names them and the exit code is :data:`EXIT_TIMEOUT` (124).
+* Peer death notice: when a rank fails, before the others are stopped, the launcher sets
+  ``ncclpy/dead/<rank>`` (the exit code or signal, as text) in the job's ncclpy store (hosted by
+  rank 0) when it can reach it within about a second, for the ranks' watchdog.
+* ``--checked`` sets ``NCCLPY_CHECKED=1`` for every rank.
 * Ranks die with the launcher (``PR_SET_PDEATHSIG``, Linux) if it is killed outright.
 * Ranks sharing a GPU: :mod:`ncclpy.launch.placement` sets NCCL's variables (a CTA limit above 2
   ranks per GPU) and :mod:`ncclpy.launch.mps` starts a CUDA MPS daemon for the run (``--mps``,
@@ -21,30 +30,45 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
+from .ports import check_local, check_port, check_ports_free, free_port
 from ..errors import ArgumentError, LaunchError
 from ._pdeath import PR_SET_PDEATHSIG, prctl_function
 from .mps import MPS_MODES, MPS_ENV, resolve_mode, setup_mps
 from .placement import Placement, place, summary_line, with_mps
 
 __all__ = ["launch", "add_run_arguments", "run_from_args", "build_command", "DEFAULT_GRACE",
-           "PREFIX_FORMAT"]
+           "PREFIX_FORMAT", "EXIT_TIMEOUT", "EXIT_USAGE", "DEAD_KEY"]
 
 #: Seconds between SIGTERM and SIGKILL (small, so a failed job stops within ~5 s).
 DEFAULT_GRACE = 3.0
 #: How each output line is prefixed (``rank`` is the global rank).
 PREFIX_FORMAT = "[rank {rank}] "
+#: Exit code when ``--timeout`` stopped ranks still running (as GNU ``timeout``).
+EXIT_TIMEOUT = 124
+#: Exit code of a usage error (a bad flag or value), as argparse.
+EXIT_USAGE = 2
+#: Store key where the launcher publishes a rank's death (format with ``rank=``).
+DEAD_KEY = "ncclpy/dead/{rank}"
+#: The spellings of ``ncclpy run``'s options, by ``launch()`` keyword, for CLI error messages.
+_FLAGS = {"nproc": "-n/--nprocs", "nnodes": "--nnodes", "node_rank": "--node-rank",
+          "master_addr": "--master-addr", "master_port": "--master-port",
+          "ranks_per_gpu": "--ranks-per-gpu", "grace": "--grace", "timeout": "--timeout",
+          "mps": "--mps", "command": "PROGRAM"}
 _CHUNK = 1 << 16
+
+log = logging.getLogger(__name__)
 
 
 def _signame(signum: int) -> str:
@@ -52,58 +76,6 @@ def _signame(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _bind_family(host: str, flag: str = "--master-addr") -> int:
-    """The address family to bind ``host`` with; a precise error when it does not resolve."""
-    try:
-        return socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    except (socket.gaierror, UnicodeError) as e:
-        raise ArgumentError(f"{flag} {host!r}: cannot resolve this host name "
-                            f"({getattr(e, 'strerror', None) or e})") from None
-
-
-def _check_local(host: str) -> None:
-    """On one node rank 0 hosts the store here, so ``host`` must be an address of this machine."""
-    fam = _bind_family(host)
-    try:
-        with socket.socket(fam, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-    except OSError as e:
-        raise ArgumentError(
-            f"--master-addr {host}: not an address of this machine ({e.strerror or e}); with "
-            f"--nnodes 1 rank 0 runs here and hosts the store, so leave --master-addr out "
-            f"(127.0.0.1) or give one of this machine's addresses") from None
-
-
-def _free_port(host: str) -> int:
-    """A free port P on ``host`` (a local address) with P+1 free too (torch's store gets
-    ``MASTER_PORT`` = P+1)."""
-    fam = _bind_family(host)
-    port = 0
-    try:
-        for _ in range(50):
-            with socket.socket(fam, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = int(s.getsockname()[1])
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket(fam, socket.SOCK_STREAM) as s2:
-                    s2.bind((host, port + 1))
-                return port
-            except OSError:
-                continue
-    except OSError as e:
-        raise LaunchError(f"cannot pick a free port on {host} ({e.strerror or e}); pass "
-                          f"--master-port") from None
-    return port
-
-
-def _check_port(port: Any) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65534:
-        raise ArgumentError(f"--master-port: expected a port in 1..65534 (ncclpy's store listens "
-                            f"on P, torch's on P+1), got {port!r}")
 
 
 def build_command(program: Sequence[str], module: bool = False) -> list[str]:
@@ -188,16 +160,36 @@ def _pdeathsig_fn() -> Optional[Callable[[], None]]:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Send ``sig`` to the rank's process group (its session), else to the rank alone."""
-    if proc.returncode is not None:
-        return
+    """Send ``sig`` to the rank's process group (its session: the rank and the processes it
+    started, also once the rank itself has exited), else to the rank alone."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(sig)
-        except (ProcessLookupError, OSError):
-            pass
+        if proc.returncode is None:
+            try:
+                proc.send_signal(sig)
+            except (ProcessLookupError, OSError):
+                pass
+
+
+def _how(rc: int) -> str:
+    return f"was killed by signal {_signame(-rc)}" if rc < 0 else f"exited with code {rc}"
+
+
+def _publish_death(host: str, port: int, token: str, rank: int, rc: int) -> bool:
+    """Set ``ncclpy/dead/<rank>`` in the job's ncclpy store for the ranks' watchdog; bounded to
+    about a second, best effort (the store may not be up, or was rank 0's). True when set."""
+    from ..errors import StoreError
+    from ..store import TCPStore
+    try:
+        with TCPStore(host, port, token=token or None, timeout=1.0,
+                      connect_timeout=0.5) as store:
+            store.set(DEAD_KEY.format(rank=rank), _how(rc))
+        return True
+    except (StoreError, OSError) as e:
+        log.debug("ncclpy run: could not publish rank %d's death in the store at %s:%d: %s",
+                  rank, host, port, e)
+        return False
 
 
 def _rank_env(base: Mapping[str, str], **kw: Any) -> dict[str, str]:
@@ -211,7 +203,9 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
            master_addr: Optional[str] = None, master_port: Optional[int] = None,
            ranks_per_gpu: Optional[int] = None, prefix: bool = True,
            grace: float = DEFAULT_GRACE, env: Optional[Mapping[str, str]] = None,
-           stdout: Any = None, stderr: Any = None, mps: Optional[str] = None) -> int:
+           stdout: Any = None, stderr: Any = None, mps: Optional[str] = None,
+           timeout: Optional[float] = None, checked: bool = False,
+           _flags: Optional[Mapping[str, str]] = None) -> int:
     """Start ``nproc`` local ranks of ``command`` and supervise them; returns the exit code.
 
     ``env`` (default ``os.environ``) is the base environment of every rank.  Multi-node runs
@@ -220,35 +214,51 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     ``master_addr`` must be an address of this machine (rank 0 hosts the store here); a
     ``master_port`` must lie in 1..65534 (torch's store gets ``master_port + 1``).  ``mps``
     (``"auto"``, ``"on"``, ``"off"``; None: ``NCCLPY_MPS`` in ``env``, else ``"auto"``) says whether
-    to run a CUDA MPS daemon while ranks share a GPU (:mod:`ncclpy.launch.mps`).
+    to run a CUDA MPS daemon while ranks share a GPU (:mod:`ncclpy.launch.mps`).  ``timeout``
+    (seconds, None: none) stops ranks still running after it (exit :data:`EXIT_TIMEOUT`);
+    ``checked`` sets ``NCCLPY_CHECKED=1`` for every rank.  Errors name the keyword arguments
+    (``_flags``: the CLI's spellings instead).
     """
+    fl = dict(_flags or {})
+
+    def N(key: str) -> str:
+        return fl.get(key, key)
     base = dict(os.environ if env is None else env)
     for name, val, lo in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
         if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-            raise ArgumentError(f"{name}: expected an int >= {lo}, got {val!r}")
+            raise ArgumentError(f"{N(name)}: expected an int >= {lo}, got {val!r}")
     if node_rank >= nnodes:
-        raise ArgumentError(f"node_rank: expected 0 <= node_rank < nnodes={nnodes}, "
-                            f"got {node_rank}")
-    if not grace >= 0:
-        raise ArgumentError(f"grace: expected seconds >= 0, got {grace!r}")
+        raise ArgumentError(f"{N('node_rank')}: expected 0 <= {N('node_rank')} < "
+                            f"{N('nnodes')}={nnodes}, got {node_rank}")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ArgumentError(f"{N('grace')}: expected seconds >= 0, got {grace!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise ArgumentError(f"{N('timeout')}: expected seconds > 0 (or no limit: None), "
+                            f"got {timeout!r}")
     if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool)
                                       or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1):
-        raise ArgumentError(f"--ranks-per-gpu: expected a positive int, got {ranks_per_gpu!r}")
+        raise ArgumentError(f"{N('ranks_per_gpu')}: expected a positive int, "
+                            f"got {ranks_per_gpu!r}")
     if master_port is not None:
-        _check_port(master_port)
-    mps_mode = resolve_mode(mps, base, name="--mps")
+        check_port(master_port, N("master_port"))
+    mps_mode = resolve_mode(mps, base, name=fl.get("mps", "--mps"))
     command = list(command)
     if not command:
-        raise ArgumentError("command: expected a program to run, got an empty command")
+        raise ArgumentError(f"{N('command')}: expected a program to run, got an empty command")
+    if checked:
+        base["NCCLPY_CHECKED"] = "1"
     out, err = _Sink(stdout or sys.stdout), _Sink(stderr or sys.stderr)
 
     single = nnodes == 1
     if single:
         if master_addr:
-            _check_local(master_addr)
+            check_local(master_addr)
         master_addr = master_addr or "127.0.0.1"
         if master_port is None:
-            master_port = _free_port(master_addr)
+            master_port = free_port(master_addr)
+        else:
+            check_ports_free(master_addr, master_port, N("master_port"))
         token = secrets.token_hex(16)
     else:
         missing = [n for n, v in (("--master-addr", master_addr), ("--master-port", master_port))
@@ -278,7 +288,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     try:
         err.line(summary_line("ncclpy run", placement, where))
         rc = _start_and_supervise(command, base, placement, out, err, prefix, grace, master_addr,
-                                  master_port, token, node_rank, nproc, world)
+                                  master_port, token, node_rank, nproc, world, timeout)
         failed = rc != 0
         return rc
     finally:
@@ -290,7 +300,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
 def _start_and_supervise(command: list[str], base: Mapping[str, str], placement: Placement,
                          out: _Sink, err: _Sink, prefix: bool, grace: float, master_addr: str,
                          master_port: int, token: str, node_rank: int, nproc: int,
-                         world: int) -> int:
+                         world: int, timeout: Optional[float] = None) -> int:
     """Start the ranks with their environment and supervise them; the exit code."""
     preexec = _pdeathsig_fn()
     procs: list[subprocess.Popen] = []
@@ -318,7 +328,20 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
                     preexec_fn=preexec))
             except OSError as e:
                 raise LaunchError(f"cannot start rank {rank}: {command[0]!r}: {e}") from e
-        return _supervise(procs, ranks, out, err, prefix, float(grace), pending)
+        notify = functools.partial(_publish_death, master_addr, master_port, token)
+        watch = None
+        if world > nproc:   # multi-node: the launchers watch each other through the store
+            from .nodewatch import NodeWatch
+            watch = NodeWatch(master_addr, master_port, token, node_rank, world // nproc,
+                              nproc).start()
+        outcome: list[str] = []
+        try:
+            rc = _supervise(procs, ranks, out, err, prefix, float(grace), pending, timeout,
+                            notify, watch, outcome)
+        finally:
+            if watch is not None:
+                watch.finish(outcome[0] if outcome else None)
+        return rc
     except BaseException:
         for p in procs:            # never leave ranks behind, whatever went wrong here
             _signal_group(p, signal.SIGKILL)
@@ -331,8 +354,12 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
 
 
 def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err: _Sink,
-               prefix: bool, grace: float, pending: list[int]) -> int:
-    """Pump output, forward queued signals, stop everyone on the first failure; the exit code."""
+               prefix: bool, grace: float, pending: list[int], timeout: Optional[float] = None,
+               notify: Optional[Callable[[int, int], bool]] = None, watch: Any = None,
+               outcome: Optional[list] = None) -> int:
+    """Pump output, forward queued signals, stop everyone on the first failure, at ``timeout``
+    or when ``watch.failure`` (another node) is set; the exit code. ``notify(rank, rc)``
+    publishes the first failure first; ``outcome`` gets a line about a failure here."""
     n = len(procs)
     readers = []
     for p, rank in zip(procs, ranks):
@@ -354,14 +381,27 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
     codes: dict[int, int] = {}
     failure: Optional[tuple[int, int]] = None      # (index, returncode)
     interrupt: Optional[int] = None                # first signal received
+    timed_out: list[int] = []                      # ranks still running at --timeout
     forwarded_to = 0
     stopped = 0
     killed = 0
     deadline: Optional[float] = None
+    job_end = None if timeout is None else time.monotonic() + timeout
+
+    remote: Optional[str] = None                   # another node failed (multi-node)
+
+    def decided() -> bool:   # the first event (signal, failure, timeout) decides the outcome
+        return interrupt is not None or failure is not None or bool(timed_out) or bool(remote)
     while alive:
+        if watch is not None and watch.failure and not decided():
+            remote, stopped = watch.failure, len(alive)
+            watch.announce(remote)
+            for j in alive:
+                _signal_group(procs[j], signal.SIGTERM)
+            deadline = time.monotonic() + grace
         while pending:
             sig = pending.pop(0)
-            if interrupt is None and failure is None:   # the first event decides the outcome
+            if not decided():
                 interrupt = sig
                 forwarded_to = len(alive)
                 if deadline is None:
@@ -375,23 +415,34 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
         else:
             alive.discard(i)
             codes[i] = rc
-            if rc != 0 and failure is None and interrupt is None:
+            # the rank is gone: so are the processes it started (its group)
+            _signal_group(procs[i], signal.SIGTERM if rc == 0 else signal.SIGKILL)
+            if rc != 0 and not decided():
                 failure = (i, rc)
                 stopped = len(alive)
+                if alive and notify is not None and ranks[i] != 0:   # rank 0 took the store
+                    notify(ranks[i], rc)
+                if alive and watch is not None:
+                    watch.announce(f"rank {ranks[i]} {_how(rc)}")
                 for j in alive:
                     _signal_group(procs[j], signal.SIGTERM)
                 deadline = time.monotonic() + grace
+        if job_end is not None and alive and not decided() and time.monotonic() >= job_end:
+            timed_out = sorted(alive)
+            for j in alive:
+                _signal_group(procs[j], signal.SIGTERM)
+            deadline = time.monotonic() + grace
         if deadline is not None and alive and time.monotonic() >= deadline:
             killed = len(alive)
             for j in alive:
                 _signal_group(procs[j], signal.SIGKILL)
             deadline = None
+    for p in procs:     # whatever the outcome, no process a rank started outlives the job
+        _signal_group(p, signal.SIGKILL)
     end = time.monotonic() + 2.0
     for t in readers:   # a grandchild still holding a pipe must not hang the launcher
         t.join(max(0.0, end - time.monotonic()))
 
-    def how(rc: int) -> str:
-        return f"was killed by signal {_signame(-rc)}" if rc < 0 else f"exited with code {rc}"
     if interrupt is not None:
         summary = ", ".join(
             f"rank {ranks[i]} {codes[i] if codes[i] >= 0 else _signame(-codes[i])}"
@@ -401,10 +452,28 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
         if killed:
             msg += f", killed {killed} still running after {grace:g} s"
         err.line(f"{msg} (exit: {summary})")
+        if outcome is not None:
+            outcome.append(f"its launcher received {_signame(interrupt)}")
         return 128 + int(interrupt)
+    if timed_out:
+        names = ", ".join(str(ranks[i]) for i in timed_out)
+        many = len(timed_out) != 1
+        msg = (f"ncclpy run: --timeout {timeout:g} s passed with rank{'s' if many else ''} "
+               f"{names} still running; stopped {'them' if many else 'it'}")
+        if killed:
+            msg += f" ({killed} with SIGKILL after {grace:g} s)"
+        err.line(f"{msg}; exit code {EXIT_TIMEOUT}")
+        return EXIT_TIMEOUT
+    if remote:
+        err.line(f"ncclpy run: {remote}; stopped this node's {stopped} running rank"
+                 f"{'s' if stopped != 1 else ''}" + (f" ({killed} with SIGKILL after {grace:g} s)"
+                                                    if killed else "") + "; exit code 1")
+        return 1
     if failure is not None:
         i, rc = failure
-        msg = f"ncclpy run: rank {ranks[i]} {how(rc)}; "
+        if outcome is not None:
+            outcome.append(f"rank {ranks[i]} {_how(rc)}")
+        msg = f"ncclpy run: rank {ranks[i]} {_how(rc)}; "
         if stopped:
             msg += f"stopped the other {stopped} rank{'s' if stopped != 1 else ''}"
             if killed:
@@ -418,8 +487,8 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``ncclpy run``'s options to ``p`` (torchrun's names where the concept is the same)."""
-    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int,
-                   required=True, metavar="N", help="ranks to start on this node")
+    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", "--nprocs", dest="nproc",
+                   type=int, required=True, metavar="N", help="ranks to start on this node")
     p.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes (default 1)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
                    metavar="K", help="this node's index, 0..M-1 (default 0)")
@@ -441,20 +510,52 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
                    help=f"seconds between SIGTERM and SIGKILL when stopping ranks "
                         f"(default {DEFAULT_GRACE:g})")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"stop the job when ranks are still running SECONDS after the start; "
+                        f"the summary names them; exit code {EXIT_TIMEOUT} (default: no limit)")
+    p.add_argument("--checked", action="store_true",
+                   help="checked mode in every rank (sets NCCLPY_CHECKED=1)")
     p.add_argument("-m", "--module", action="store_true",
                    help="PROGRAM is a Python module, run as 'python -m PROGRAM'")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="PROGRAM [ARGS...]",
                    help="the program (a *.py script runs with this Python) and its arguments")
+    p.epilog = (f"exit codes: 0 every rank succeeded; a failed rank's code (128+N for signal N); "
+                f"{EXIT_TIMEOUT} --timeout passed; 128+N when the launcher got signal N (SIGINT: "
+                f"130); {EXIT_USAGE} a usage error")
+
+
+def _typed(parser: Optional[argparse.ArgumentParser], key: str) -> str:
+    """The flag of ``launch()`` keyword ``key`` as the user typed it (else its usual spelling)."""
+    spelled = _FLAGS.get(key, key)
+    argv = getattr(parser, "_argv", None)
+    if not argv or not spelled.startswith("-"):
+        return spelled
+    from ..cli_util import typed_flag
+    names = {"nproc": ["-n", "--nproc-per-node", "--nproc_per_node", "--nprocs"],
+             "node_rank": ["--node-rank", "--node_rank"],
+             "master_addr": ["--master-addr", "--master_addr"],
+             "master_port": ["--master-port", "--master_port"],
+             "ranks_per_gpu": ["--ranks-per-gpu", "--ranks_per_gpu"]}.get(key, [spelled])
+    argv = list(argv)
+    if "run" in argv:
+        argv = argv[argv.index("run") + 1:]
+    return typed_flag(names, argv) if any(
+        a.split("=", 1)[0] in names or a.startswith(tuple(n for n in names if len(n) == 2))
+        for a in argv) else spelled
 
 
 def run_from_args(ns: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> int:
-    """Run ``ncclpy run`` from parsed arguments; usage errors exit 2 with a message."""
+    """Run ``ncclpy run`` from parsed arguments; usage errors exit 2 with one line naming the
+    flag as typed."""
+    flags = {k: _typed(parser, k) for k in _FLAGS}
     try:
         command = build_command(ns.program, ns.module)
         return launch(command, ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
                       master_addr=ns.master_addr, master_port=ns.master_port,
                       ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace,
-                      mps=getattr(ns, "mps", None))
+                      mps=getattr(ns, "mps", None), timeout=getattr(ns, "timeout", None),
+                      checked=bool(getattr(ns, "checked", False)), _flags=flags)
     except (ArgumentError, LaunchError) as e:
-        sys.stderr.write(f"ncclpy run: error: {e}\n")  # CLI usage error, as argparse does
-        return 2
+        text = " ".join(str(e).split())   # one line, as argparse's own errors
+        sys.stderr.write(f"ncclpy run: error: {text}\n")
+        return EXIT_USAGE

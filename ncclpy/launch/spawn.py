@@ -7,8 +7,15 @@ raises, exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKI
 :class:`~ncclpy.errors.ProcessRaisedException` with the child's rank and traceback text.
 Only strings cross the pipe back; nothing is unpickled from a child's exception.
 
+Each child runs in a session (and process group) of its own, as ``ncclpy run``'s ranks do, and
+every stop signal goes to the whole group: a subprocess a rank started ends with it on
+fail-fast, on ``timeout`` and on Ctrl-C (SIGTERM to each rank's group, also a rank that already
+exited; SIGKILL to every group after :data:`TERM_GRACE_S`, or at once when the ranks are gone).
+A terminal's Ctrl-C therefore reaches the parent alone: while it starts or joins the children
+(main thread, default handlers) the parent stops them before the signal takes its usual effect;
+outside that (``join=False`` before :meth:`SpawnContext.join`) call :meth:`SpawnContext.stop`.
 The children die with the parent (SIGTERM through ``PR_SET_PDEATHSIG`` on Linux, even when the
-parent is SIGKILLed); SIGINT/SIGTERM reaching the parent stop them before taking effect.  GPU
+parent is SIGKILLed; what a child started is then left to the child).  GPU
 placement is ``ncclpy run``'s (:mod:`ncclpy.launch.placement`, ``ranks_per_gpu`` included), and
 when ranks share a GPU the same one-line mode statement goes to stderr, CUDA MPS included
 (``mps=``, as ``ncclpy run --mps``; :mod:`ncclpy.launch.mps`): a daemon started for the children
@@ -45,8 +52,13 @@ TERM_GRACE_S = 3.0
 
 def _trampoline(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: Mapping[str, str],
                 conn: Any, parent_pid: Optional[int] = None, unset: Sequence[str] = ()) -> None:
-    """Child entry point: die with the parent (SIGTERM, Linux), set the rank's environment
-    (removing the names in ``unset``), run ``fn``, send back a traceback on error."""
+    """Child entry point: lead a session of its own (so the parent can signal the rank and
+    whatever it starts as one group), die with the parent (SIGTERM, Linux), set the rank's
+    environment (removing the names in ``unset``), run ``fn``, send back a traceback on error."""
+    try:
+        os.setsid()
+    except (OSError, AttributeError):   # already a group leader, or not POSIX: signalled alone
+        pass
     for sig, default in ((signal.SIGINT, signal.default_int_handler),
                          (signal.SIGTERM, signal.SIG_DFL)):
         if getattr(signal.getsignal(sig), "_ncclpy_spawn", False):  # inherited through fork
@@ -58,7 +70,8 @@ def _trampoline(fn: Callable[..., Any], rank: int, args: Sequence[Any], env: Map
     try:
         fn(rank, *args)
     except KeyboardInterrupt:
-        # Ctrl-C reaches the whole process group; the parent reports it, the children stay quiet
+        # a SIGINT sent to the rank (its own session: a terminal's Ctrl-C goes to the parent,
+        # which stops the ranks): the parent reports it, the children stay quiet
         sys.exit(128 + signal.SIGINT)
     except Exception:
         try:
@@ -201,17 +214,32 @@ class SpawnContext:
         finally:
             conn.close()
 
+    @staticmethod
+    def _signal(p: Any, sig: int) -> None:
+        """Send ``sig`` to the rank's process group (the rank and the processes it started, also
+        once the rank itself has exited), else (no such group yet) to the rank alone."""
+        if p.pid is None:
+            return
+        try:
+            os.killpg(p.pid, sig)
+            return
+        except (ProcessLookupError, PermissionError, AttributeError):
+            pass
+        if p.exitcode is None:
+            try:
+                os.kill(p.pid, sig)
+            except OSError:
+                pass
+
     def stop(self, grace: Optional[float] = None) -> None:
-        """SIGTERM every live child, SIGKILL those still alive after ``grace`` seconds
-        (default :data:`TERM_GRACE_S`)."""
+        """SIGTERM every child's process group (a child that already exited included: what it
+        started goes too), then SIGKILL every group once the children are gone or ``grace``
+        seconds (default :data:`TERM_GRACE_S`) have passed."""
         if grace is None:
             grace = TERM_GRACE_S
         alive = [p for p in self.processes if p.is_alive()]
-        for p in alive:
-            try:
-                p.terminate()
-            except (OSError, ValueError):
-                pass
+        for p in self.processes:
+            self._signal(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while alive and time.monotonic() < deadline:
             multiprocessing.connection.wait([p.sentinel for p in alive],
@@ -219,10 +247,8 @@ class SpawnContext:
             alive = [p for p in alive if p.is_alive()]
         for p in alive:
             log.debug("spawn: pid %s ignored SIGTERM for %.1f s; sending SIGKILL", p.pid, grace)
-            try:
-                p.kill()
-            except (OSError, ValueError):
-                pass
+        for p in self.processes:   # stubborn ranks, and whatever their groups still hold
+            self._signal(p, signal.SIGKILL)
         for p in self.processes:
             p.join(timeout=5.0)
         for rank in list(self._conns):
@@ -298,15 +324,20 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
           timeout: Optional[float] = None, master_addr: str = "127.0.0.1",
           master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
           start_method: str = "spawn", ranks_per_gpu: Optional[int] = None,
-          mps: Optional[str] = None) -> Optional[SpawnContext]:
+          mps: Optional[str] = None, checked: Optional[bool] = None) -> Optional[SpawnContext]:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes of one node with the rendezvous env set.
 
-    ``master_port`` None picks a free port; ``env`` adds variables for every child (the
+    ``master_port`` None picks two free ports, ncclpy's store on the first and torch's
+    ``MASTER_PORT`` on the second (not necessarily P+1); a given P uses P and P+1.  ``env`` adds
+    variables for every child (the
     rendezvous variables always win).  ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R
     ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
     chosen is stated in one line on stderr.  ``mps`` is ``ncclpy run --mps`` (``"auto"``,
     ``"on"``, ``"off"``; None: ``NCCLPY_MPS``, else ``"auto"``): a CUDA MPS daemon for children
-    sharing a GPU, stopped when they have all ended.  ``join=False`` returns a
+    sharing a GPU, stopped when they have all ended.  ``checked`` is ``ncclpy run --checked``:
+    True sets ``NCCLPY_CHECKED=1`` in every child (False: ``0``; None: inherited).  ``timeout``
+    is ``ncclpy run --timeout``: children still running after it are stopped and named in the
+    :class:`LaunchError`.  ``join=False`` returns a
     :class:`SpawnContext`; with ``join=True`` this returns None when every child exited 0 and
     raises otherwise (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for
     a non-zero exit, a signal, or ``timeout`` seconds passing; the other children are stopped in
@@ -335,7 +366,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
         raise ArgumentError(f"start_method: expected one of {methods}, "
                             f"got {start_method!r}") from e
 
+    if checked is not None and not isinstance(checked, bool):
+        raise ArgumentTypeError(f"checked: expected None, True or False, got "
+                                f"{type(checked).__name__} {checked!r}")
     user_env = {str(k): str(v) for k, v in (env or {}).items()}
+    if checked is not None:
+        user_env["NCCLPY_CHECKED"] = "1" if checked else "0"
     child_env = {**os.environ, **user_env}
     mps_mode = resolve_mode(mps, child_env, name="mps")
     if master_port is None:

@@ -83,22 +83,15 @@ class Wire:
     logical: Logical
     dtype: DType
 
-    @property
-    def factor(self) -> int:
-        return self.logical.factor
-
-    @property
-    def nccl(self) -> int:
-        return self.dtype.nccl
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per logical element."""
-        return self.logical.itemsize
+    def __post_init__(self) -> None:
+        # plain attributes, not properties: a Wire is memoised and read by every cold call
+        object.__setattr__(self, "factor", self.logical.factor)   # NCCL elements per element
+        object.__setattr__(self, "nccl", self.dtype.nccl)         # the ncclDataType_t
+        object.__setattr__(self, "itemsize", self.logical.itemsize)  # bytes per element
 
     def count(self, elements: int) -> int:
         """NCCL count for ``elements`` logical elements."""
-        return elements * self.logical.factor
+        return elements * self.factor
 
 
 #: (logical dtype, NCCL version) -> Wire; and (type(op), op, dtype, version) -> reduction.
@@ -262,8 +255,9 @@ def make_plan(coll: str, steps: Sequence[Step], *, group: bool = False, premul=N
 
 def one_call(coll: str, call: NcclCall, nbytes: int, meta: dict, premul=None,
              path: str = "native") -> Plan:
-    """The Plan of exactly one NCCL call (most calls): ``make_plan`` without its generality,
-    taking ``meta`` as a dict (keyword packing is a measurable share of a cold call)."""
+    """The Plan of exactly one NCCL call: ``make_plan`` without its generality, taking
+    ``meta`` as a dict (the planners use :func:`~ncclpy.plan.types.one_call_plan`, which also
+    builds the call)."""
     return Plan(coll, (call,), False, premul, 0, path, nbytes, meta)
 
 

@@ -43,10 +43,9 @@ from .checks import (adjacent, buf_list, check_ctx, disjoint_outputs, divisible,
                      overlaps, rank_arg, reduction, region, same_dtype, sub, wire)
 from .checks import is_list as _is_list
 from .checks import make_plan as _mk
-from .checks import one_call
 from .checks import same_list as _same_list
 from .rooted import plan_all_to_all, plan_gather, plan_scatter
-from .types import Copy, NcclCall, Plan, PlanContext, Scratch, Step
+from .types import Copy, NcclCall, Plan, PlanContext, Scratch, Step, one_call_plan
 
 __all__ = ["plan_all_reduce", "plan_reduce", "plan_broadcast", "plan_all_gather",
            "plan_reduce_scatter", "plan_all_to_all", "plan_gather", "plan_scatter",
@@ -84,8 +83,8 @@ def plan_all_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None,
     nb = s.count * w.itemsize   # == r's: same dtype and count
     inplace = r is s or _in_place_or_disjoint(C, "sendbuf", s.ptr, nb, "recvbuf", r.ptr, nb,
                                               s.ptr, "recvbuff == sendbuff")
-    call = NcclCall("AllReduce", (s.ptr, r.ptr, w.count(s.count), w.nccl, opv))
-    return one_call(C, call, nb, {"in_place": inplace, "op": o, "dtype": s.dtype}, pre)
+    return one_call_plan(C, "AllReduce", (s.ptr, r.ptr, w.count(s.count), w.nccl, opv), nb,
+                         {"in_place": inplace, "op": o, "dtype": s.dtype}, pre)
 
 
 def plan_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any = 0,
@@ -105,9 +104,9 @@ def plan_reduce(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any =
     if is_root:
         inplace = _in_place_or_disjoint(C, "sendbuf", s.ptr, s.nbytes, "recvbuf", r.ptr,
                                         r.nbytes, s.ptr, "recvbuff == sendbuff")
-    call = NcclCall("Reduce", (s.ptr, r.ptr, w.count(s.count), w.nccl, opv, root))
-    return one_call(C, call, s.nbytes, {"in_place": inplace, "op": o, "dtype": s.dtype,
-                                        "root": root}, pre)
+    return one_call_plan(C, "Reduce", (s.ptr, r.ptr, w.count(s.count), w.nccl, opv, root),
+                         s.nbytes, {"in_place": inplace, "op": o, "dtype": s.dtype,
+                                    "root": root}, pre)
 
 
 def plan_broadcast(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: Any = 0) -> Plan:
@@ -127,8 +126,8 @@ def plan_broadcast(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None, root: An
     w = wire(ctx, C, s.dtype)
     inplace = _in_place_or_disjoint(C, "sendbuf", s.ptr, s.nbytes, "recvbuf", r.ptr, r.nbytes,
                                     s.ptr, "recvbuff == sendbuff")
-    call = NcclCall("Broadcast", (s.ptr, r.ptr, w.count(s.count), w.nccl, root))
-    return one_call(C, call, s.nbytes, {"in_place": inplace, "dtype": s.dtype, "root": root})
+    return one_call_plan(C, "Broadcast", (s.ptr, r.ptr, w.count(s.count), w.nccl, root),
+                         s.nbytes, {"in_place": inplace, "dtype": s.dtype, "root": root})
 
 
 # -- all_gather / reduce_scatter ----------------------------------------------------------------
@@ -170,8 +169,8 @@ def plan_all_gather(ctx: PlanContext, sendbuf: Any, recvbuf: Any) -> Plan:
     w = wire(ctx, C, s.dtype)
     inplace = _in_place_or_disjoint(C, "recvbuf", r.ptr, r.nbytes, "sendbuf", s.ptr, s.nbytes,
                                     r.offset(me * s.count), "sendbuff == recvbuff + rank*count")
-    call = NcclCall("AllGather", (s.ptr, r.ptr, w.count(s.count), w.nccl))
-    return one_call(C, call, r.nbytes, {"in_place": inplace, "dtype": s.dtype})
+    return one_call_plan(C, "AllGather", (s.ptr, r.ptr, w.count(s.count), w.nccl), r.nbytes,
+                         {"in_place": inplace, "dtype": s.dtype})
 
 
 def plan_reduce_scatter(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None,
@@ -219,8 +218,8 @@ def plan_reduce_scatter(ctx: PlanContext, sendbuf: Any, recvbuf: Any = None,
     inplace = _in_place_or_disjoint(C, "sendbuf", s.ptr, s.nbytes, "recvbuf", r.ptr, r.nbytes,
                                     s.offset(me * r.count),
                                     "recvbuff == sendbuff + rank*recvcount")
-    call = NcclCall("ReduceScatter", (s.ptr, r.ptr, w.count(r.count), w.nccl, opv))
-    return one_call(C, call, s.nbytes, {"in_place": inplace, "op": o, "dtype": s.dtype}, pre)
+    return one_call_plan(C, "ReduceScatter", (s.ptr, r.ptr, w.count(r.count), w.nccl, opv),
+                         s.nbytes, {"in_place": inplace, "op": o, "dtype": s.dtype}, pre)
 
 
 # -- point to point ----------------------------------------------------------------------------
@@ -232,8 +231,8 @@ def plan_send(ctx: PlanContext, buf: Any, peer: Any) -> Plan:
     peer = rank_arg(ctx, C, "peer", peer)
     _no_self(ctx, C, peer)
     w = wire(ctx, C, b.dtype)
-    return one_call(C, NcclCall("Send", (b.ptr, w.count(b.count), w.nccl, peer)), b.nbytes,
-                    {"dtype": b.dtype, "peer": peer}, path="p2p")
+    return one_call_plan(C, "Send", (b.ptr, w.count(b.count), w.nccl, peer), b.nbytes,
+                         {"dtype": b.dtype, "peer": peer}, path="p2p")
 
 
 def plan_recv(ctx: PlanContext, buf: Any, peer: Any) -> Plan:
@@ -244,8 +243,8 @@ def plan_recv(ctx: PlanContext, buf: Any, peer: Any) -> Plan:
     peer = rank_arg(ctx, C, "peer", peer)
     _no_self(ctx, C, peer)
     w = wire(ctx, C, b.dtype)
-    return one_call(C, NcclCall("Recv", (b.ptr, w.count(b.count), w.nccl, peer)), b.nbytes,
-                    {"dtype": b.dtype, "peer": peer}, path="p2p")
+    return one_call_plan(C, "Recv", (b.ptr, w.count(b.count), w.nccl, peer), b.nbytes,
+                         {"dtype": b.dtype, "peer": peer}, path="p2p")
 
 
 def _no_self(ctx: PlanContext, coll: str, peer: int) -> None:
@@ -288,8 +287,8 @@ def plan_barrier(ctx: PlanContext, buf: Any) -> Plan:
         raise ArgumentError(f"{C}: the barrier buffer has {b.count} elements; expected >= 1")
     w = wire(ctx, C, b.dtype)
     opv, _, o = reduction(ctx, C, "sum", w)
-    call = NcclCall("AllReduce", (b.ptr, b.ptr, w.count(1), w.nccl, opv))
-    return one_call(C, call, 0, {"in_place": True, "op": o, "dtype": b.dtype})
+    return one_call_plan(C, "AllReduce", (b.ptr, b.ptr, w.count(1), w.nccl, opv), 0,
+                         {"in_place": True, "op": o, "dtype": b.dtype})
 
 
 def plan_call(name: str, ctx: PlanContext, *args: Any, **kw: Any) -> Plan:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
 __all__ = ["NcclCall", "Copy", "Scratch", "PremulSpec", "PREMUL_OP", "Plan", "PlanContext",
-           "Step", "NCCL_FUNCTIONS"]
+           "Step", "NCCL_FUNCTIONS", "nccl_call", "one_call_plan"]
 
 #: NCCL functions a plan may name (without the ``nccl`` prefix) and their arguments.
 NCCL_FUNCTIONS = {
@@ -53,6 +53,7 @@ PREMUL_OP = _PremulOp()
 
 
 _set = object.__setattr__
+_new = object.__new__
 
 
 @dataclass(frozen=True, init=False)
@@ -63,16 +64,26 @@ class NcclCall:
     args: Tuple
 
     def __init__(self, fn: str, args: Tuple) -> None:
-        want = NCCL_FUNCTIONS.get(fn)
-        if want is None:
-            raise ValueError(f"unknown NCCL function {fn!r}")
-        if len(args) != len(want):
-            raise ValueError(f"nccl{fn} takes {len(want)} args {want}, got {args!r}")
-        _set(self, "__dict__", {"fn": fn, "args": args})   # frozen: one setattr, not two
+        _set(self, "__dict__", nccl_call(fn, args).__dict__)   # the checks live in nccl_call
 
     def arg(self, name: str):
         """Argument by its NCCL parameter name."""
         return self.args[NCCL_FUNCTIONS[self.fn].index(name)]
+
+
+def nccl_call(fn: str, args: Tuple) -> NcclCall:
+    """``NcclCall(fn, args)``: ``fn`` must be an NCCL function of :data:`NCCL_FUNCTIONS` and
+    ``args`` its arguments.  Built without calling the class (on Python 3.11 a class call with
+    a Python ``__init__`` costs ~150 ns, and every cold call builds one); frozen: the fields go
+    in with one ``object.__setattr__``."""
+    want = NCCL_FUNCTIONS.get(fn)
+    if want is None:
+        raise ValueError(f"unknown NCCL function {fn!r}")
+    if len(args) != len(want):
+        raise ValueError(f"nccl{fn} takes {len(want)} args {want}, got {args!r}")
+    c = _new(NcclCall)
+    _set(c, "__dict__", {"fn": fn, "args": args})
+    return c
 
 
 @dataclass(frozen=True)
@@ -148,3 +159,14 @@ class Plan:
     @property
     def calls(self) -> Tuple[NcclCall, ...]:
         return tuple(s for s in self.steps if isinstance(s, NcclCall))
+
+
+def one_call_plan(coll: str, fn: str, args: Tuple, nbytes: int, meta: dict,
+                  premul: Optional[PremulSpec] = None, path: str = "native") -> Plan:
+    """The Plan of exactly one NCCL call ``nccl_call(fn, args)`` (most calls), built like
+    :func:`nccl_call` without calling the classes (a cold call plans once)."""
+    p = _new(Plan)
+    _set(p, "__dict__", {"collective": coll, "steps": (nccl_call(fn, args),), "group": False,
+                         "premul": premul, "scratch_bytes": 0, "path": path, "nbytes": nbytes,
+                         "meta": meta})
+    return p

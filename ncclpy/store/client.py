@@ -1,4 +1,5 @@
-"""The store client: one persistent connection, every call bounded by a timeout.
+"""The store client: one persistent connection (plus spares for concurrent threads), every call
+bounded by a timeout.
 
 Duck-compatible with ``torch.distributed.TCPStore`` for the methods ncclpy relies on (``set``,
 ``get``, ``add``, ``compare_set``, ``wait``, ``num_keys``, ``check``, ``delete_key``), so either
@@ -21,6 +22,14 @@ from .transport import (_INF, Connection, Key, Seconds, Value, _key, _seconds,
 __all__ = ["TCPStore"]
 
 _U32 = P.U32.pack
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _check_amount(amount: int) -> None:
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise ArgumentTypeError(f"amount: expected int, got {type(amount).__name__}")
+    if not _I64_MIN <= amount <= _I64_MAX:
+        raise ArgumentError(f"amount: expected a 64-bit signed int, got {amount}")
 
 
 class TCPStore(Connection):
@@ -31,7 +40,9 @@ class TCPStore(Connection):
     backoff so ranks may start before the server. ``token`` (or ``$NCCLPY_STORE_TOKEN``) is proven
     by challenge-response, never sent. ``limits`` (a :class:`StoreLimits` or a dict of its
     fields; default: ``$NCCLPY_STORE_*``, see :mod:`ncclpy.store.limits`) configures the server
-    that ``is_server=True`` starts. One object may be shared by threads: calls serialise.
+    that ``is_server=True`` starts. One object may be shared by threads: a call made while
+    another thread's call is in flight (a parked ``get``, say) goes over a spare connection of
+    its own, so threads never wait behind each other; spares are made on first need and reused.
     """
 
     def __init__(self, host: str, port: int, *, token=None, timeout: Seconds = 300.0,
@@ -83,14 +94,27 @@ class TCPStore(Connection):
         return self._call(Op.GET, _U32(P.timeout_ms(t)), k, t, k, "get")
 
     def add(self, key: Key, amount: int = 1) -> int:
-        """Atomically add ``amount`` to the counter ``key`` (missing counts as 0); new value."""
+        """Atomically add ``amount`` to the counter ``key`` (missing counts as 0); new value.
+
+        Counters are signed 64-bit integers, as in torch's TCPStore: a sum outside
+        [-2**63, 2**63 - 1] is refused (:class:`StoreRequestError` naming the key, the current
+        value and the increment) and the counter keeps its value; it never wraps."""
         k = key.encode("utf-8") if type(key) is str else _key(key)
-        if isinstance(amount, bool) or not isinstance(amount, int):
-            raise ArgumentTypeError(f"amount: expected int, got {type(amount).__name__}")
-        if not -(1 << 63) <= amount < (1 << 63):
-            raise ArgumentError(f"amount: expected a 64-bit signed int, got {amount}")
+        _check_amount(amount)
         self._check_key(k, "add")
-        return int(self._call(Op.ADD, P.I64.pack(amount), k, None, k, "add"))
+        return self._counter_reply(self._call(Op.ADD, P.I64.pack(amount), k, None, k, "add"),
+                                   k, amount)
+
+    def _counter_reply(self, reply: bytes, k: bytes, amount: int) -> int:
+        """The new value an ADD reply carries, refused past int64 (an older server that does
+        not check the range itself has already stored it)."""
+        n = int(reply)
+        if not _I64_MIN <= n <= _I64_MAX:
+            raise StoreRequestError(f"add: the store at {self._addr} returned {n} for the "
+                                    f"counter {_show([k])} after adding {amount}: outside the "
+                                    f"64-bit signed range of a counter (a server without the "
+                                    f"overflow check?)")
+        return n
 
     def compare_set(self, key: Key, expected: Value, desired: Value) -> bytes:
         """torch's semantics: set ``desired`` if the value equals ``expected`` (a missing key
@@ -169,6 +193,7 @@ class TCPStore(Connection):
 
     def _req_add(self, key: Key, amount: int) -> tuple:
         k = _key(key)
+        _check_amount(amount)
         self._check_key(k, "add")
         return (Op.ADD, P.I64.pack(amount) + k, None, k, "add")
 
@@ -207,6 +232,7 @@ class TCPStore(Connection):
             except OSError:
                 pass
             sock.close()
+        self._close_spares()
         if self.server is not None:
             self.server.close()
 

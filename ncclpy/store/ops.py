@@ -13,6 +13,7 @@ import time
 from typing import Dict, List, Optional, Set, Tuple
 
 from . import protocol as P
+from .loglimit import LogLimiter
 from .protocol import Op, Status
 
 __all__ = ["StoreOps", "Conn", "Waiter"]
@@ -26,6 +27,7 @@ _REP = P.REP_HEADER.pack
 _U32_FROM = P.U32.unpack_from
 _U32X2_FROM = P.U32X2.unpack_from
 _I64_FROM = P.I64.unpack_from
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1   # a counter's range, as in torch's store
 
 
 class Conn:
@@ -78,6 +80,7 @@ class StoreOps:
     max_value_size: int
     max_keys_per_request: int
     _token: Optional[bytes]
+    _logs: LogLimiter   # rate-limited warnings about bad clients (made by the server)
 
     def _init_ops(self) -> None:
         self._data: Dict[bytes, bytes] = {}
@@ -120,20 +123,22 @@ class StoreOps:
                     close=status in (Status.ERR_AUTH, Status.ERR_PROTOCOL))
 
     def _protocol_error(self, conn: Conn, msg: str) -> None:
-        log.warning("store server: protocol error from %s: %s; closing the connection",
-                    conn.peer, msg)
+        self._logs.warn(log, "protocol error", conn.peer, "store server: protocol error from "
+                        "%s: %s; closing the connection", conn.peer, msg)
         self._error(conn, Status.ERR_PROTOCOL, msg)
 
     def _oversized(self, conn: Conn, op: int, n: int, limit: int) -> None:
-        log.warning("store server: %s request from %s announces %d bytes, limit %d; closing",
-                    P.OP_NAMES[op], conn.peer, n, limit)
+        self._logs.warn(log, "oversized request", conn.peer, "store server: %s request from "
+                        "%s announces %d bytes, limit %d; closing", P.OP_NAMES[op], conn.peer,
+                        n, limit)
         self._error(conn, Status.ERR_PROTOCOL,
                     f"{P.OP_NAMES[op]} request of {n} bytes exceeds the limit of {limit} bytes "
                     f"(max_key_size={self.max_key_size}, max_value_size={self.max_value_size})")
 
     def _unauthenticated(self, conn: Conn, op: int) -> None:
-        log.warning("store server: client %s sent %s before authenticating (missing token?); "
-                    "closing it", conn.peer, P.OP_NAMES[op])
+        self._logs.warn(log, "unauthenticated request", conn.peer, "store server: client %s "
+                        "sent %s before authenticating (missing token?); closing it", conn.peer,
+                        P.OP_NAMES[op])
         self._error(conn, Status.ERR_AUTH, "this store requires a token: authenticate first "
                     "(set token= or $NCCLPY_STORE_TOKEN)")
 
@@ -170,8 +175,9 @@ class StoreOps:
             self._error(conn, Status.ERR_REQUEST, f"key is {e.args[0]} bytes; the limit is "
                         f"max_key_size={self.max_key_size} bytes")
         except P.KeyCountError:
-            log.warning("store server: %s request from %s lists more than %d keys; refused",
-                        P.OP_NAMES[op], conn.peer, self.max_keys_per_request)
+            self._logs.warn(log, "too many keys", conn.peer, "store server: %s request from %s "
+                            "lists more than %d keys; refused", P.OP_NAMES[op], conn.peer,
+                            self.max_keys_per_request)
             self._error(conn, Status.ERR_REQUEST, f"{P.OP_NAMES[op]} lists more than "
                         f"max_keys_per_request={self.max_keys_per_request} keys")
         return None
@@ -263,8 +269,8 @@ class StoreOps:
     # ------------------------------------------------------------------ handlers
     def _op_auth(self, conn: Conn, body: bytes) -> None:
         if self._token is None:
-            log.warning("store server: client %s sent a token, but this store has none "
-                        "configured; rejecting it", conn.peer)
+            self._logs.warn(log, "auth failure", conn.peer, "store server: client %s sent a "
+                            "token, but this store has none configured; rejecting it", conn.peer)
             self._error(conn, Status.ERR_AUTH, "the client has a token but this store was "
                         "started without one (mismatched NCCLPY_STORE_TOKEN?)")
             return
@@ -272,7 +278,8 @@ class StoreOps:
             self._protocol_error(conn, "already authenticated")
             return
         if not body:
-            log.warning("store server: client %s has no token; rejecting it", conn.peer)
+            self._logs.warn(log, "auth failure", conn.peer, "store server: client %s has no "
+                            "token; rejecting it", conn.peer)
             self._error(conn, Status.ERR_AUTH, "this store requires a token and the client "
                         "gave none (set token= or $NCCLPY_STORE_TOKEN)")
             return
@@ -283,8 +290,8 @@ class StoreOps:
         mac, cnonce = body[:32], body[32:]
         expected = hmac.new(self._token, conn.nonce, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, expected):
-            log.warning("store server: client %s presented a wrong token; rejecting it",
-                        conn.peer)
+            self._logs.warn(log, "auth failure", conn.peer, "store server: client %s presented "
+                            "a wrong token; rejecting it", conn.peer)
             self._error(conn, Status.ERR_AUTH, "wrong token (the client's NCCLPY_STORE_TOKEN "
                         "does not match the store's)")
             return
@@ -317,19 +324,38 @@ class StoreOps:
         else:
             self._park(conn, Op.GET, [key], {key}, tmo)
 
-    def _counter(self, conn: Conn, op: str, key: bytes) -> Optional[int]:
-        """The counter ``key`` (missing: 0), or None after an error reply (not an integer)."""
+    def _counter(self, conn: Conn, op: str, key: bytes, amount: int) -> Optional[int]:
+        """The counter ``key`` (missing: 0) plus ``amount``; None after an
+        error reply: the value is not a 64-bit integer, or the sum would leave int64.
+
+        Counters are signed 64-bit, as torch's TCPStore has them (its ``add`` sums two
+        ``int64_t``: an overflow there is undefined behaviour, not a documented wrap), so a sum
+        past the range is refused with the key, the current value and the increment, and the
+        stored value stays as it was."""
         old = self._data.get(key)
         if old is None:
-            return 0
-        if old.isdigit():   # the common case, without int()'s error path
-            return int(old)
-        try:
-            return int(old)
-        except ValueError:
-            self._error(conn, Status.ERR_REQUEST, f"{op}: the value of key {key[:64]!r} is not "
-                        f"a decimal integer ({old[:32]!r})")
+            cur = 0
+        elif old.isdigit() and len(old) < 19:   # the common case, without the checks below
+            cur = int(old)
+        else:
+            try:
+                cur = int(old)
+            except ValueError:
+                cur = None
+            if cur is None or not _I64_MIN <= cur <= _I64_MAX:
+                what = ("not a decimal integer" if cur is None else
+                        "a decimal integer outside the 64-bit signed range of a counter")
+                self._error(conn, Status.ERR_REQUEST, f"{op}: the value of key {key[:64]!r} is "
+                            f"{what} ({old[:32]!r}{'...' if len(old) > 32 else ''})")
+                return None
+        new = cur + amount
+        if not _I64_MIN <= new <= _I64_MAX:
+            self._error(conn, Status.ERR_REQUEST, f"{op}: the counter {key[:64]!r} would "
+                        f"overflow a 64-bit signed integer: current value {cur} + increment "
+                        f"{amount} = {new} is outside [{_I64_MIN}, {_I64_MAX}]; the value is "
+                        f"unchanged")
             return None
+        return new
 
     def _op_add(self, conn: Conn, body: bytes) -> None:
         if len(body) < 8:
@@ -338,10 +364,10 @@ class StoreOps:
         key = body[8:]
         if not self._key_ok(conn, key):
             return
-        cur = self._counter(conn, "add", key)
-        if cur is None:
+        n = self._counter(conn, "add", key, amount)
+        if n is None:
             return
-        new = b"%d" % (cur + amount)
+        new = b"%d" % n
         self._data[key] = new
         self._reply(conn, Status.OK, new)
         self._wake(key)
@@ -357,10 +383,9 @@ class StoreOps:
         if group == 0:
             self._error(conn, Status.ERR_REQUEST, "arrive: group must be at least 1, got 0")
             return
-        cur = self._counter(conn, "arrive", key)
-        if cur is None:
+        n = self._counter(conn, "arrive", key, 1)
+        if n is None:
             return
-        n = cur + 1
         new = b"%d" % n
         self._data[key] = new
         target = -(-n // group) * group   # the next multiple of group at or above n

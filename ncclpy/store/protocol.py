@@ -39,7 +39,8 @@ consecutive arrivals is complete. It is a whole barrier generation in one round 
 
 ``timeout_ms == 0xFFFFFFFF`` waits forever. Reply bodies on ``OK``: GET/CAS -> value, ADD and
 ARRIVE -> the new value (ARRIVE: this arrival's number) as decimal ASCII, DELETE/CHECK -> one
-byte 0/1, NUM_KEYS -> u64, others empty. On
+byte 0/1, NUM_KEYS -> u64, others empty. Counters are signed 64-bit (torch's are ``int64_t``):
+an ADD or ARRIVE whose sum leaves that range gets ``ERR_REQUEST`` and changes nothing. On
 ``TIMEOUT`` the body lists the keys still missing (``str32`` each); on ``ERR_*`` it is a UTF-8
 message. After ``ERR_PROTOCOL`` and ``ERR_AUTH`` the server closes the connection.
 """

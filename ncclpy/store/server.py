@@ -26,6 +26,7 @@ from typing import Dict, Optional, Tuple, Union
 from ..errors import ArgumentError, StoreConnectionError
 from . import protocol as P
 from .limits import StoreLimits
+from .loglimit import LogLimiter
 from .connio import NONBLOCKING_FLAGS, PAUSE_OUTPUT, ConnIO
 from .ops import Conn
 from .poller import ERRS as _ERRS, READ as _READ, WRITE as _WRITE, Poller, raise_nofile_limit
@@ -38,7 +39,7 @@ TOKEN_ENV = "NCCLPY_STORE_TOKEN"
 _ACCEPT_BACKOFF = 0.1       # seconds the listener rests after accept() ran out of descriptors
 _MAX_LOOP_ERRORS = 100      # consecutive loop-level failures before the server gives up
 # timer kinds (the heap holds (deadline, seq, kind, obj))
-_T_WAITER, _T_AUTH, _T_FRAME, _T_ACCEPT = range(4)
+_T_WAITER, _T_AUTH, _T_FRAME, _T_ACCEPT, _T_LOG = range(5)
 
 
 def resolve_token(token) -> Optional[bytes]:
@@ -63,7 +64,16 @@ class StoreServer(ConnIO):
     multi-node runs. Limits (:class:`~ncclpy.store.limits.StoreLimits`): ``limits`` and/or the
     keyword arguments named after its fields, else ``$NCCLPY_STORE_<FIELD>``, else the defaults;
     e.g. ``max_clients`` caps concurrent connections (extra ones are closed).
+
+    Warnings about bad clients are rate-limited (:mod:`.loglimit`): the first
+    :attr:`log_burst` of each kind per client host in each :attr:`log_interval` seconds are
+    logged, the rest summed up in one line per interval.
     """
+
+    #: warnings of one kind per client host logged in full per :attr:`log_interval`
+    log_burst = 5
+    #: seconds over which bad-client warnings are rate-limited (one summary line per interval)
+    log_interval = 10.0
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token=None,
                  limits: Union[StoreLimits, dict, None] = None,
@@ -96,6 +106,8 @@ class StoreServer(ConnIO):
         self._inbytes = 0           # bytes in every connection's input buffer
         self._outbytes = 0          # copied (not shared) bytes in every output queue
         self._init_ops()
+        self._logs = LogLimiter(log, self.log_burst, self.log_interval,
+                                schedule=lambda t: self._push_timer(t, None, _T_LOG))
         self._seq = itertools.count()
         self._compact_at = 4096
         self._conns: Dict[int, Conn] = {}
@@ -115,14 +127,17 @@ class StoreServer(ConnIO):
     # ------------------------------------------------------------------ public
     @property
     def host(self) -> str:
+        """The address the server listens on."""
         return self._host
 
     @property
     def port(self) -> int:
+        """The port it listens on (the real one when 0 was asked)."""
         return self._port
 
     @property
     def address(self) -> Tuple[str, int]:
+        """``(host, port)``: what clients connect to."""
         return (self._host, self._port)
 
     @property
@@ -252,12 +267,14 @@ class StoreServer(ConnIO):
             self._shed()
 
     def _conn_failed(self, conn: Optional[Conn]) -> None:
-        log.exception("store server: error serving %s; closing that connection",
-                      conn.peer if conn is not None else "the listener")
+        peer = conn.peer if conn is not None else "the listener"
+        self._logs.warn(log, "handler error", peer, "store server: error serving %s; closing "
+                        "that connection", peer, exc_info=True, level=logging.ERROR)
         if conn is not None:
             self._close_conn(conn)
 
     def _shutdown(self) -> None:
+        self._logs.flush()
         for conn in list(self._conns.values()):
             self._close_conn(conn)
         for s in (self._lsock, self._wake_r, self._wake_w, self._poller):
@@ -315,11 +332,14 @@ class StoreServer(ConnIO):
                 if kind == _T_WAITER:
                     self._finish_waiter(obj, timed_out=True)
                 elif kind == _T_AUTH:
-                    log.warning("store server: closing client %s: it did not authenticate "
-                                "within %.0f s", obj.peer, self.limits.auth_timeout)
+                    self._logs.warn(log, "auth timeout", obj.peer, "store server: closing "
+                                    "client %s: it did not authenticate within %.0f s",
+                                    obj.peer, self.limits.auth_timeout)
                     self._close_conn(obj)
                 elif kind == _T_FRAME:
                     self._check_frame(obj, now)
+                elif kind == _T_LOG:
+                    self._logs.flush_due()
                 else:
                     self._listen(True)
             except Exception:
@@ -343,9 +363,10 @@ class StoreServer(ConnIO):
             return
         stalled = now - conn.rx_at
         if stalled >= self.limits.frame_timeout:
-            log.warning("store server: closing client %s: its request stalled mid-frame for "
-                        "%.1f s (%d bytes buffered; frame_timeout=%g s)", conn.peer, stalled,
-                        len(conn.rbuf), self.limits.frame_timeout)
+            self._logs.warn(log, "stalled frame", conn.peer, "store server: closing client %s: "
+                            "its request stalled mid-frame for %.1f s (%d bytes buffered; "
+                            "frame_timeout=%g s)", conn.peer, stalled, len(conn.rbuf),
+                            self.limits.frame_timeout)
             self._close_conn(conn)
         else:
             self._arm_frame_timer(conn)
@@ -360,9 +381,10 @@ class StoreServer(ConnIO):
             held = len(conn.rbuf) + conn.wowned
             if not held:
                 break
-            log.warning("store server: closing client %s: it holds %d of the %d bytes buffered "
-                        "for all clients, over the cap max_buffered_bytes=%d", conn.peer, held,
-                        self._inbytes + self._outbytes, cap)
+            self._logs.warn(log, "buffer cap", conn.peer, "store server: closing client %s: it "
+                            "holds %d of the %d bytes buffered for all clients, over the cap "
+                            "max_buffered_bytes=%d", conn.peer, held,
+                            self._inbytes + self._outbytes, cap)
             self._close_conn(conn)
 
     # ------------------------------------------------------------------ connections
@@ -398,8 +420,8 @@ class StoreServer(ConnIO):
                 return
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             if len(self._conns) >= self.max_clients:
-                log.warning("store server: refusing client %s: max_clients=%d reached", peer,
-                            self.max_clients)
+                self._logs.warn(log, "max_clients", peer, "store server: refusing client %s: "
+                                "max_clients=%d reached", peer, self.max_clients)
                 sock.close()
                 continue
             if not NONBLOCKING_FLAGS:

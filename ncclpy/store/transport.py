@@ -149,6 +149,46 @@ class Connection:
         self.max_value_size = 0
         self.max_keys_per_request = 0
         self.server_flags = 0   # the greeting's feature bits (protocol.FLAG_*)
+        # spare connections for calls made while another thread holds this one (a parked get
+        # must not hold back another thread's set): see _spare
+        self._spare_lock = threading.Lock()
+        self._spares: List["Connection"] = []       # idle, ready for reuse
+        self._spare_all: List["Connection"] = []    # every one made, closed with this one
+
+    def _spare(self) -> "Connection":
+        """An idle spare connection to the same server (made on first need, connected lazily
+        by its first call); give it back with :meth:`_unspare`. Used only while another thread
+        holds the main connection, so a single-threaded caller never pays for one."""
+        with self._spare_lock:
+            if self._spares:
+                return self._spares.pop()
+        c = Connection.__new__(Connection)
+        c.timeout, c.connect_timeout, c._token = self.timeout, self.connect_timeout, self._token
+        c._init_connection(self.host, self.port)
+        with self._spare_lock:
+            self._spare_all.append(c)
+            c._closed = self._closed
+        return c
+
+    def _unspare(self, c: "Connection") -> None:
+        with self._spare_lock:
+            if not c._closed:
+                self._spares.append(c)
+
+    def _close_spares(self) -> None:
+        """Close every spare connection (waking a thread blocked in one)."""
+        with self._spare_lock:
+            spares, self._spare_all, self._spares = self._spare_all, [], []
+            for c in spares:
+                c._closed = True
+        for c in spares:
+            sock = c._sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
 
     def _arm(self, sock: socket.socket, seconds: Optional[float], recv: bool = True,
              send: bool = False) -> None:
@@ -164,6 +204,7 @@ class Connection:
 
     @property
     def address(self) -> Tuple[str, int]:
+        """``(host, port)`` of the server this client talks to."""
         return (self.host, self.port)
 
     def _open(self, remaining: float) -> socket.socket:
@@ -202,12 +243,12 @@ class Connection:
             sock = None
             try:
                 sock = self._open(remaining)
-                self._handshake(sock, deadline)
+                rest = self._handshake(sock, deadline)
                 bound = None if self.timeout == _INF else self.timeout
                 # the send side for good; the handshake's receive bound stays until a call
                 self._arm(sock, bound, recv=False, send=True)   # needs another
                 self._sock = sock
-                self._rbuf = bytearray()
+                self._rbuf = rest
                 return
             except (StoreAuthError, StoreProtocolError):
                 if sock is not None:
@@ -231,12 +272,15 @@ class Connection:
             time.sleep(min(delay, remaining))
             delay = min(delay * 2.0, 1.0)
 
-    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+    def _handshake(self, sock: socket.socket, deadline: float) -> bytearray:
+        """Read the greeting and authenticate; the bytes received past them (kept: a reply
+        may arrive in the same segment as the greeting, e.g. the auth reply right behind it)."""
         now = time.monotonic()
         remaining = max(deadline - now, 0.05)
         greet = min(remaining, GREETING_TIMEOUT)
+        buf = bytearray()   # one buffer for the whole handshake: nothing received is dropped
         try:
-            hello = self._recv_exact(sock, P.HELLO_SIZE, bytearray(), now + greet)
+            hello = self._recv_exact(sock, P.HELLO_SIZE, buf, now + greet)
         except _TIMED_OUT:
             msg = (f"the server at {self._addr} accepted the connection but did not send the "
                    f"ncclpy greeting within {greet:.1f} s: it is not an ncclpy store (torch's "
@@ -258,11 +302,10 @@ class Connection:
         self.server_flags = flags
         need_auth = bool(flags & P.FLAG_AUTH)
         if not need_auth and self._token is None:
-            return
+            return buf
         cnonce = os.urandom(P.NONCE_SIZE)
         body = b"" if self._token is None else P.client_mac(self._token, nonce) + cnonce
         sock.sendall(P.request(Op.AUTH, body))
-        buf = bytearray()
         status, n = P.REP_HEADER.unpack(self._recv_exact(sock, P.HEADER_SIZE, buf,
                                                          now + remaining))
         if n > 4096:
@@ -283,6 +326,7 @@ class Connection:
         if not hmac.compare_digest(bytes(payload), P.server_mac(self._token, cnonce)):
             raise StoreAuthError(f"the store at {self._addr} could not prove it holds the same "
                                  "token; refusing to use it")
+        return buf
 
     def _recv_exact(self, sock: socket.socket, n: int, buf: bytearray,
                     deadline: Optional[float]) -> bytearray:
@@ -354,11 +398,21 @@ class Connection:
         if sock_timeout == _INF:
             sock_timeout = None
         size = len(head) + len(tail)
-        with self._lock:
+        lock = self._lock
+        if not lock.acquire(False):   # another thread's call is in flight (maybe a long get)
+            spare = self._spare()
+            try:
+                return spare._call(op, head, tail, wait, keys, what)
+            finally:
+                self._unspare(spare)
+        try:
             if self._sock is None:
                 budget = self.connect_timeout if sock_timeout is None else min(
                     self.connect_timeout, sock_timeout)
                 self._connect(budget, what, keys)
+                if self._closed:   # closed while connecting: close() may not have seen it
+                    self._drop()
+                    raise StoreConnectionError(f"{what}: this client of {self._addr} is closed")
             sock = self._sock
             # a kept shorter bound (see _keeps): if the first recv times out on it, the slow
             # path goes on for the rest of this call's own bound
@@ -416,6 +470,8 @@ class Connection:
                 return payload
             if status not in (Status.TIMEOUT, Status.ERR_REQUEST):
                 self._drop()  # the server closes the connection after these
+        finally:
+            lock.release()
         self._raise(status, payload, what, keys, wait, start)
 
     def _raise(self, status: int, payload: bytes, what: str, keys, wait: Optional[float],
@@ -455,9 +511,20 @@ class Connection:
             bounds.append(t)
         frames = b"".join(_REQ(op, len(body)) + body for op, body, _, _, _ in calls)
         replies = []
-        with self._lock:
+        lock = self._lock
+        if not lock.acquire(False):   # another thread's call is in flight: use a spare
+            spare = self._spare()
+            try:
+                return spare._pipeline(calls)
+            finally:
+                self._unspare(spare)
+        try:
             if self._sock is None:
                 self._connect(min(self.connect_timeout, bounds[0]), calls[0][4], calls[0][3])
+                if self._closed:
+                    self._drop()
+                    raise StoreConnectionError(f"{calls[0][4]}: this client of {self._addr} "
+                                               f"is closed")
             sock = self._sock
             buf = self._rbuf
             deadline = start
@@ -490,6 +557,8 @@ class Connection:
                     f"{calls[i][4]}: lost the connection to the store at {self._addr} after "
                     f"{time.monotonic() - start:.2f} s ({type(e).__name__}: {e}); key(s) "
                     f"{_show(calls[i][3])}") from e
+        finally:
+            lock.release()
         for (status, payload), (_, _, wait, keys, what) in zip(replies, calls):
             if status != Status.OK:
                 self._raise(status, payload, what, keys, wait, start)

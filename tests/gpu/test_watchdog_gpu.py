@@ -1,0 +1,76 @@
+"""GPU tests of the watchdog's abort (issue 15): a rank killed in the middle of a long
+all_reduce loop, and a rank that skips a collective.  The other ranks must raise
+CommAbortedError naming the collective, its sequence number and the suspected rank within
+timeout + 5 s.  Ranks are plain processes (not ncclpy.spawn, whose fail-fast would stop the
+survivors before they report)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from gpu_util import requires_gpu
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TIMEOUT = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(mode: str, n: int, outdir: str) -> list:
+    port = _free_port()
+    ps = []
+    for r in range(n):
+        env = dict(os.environ, NCCLPY_RANK=str(r), NCCLPY_WORLD_SIZE=str(n),
+                   NCCLPY_LOCAL_RANK=str(r), NCCLPY_LOCAL_WORLD_SIZE=str(n),
+                   NCCLPY_MASTER_ADDR="127.0.0.1", NCCLPY_MASTER_PORT=str(port),
+                   NCCLPY_TIMEOUT=str(TIMEOUT), PYTHONPATH=ROOT)
+        ps.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_gpu_watchdog.py"),
+                                    mode, outdir], env=env))
+    for p in ps:
+        try:
+            p.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"{mode}: a rank did not finish within 240 s: the watchdog "
+                                 f"did not abort")
+    res = []
+    for r in range(n):
+        path = os.path.join(outdir, f"rank{r}.json")
+        res.append(json.load(open(path)) if os.path.exists(path) else None)
+    return res
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.gpu_world(3)
+def test_killed_rank_aborts_the_others_with_a_named_error(tmp_path):
+    res = _run("kill", 3, str(tmp_path))
+    killed = json.load(open(tmp_path / "killed.json"))["at"]
+    assert res[2] is None
+    for r in res[:2]:
+        assert r is not None and r["error"] == "CommAbortedError", r
+        assert 2 in r["suspects"] and r["collective"] == "all_reduce" and r["seq"] >= 0, r
+        assert "rank(s) 2" in r["message"] and "all_reduce (sequence" in r["message"], r
+        assert r["at"] - killed <= TIMEOUT + 5.0, (r["at"] - killed, r)
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.gpu_world(3)
+def test_a_skipped_collective_times_out_with_a_named_error(tmp_path):
+    res = _run("skip", 3, str(tmp_path))
+    for r in res[:2]:
+        assert r is not None and r["error"] == "CommAbortedError", r
+        assert r["suspects"] == [2] and r["seq"] == 20, r
+        assert "all_reduce (sequence 20) did not complete" in r["message"], r
+        assert r["at"] - r["t_event"] <= TIMEOUT + 5.0, r

@@ -1,0 +1,254 @@
+"""Checked mode (ncclpy.checked) across real processes and a real store, no GPU.
+
+Every rank is a real process (or, at 64 ranks, a thread with its own store client) holding a
+real ncclpy TCPStore client; its calls are planned by the real planners
+(:class:`ncclpy.resolver.Resolver` on :class:`ncclpy.Buffer` specs) and compared by
+:class:`ncclpy.checked.Checker`.  Run as a script, this file is the worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from typing import Any, Dict, List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from ncclpy import Buffer  # noqa: E402
+from ncclpy.checked import Checker, compare, fingerprint, format_table  # noqa: E402
+from ncclpy.errors import CallCheckTimeout, CallMismatchError, NcclpyError  # noqa: E402
+from ncclpy.ops import premul_sum  # noqa: E402
+from ncclpy.plan.types import PlanContext  # noqa: E402
+from ncclpy.resolver import Resolver  # noqa: E402
+from ncclpy.store import StoreServer, TCPStore  # noqa: E402
+
+X = Buffer(0x100000, 16, "float32", 0)
+
+
+def _buf(count: int = 16, dtype: str = "float32", at: int = 0x100000) -> Buffer:
+    return Buffer(at, count, dtype, 0)
+
+
+def rounds(scenario: str, rank: int, world: int) -> List[List[tuple]]:
+    """The calls each rank makes: a list of rounds, each a list of (name, a, b, params);
+    a round of several calls is a group."""
+    ar = ("all_reduce", X, None, ("sum",))
+    last = world - 1
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if scenario == "ok":
+        ring = [ar, ("send", X, None, (nxt,)), ("recv", _buf(at=0x200000), None, (prv,))]
+        return [[ar], [("broadcast", X, None, (0,))], ring,
+                [("send_recv", X, _buf(at=0x200000), (nxt, prv))],
+                [("all_reduce", X, None, (premul_sum(0.5),))]]
+    if scenario == "collective":
+        return [[("broadcast", X, None, (0,)) if rank == last else ar]]
+    if scenario == "count":
+        return [[("all_reduce", _buf(17) if rank == last else X, None, ("sum",))]]
+    if scenario == "dtype":
+        return [[("all_reduce", _buf(dtype="float64") if rank == last else X, None, ("sum",))]]
+    if scenario == "op":
+        return [[("all_reduce", X, None, ("max" if rank == last else "sum",))]]
+    if scenario == "premul":
+        s = 0.25 if rank == last else 0.5
+        return [[("all_reduce", X, None, (premul_sum(s),))]]
+    if scenario == "root":
+        return [[("broadcast", X, None, (1 if rank == last else 0,))]]
+    if scenario == "in_place":
+        return [[("all_reduce", X, _buf(at=0x200000) if rank == last else None, ("sum",))]]
+    if scenario == "sequence":   # the last rank makes one call fewer in its first group
+        first = [ar] if rank == last else [ar, ar]
+        return [first, [ar]]
+    if scenario == "p2p_missing_recv":   # rank 0 sends to 1, which does not receive
+        if rank == 0:
+            return [[ar, ("send", X, None, (1,))]]
+        return [[ar]]
+    if scenario == "p2p_count":
+        if rank == 0:
+            return [[("send", X, None, (1,))]]
+        if rank == 1:
+            return [[("recv", _buf(8), None, (0,))]]
+        return [[]]
+    if scenario == "missing":     # the last rank never comes to the second check
+        return [[ar], [ar]] if rank != last else [[ar]]
+    raise ValueError(scenario)
+
+
+def run_rank(host: str, port: int, rank: int, world: int, scenarios: List[str],
+             timeout: float) -> Dict[str, List[Dict[str, Any]]]:
+    """Play ``scenarios`` as ``rank`` through a store client of its own."""
+    store = TCPStore(host, port, timeout=60)
+    resolver = Resolver(PlanContext(rank, world))
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    try:
+        for sc in scenarios:
+            chk = Checker(store, rank, world, name=sc, prefix=f"t/{sc}", timeout=timeout)
+            res = out[sc] = []
+            for rnd in rounds(sc, rank, world):
+                grouped = len(rnd) != 1
+                plans = []
+                for name, a, b, params in rnd:
+                    if grouped:
+                        plans.append(resolver.plan(name, resolver.parse(name, a, b), params,
+                                                   in_group=True))
+                    else:
+                        plans.append(resolver.resolve(name, 0, a, b, params).plan)
+                try:
+                    chk.check(plans, [c[0] for c in rnd])
+                    res.append({"ok": True})
+                except NcclpyError as e:
+                    res.append({"error": type(e).__name__, "msg": str(e),
+                                "missing": getattr(e, "missing", None)})
+    finally:
+        store.close()
+    return out
+
+
+def _procs(world: int, scenarios: List[str], timeout: float = 20.0) -> List[Dict[str, Any]]:
+    srv = StoreServer("127.0.0.1", 0).start()
+    try:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        env.pop("NCCLPY_STORE_TOKEN", None)
+        ps = [subprocess.Popen([sys.executable, __file__, "127.0.0.1", str(srv.port), str(r),
+                                str(world), ",".join(scenarios), str(timeout)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+              for r in range(world)]
+        outs = []
+        for p in ps:
+            o, e = p.communicate(timeout=240)
+            assert p.returncode == 0, e.decode()
+            outs.append(json.loads(o.decode().strip().splitlines()[-1]))
+        return outs
+    finally:
+        srv.close()
+
+
+def _threads(world: int, scenarios: List[str], timeout: float = 60.0) -> List[Dict[str, Any]]:
+    srv = StoreServer("127.0.0.1", 0).start()
+    outs: List[Any] = [None] * world
+    errs: List[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            outs[r] = run_rank("127.0.0.1", srv.port, r, world, scenarios, timeout)
+        except BaseException as e:  # noqa: B902 - reported below
+            errs.append(e)
+    ts = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(world)]
+    try:
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(300)
+        assert not errs, errs
+        assert all(o is not None for o in outs)
+        return outs
+    finally:
+        srv.close()
+
+
+MISMATCHES = {  # scenario -> the field marked in the table
+    "collective": "*coll=broadcast*", "count": "*count=17*", "dtype": "*dtype=float64*",
+    "op": "*op=MAX*", "premul": "*op=premul_sum(0.25)*", "root": "*root=1*",
+    "in_place": "*in_place=False*",
+}
+
+
+def _all_raise(outs: List[Dict[str, Any]], sc: str, rnd: int = 0) -> List[str]:
+    msgs = []
+    for r, o in enumerate(outs):
+        res = o[sc][rnd]
+        assert res.get("error") == "CallMismatchError", (sc, r, res)
+        msgs.append(res["msg"])
+    return msgs
+
+
+@pytest.fixture(scope="module")
+def two() -> List[Dict[str, Any]]:
+    return _procs(2, ["ok", *MISMATCHES, "sequence", "p2p_missing_recv", "p2p_count"])
+
+
+def test_matching_calls_pass_at_two_ranks(two):
+    assert all(res == {"ok": True} for o in two for res in o["ok"])
+
+
+@pytest.mark.parametrize("sc", sorted(MISMATCHES))
+def test_each_mismatch_kind_raises_on_every_rank_with_the_field_marked(two, sc):
+    for msg in _all_raise(two, sc):
+        assert MISMATCHES[sc] in msg, msg
+        assert "rank" in msg and "seq" in msg and "nothing of this round was given" in msg
+
+
+def test_sequence_mismatch_is_marked(two):
+    for msg in _all_raise(two, "sequence", 0):
+        assert "1 collective call(s) in the round, rank 0 made 2" in msg
+    for msg in _all_raise(two, "sequence", 1):   # rank 1 is one call behind from then on
+        assert "sequence number 1 != rank 0's 2" in msg and "*1" in msg
+
+
+def test_send_without_its_receive(two):
+    for msg in _all_raise(two, "p2p_missing_recv"):
+        assert ("rank 0: sends to rank 1 [16xfloat32] do not match rank 1's recvs from "
+                "rank 0 (none)") in msg
+
+
+def test_p2p_count_mismatch(two):
+    for msg in _all_raise(two, "p2p_count"):
+        assert "[16xfloat32] do not match rank 1's recvs from rank 0 [8xfloat32]" in msg
+
+
+def test_eight_ranks_in_processes():
+    outs = _procs(8, ["ok", "count", "p2p_missing_recv", "missing"], timeout=8.0)
+    assert all(res == {"ok": True} for o in outs for res in o["ok"])
+    for msg in _all_raise(outs, "count"):
+        assert msg.count("*count=17*") == 1 and "rank 7: call 0 differs" in msg
+    _all_raise(outs, "p2p_missing_recv")
+    for r, o in enumerate(outs[:7]):           # rank 7 never came to check 1
+        assert o["missing"][0] == {"ok": True}
+        res = o["missing"][1]
+        assert res["error"] == "CallCheckTimeout" and res["missing"] == [7], res
+        assert "rank(s) 7 never arrived" in res["msg"] and "(never arrived)" in res["msg"]
+
+
+def test_sixty_four_ranks_as_threads():
+    outs = _threads(64, ["ok", "dtype"])
+    assert all(res == {"ok": True} for o in outs for res in o["ok"])
+    for msg in _all_raise(outs, "dtype"):
+        assert msg.count("*dtype=float64*") == 1 and "rank 63" in msg
+
+
+def test_fingerprint_and_table_from_real_plans():
+    r0, r1 = Resolver(PlanContext(0, 2)), Resolver(PlanContext(1, 2))
+    p0 = r0.resolve("all_reduce", 0, X, None, ("sum",)).plan
+    p1 = r1.resolve("all_reduce", 0, _buf(17), None, ("sum",)).plan
+    f0, f1 = fingerprint([p0], 3), fingerprint([p1], 3)
+    assert f0["calls"][0] == {"seq": 3, "coll": "all_reduce", "nccl": "AllReduce", "count": 16,
+                              "dtype": "float32", "op": "SUM", "root": None, "in_place": True}
+    problems = compare({0: f0, 1: f1})
+    assert problems == ["rank 1: call 0 differs from rank 0's in count"]
+    table = format_table({0: f0, 1: f1}, "x", 0, problems)
+    assert "*count=17*" in table and "count=16" in table
+
+
+def test_checker_one_rank_and_no_store_round_trip():
+    chk = Checker(None, 0, 1)
+    chk.check([Resolver(PlanContext(0, 1)).resolve("all_reduce", 0, X, None, ("sum",)).plan])
+    assert chk.seq == 1 and chk.round == 1
+    with pytest.raises(CallMismatchError):
+        plan = Resolver(PlanContext(0, 1), ).plan("send", (X,), (0,), in_group=True)
+        chk.check([plan], ["send"])     # a send to self without its receive
+
+
+def test_error_family():
+    assert issubclass(CallCheckTimeout, CallMismatchError)
+    assert issubclass(CallMismatchError, NcclpyError)
+
+
+if __name__ == "__main__":
+    host, port, rank, world, scs, tmo = sys.argv[1:7]
+    print(json.dumps(run_rank(host, int(port), int(rank), int(world), scs.split(","),
+                              float(tmo))))

@@ -1,0 +1,186 @@
+"""The watchdog (ncclpy.watchdog) on CPU: its decisions through WatchState.step, and liveness
+across real processes with a real store (heartbeats, a killed rank, the launcher's notice, a
+clean close).  The abort itself (ncclCommAbort) is in tests/gpu/test_watchdog_gpu.py.
+Run as a script, this file is the worker of one rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from ncclpy.comm import default_timeout, env_flag  # noqa: E402
+from ncclpy.errors import ArgumentError, ArgumentTypeError  # noqa: E402
+from ncclpy.store import StoreServer, TCPStore  # noqa: E402
+from ncclpy.watchdog import Peer, Watchdog, WatchState, dead_key  # noqa: E402
+
+
+# -- decisions (pure) ---------------------------------------------------------------------------
+def _state(timeout: float = 10.0) -> WatchState:
+    return WatchState(0, 3, "job", timeout, dead_after=3.0, start=100.0)
+
+
+def _peers(**kw: Any) -> Dict[int, Peer]:
+    return {1: Peer(seen=kw.get("s1", 104.0), issued=kw.get("i1", 8)),
+            2: Peer(seen=kw.get("s2", 104.0), issued=kw.get("i2", 8),
+                    closed=kw.get("c2", False))}
+
+
+def test_nothing_to_do_when_calls_are_young_and_peers_beat():
+    assert _state().step(105.0, [(7, "all_reduce", 101.0)], _peers()) is None
+    assert _state().step(105.0, [], _peers()) is None
+
+
+def test_timeout_names_the_call_its_sequence_and_the_rank_that_skipped_it():
+    d = _state().step(112.0, [(7, "all_reduce", 101.0)], _peers(i2=7, s1=111.0, s2=111.0))
+    assert (d.reason, d.collective, d.seq, d.suspects) == ("timeout", "all_reduce", 7, (2,))
+    assert ("all_reduce (sequence 7) did not complete within the communicator's timeout of "
+            "10 s; suspected: rank(s) 2, which never issued it (rank 2 issued 7 calls)") \
+        in d.message
+    assert "ncclCommAbort" in d.message and "'job' rank 0/3" in d.message
+
+
+def test_timeout_with_every_peer_past_the_call_suspects_every_peer():
+    d = _state().step(112.0, [(7, "broadcast", 101.0)], _peers(s1=111.0, s2=111.0))
+    assert d.suspects == (1, 2) and "every peer (1, 2)" in d.message
+
+
+def test_silent_peer_is_suspected_dead_before_the_timeout():
+    d = _state().step(108.0, [(3, "all_reduce", 107.0)], _peers(s1=107.0, s2=104.5))
+    assert (d.reason, d.seq, d.suspects) == ("peer_silent", 3, (2,))
+    assert "rank 2 silent 3.5 s" in d.message and "all_reduce (sequence 3" in d.message
+
+
+def test_a_peer_that_never_beat_counts_from_the_start():
+    d = _state().step(104.0, [], {1: Peer(seen=103.0), 2: Peer()})
+    assert d.reason == "peer_silent" and "rank 2 never sent one" in d.message
+
+
+def test_closed_peer_is_not_suspected():
+    assert _state().step(108.0, [], _peers(s1=107.0, s2=101.0, c2=True)) is None
+
+
+def test_launcher_notice_comes_first():
+    d = _state().step(101.0, [(0, "all_gather", 100.5)], _peers(), dead=[2, 0])
+    assert (d.reason, d.suspects) == ("peer_dead", (2,))
+    assert "rank(s) 2 died (the launcher says so) while all_gather (sequence 0" in d.message
+
+
+# -- environment defaults --------------------------------------------------------------------------
+def test_timeout_and_flags_from_the_environment(monkeypatch):
+    monkeypatch.delenv("NCCLPY_TIMEOUT", raising=False)
+    assert default_timeout() == 300.0 and default_timeout(2) == 2.0
+    monkeypatch.setenv("NCCLPY_TIMEOUT", "7.5")
+    assert default_timeout() == 7.5
+    monkeypatch.setenv("NCCLPY_TIMEOUT", "soon")
+    with pytest.raises(ArgumentError, match="NCCLPY_TIMEOUT: expected a positive number of "
+                                            "seconds, got 'soon'"):
+        default_timeout()
+    with pytest.raises(ArgumentError, match="timeout: expected a positive number"):
+        default_timeout(-1)
+    monkeypatch.setenv("NCCLPY_CHECKED", "1")
+    assert env_flag("checked", None, "NCCLPY_CHECKED", False) is True
+    assert env_flag("checked", False, "NCCLPY_CHECKED", False) is False
+    monkeypatch.setenv("NCCLPY_WATCHDOG", "maybe")
+    with pytest.raises(ArgumentError, match="NCCLPY_WATCHDOG: expected 1/0"):
+        env_flag("watchdog", None, "NCCLPY_WATCHDOG", True)
+    with pytest.raises(ArgumentTypeError, match="watchdog: expected True, False or None"):
+        env_flag("watchdog", "yes", "NCCLPY_WATCHDOG", True)
+
+
+# -- liveness across real processes ------------------------------------------------------------
+class _Comm:
+    """What the Watchdog thread needs of a communicator; ``_watchdog_abort`` records the
+    verdict (the real abort is ncclCommAbort: GPU test)."""
+
+    def __init__(self, rank: int, world: int, timeout: float) -> None:
+        self.rank, self.world_size, self.name = rank, world, "live"
+        self._timeout, self._device, self._watch = timeout, 0, None
+        self.decision: Any = None
+
+    def _watchdog_abort(self, d: Any) -> None:
+        self.decision = d
+
+
+def worker(host: str, port: int, rank: int, world: int, mode: str, secs: float) -> None:
+    store = TCPStore(host, port, timeout=30)
+    comm = _Comm(rank, world, timeout=60.0)
+    wd = Watchdog(comm, store, interval=0.2, dead_after=1.5, tick=0.05).start()
+    print("up", flush=True)
+    t0 = time.monotonic()
+    while comm.decision is None and time.monotonic() - t0 < secs:
+        time.sleep(0.05)
+    d = comm.decision
+    wd.stop(closed=mode != "no_close")
+    print(json.dumps(None if d is None else {"reason": d.reason, "suspects": list(d.suspects),
+                                             "message": d.message,
+                                             "after": time.monotonic() - t0}), flush=True)
+
+
+def _start(world: int, secs: float, mode: str = "run"):
+    srv = StoreServer("127.0.0.1", 0).start()
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("NCCLPY_STORE_TOKEN", None)
+    ps = [subprocess.Popen([sys.executable, __file__, str(srv.port), str(r), str(world), mode,
+                            str(secs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=env, text=True)
+          for r in range(world)]
+    for p in ps:                                 # every rank's watchdog is running
+        assert p.stdout.readline().strip() == "up", p.stderr.read()
+    return srv, ps
+
+
+def _result(p: subprocess.Popen) -> Any:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_killed_rank_is_named_by_every_other_rank():
+    srv, ps = _start(3, secs=30.0)
+    try:
+        time.sleep(1.0)                          # heartbeats flow
+        ps[2].send_signal(signal.SIGKILL)
+        ps[2].wait(10)
+        res = [_result(p) for p in ps[:2]]
+    finally:
+        srv.close()
+    for r in res:
+        assert r is not None and r["reason"] == "peer_silent" and r["suspects"] == [2], r
+        assert "from rank(s) 2 (rank 2 silent" in r["message"]
+
+
+def test_the_launchers_notice_is_read():
+    srv, ps = _start(2, secs=30.0)
+    try:
+        TCPStore("127.0.0.1", srv.port, timeout=10).set(dead_key(1), b"killed by signal 9")
+        res = _result(ps[0])
+        ps[1].kill()
+        ps[1].wait(10)
+    finally:
+        srv.close()
+    assert res["reason"] == "peer_dead" and res["suspects"] == [1], res
+
+
+def test_live_ranks_and_a_clean_close_are_not_suspected():
+    srv, ps = _start(3, secs=4.0)
+    try:
+        res = [_result(p) for p in ps]
+    finally:
+        srv.close()
+    assert res == [None, None, None]
+
+
+if __name__ == "__main__":
+    worker("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+           float(sys.argv[5]))
