@@ -568,3 +568,16 @@ def test_gloo_avg_divergence_model_matches_real_gloo(tmp_path):
     assert len(rows) == 6
     assert all(matches_pred for _, _, matches_pred, _ in rows), rows
     assert not any(matches_ref for _, _, _, matches_ref in rows), rows
+
+
+def test_placement_under_torchrun_limits_ctas_above_two_ranks_per_gpu():
+    """4 torchrun ranks on 1 GPU: the same CTA limit as ncclpy run (SM count read, else the
+    documented assumption), stated in the placement line."""
+    from ncclpy.check import fairness as F
+    from ncclpy.launch import placement as P
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+           "CUDA_VISIBLE_DEVICES": "0"}
+    line = F.apply_launcher_placement(env)
+    want = P.cta_limit(4, P.gpu_sm_count(env), P.loaded_nccl_version())
+    assert want is not None and env["NCCL_MAX_CTAS"] == str(want), (env, line)
+    assert f"NCCL_MAX_CTAS={want}" in line and env["NCCLPY_DEVICE"] == "0"

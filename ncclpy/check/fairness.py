@@ -175,7 +175,10 @@ def apply_launcher_placement(env: Optional[MutableMapping[str, str]] = None) -> 
     ngpus = P.visible_gpu_count(env)
     shares = ngpus > 0 and local_n > ngpus
     version = P.loaded_nccl_version() if shares else None
-    plan = P.plan_placement(local_n, ngpus, version, single_node=world == local_n, env=env)
+    # more than 2 ranks per GPU: the CTA limit needs the GPUs' SM count (read in a child)
+    sms = P.gpu_sm_count(env) if shares and -(-local_n // ngpus) > 2 else None
+    plan = P.plan_placement(local_n, ngpus, version, single_node=world == local_n, env=env,
+                            sm_count=sms)
     env.update(plan.env(local_rank))
     env["NCCLPY_DEVICE"] = str(plan.device(local_rank))
     return P.summary_line("ncclpy check", plan)
