@@ -195,6 +195,7 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
                             b.replay(g)  # keep every rank's NCCL sequence matched
                             b.sync()
                             b.release(g)
+                            del g        # a live graph makes NCCL's comm destroy wait forever
                             ns += got
                     else:
                         g = b.capture(call)
@@ -202,6 +203,7 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
                             b.replay(g)
                         ns = _time_calls(b, lambda g=g, b=b: b.replay(g), cfg.calls, cfg.batch)
                         b.release(g)
+                        del g            # (as above: NCCL waits for its graphs at teardown)
                     s = summarize(ns)
                     results.append({"backend": b.name, "label": b.label,
                                     "collective": cfg.collective, "size": size, "mode": mode,

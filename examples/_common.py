@@ -83,7 +83,10 @@ def to_json(value: Any) -> str:
 
 
 def _print(label: str, rank: int, kind: str, payload: str) -> None:
-    print(f"{label} rank={rank} {kind}={payload}", flush=True)
+    # one write of the whole line: ranks share the pipe, and print()'s separate write of the
+    # newline let two ranks' lines run together on an unbuffered stdout (seen on a GPU)
+    sys.stdout.write(f"{label} rank={rank} {kind}={payload}\n")
+    sys.stdout.flush()
 
 
 def emit(label: str, rank: int, value: Any) -> None:

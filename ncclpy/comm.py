@@ -285,7 +285,12 @@ class Communicator(CommExtras):
             return
         st = self._lib.async_error(self._handle)
         if st not in (0, NCCL_IN_PROGRESS):
-            raise self._lib.error(st, "ncclCommGetAsyncError", self._handle)
+            err = self._lib.error(st, "ncclCommGetAsyncError", self._handle)
+            wd = self._watchdog
+            if wd is not None and wd.verdict_on(err) is not None and \
+                    self._abort_error is not None:
+                raise self._abort_error from err   # names the call and the peer behind it
+            raise err
 
     # -- calls ----------------------------------------------------------------------------
     # Each method: refuse if closed, resolve (the resolver's cache: a repeated call is not

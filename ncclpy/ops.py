@@ -102,9 +102,18 @@ def op_min_version(op: RedOp) -> int:
     return _MIN_VERSION.get(op.name, 0)
 
 
-def effective_op(op: Any, dtype: Any, nccl_version: int = 0) -> RedOp:
+#: NCCL's one-rank path (``ncclLaunchOneRank``) runs avg and premul_sum as a PreMulSum kernel
+#: chosen by a host-side switch whose float8 cases are compiled only where ``__CUDA_ARCH__ >=
+#: 900``, i.e. never on the host: a 1-rank communicator returns ncclInvalidArgument for them
+#: (measured: NCCL 2.28.9 on an H100, 2026-11-25).  With 2 or more ranks they run.
+_ONE_RANK_NO_FP8 = frozenset({"avg", "premul_sum"})
+_FP8_WIRES = frozenset({"float8_e4m3", "float8_e5m2"})
+
+
+def effective_op(op: Any, dtype: Any, nccl_version: int = 0, world_size: int = 0) -> RedOp:
     """The op NCCL actually runs for ``op`` on logical ``dtype`` (torch's bool and complex
-    rules), or a precise UnsupportedError."""
+    rules), or a precise UnsupportedError.  ``world_size`` (0: unknown) adds what NCCL refuses
+    on a communicator of that size (float8 avg/premul_sum on one rank)."""
     o = parse_op(op)
     lg: Logical = logical(dtype)
     if lg.ops is not None and o.name not in lg.ops:
@@ -117,4 +126,10 @@ def effective_op(op: Any, dtype: Any, nccl_version: int = 0) -> RedOp:
     if nccl_version and need > nccl_version:
         raise UnsupportedError(f"op {o.name} needs NCCL >= {format_version(need)}; the loaded "
                                f"NCCL is {format_version(nccl_version)}")
+    if world_size == 1 and o.name in _ONE_RANK_NO_FP8 and lg.wire.name in _FP8_WIRES:
+        raise UnsupportedError(
+            f"op {o.name} on {lg.name} with a 1-rank communicator: NCCL's one-rank path "
+            f"(ncclLaunchOneRank) has no float8 kernel for it and returns ncclInvalidArgument "
+            f"(measured with NCCL 2.28.9); sum, prod, max and min work on one rank, and "
+            f"{o.name} works with 2 or more ranks")
     return o

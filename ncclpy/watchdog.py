@@ -5,9 +5,12 @@ Two parts:
 * :class:`WatchState` -- the decisions, pure (no GPU, no thread, no store): ``step(now,
   pending, peers, dead)`` returns a :class:`Decision` (abort, and why) or None.  Rules, in
   order: a rank the launcher published as dead (``ncclpy/dead/<rank>``); a peer whose heartbeat
-  has not changed for ``dead_after`` seconds (closed peers excepted); the oldest unfinished call
+  has not changed for ``dead_after`` seconds (closed peers excepted); an error NCCL reported
+  (``ncclCommGetAsyncError``, e.g. a peer's socket closed), once the heartbeats had
+  ``dead_after`` + ``interval`` seconds to name the peer behind it; the oldest unfinished call
   older than ``timeout``.  Suspects of a timeout are the peers that have not issued that call
-  yet (their heartbeat carries how many calls they issued), else every peer.
+  yet (their heartbeat carries how many calls they issued), else every peer.  The decisions
+  after an NCCL error say its text too.
 * :class:`Watchdog` -- a daemon thread per communicator: every ``tick`` it drains the deque the
   executor appends each Work to (``comm._watch``: the only per-call cost), drops completed
   Works from the front, and every ``interval`` sets this rank's heartbeat
@@ -15,6 +18,8 @@ Two parts:
   connection of its own (never behind the main thread's store calls).  On a decision it calls
   ``comm._watchdog_abort(decision)``: ncclCommAbort, and every blocked or later call on the
   communicator raises :class:`~ncclpy.errors.CommAbortedError` with the decision's message.
+  The thread never touches the NCCL handle itself: a host wait that reads an async error hands
+  it over (:meth:`Watchdog.verdict_on`) and waits, boundedly, for the verdict.
 """
 from __future__ import annotations
 
@@ -58,7 +63,8 @@ class Peer:
 
 @dataclass(frozen=True)
 class Decision:
-    """Abort the communicator: ``reason`` ("peer_dead", "peer_silent", "timeout"), the oldest
+    """Abort the communicator: ``reason`` ("peer_dead", "peer_silent", "nccl_error", "timeout"),
+    the oldest
     unfinished call (``collective``, ``seq``; "" and -1 when none), ``suspects`` and the
     message every blocked call raises."""
 
@@ -81,12 +87,18 @@ class WatchState:
         return f"ncclpy watchdog: communicator {self.name!r} rank {self.rank}/{self.world_size}"
 
     def step(self, now: float, pending: Sequence[Tuple[int, str, float]],
-             peers: Mapping[int, Peer], dead: Iterable[int] = ()) -> Optional[Decision]:
+             peers: Mapping[int, Peer], dead: Iterable[int] = (),
+             nccl_error: Optional[Tuple[str, float]] = None,
+             interval: float = 1.0) -> Optional[Decision]:
         """``pending``: unfinished calls oldest first as (seq, collective, first seen);
-        ``peers``: rank -> :class:`Peer`; ``dead``: ranks the launcher published as dead."""
+        ``peers``: rank -> :class:`Peer`; ``dead``: ranks the launcher published as dead;
+        ``nccl_error``: (its text, when it was reported) when NCCL reported an async error;
+        ``interval``: the heartbeat period (how long a fresh heartbeat may take to change)."""
         seq, coll, since = pending[0] if pending else (-1, "", now)
         what = (f"{coll} (sequence {seq}, in flight for {now - since:.1f} s)" if pending
                 else "no call in flight")
+        if nccl_error is not None:
+            what += f", after NCCL reported: {nccl_error[0]}"
         tail = "; the communicator was aborted (ncclCommAbort)"
         dead = sorted(set(dead) - {self.rank})
         if dead:
@@ -108,6 +120,12 @@ class WatchState:
                             f"{self._head()}: no heartbeat for more than {self.dead_after:g} s "
                             f"from rank(s) {_ranks(ranks)} ({how}; dead or hung) while {what}; "
                             f"suspected: rank(s) {_ranks(ranks)}{tail}")
+        if nccl_error is not None and now - nccl_error[1] > self.dead_after + interval:
+            others = [r for r in range(self.world_size) if r != self.rank]
+            return Decision("nccl_error", coll, seq, tuple(others),
+                            f"{self._head()}: {what}; every peer's heartbeat is still fresh, so "
+                            f"none is singled out; suspected: every peer ({_ranks(others)})"
+                            f"{tail}")
         if pending and now - since > self.timeout:
             behind = sorted(r for r, p in peers.items() if r != self.rank and p.issued <= seq)
             others = [r for r in range(self.world_size) if r != self.rank]
@@ -166,6 +184,9 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.decision: Optional[Decision] = None
+        #: (text, clock) of an async error a host wait read (set once, by that thread)
+        self.nccl_error: Optional[Tuple[str, float]] = None
+        self._decided = threading.Event()     # set when the thread aborted, or ended
         comm._watch = self.queue
 
     def start(self) -> "Watchdog":
@@ -194,6 +215,18 @@ class Watchdog:
             except Exception:
                 pass
         self._client = None
+
+    def verdict_on(self, error: BaseException) -> Optional[Decision]:
+        """Hand the thread an async error NCCL reported to a host wait; wait (at most
+        ``dead_after`` + 2 ``interval`` + 1 s) for its decision, which names the peer whose
+        heartbeat stopped.  None: no decision (the thread is not running, or it timed out)."""
+        if self.nccl_error is None:
+            self.nccl_error = (str(error), self.clock())
+        t = self._thread
+        if t is None or not t.is_alive() or t is threading.current_thread():
+            return self.decision
+        self._decided.wait(self.state.dead_after + 2 * self.interval + 1.0)
+        return self.decision
 
     # -- one tick (driven by the thread; callable directly) ----------------------------------
     def drain(self, now: float) -> None:
@@ -264,9 +297,15 @@ class Watchdog:
         pend = [(s, getattr(w.plan, "collective", "?"), t) for s, w, t in self.pending
                 if t is not None]
         return self.state.step(now, pend, self.peers if self._client is not None else {},
-                               dead)
+                               dead, self.nccl_error, self.interval)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._decided.set()       # a host wait in verdict_on never outwaits the thread
+
+    def _loop(self) -> None:
         try:
             from cupy.cuda import runtime
             runtime.setDevice(self.comm._device)   # never a context on another device

@@ -142,10 +142,17 @@ def test_divergence_predictions():
 def test_known_refusals_are_narrow():
     from ncclpy.check import divergences as D
     c = lambda coll, dt, op=None: C.Case(coll, dt, op, 2.0 if op == "premul_sum" else None)  # noqa
-    msg = "TypeError: Input tensor data type is not supported for NCCL process group: UInt32"
-    assert D.known_refusal("nccl", c("broadcast", "uint32"), msg)
-    assert D.known_refusal("nccl", c("broadcast", "int32"), msg) is None       # not that dtype
-    assert D.known_refusal("gloo", c("broadcast", "uint32"), msg) is None      # not that backend
+    # uint32/uint64 and gather of complex are never handed to torch's NCCL backend (its scatter
+    # refuses them inside an NCCL group it leaves open): "not called", for nccl only
+    assert "leaves open" in D.not_called("nccl", c("scatter", "uint32"))
+    assert D.not_called("nccl", c("send_recv", "uint64"))
+    assert D.not_called("nccl", c("gather", "complex64"))
+    assert D.not_called("nccl", c("scatter", "complex64")) is None     # torch moves these
+    assert D.not_called("nccl", c("broadcast", "int32")) is None       # not that dtype
+    assert D.not_called("gloo", c("broadcast", "uint32")) is None      # not that backend
+    cx = "TypeError: Input tensor data type is not supported for NCCL process group: Complex"
+    assert D.known_refusal("nccl", c("reduce", "complex64", "sum"), cx)
+    assert D.known_refusal("nccl", c("gather", "complex64"), cx) is None     # not called now
     pm = "TypeError: PreMulSum Data type must be half, float, bfloat16 or double"
     assert D.known_refusal("nccl", c("all_reduce", "int8", "premul_sum"), pm)
     assert D.known_refusal("nccl", c("all_reduce", "float32", "premul_sum"), pm) is None
@@ -164,6 +171,18 @@ def _parts(n, **per_rank):
 def _cmp(equal, ulp=0.0):
     return K.Comparison(equal, ulp if not equal else 0.0, 0 if equal else 1,
                         -1 if equal else 0).as_dict()
+
+
+def test_merge_a_torch_side_not_called_is_unsupported_and_ncclpy_still_judged():
+    case = C.Case("scatter", "uint32", None, None, 7, root=0)
+    why = "torch's NCCL backend maps no uint32/uint64 tensor (not called)"
+    ctx = {"n": 2, "backend": "nccl", "comm": object()}
+    ok = K.merge(case, _parts(2, torch_not_called=why, t_ref=_cmp(None), n_ref=_cmp(True),
+                              n_t=_cmp(None)), ctx)
+    assert ok["status"] == "unsupported" and why in ok["reason"], ok
+    bad = K.merge(case, _parts(2, torch_not_called=why, t_ref=_cmp(None),
+                               n_ref=[_cmp(True), _cmp(False, 3.0)], n_t=_cmp(None)), ctx)
+    assert bad["status"] == "fail" and "ncclpy != reference on rank(s) [1]" in bad["reason"], bad
 
 
 def test_merge_statuses():

@@ -147,3 +147,82 @@ def test_overhead_derive_covers_the_prepared_mode():
     d = {(x["mode"]): x for x in derive(rows)}
     assert d["prepared"]["ncclpy_minus_cupy_us"] == pytest.approx(0.5)
     assert d["eager"]["ncclpy_minus_cupy_us"] == pytest.approx(1.0)
+
+
+# -- bench/overhead.py: no captured graph outlives its mode ------------------------------------
+def test_overhead_drops_every_captured_graph_before_teardown(monkeypatch):
+    """NCCL's communicator destroy waits until every CUDA graph that captured its calls is
+    destroyed, so a graph still referenced at teardown hangs the run (seen on an H100 with all
+    three backends, 2026-11-25).  Stand-in backend, store and rendezvous (no GPU): teardown
+    checks through weak references that no graph the run captured is still alive."""
+    import gc
+    import weakref
+
+    from bench import overhead
+
+    class Graph:
+        pass
+
+    seen = {"captured": [], "alive_at_teardown": None, "released": 0}
+
+    class StandIn:                      # the bench backend interface, recording
+        name = label = "standin"
+
+        def setup(self, *a, **k):
+            pass
+
+        def alloc(self, collective, total, dtype):
+            return object()
+
+        def run(self, *a):
+            pass
+
+        def sync(self):
+            pass
+
+        def capture(self, fn):
+            fn()
+            g = Graph()
+            seen["captured"].append(weakref.ref(g))
+            return g
+
+        def replay(self, g):
+            pass
+
+        def release(self, g):
+            seen["released"] += 1
+
+        def device_info(self):
+            return {}
+
+        def nccl_version(self):
+            return 0
+
+        def teardown(self):
+            gc.collect()
+            seen["alive_at_teardown"] = sum(r() is not None for r in seen["captured"])
+
+    class Coord:
+        def __init__(self, *a):
+            pass
+
+        def barrier(self):
+            pass
+
+    class Store:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(overhead, "_rendezvous", lambda: (0, 1, 0, 0, None))
+    monkeypatch.setattr(overhead, "_make_store", lambda info, timeout: Store())
+    monkeypatch.setattr(overhead, "Coord", Coord)
+    monkeypatch.setattr(overhead, "_pick_device", lambda *a: 0)
+    monkeypatch.setattr(overhead, "get_backend", lambda name: StandIn())
+    monkeypatch.setattr(overhead, "_versions", lambda backends: {})
+    cfg = overhead.parse_args(["--device", "cuda", "--backend", "ncclpy", "--calls", "7",
+                               "--batch", "3", "--warmup", "1", "--sizes", "8"])
+    doc = overhead.run_rank(cfg)
+    assert [r["mode"] for r in doc["results"]] == ["eager", "capture", "graph"]
+    assert len(seen["captured"]) == 3 + 1          # capture: ceil(7/3) graphs; graph: one
+    assert seen["released"] == len(seen["captured"])
+    assert seen["alive_at_teardown"] == 0

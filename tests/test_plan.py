@@ -13,6 +13,7 @@ import ncclpy
 from ncclpy import registry
 from ncclpy.buffers import Buffer, BufferSpec, as_buffer
 from ncclpy.dtypes import DTYPES, LOGICAL
+from ncclpy.errors import UnsupportedError
 from ncclpy.ops import NCCL_OPS, premul_sum
 from ncclpy.plan.collectives import (plan_all_gather, plan_all_reduce, plan_all_to_all,
                                      plan_barrier, plan_broadcast, plan_call, plan_gather,
@@ -48,10 +49,13 @@ def enum(dt: str) -> int:
     return LOGICAL[dt].wire.nccl
 
 
-def ops_for(dt: str):
-    """(op given, expected NCCL op arg, expected premul scalar bytes or None)."""
+def ops_for(dt: str, n: int = 2):
+    """(op given, expected NCCL op arg, expected premul scalar bytes or None) on ``n`` ranks
+    (float8 avg and premul_sum are refused on one rank: test_one_rank_float8_refusal)."""
     lg = LOGICAL[dt]
     allowed = lg.ops if lg.ops is not None else set(NCCL_OPS) | {"premul_sum"}
+    if n == 1 and lg.wire.name.startswith("float8"):
+        allowed = allowed - {"avg", "premul_sum"}
     out = []
     for name in ("sum", "prod", "max", "min", "avg"):
         if name in allowed:
@@ -77,7 +81,7 @@ def check_premul(plan: Plan, dt: str, premul) -> None:
 @pytest.mark.parametrize("n", WORLD)
 @pytest.mark.parametrize("dt", DTYPE_NAMES)
 def test_all_reduce(dt, n):
-    for rank, (op, opv, pre), in_place in itertools.product(ranks(n), ops_for(dt), (0, 1)):
+    for rank, (op, opv, pre), in_place in itertools.product(ranks(n), ops_for(dt, n), (0, 1)):
         c = ctx(rank, n)
         p = plan_all_reduce(c, B(SEND, 7, dt), None if in_place else B(RECV, 7, dt), op=op)
         rp = SEND if in_place else RECV
@@ -90,10 +94,26 @@ def test_all_reduce(dt, n):
     assert p.meta["in_place"] and p.calls[0].args[:2] == (SEND, SEND)
 
 
+@pytest.mark.parametrize("dt", ["float8_e4m3", "float8_e5m2"])
+@pytest.mark.parametrize("op", ["avg", premul_sum(0.5)])
+def test_one_rank_float8_refusal(dt, op):
+    """NCCL's one-rank path has no float8 PreMulSum kernel (ncclInvalidArgument on an H100,
+    NCCL 2.28.9): refused precisely when planning on 1 rank, planned on 2."""
+    for plan in (lambda c: plan_all_reduce(c, B(SEND, 7, dt), op=op),
+                 lambda c: plan_reduce(c, B(SEND, 7, dt), root=0, op=op),
+                 lambda c: plan_reduce_scatter(c, B(SEND, 7 * c.world_size, dt), op=op)):
+        with pytest.raises(UnsupportedError, match=r"1-rank communicator.*ncclLaunchOneRank"
+                                                   r".*2 or more ranks"):
+            plan(ctx(0, 1))
+        assert plan(ctx(0, 2)).steps
+    # the other ops stay plain copies on one rank
+    assert plan_all_reduce(ctx(0, 1), B(SEND, 7, dt), op="max").steps
+
+
 @pytest.mark.parametrize("n", WORLD)
 @pytest.mark.parametrize("dt", DTYPE_NAMES)
 def test_reduce(dt, n):
-    for rank, root, (op, opv, pre) in itertools.product(ranks(n), ranks(n), ops_for(dt)):
+    for rank, root, (op, opv, pre) in itertools.product(ranks(n), ranks(n), ops_for(dt, n)):
         for in_place in (0, 1):
             p = plan_reduce(ctx(rank, n), B(SEND, 5, dt), None if in_place else B(RECV, 5, dt),
                             root=root, op=op)
@@ -156,7 +176,7 @@ def test_all_gather(dt, n):
 @pytest.mark.parametrize("dt", DTYPE_NAMES)
 def test_reduce_scatter(dt, n):
     k, e = 4, isz(dt)
-    for rank, (op, opv, pre) in itertools.product(ranks(n), ops_for(dt)):
+    for rank, (op, opv, pre) in itertools.product(ranks(n), ops_for(dt, n)):
         c = ctx(rank, n)
         p = plan_reduce_scatter(c, B(SEND, n * k, dt), B(RECV, k, dt), op=op)
         assert p.steps == (NcclCall("ReduceScatter", (SEND, RECV, wc(dt, k), enum(dt), opv)),)

@@ -77,6 +77,64 @@ def test_launcher_notice_comes_first():
 
 
 # -- environment defaults --------------------------------------------------------------------------
+def test_an_nccl_error_waits_for_the_heartbeats_to_name_the_peer():
+    err = ("ncclRemoteError (6): socketProgress: Connection closed by remote peer", 104.0)
+    st = _state()
+    pend = [(50, "all_reduce", 103.5)]
+    # fresh heartbeats, error just reported: no verdict yet (the peer behind it is unknown)
+    assert st.step(104.5, pend, _peers(s1=104.2, s2=104.2), nccl_error=err) is None
+    # rank 2 stops beating: it is named, and the NCCL error is in the message
+    d = st.step(107.5, pend, _peers(s1=107.2, s2=104.2), nccl_error=err)
+    assert d.reason == "peer_silent" and d.suspects == (2,) and d.seq == 50
+    assert "rank(s) 2" in d.message and "all_reduce (sequence 50" in d.message
+    assert "after NCCL reported: ncclRemoteError (6)" in d.message
+
+
+def test_an_nccl_error_with_every_heartbeat_fresh_suspects_every_peer_after_the_grace():
+    err = ("ncclSystemError (2): some NCCL failure", 104.0)
+    st = _state()
+    pend = [(9, "broadcast", 103.0)]
+    assert st.step(107.9, pend, _peers(s1=107.5, s2=107.5), nccl_error=err,
+                   interval=1.0) is None                    # within dead_after + interval
+    d = st.step(108.1, pend, _peers(s1=108.0, s2=108.0), nccl_error=err, interval=1.0)
+    assert d.reason == "nccl_error" and d.suspects == (1, 2) and d.collective == "broadcast"
+    assert "ncclSystemError (2)" in d.message and "every peer (1, 2)" in d.message
+
+
+class _StandInComm:
+    """The attributes a Watchdog reads of a communicator (stand-in: no NCCL, no GPU); its
+    ``_watchdog_abort`` records the decision as the real one sets ``_abort_error``."""
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.name = 0, 2, "standin"
+        self._timeout, self._device, self._watch = 60.0, 0, None
+        self.aborted_with = None
+
+    def _watchdog_abort(self, decision: Any) -> None:
+        self.aborted_with = decision
+
+
+def test_verdict_on_hands_the_error_to_the_thread_and_returns_its_decision():
+    comm = _StandInComm()
+    wd = Watchdog(comm, None, interval=0.05, dead_after=0.1, tick=0.01).start()
+    try:
+        t0 = time.monotonic()
+        d = wd.verdict_on(RuntimeError("ncclRemoteError (6): peer closed"))
+        took = time.monotonic() - t0
+    finally:
+        wd.stop()
+    assert d is not None and d.reason == "nccl_error" and comm.aborted_with is d
+    assert "ncclRemoteError (6): peer closed" in d.message
+    assert took < 0.1 + 2 * 0.05 + 1.0          # bounded by verdict_on's own limit
+
+
+def test_verdict_on_without_a_running_thread_returns_at_once():
+    wd = Watchdog(_StandInComm(), None, interval=0.05, dead_after=0.1, tick=0.01)
+    t0 = time.monotonic()
+    assert wd.verdict_on(RuntimeError("x")) is None
+    assert time.monotonic() - t0 < 0.5
+
+
 def test_timeout_and_flags_from_the_environment(monkeypatch):
     monkeypatch.delenv("NCCLPY_TIMEOUT", raising=False)
     assert default_timeout() == 300.0 and default_timeout(2) == 2.0
@@ -184,3 +242,43 @@ def test_live_ranks_and_a_clean_close_are_not_suspected():
 if __name__ == "__main__":
     worker("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
            float(sys.argv[5]))
+
+
+def test_an_async_error_read_by_a_wait_becomes_the_watchdogs_named_abort():
+    """Communicator._raise_async_error with a stand-in libnccl (async error 6) and a stand-in
+    watchdog: with a verdict the caller gets CommAbortedError (the NCCL error as its cause),
+    without one the NCCL error itself."""
+    from ncclpy.comm import Communicator
+    from ncclpy.errors import CommAbortedError, NcclRemoteError
+
+    class Lib:
+        def async_error(self, handle):
+            return 6
+
+        def error(self, code, name, handle):
+            return NcclRemoteError(code, name, "socketProgress: Connection closed")
+
+    class WD:
+        def __init__(self, comm, decide):
+            self.comm, self.decide, self.got = comm, decide, None
+
+        def verdict_on(self, err):
+            self.got = err
+            if not self.decide:
+                return None
+            self.comm._abort_error = CommAbortedError("rank(s) 2 died", collective="all_reduce",
+                                                      seq=50, suspects=(2,))
+            return object()
+
+    for decide in (True, False):
+        comm = Communicator.__new__(Communicator)
+        comm._abort_error, comm._closed, comm._lib, comm._handle = None, False, Lib(), 1
+        comm._watchdog = WD(comm, decide)
+        with pytest.raises((CommAbortedError, NcclRemoteError)) as ei:
+            comm._raise_async_error()
+        assert isinstance(comm._watchdog.got, NcclRemoteError)
+        if decide:
+            assert isinstance(ei.value, CommAbortedError) and ei.value.suspects == [2]
+            assert isinstance(ei.value.__cause__, NcclRemoteError)
+        else:
+            assert type(ei.value) is NcclRemoteError

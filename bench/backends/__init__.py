@@ -196,7 +196,9 @@ class Backend:
         raise NotImplementedError
 
     def release(self, graph: Any) -> None:
-        """Free a captured graph."""
+        """Free what a captured graph holds (the caller then drops its last reference).  NCCL's
+        communicator destroy waits until every graph that captured its calls is destroyed, so
+        a graph kept alive until teardown hangs it (seen on a GPU with all three backends)."""
 
     def event_timer(self) -> Tuple[Callable[[], None], Callable[[], float]]:
         """(start, stop) where stop() returns seconds between them measured on the stream."""

@@ -195,6 +195,9 @@ class TorchBackend(Backend):
     def replay(self, graph: Any) -> None:
         graph.replay()
 
+    def release(self, graph: Any) -> None:
+        graph.reset()       # frees the graph and its exec now, not at garbage collection
+
     def event_timer(self) -> Tuple[Callable[[], None], Callable[[], float]]:
         torch = self.torch
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

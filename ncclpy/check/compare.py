@@ -175,6 +175,8 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
     unsupported: List[str] = []
     for p in parts:
         r = p["rank"]
+        if "torch_not_called" in p:
+            unsupported.append(f"torch rank {r}: {p['torch_not_called']}")
         if "torch_exc" in p:
             why = known_refusal(backend, case, p["torch_exc"]) if backend == "nccl" else None
             if why is None:

@@ -18,6 +18,14 @@ bytes equal that prediction on every rank.  Any other difference is a mismatch.
 *Known refusals* (:data:`KNOWN_REFUSALS`): the exceptions torch's NCCL backend raises on purpose
 for a dtype/op it does not support, matched by collective, dtype, op and message.  Any other
 exception is an error of the run, never "unsupported".
+
+*Not called* (:data:`NOT_CALLED`): refusals the check never provokes.  torch's ``scatter``
+converts each tensor's dtype inside the ``ncclGroupStart``/``ncclGroupEnd`` it opened, so its
+"Unconvertible NCCL type UInt32" leaves that group open; NCCL's group depth belongs to the
+thread, not the communicator, so every later NCCL call of the thread (ncclpy's included) is
+only queued, never launched, and every later case reads stale buffers (seen on an H100 with
+torch 2.11 and NCCL 2.28.9, 2026-11-25: all scatter and send_recv cases after the first uint32
+scatter failed).  Such a case runs on ncclpy's side only and is "unsupported" for torch.
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ from .. import numerics as nm
 from ..dtypes import LOGICAL
 
 __all__ = ["Divergence", "DIVERGENCES", "divergence", "predicted_outputs", "Refusal",
-           "KNOWN_REFUSALS", "known_refusal", "REDUCING_COLLECTIVES"]
+           "KNOWN_REFUSALS", "known_refusal", "NOT_CALLED", "not_called",
+           "REDUCING_COLLECTIVES"]
 
 REDUCING_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter")
 _FLOATS = ("float16", "float32", "float64", "bfloat16", "complex32", "complex64", "complex128")
@@ -167,6 +176,18 @@ class Refusal:
 
 _FP8 = ("float8_e4m3", "float8_e5m2")
 _INTS = ("int8", "uint8", "int32", "uint32", "int64", "uint64")
+_COMPLEX = ("complex32", "complex64", "complex128")
+#: torch calls the check does not make (module docstring); ``pattern`` is unused
+NOT_CALLED: Tuple[Refusal, ...] = (
+    Refusal("nccl", "*", ("uint32", "uint64"), "*", "",
+            "torch's NCCL backend maps no uint32/uint64 tensor to an NCCL type (not called: "
+            "torch's scatter refuses them inside an NCCL group it leaves open, which stalls "
+            "every later NCCL call of the process)"),
+    Refusal("nccl", ("gather",), _COMPLEX, "*", "",
+            "torch's gather hands a complex tensor to NCCL without the real view, and NCCL has "
+            "no complex type (not called: torch raises 'Unconvertible NCCL type' from inside "
+            "its NCCL call path)"),
+)
 KNOWN_REFUSALS: Tuple[Refusal, ...] = (
     Refusal("nccl", "*", ("uint32", "uint64"), "*",
             r"data type is not supported for NCCL process group",
@@ -177,8 +198,7 @@ KNOWN_REFUSALS: Tuple[Refusal, ...] = (
     Refusal("nccl", REDUCING_COLLECTIVES, _FP8, "*",
             r"Float8 dtypes are not curren\w+ supported for NCCL reductions",
             "torch refuses float8 reductions on its NCCL backend"),
-    Refusal("nccl", ("reduce", "reduce_scatter", "gather"), ("complex32", "complex64",
-                                                            "complex128"), "*",
+    Refusal("nccl", ("reduce", "reduce_scatter"), _COMPLEX, "*",
             r"data type is not supported for NCCL process group: Complex",
             "torch's Python layer hands this collective's complex tensor to its NCCL backend "
             "without the real view, and NCCL has no complex type"),
@@ -188,6 +208,15 @@ KNOWN_REFUSALS: Tuple[Refusal, ...] = (
             ("prod", "min", "max"), r"does not support .* on complex tensors",
             "torch reduces complex tensors with SUM, AVG and PREMUL_SUM only"),
 )
+
+
+def not_called(backend: str, case: Any) -> Optional[str]:
+    """The reason the check does not call torch for ``case`` on ``backend`` (None: it does)."""
+    for r in NOT_CALLED:
+        if r.backend == backend and _has(r.collectives, case.collective) and \
+                _has(r.dtypes, case.dtype) and _has(r.ops, case.op):
+            return r.reason
+    return None
 
 
 def known_refusal(backend: str, case: Any, message: str) -> Optional[str]:

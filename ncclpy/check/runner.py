@@ -341,12 +341,16 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
         torch_ref = ins[rank] if ctx["backend"] == "nccl" else None
     true_torch_ref = torch_ref          # kept from the reference-side corruption below
     t_out = n_out = None
-    try:
-        t_out = run_case_torch(torch, dist, case, ins[rank], rank, n, ctx["device"], tmo)
-    except Exception as e:  # noqa: BLE001 - classified at rank 0 (known refusal or error)
-        res["torch_exc"] = _short(e)
-        if ctx.get("verbose"):
-            traceback.print_exc()
+    skip = D.not_called(ctx["backend"], case)
+    if skip is not None:
+        res["torch_not_called"] = skip
+    else:
+        try:
+            t_out = run_case_torch(torch, dist, case, ins[rank], rank, n, ctx["device"], tmo)
+        except Exception as e:  # noqa: BLE001 - classified at rank 0 (known refusal or error)
+            res["torch_exc"] = _short(e)
+            if ctx.get("verbose"):
+                traceback.print_exc()
     if ctx.get("comm") is not None:
         try:
             n_out = run_case_ncclpy(torch, ctx["comm"], case, ins[rank], rank, n, ctx["device"],

@@ -128,20 +128,21 @@ def reduction(ctx: PlanContext, coll: str, op: Any, w: Wire) -> Tuple[Any, Optio
     """(op argument for the NCCL call, premul spec or None, effective RedOp)."""
     t = type(op)
     key = None
+    one = ctx.world_size == 1       # NCCL refuses some (dtype, op) pairs on one rank only
     if t is RedOp:          # by the scalar's exact bits: -0.0 == 0.0 but scales differently
         sc = op.scalar
         if sc is None or type(sc) is int:
-            key = (t, op.name, type(sc), sc, w.logical.name, ctx.nccl_version)
+            key = (t, op.name, type(sc), sc, w.logical.name, ctx.nccl_version, one)
         elif type(sc) is float:
-            key = (t, op.name, struct.pack("<d", sc), w.logical.name, ctx.nccl_version)
+            key = (t, op.name, struct.pack("<d", sc), w.logical.name, ctx.nccl_version, one)
     elif t in _OP_TYPES:
-        key = (t, op, w.logical.name, ctx.nccl_version)
+        key = (t, op, w.logical.name, ctx.nccl_version, one)
     if key is not None:
         hit = _REDUCTIONS.get(key)
         if hit is not None:
             return hit
     try:
-        o = effective_op(op, w.logical.name, ctx.nccl_version)
+        o = effective_op(op, w.logical.name, ctx.nccl_version, ctx.world_size)
     except NcclpyError as e:
         raise type(e)(f"{coll}: {e}") from None
     if o.name == "premul_sum":

@@ -295,7 +295,7 @@ def op_arg(s: Session, op: str) -> Any:
 def supported(s: Session, dt: DT, op: str) -> bool:
     """Whether ncclpy should accept ``op`` on ``dt`` (else it must raise UnsupportedError)."""
     try:
-        s.ncclpy.ops.effective_op(op_arg(s, op), dt.name, s.comm.nccl_version)
+        s.ncclpy.ops.effective_op(op_arg(s, op), dt.name, s.comm.nccl_version, s.n)
         return True
     except s.ncclpy.UnsupportedError:
         return False

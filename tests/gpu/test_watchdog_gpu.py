@@ -27,22 +27,38 @@ def _free_port() -> int:
 
 
 def _run(mode: str, n: int, outdir: str) -> list:
+    """Start n plain rank processes placed as ``ncclpy run`` places them (several ranks on one
+    GPU need a distinct NCCL_HOSTID each, or NCCL refuses them as duplicate GPUs; MPS when the
+    driver has it), wait for them, and read what each survivor wrote."""
+    from ncclpy.launch.mps import setup_mps
+    from ncclpy.launch.placement import place, with_mps
     port = _free_port()
+    plan = place(n, single_node=True)
+    mps = setup_mps("auto", plan.shared, os.environ, name="mps")
+    if mps.status is not None:
+        plan = with_mps(plan, mps.status, mps.env, mps.unset)
     ps = []
-    for r in range(n):
-        env = dict(os.environ, NCCLPY_RANK=str(r), NCCLPY_WORLD_SIZE=str(n),
-                   NCCLPY_LOCAL_RANK=str(r), NCCLPY_LOCAL_WORLD_SIZE=str(n),
-                   NCCLPY_MASTER_ADDR="127.0.0.1", NCCLPY_MASTER_PORT=str(port),
-                   NCCLPY_TIMEOUT=str(TIMEOUT), PYTHONPATH=ROOT)
-        ps.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_gpu_watchdog.py"),
-                                    mode, outdir], env=env))
-    for p in ps:
-        try:
-            p.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise AssertionError(f"{mode}: a rank did not finish within 240 s: the watchdog "
-                                 f"did not abort")
+    try:
+        for r in range(n):
+            env = {k: v for k, v in os.environ.items() if k not in plan.unset}
+            env.update(plan.env(r), NCCLPY_RANK=str(r), NCCLPY_WORLD_SIZE=str(n),
+                       NCCLPY_LOCAL_RANK=str(r), NCCLPY_LOCAL_WORLD_SIZE=str(n),
+                       NCCLPY_MASTER_ADDR="127.0.0.1", NCCLPY_MASTER_PORT=str(port),
+                       NCCLPY_TIMEOUT=str(TIMEOUT), PYTHONPATH=ROOT)
+            ps.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_gpu_watchdog.py"),
+                                        mode, outdir], env=env))
+        for p in ps:
+            try:
+                p.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{mode}: a rank did not finish within 240 s: the "
+                                     f"watchdog did not abort") from None
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        mps.stop()
     res = []
     for r in range(n):
         path = os.path.join(outdir, f"rank{r}.json")
