@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ncclpy import Buffer  # noqa: E402
 from ncclpy.checked import Checker  # noqa: E402
 from ncclpy.plan.types import PlanContext  # noqa: E402
-from ncclpy.resolver import Resolver  # noqa: E402
+from ncclpy.comm.resolver import Resolver  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """``python -m bench.host_overhead``: the Python time of one call up to the NCCL function (CPU).
 
 What is timed, in one process and one run, for an in-place ``all_reduce`` (op sum) of one
-buffer of 2 float32 (8 bytes) on rank 0 of 2, through a real :class:`ncclpy.resolver.Resolver`
+buffer of 2 float32 (8 bytes) on rank 0 of 2, through a real :class:`ncclpy.comm.resolver.Resolver`
 (no communicator, no GPU; the libnccl is the one CuPy loads):
 
 * ``floor``: a bare ctypes call into the loaded libnccl, ``ncclGetVersion(byref(v))``;
@@ -131,8 +131,8 @@ def measure(repeats: int = 200, batch: int = 100, *, log: Optional[Callable[[str
     """Time every path (see the module docstring); returns the JSON document."""
     from ncclpy._nccl.lib import get_lib
     from ncclpy.plan.types import PlanContext
-    from ncclpy.prepared import PreparedCall
-    from ncclpy.resolver import Resolver
+    from ncclpy.comm.prepared import PreparedCall
+    from ncclpy.comm.resolver import Resolver
 
     lib = get_lib()
     get_version = lib.fn("ncclGetVersion")

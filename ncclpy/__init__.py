@@ -33,7 +33,7 @@ _LAZY = {
     "spawn": "ncclpy.launch.spawn",
     # communicator
     "init": "ncclpy.comm", "Communicator": "ncclpy.comm", "Config": "ncclpy.comm",
-    "Work": "ncclpy.work", "group": "ncclpy.comm",
+    "Work": "ncclpy.comm.work", "group": "ncclpy.comm",
     "Buffer": "ncclpy.buffers",
 }
 

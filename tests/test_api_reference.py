@@ -31,7 +31,7 @@ INTERNAL_EXCEPTIONS = {
 
 #: classes whose public members (methods, properties) must each be documented
 DOCUMENTED_CLASSES = ("ncclpy.Communicator", "ncclpy.Work", "ncclpy.Buffer", "ncclpy.Config",
-                      "ncclpy.TCPStore", "ncclpy.StoreServer", "ncclpy.prepared.Prepared")
+                      "ncclpy.TCPStore", "ncclpy.StoreServer", "ncclpy.comm.prepared.Prepared")
 
 #: public members allowed without a docstring for now, with the one proposed (none left)
 PENDING_DOCSTRINGS: dict = {}

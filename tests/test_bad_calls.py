@@ -230,7 +230,7 @@ def test_bad_call(name, call, exc, words):
 
 # -- the same refusals through the resolver, after the good call was cached (issue 14) -----------
 def _warm_resolver(n=4):
-    from ncclpy.resolver import Resolver
+    from ncclpy.comm.resolver import Resolver
     res = Resolver(C(n=n))
     for name, a, b, params in (("all_reduce", B(S, 4), None, ("sum",)),
                                ("reduce", B(S, 4), None, (0, "sum")),

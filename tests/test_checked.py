@@ -2,7 +2,7 @@
 
 Every rank is a real process (or, at 64 ranks, a thread with its own store client) holding a
 real ncclpy TCPStore client; its calls are planned by the real planners
-(:class:`ncclpy.resolver.Resolver` on :class:`ncclpy.Buffer` specs) and compared by
+(:class:`ncclpy.comm.resolver.Resolver` on :class:`ncclpy.Buffer` specs) and compared by
 :class:`ncclpy.checked.Checker`.  Run as a script, this file is the worker.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ncclpy.checked import Checker, compare, fingerprint, format_table  # noqa: 
 from ncclpy.errors import CallCheckTimeout, CallMismatchError, NcclpyError  # noqa: E402
 from ncclpy.ops import premul_sum  # noqa: E402
 from ncclpy.plan.types import PlanContext  # noqa: E402
-from ncclpy.resolver import Resolver  # noqa: E402
+from ncclpy.comm.resolver import Resolver  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
 
 X = Buffer(0x100000, 16, "float32", 0)

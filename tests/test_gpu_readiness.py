@@ -95,7 +95,7 @@ def test_dispatch_through_cupy_waits_on_in_progress_and_raises_timeout():
         call(1, 2, 3, stream=0)
     assert ei.value.call == "ncclAllReduce"
     # inside a group NCCL launches at the group end: no wait per call
-    from ncclpy.execute import group_scope
+    from ncclpy.comm.execute import group_scope
     status["code"] = 7
     with group_scope(dispatch.lib_group(lib, "ncclGroupStart"),
                      dispatch.lib_group(lib, "ncclGroupEnd")):
@@ -229,7 +229,7 @@ class _Runtime:
 
 
 def test_device_current_switches_and_restores():
-    from ncclpy.execute import device_current
+    from ncclpy.comm.execute import device_current
     rt = _Runtime(0)
     with device_current(rt, 1):
         assert rt.current == 1
@@ -242,7 +242,7 @@ def test_device_current_switches_and_restores():
 
 
 def test_device_current_costs_nothing_when_already_current():
-    from ncclpy.execute import device_current
+    from ncclpy.comm.execute import device_current
     rt = _Runtime(1)
     with device_current(rt, 1):
         pass

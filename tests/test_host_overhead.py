@@ -14,8 +14,8 @@ import pytest
 from ncclpy.buffers import Buffer
 from ncclpy.errors import ArgumentError
 from ncclpy.plan.types import PlanContext
-from ncclpy.prepared import PreparedCall, bind_call
-from ncclpy.resolver import Resolver
+from ncclpy.comm.prepared import PreparedCall, bind_call
+from ncclpy.comm.resolver import Resolver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -45,7 +45,7 @@ def _run_py(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_import_ncclpy_loads_nothing_heavy():
     r = _run_py("""
         import sys, json
-        import ncclpy, ncclpy.comm, ncclpy.work, ncclpy.streams, ncclpy.execute, ncclpy._nccl
+        import ncclpy, ncclpy.comm, ncclpy.comm.work, ncclpy.comm.streams, ncclpy.comm.execute, ncclpy._nccl
         maps = open('/proc/self/maps').read()
         print(json.dumps({'cupy': 'cupy' in sys.modules, 'torch': 'torch' in sys.modules,
                           'nccl': 'libnccl' in maps, 'loaded': ncclpy._nccl.is_loaded()}))
@@ -367,7 +367,7 @@ def test_config_layout_matches_the_real_nccl_h(tmp_path):
 
 def test_group_end_runs_when_the_block_raises():
     lib = _nccl_or_skip()
-    from ncclpy.execute import group_state
+    from ncclpy.comm.execute import group_state
     with pytest.raises(KeyError, match="boom"):
         with ncclpy.group():
             with ncclpy.group():
@@ -379,7 +379,7 @@ def test_group_end_runs_when_the_block_raises():
 
 def test_group_end_failure_is_raised_unless_the_block_raised():
     lib = _nccl_or_skip()
-    from ncclpy.execute import group_state
+    from ncclpy.comm.execute import group_state
     with pytest.raises(errors.NcclInvalidUsage) as ei:
         with ncclpy.group():
             lib.ncclGroupEnd()  # closes NCCL's group behind ncclpy's back
@@ -393,7 +393,7 @@ def test_group_end_failure_is_raised_unless_the_block_raised():
 
 def test_deferred_steps_run_after_the_outermost_group_end():
     _nccl_or_skip()
-    from ncclpy.execute import group_state
+    from ncclpy.comm.execute import group_state
     seen = []
     with ncclpy.group():
         with ncclpy.group():
@@ -403,7 +403,7 @@ def test_deferred_steps_run_after_the_outermost_group_end():
 
 
 def test_stream_handles():
-    from ncclpy.streams import as_stream_handle, resolve_stream
+    from ncclpy.comm.streams import as_stream_handle, resolve_stream
 
     class Proto:
         def __cuda_stream__(self):
@@ -429,7 +429,7 @@ def test_stream_handles():
 
 
 def test_default_stream_from_cai_v3():
-    from ncclpy.streams import default_stream
+    from ncclpy.comm.streams import default_stream
 
     class Cai:
         def __init__(self, stream):
@@ -442,7 +442,7 @@ def test_default_stream_from_cai_v3():
 
 
 def test_work_from_an_open_group_cannot_be_waited():
-    from ncclpy.work import Work
+    from ncclpy.comm.work import Work
     w = Work(None, 0, 0x10)
     assert not w.is_completed()
     with pytest.raises(errors.NcclpyError, match="outermost group ends"):
@@ -454,7 +454,7 @@ def test_work_from_an_open_group_cannot_be_waited():
 
 
 def test_segments_keep_order():
-    from ncclpy.execute import segments
+    from ncclpy.comm.execute import segments
     from ncclpy.plan.types import Copy, NcclCall, Scratch
     c1 = Copy(Scratch(0), 0x100, 8)
     a = NcclCall("Send", (0x10, 2, 7, 1))

@@ -10,8 +10,8 @@ import ncclpy
 from ncclpy import errors
 from ncclpy.buffers import Buffer
 from ncclpy.plan.types import PlanContext
-from ncclpy.prepared import SIGNATURES, PreparedCall, _memory_owners, bind_call
-from ncclpy.resolver import PLANNERS, Resolver
+from ncclpy.comm.prepared import SIGNATURES, PreparedCall, _memory_owners, bind_call
+from ncclpy.comm.resolver import PLANNERS, Resolver
 
 S, R = 0x7F00_0000_0000, 0x7F10_0000_0000
 ST, ST2 = 0x51, 0x52

@@ -16,7 +16,7 @@ from ncclpy.bufkey import Uncacheable, buffer_key
 from ncclpy.ops import premul_sum
 from ncclpy.plan import collectives as pc
 from ncclpy.plan.types import PlanContext
-from ncclpy.resolver import PLANNERS, Resolved, Resolver, first_buffer
+from ncclpy.comm.resolver import PLANNERS, Resolved, Resolver, first_buffer
 
 S, R, O = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x7F20_0000_0000
 ST, ST2 = 0x51, 0x52

@@ -28,7 +28,7 @@ CUPY_METHODS = {"AllReduce": "allReduce", "Reduce": "reduce", "Broadcast": "broa
 
 
 def _depth() -> int:
-    from ..execute import group_state
+    from .group import group_state
     return group_state().depth
 
 

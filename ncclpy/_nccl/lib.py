@@ -395,7 +395,7 @@ class NcclLib:
         NCCL group depth still raised, which would silently defer every later call of the
         thread into a group.  Only done when ncclpy has no group open on this thread.
         """
-        from ..execute import group_state
+        from .group import group_state
         if group_state().depth:
             return 0
         end = self.fn("ncclGroupEnd")

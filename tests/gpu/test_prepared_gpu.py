@@ -207,7 +207,7 @@ def chk_work_pool(s: Session) -> None:
     """Events are pooled: hundreds of calls create only a few; waiting, is_completed and
     wait(stream) keep their meaning on reused events."""
     import cupy
-    from ncclpy.work import event_pool
+    from ncclpy.comm.work import event_pool
     x = cupy.ones(64, dtype=cupy.float32)
     pool = event_pool(s.dev)
     before = pool.created

@@ -3,7 +3,7 @@
 * ``.. ncclpy-cli:: module:function [subcommand]`` -- the ``--help`` text of an argparse parser
   built by ``module:function()`` (the CLIs' own parsers, so flags cannot drift from the page).
 * ``.. ncclpy-nccl-calls::`` -- which NCCL function(s) each communicator call issues, obtained
-  by planning each call with ncclpy's pure planner (:class:`ncclpy.resolver.Resolver`, no GPU)
+  by planning each call with ncclpy's pure planner (:class:`ncclpy.comm.resolver.Resolver`, no GPU)
   for an NCCL that has native Gather/Scatter/AlltoAll (2.28) and one that has not (2.27).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class CliHelp(Directive):
 def _plan_rows():
     from ncclpy import Buffer, premul_sum
     from ncclpy.plan.types import PlanContext
-    from ncclpy.resolver import Resolver
+    from ncclpy.comm.resolver import Resolver
 
     ptrs = itertools.count(1)
 

@@ -33,13 +33,13 @@ import dataclasses
 import struct
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
-from . import registry as _registry
-from .buffers import as_buffer, from_cai
-from .bufkey import _KEYERS, Uncacheable, _cai, cai_key, keyer
+from .. import registry as _registry
+from ..buffers import as_buffer, from_cai
+from ..bufkey import _KEYERS, Uncacheable, _cai, cai_key, keyer
 from .execute import group_depth
-from .ops import RedOp
-from .plan import collectives as _c
-from .plan.types import NcclCall, Plan, PlanContext
+from ..ops import RedOp
+from ..plan import collectives as _c
+from ..plan.types import NcclCall, Plan, PlanContext
 from .streams import cai_stream, cupy_stream, default_stream_of, stream_handle
 
 __all__ = ["Resolver", "Resolved", "PLANNERS", "first_buffer"]

@@ -15,11 +15,11 @@ import itertools
 import logging
 from typing import Any, List, Optional
 
-from ._nccl.config import effective_nonblocking
-from ._nccl.dispatch import call_cupy, cupy_stream_for, int_arg
-from ._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE,
+from .._nccl.config import effective_nonblocking
+from .._nccl.dispatch import call_cupy, cupy_stream_for, int_arg
+from .._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE,
                         require_version)
-from .errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
+from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
 from .execute import group_depth
 
 __all__ = ["CommExtras", "Registration"]
@@ -135,7 +135,7 @@ class CommExtras:
         self._check_usable("register")
         if isinstance(buf, (list, tuple)):
             raise ArgumentTypeError("register: expected one buffer, got a list")
-        from .buffers import as_buffer
+        from ..buffers import as_buffer
         spec = as_buffer(buf, "buf")
         nbytes = int(spec.count) * _itemsize(spec.dtype)
         h = ctypes.c_void_p(0)
@@ -169,8 +169,8 @@ class CommExtras:
     def mem_alloc(self, count: int, dtype: Any = "uint8") -> Any:
         """``ncclMemAlloc`` ``count`` elements of ``dtype`` on this device -> ncclpy.Buffer."""
         self._check_usable("mem_alloc")
-        from .buffers import Buffer
-        from .dtypes import dtype_name
+        from ..buffers import Buffer
+        from ..dtypes import dtype_name
         count = int_arg("count", count, 0)
         name = dtype_name(dtype)
         nbytes = count * _itemsize(name)
@@ -230,5 +230,5 @@ class CommExtras:
             self._wait_ready("ncclRedOpDestroy")
 
 def _itemsize(dtype: Any) -> int:
-    from .dtypes import logical
+    from ..dtypes import logical
     return logical(dtype).itemsize

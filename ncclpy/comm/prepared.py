@@ -15,7 +15,7 @@ default; otherwise every call uses the current stream of the buffers' framework,
 call), the group state, and the communicator's planning context (after ``force_fallback``
 changes, the next call re-plans from the same buffers, every check again).
 
-:class:`PreparedCall` is the GPU-less part (it needs a :class:`~ncclpy.resolver.Resolver`
+:class:`PreparedCall` is the GPU-less part (it needs a :class:`~ncclpy.comm.resolver.Resolver`
 only), so its per-call cost is measured on a CPU; :class:`Prepared` binds it to a
 communicator.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from .errors import ArgumentError, ArgumentTypeError, NcclpyError
+from ..errors import ArgumentError, ArgumentTypeError, NcclpyError
 from .execute import group_depth, issue
 from .resolver import Resolved, Resolver, first_buffer
 from .streams import as_stream_handle, default_stream_of, stream_handle
@@ -59,7 +59,7 @@ def _call_name(name: Any) -> str:
     if name == "barrier":
         raise ArgumentError("prepare: barrier blocks the host until every rank arrives; call "
                             "comm.barrier() instead")
-    from . import registry
+    from .. import registry
     try:
         coll = registry.get(name)
     except Exception:

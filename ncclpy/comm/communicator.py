@@ -6,17 +6,17 @@ communicator nonblocking, through ``ncclCommInitRankConfig`` bound with ctypes f
 libnccl.  A nonblocking communicator (the effective mode, environment included:
 :func:`ncclpy._nccl.config.effective_nonblocking`) is polled with ``ncclCommGetAsyncError``
 until ready, within ``timeout``, after init and after each call.  Split and registration live
-in :mod:`ncclpy.comm_extras`.  Each communicator builds, once, a dispatch table ``NCCL name ->
+in :mod:`ncclpy.comm.extras`.  Each communicator builds, once, a dispatch table ``NCCL name ->
 callable(*args, stream)`` (:mod:`ncclpy._nccl.dispatch`): CuPy's bound methods where CuPy wraps
 the call and the communicator came from CuPy, ctypes functions on the raw ``ncclComm_t``
 otherwise (AlltoAll, Gather, Scatter, and everything on a ctypes-created communicator).  NCCL
 errors from either path become ncclpy's NcclError subclass with the code, the call and
 ``ncclGetLastError``'s text.
 
-Each method: resolve (``ncclpy.resolver``: parse the buffers, plan (pure, ``ncclpy.plan``) and
+Each method: resolve (``ncclpy.comm.resolver``: parse the buffers, plan (pure, ``ncclpy.plan``) and
 pick the stream on the first call; a cached, never-stale result on a repeated one), issue
-(``ncclpy.execute.issue``) -> :class:`~ncclpy.work.Work`.  ``prepare`` resolves a call once for
-repeated use (``ncclpy.prepared``).
+(``ncclpy.comm.execute.issue``) -> :class:`~ncclpy.comm.work.Work`.  ``prepare`` resolves a call once for
+repeated use (``ncclpy.comm.prepared``).
 """
 from __future__ import annotations
 
@@ -26,18 +26,18 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-from ._nccl.config import Config, effective_nonblocking, init_struct
-from ._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, int_arg,
+from .._nccl.config import Config, effective_nonblocking, init_struct
+from .._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, int_arg,
                              lib_group, require_device, uid_bytes)
-from ._nccl.lib import (NCCL_IN_PROGRESS, CudaUnavailableError, get_lib, require_version)
-from .errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError, NcclpyError,
+from .._nccl.lib import (NCCL_IN_PROGRESS, CudaUnavailableError, get_lib, require_version)
+from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError, NcclpyError,
                      NcclTimeoutError)
-from .comm_extras import CommExtras, Registration
+from .extras import CommExtras, Registration
 from .execute import group_scope, issue
-from .plan.types import PlanContext
+from ..plan.types import PlanContext
 from .prepared import Prepared
 from .resolver import Resolver
-from .watchdog import default_timeout, env_flag
+from ..watchdog import default_timeout, env_flag
 from .work import Work
 
 __all__ = ["Communicator", "Config", "Registration", "init", "group"]
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class Communicator(CommExtras):
     """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``.
     Each call checks its arguments before NCCL (Argument*Error), enqueues on ``stream``
-    (default: see :mod:`ncclpy.streams`; CUDA-graph capture allowed) and returns a Work;
+    (default: see :mod:`ncclpy.comm.streams`; CUDA-graph capture allowed) and returns a Work;
     NCCL failures raise NcclError subclasses, a closed one NcclpyError."""
 
     def __init__(self, world_size: int, rank: int, uid: Any, device: int,
@@ -120,12 +120,12 @@ class Communicator(CommExtras):
         comm.name = getattr(bs, "name", "default")
         store = getattr(bs, "store", None)
         if checked:
-            from .checked import Checker
+            from ..checked import Checker
             comm._checker = Checker(store, comm.rank, comm.world_size, name=comm.name,
                                     prefix=f"ncclpy/{comm.name}/{getattr(bs, 'generation', 0)}"
                                            f"/chk", timeout=comm._timeout)
         if watchdog:
-            from .watchdog import Watchdog
+            from ..watchdog import Watchdog
             comm._watchdog = Watchdog(comm, store).start()
         return comm
 
@@ -410,7 +410,7 @@ class Communicator(CommExtras):
     def prepare(self, name: str, *args: Any, stream: Any = None, **kwargs: Any) -> Prepared:
         """Validate and plan one call once: ``p = comm.prepare("all_reduce", x, op="sum")``,
         then ``p()`` / ``p(stream=s)`` issues the same NCCL call(s) with nothing but the C
-        calls and the Work bookkeeping (see :mod:`ncclpy.prepared`).  Arguments as the method
+        calls and the Work bookkeeping (see :mod:`ncclpy.comm.prepared`).  Arguments as the method
         ``name`` takes them; ``stream`` fixes the default stream of every call.  Argument
         errors are raised here; ``barrier`` cannot be prepared."""
         self._check_usable("prepare")
@@ -533,14 +533,14 @@ class Communicator(CommExtras):
 def _parse(obj: Any, name: str) -> Any:
     if obj is None:
         return None
-    from .buffers import as_buffer
+    from ..buffers import as_buffer
     if isinstance(obj, (list, tuple)):
         return [as_buffer(o, f"{name}[{i}]") for i, o in enumerate(obj)]
     return as_buffer(obj, name)
 
 
 def _itemsize(dtype: Any) -> int:
-    from .dtypes import logical
+    from ..dtypes import logical
     return logical(dtype).itemsize
 
 
@@ -562,7 +562,7 @@ def init(name: str = "default", config: Optional[Config] = None,
     timeout = default_timeout(timeout)
     checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
     watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
-    from .bootstrap import _check_device_arg, bootstrap
+    from ..bootstrap import _check_device_arg, bootstrap
     _check_device_arg(resolve_kwargs.get("device"))
     get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot

@@ -4,7 +4,7 @@
 copies with ``cudaMemcpyAsync``, NCCL calls through the communicator's dispatch table, grouped
 when the plan says so), destroys the op and records the Work's event.
 
-``issue`` runs a resolved call (:class:`ncclpy.resolver.Resolved`): when it is nothing but NCCL
+``issue`` runs a resolved call (:class:`ncclpy.comm.resolver.Resolved`): when it is nothing but NCCL
 calls with final arguments -- the common case -- it makes exactly those C calls through the
 dispatch table and records the Work, nothing else; otherwise it hands the call's plan to
 ``execute``.
@@ -18,13 +18,13 @@ exception is the one that propagates.
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-from .errors import NcclpyError
-from .plan.types import PREMUL_OP, Copy, NcclCall, Scratch
+from .._nccl.group import GroupState, group_depth, group_state
+from ..errors import NcclpyError
+from ..plan.types import PREMUL_OP, Copy, NcclCall, Scratch
 from .work import Work
 
 __all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "segments",
@@ -32,36 +32,6 @@ __all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "seg
 
 log = logging.getLogger(__name__)
 _MEMCPY_D2D = 3  # cudaMemcpyDeviceToDevice
-
-_tls = threading.local()
-
-
-class GroupState:
-    """This thread's ncclpy group nesting and what waits for the outermost group end."""
-
-    __slots__ = ("depth", "pending", "comms", "checks")
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.pending: List[Callable[[Optional[BaseException]], None]] = []
-        self.comms: dict = {}
-        self.checks: List[Any] = []     # checked mode: calls deferred to the outermost end
-
-
-def group_state() -> GroupState:
-    st = getattr(_tls, "state", None)
-    if st is None:
-        st = _tls.state = GroupState()
-    return st
-
-
-def group_depth() -> int:
-    """This thread's ncclpy group nesting (0: not inside ``group()``)."""
-    try:
-        return _tls.state.depth
-    except AttributeError:        # first look from this thread: make its state once
-        return group_state().depth
-
 
 def _group_exit(st: GroupState, end: Callable[[], int],
                 raising: bool = False) -> None:

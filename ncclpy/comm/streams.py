@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, Optional
 
-from .buffers import type_kind
-from .errors import ArgumentTypeError
+from ..buffers import type_kind
+from ..errors import ArgumentTypeError
 
 __all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream",
            "stream_handle", "default_stream_of", "torch_stream", "cai_stream"]

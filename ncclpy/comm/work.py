@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from .errors import NcclpyError, NcclTimeoutError
+from ..errors import NcclpyError, NcclTimeoutError
 
 __all__ = ["Work", "EventPool", "event_pool"]
 

@@ -1,0 +1,42 @@
+"""This thread's ncclpy group state: NCCL's group nesting is per thread, so is ncclpy's.
+
+Kept beside the NCCL bindings (below the call path) because the binding layer reads it too:
+``_nccl.dispatch`` waits on a nonblocking communicator only outside a group, and
+``_nccl.lib.repair_group_depth`` closes levels a failed init left open only when ncclpy has
+none open.  :mod:`ncclpy.comm.execute` drives it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List, Optional
+
+__all__ = ["GroupState", "group_state", "group_depth"]
+
+_tls = threading.local()
+
+
+class GroupState:
+    """This thread's ncclpy group nesting and what waits for the outermost group end."""
+
+    __slots__ = ("depth", "pending", "comms", "checks")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: List[Callable[[Optional[BaseException]], None]] = []
+        self.comms: dict = {}
+        self.checks: List[Any] = []     # checked mode: calls deferred to the outermost end
+
+
+def group_state() -> GroupState:
+    st = getattr(_tls, "state", None)
+    if st is None:
+        st = _tls.state = GroupState()
+    return st
+
+
+def group_depth() -> int:
+    """This thread's ncclpy group nesting (0: not inside ``group()``)."""
+    try:
+        return _tls.state.depth
+    except AttributeError:        # first look from this thread: make its state once
+        return group_state().depth

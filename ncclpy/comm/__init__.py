@@ -1,0 +1,15 @@
+"""The call path: a user call -> resolved plan -> NCCL calls -> :class:`Work`.
+
+``communicator`` (the :class:`Communicator` and its lifecycle), ``extras`` (split,
+registration, NCCL memory), ``resolver`` and ``prepared`` (parse and plan once, cache),
+``execute`` (issue a plan, groups), ``work`` (completion handles on pooled events),
+``streams`` (which stream a call runs on).  The public names are re-exported here and at the
+top of :mod:`ncclpy`.
+"""
+from __future__ import annotations
+
+from ..watchdog import default_timeout, env_flag
+from .communicator import Communicator, Config, Registration, group, init
+
+__all__ = ["Communicator", "Config", "Registration", "init", "group", "default_timeout",
+           "env_flag"]
