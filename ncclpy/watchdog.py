@@ -307,10 +307,18 @@ class Watchdog:
 
     def _loop(self) -> None:
         try:
-            from cupy.cuda import runtime
-            runtime.setDevice(self.comm._device)   # never a context on another device
+            from ._nccl.cuda import cuda
+            cu = cuda()
+            cu.set_device(self.comm._device)   # never a context on another device
+            # its event queries must neither fail nor invalidate another thread's capture in
+            # CUDA's default global mode (torch.cuda.graph's): this thread interacts with
+            # captures as ThreadLocal
+            if not cu.thread_capture_mode_local():
+                log.info("watchdog of %r: could not set its capture mode to thread-local; a "
+                         "CUDA graph captured in global mode while it runs may be invalidated",
+                         self.comm.name)
         except Exception:
-            log.debug("watchdog: could not make device current", exc_info=True)
+            log.debug("watchdog: could not set up its CUDA thread state", exc_info=True)
         if self._store is None:
             log.info("watchdog of %r: no rendezvous store (uid exchanged over MPI): timeouts "
                      "only; peer deaths are not detected by heartbeats", self.comm.name)

@@ -204,6 +204,14 @@ def test_min_ctas_alone_gets_a_max_nccl_accepts(min_ctas, max_written):
     assert not s.minCTAs > s.maxCTAs
 
 
+@pytest.mark.parametrize("version,min_ctas,max_written", [
+    (21700, 1, 32), (22400, 4, 32), (22400, 40, 40), (22500, 4, 64), (None, 4, 64)])
+def test_min_ctas_alone_fills_the_channel_limit_of_that_nccl(version, min_ctas, max_written):
+    """Issue 21, defect 8: NCCL 2.17-2.24's limit is 32 channels (they warn about 64)."""
+    s = Config(min_ctas=min_ctas).to_struct(version)
+    assert s.maxCTAs == max_written and not s.minCTAs > s.maxCTAs
+
+
 def test_max_ctas_alone_and_both_are_written_as_given():
     s = Config(max_ctas=8).to_struct(23203)
     assert s.maxCTAs == 8 and s.minCTAs == CONFIG_UNDEF_INT
@@ -220,10 +228,10 @@ class _Runtime:
         self.current = current
         self.sets = []
 
-    def getDevice(self) -> int:
+    def get_device(self) -> int:
         return self.current
 
-    def setDevice(self, d: int) -> None:
+    def set_device(self, d: int) -> None:
         self.sets.append(d)
         self.current = d
 

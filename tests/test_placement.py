@@ -88,9 +88,13 @@ def test_placement_table(ngpus, nranks, ver, rpg):
             ctas["NCCL_MAX_NCHANNELS"] = str(limit)
         assert all({k: e.get(k) for k in ctas} == ctas for e in p.envs)
         assert ("NCCL_MAX_CTAS" in p.summary) == (limit is not None)
+        # NVLS off wherever ranks share a GPU (NCCL's own guard counts only the last rank pair)
+        assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in p.envs)
+        assert "NCCL_NVLS_ENABLE=0" in p.summary
         if ver is not None and ver >= 23000:
             assert p.mode == "multi-rank-gpu"
-            assert all(e == {"NCCL_MULTI_RANK_GPU_ENABLE": "1", **ctas} for e in p.envs)
+            assert all(e == {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", **ctas}
+                       for e in p.envs)
             assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in p.summary and ">= 2.30" in p.summary
         else:
             assert p.mode == "hostid-socket"
@@ -112,13 +116,13 @@ def test_summary_example():
     p = plan_placement(4, 1, NCCL_232, env={}, sm_count=132)
     assert p.summary == ("placement: 4 ranks on 1 GPU (multi-rank-gpu: NCCL 2.32.3 >= 2.30, "
                          "NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_MAX_CTAS=33 (4 ranks per GPU, "
-                         "132 SMs))")
+                         "132 SMs), NCCL_NVLS_ENABLE=0)")
     p = plan_placement(2, 1, NCCL_232, env={}, sm_count=132)     # NCCL's defaults fit 2
     assert p.summary == ("placement: 2 ranks on 1 GPU (multi-rank-gpu: NCCL 2.32.3 >= 2.30, "
-                         "NCCL_MULTI_RANK_GPU_ENABLE=1)")
+                         "NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL_NVLS_ENABLE=0)")
     p = plan_placement(4, 1, NCCL_232, env={})
     assert p.summary.endswith(
-        "NCCL_MAX_CTAS=2 (4 ranks per GPU, SM count unknown, 8 assumed))")
+        "NCCL_MAX_CTAS=2 (4 ranks per GPU, SM count unknown, 8 assumed), NCCL_NVLS_ENABLE=0)")
 
 
 def test_ranks_per_gpu_forces_sharing_even_with_enough_gpus():
@@ -315,8 +319,9 @@ def test_unknown_nccl_version_sets_both_names():
 
 def test_user_nvls_enable_1_is_flagged():
     p = plan_placement(2, 1, NCCL_232, env={"NCCL_NVLS_ENABLE": "1"})
-    assert "NCCL_NVLS_ENABLE=1 makes NCCL fail init with several ranks per GPU" in p.summary
-    assert "NVLS" not in plan_placement(2, 1, NCCL_232, env={"NCCL_NVLS_ENABLE": "0"}).summary
+    assert "NCCL_NVLS_ENABLE=1 (it makes NCCL fail init with several ranks per GPU" in p.summary
+    safe = plan_placement(2, 1, NCCL_232, env={"NCCL_NVLS_ENABLE": "0"}).summary
+    assert "kept the user's NCCL_NVLS_ENABLE=0" in safe and "fail" not in safe
 
 
 @pytest.mark.parametrize("bad", [0, -4, True, 1.5, "132"])
@@ -356,3 +361,16 @@ def test_place_reads_sm_count_only_above_two_ranks_per_gpu(monkeypatch):
     assert p.mode == "one-per-gpu" and calls == [1]
     monkeypatch.setattr(P, "gpu_sm_count", lambda env=None: None)   # unreadable: assumed
     assert place(4, env={"CUDA_VISIBLE_DEVICES": "0"}).max_ctas == ASSUMED_SM_COUNT // 4
+
+
+@pytest.mark.parametrize("value, warned", [("0", False), ("1", True), ("2", True)])
+def test_the_users_nvls_setting_is_kept_and_a_risky_one_said(value, warned):
+    """Defect 6 of issue 21: with r mod G placement and G >= 2, NCCL's shared-GPU guard
+    (hasMultiRankNvml, assigned in a pair loop) sees only the last pair, on two GPUs."""
+    for ver in (NCCL_232, 22809):
+        p = plan_placement(4, 2, ver, env={"NCCL_NVLS_ENABLE": value})
+        assert all("NCCL_NVLS_ENABLE" not in e for e in p.envs)
+        assert f"kept the user's NCCL_NVLS_ENABLE={value}" in p.summary
+        assert (("NVLS may be set up" in p.summary or "fail init" in p.summary)) == warned
+    one = plan_placement(2, 2, NCCL_232, env={})
+    assert all("NCCL_NVLS_ENABLE" not in e for e in one.envs)    # no GPU shared: untouched

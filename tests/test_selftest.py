@@ -483,6 +483,22 @@ def test_analyse_gives_each_stage_its_status_counts_and_figures(tmp_path):
     assert res["examples"].status == "not run"
 
 
+def test_a_machine_without_pytest_is_said_in_info_and_in_each_pytest_stage(tmp_path):
+    """Issue 21, defect 11: no empty reasons."""
+    ctx = _ctx(tmp_path)
+    (Path(ctx.work) / "01-info.json").write_text(json.dumps(
+        {**_INFO, "cuda_reason": "", "missing_tools": ["pytest", "pytest-timeout"]}))
+    info = R.StageResult("info", "i", commands=[_cmd(0), _cmd(0)])
+    RN.analyse(S.by_name("info"), info, ctx)
+    assert info.status == "failed"
+    assert info.reason == ("missing pytest, pytest-timeout (pip install pytest pytest-timeout): "
+                           "the pytest stages cannot run")
+    (Path(ctx.work) / "02-gpu2.log").write_text("/usr/bin/python3: No module named pytest\n")
+    g = R.StageResult("gpu2", "g", commands=[_cmd(1)])
+    RN.analyse(S.by_name("gpu2"), g, ctx)
+    assert g.status == "failed" and g.reason.startswith("pytest is not installed here")
+
+
 def test_analyse_bench_with_wrong_elements_fails(tmp_path):
     ctx = _ctx(tmp_path)
     (Path(ctx.work) / "06-bench.json").write_text(json.dumps(_bench_doc(wrong=2)))
@@ -563,7 +579,8 @@ def test_probe_on_this_machine(tmp_path):
     rc = probe.main([str(f)])
     doc = json.loads(f.read_text())
     assert set(doc) >= {"date_utc", "ncclpy_info", "nvidia_driver", "mps_control",
-                        "cuda_reason"}
+                        "cuda_reason", "test_tools", "missing_tools"}
+    assert doc["test_tools"]["pytest"] == pytest.__version__ and doc["missing_tools"] == []
     assert rc == (0 if not doc["cuda_reason"] else 1)
     assert doc["cuda_reason"] == probe.cuda_reason()
     assert probe.main([]) == 2
@@ -653,3 +670,18 @@ def test_every_gpu_test_has_an_explicit_bound_below_the_device_limit(tmp_path):
     # before the test's mark
     assert G.HANG_S + 60 < SPAWN_TIMEOUT < TEST_TIMEOUT <= 540
     assert G.HANG_S + 60 < SHORT_SPAWN_TIMEOUT < SHORT_TEST_TIMEOUT <= 540
+
+
+def test_checks_skipped_inside_a_passing_test_are_counted_and_reported(tmp_path):
+    """Issue 21, defect 10: a GPU test whose sub-checks raised Skip passes, but its junit
+    property ``skipped_checks`` says which did not run, and the report's block repeats it."""
+    f = tmp_path / "j.xml"
+    f.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest">'
+                 '<testcase classname="tests.gpu.test_comm_gpu" name="test_collective_matrix[2]">'
+                 '<properties><property name="skipped_checks" value="24: FP8 reductions need '
+                 'compute capability &gt;= 9.0"/></properties></testcase>'
+                 '</testsuite></testsuites>')
+    c = P.junit_counts(str(f))
+    assert (c["passed"], c["skipped"]) == (1, 0)
+    assert c["skipped_checks"] == [{"id": "tests/gpu/test_comm_gpu.py::test_collective_matrix[2]",
+                                    "checks": "24: FP8 reductions need compute capability >= 9.0"}]

@@ -249,6 +249,7 @@ def test_an_async_error_read_by_a_wait_becomes_the_watchdogs_named_abort():
     watchdog: with a verdict the caller gets CommAbortedError (the NCCL error as its cause),
     without one the NCCL error itself."""
     from ncclpy.comm import Communicator
+    from ncclpy.comm.lifecycle import Lifecycle
     from ncclpy.errors import CommAbortedError, NcclRemoteError
 
     class Lib:
@@ -266,13 +267,13 @@ def test_an_async_error_read_by_a_wait_becomes_the_watchdogs_named_abort():
             self.got = err
             if not self.decide:
                 return None
-            self.comm._abort_error = CommAbortedError("rank(s) 2 died", collective="all_reduce",
-                                                      seq=50, suspects=(2,))
+            self.comm._life.abort_error = CommAbortedError(
+                "rank(s) 2 died", collective="all_reduce", seq=50, suspects=(2,))
             return object()
 
     for decide in (True, False):
         comm = Communicator.__new__(Communicator)
-        comm._abort_error, comm._closed, comm._lib, comm._handle = None, False, Lib(), 1
+        comm._life, comm._lib, comm._handle = Lifecycle("rank 0 of 'x'"), Lib(), 1
         comm._watchdog = WD(comm, decide)
         with pytest.raises((CommAbortedError, NcclRemoteError)) as ei:
             comm._raise_async_error()

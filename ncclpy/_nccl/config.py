@@ -82,9 +82,11 @@ CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
 BLOCKING_UNDEF_FROM = 21700
 #: What ncclpy writes for ``maxCTAs`` when only ``min_ctas`` is given: NCCL compares
 #: ``minCTAs > maxCTAs`` before it fills its defaults (INT_MIN < anything), so min alone is
-#: always ncclInvalidArgument.  64 is MAXCHANNELS of current NCCL (its own default); an NCCL
-#: with fewer channels caps it to its limit, exactly as for its default.
+#: always ncclInvalidArgument.  NCCL's channel limit (MAXCHANNELS, its own default): 64 from
+#: 2.25, 32 before (NCCL 2.17-2.24 warn about a larger maxCTAs).
 MAX_CTAS_FILL = 64
+MAX_CTAS_FILL_BEFORE_2_25 = 32
+MAX_CTAS_64_FROM = 22500
 
 _CTA_POLICIES = {"default": CTA_POLICY_DEFAULT, "efficiency": CTA_POLICY_EFFICIENCY,
                  "zero": CTA_POLICY_ZERO}
@@ -187,7 +189,7 @@ class Config:
 
         Two fields are written even when unset, where NCCL would otherwise refuse the config:
         ``blocking`` is 1 on NCCL 2.14-2.16 (no "unset" there), and ``maxCTAs`` is
-        ``max(64, min_ctas)`` when only ``min_ctas`` is given (NCCL checks min <= max before
+        ``max(64, min_ctas)`` (32 before NCCL 2.25) when only ``min_ctas`` is given (NCCL checks min <= max before
         filling its defaults).  The struct keeps the encoded strings alive (ctypes stores them
         in ``_objects``).
         """
@@ -207,7 +209,9 @@ class Config:
                 and nccl_version < BLOCKING_UNDEF_FROM:
             s.blocking = 1           # NCCL's default, written out for 2.14-2.16
         if self.min_ctas is not None and self.max_ctas is None:
-            s.maxCTAs = max(MAX_CTAS_FILL, self.min_ctas)
+            fill = (MAX_CTAS_FILL_BEFORE_2_25 if nccl_version is not None
+                    and nccl_version < MAX_CTAS_64_FROM else MAX_CTAS_FILL)
+            s.maxCTAs = max(fill, self.min_ctas)
         return s
 
 

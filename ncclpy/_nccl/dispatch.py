@@ -151,9 +151,9 @@ def uid_bytes(uid: Any) -> bytes:
 
 def require_device(device: int) -> None:
     """Clear errors before NCCL sees a device that cannot work."""
-    from cupy.cuda import runtime
+    from .cuda import cuda
     try:
-        n = runtime.getDeviceCount()
+        n = cuda().device_count()
     except Exception as e:
         raise CudaUnavailableError(
             f"Communicator(device={device}): no usable CUDA device ({type(e).__name__}: {e}); "

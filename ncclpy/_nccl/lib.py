@@ -14,12 +14,13 @@ Nothing here runs at ``import ncclpy``: :func:`get_lib` loads on first use and r
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import re
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import (MissingDependencyError, NcclError, NcclpyError, VersionError,
                       nccl_error_from_code)
@@ -27,7 +28,7 @@ from ..ops import format_version
 
 __all__ = ["NcclLib", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
            "UniqueId", "require_version", "CudaUnavailableError", "INSTALL_HINT",
-           "NCCL_SUCCESS", "is_loaded", "NCCL_IN_PROGRESS", "NCCL_SPLIT_NOCOLOR",
+           "NCCL_SUCCESS", "is_loaded", "use_lib", "NCCL_IN_PROGRESS", "NCCL_SPLIT_NOCOLOR",
            "SCALAR_HOST_IMMEDIATE"]
 
 log = logging.getLogger(__name__)
@@ -423,6 +424,20 @@ def get_lib() -> NcclLib:
             if _lib is None:
                 _lib = NcclLib()
     return _lib
+
+
+@contextlib.contextmanager
+def use_lib(lib: "NcclLib") -> Iterator["NcclLib"]:
+    """Put ``lib`` in place of the process's libnccl for the block (tests' stand-ins, with
+    :func:`ncclpy._nccl.cuda.use`)."""
+    global _lib
+    with _lock:
+        prev, _lib = _lib, lib
+    try:
+        yield lib
+    finally:
+        with _lock:
+            _lib = prev
 
 
 def is_loaded() -> bool:

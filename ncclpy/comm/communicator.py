@@ -23,16 +23,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from .._nccl.config import Config, effective_nonblocking, init_struct
+from .._nccl.cuda import cuda
 from .._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, int_arg,
                              lib_group, require_device, uid_bytes)
 from .._nccl.lib import (NCCL_IN_PROGRESS, CudaUnavailableError, get_lib, require_version)
-from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError, NcclpyError,
-                     NcclTimeoutError)
+from ..errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError
 from .extras import CommExtras, Registration
+from .lifecycle import USABLE, CommLifecycle, Lifecycle
 from .execute import group_scope, issue
 from ..plan.types import PlanContext
 from .prepared import Prepared
@@ -44,7 +44,7 @@ __all__ = ["Communicator", "Config", "Registration", "init", "group"]
 
 log = logging.getLogger(__name__)
 
-class Communicator(CommExtras):
+class Communicator(CommExtras, CommLifecycle):
     """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``.
     Each call checks its arguments before NCCL (Argument*Error), enqueues on ``stream``
     (default: see :mod:`ncclpy.comm.streams`; CUDA-graph capture allowed) and returns a Work;
@@ -71,10 +71,9 @@ class Communicator(CommExtras):
         if cfg_struct is not None:
             require_version("ncclCommInitRankConfig", lib.version, lib.path)
         require_device(device)
-        import cupy
         nc = None
         code = 0
-        with cupy.cuda.Device(device):
+        with cuda().device(device):
             if cfg_struct is None:
                 try:
                     code, nc = call_cupy(lib, "ncclCommInitRank", None, cupy_init,
@@ -163,21 +162,31 @@ class Communicator(CommExtras):
         # the resolver owns the planning context (``_ctx`` below) and the call cache
         self._resolver = Resolver(PlanContext(rank, world_size, device, lib.version),
                                   mode="nonblocking" if nonblocking else "blocking")
-        self._closed = self._finalized = self._aborted = False
+        self._life = Lifecycle(f"rank {rank} of 'default'")
+        self._did_finalize = False
+        self._captured_calls = 0             # calls issued while their stream captured
         self._premul_ops: set = set()
         self._registrations: Dict[int, Registration] = {}   # by Registration.id
         self._allocations: Dict[int, int] = {}
-        self._captured: List[Any] = []       # scratch used by CUDA-graph captures
         self._barrier_buf: Any = None
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
         self._watch: Any = None              # the watchdog's deque of issued Work
         self._watchdog: Any = None
-        self._abort_error: Optional[CommAbortedError] = None
         self.bootstrap: Any = None
-        self.name = "default"
+        self._name = "default"
         self._dispatch = build_dispatch(self, lib, handle, nc)
 
     # -- state ----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The communicator's name (``ncclpy.init(name)``; split children add ``/split<c>``)."""
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = str(value)
+        self._life.owner = f"rank {self._rank} of {self._name!r}"
+
     @property
     def rank(self) -> int:
         """This process's rank in the communicator (``ncclCommUserRank`` for split children)."""
@@ -207,11 +216,6 @@ class Communicator(CommExtras):
     def nonblocking(self) -> bool:
         """Whether NCCL made it nonblocking (``Config.blocking=False`` or NCCL_COMM_BLOCKING=0)."""
         return self._nonblocking
-
-    @property
-    def closed(self) -> bool:
-        """True once closed or aborted."""
-        return self._closed
 
     @property
     def handle(self) -> int:
@@ -252,46 +256,6 @@ class Communicator(CommExtras):
         """Whether checked mode compares every call across ranks."""
         return self._checker is not None
 
-    def _check_usable(self, what: str) -> None:
-        if self._abort_error is not None:
-            raise self._abort_error
-        if self._closed:
-            raise NcclpyError(f"{what}: the communicator (rank {self._rank}) is "
-                              f"{'aborted' if self._aborted else 'closed'}")
-        if self._finalized:
-            raise NcclpyError(f"{what}: the communicator (rank {self._rank}) is finalized; only "
-                              f"close() is allowed")
-
-    def _wait_ready(self, call: str) -> None:
-        """Poll ncclCommGetAsyncError until not in progress (nonblocking communicators)."""
-        deadline = time.monotonic() + self._timeout
-        delay = 1e-5
-        while True:
-            st = self._lib.async_error(self._handle)
-            if st != NCCL_IN_PROGRESS:
-                break
-            if time.monotonic() > deadline:
-                raise NcclTimeoutError(8, call, f"communicator still in progress after "
-                                       f"{self._timeout:g} s (ncclCommGetAsyncError)")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        if st:
-            raise self._lib.error(st, call, self._handle)
-
-    def _raise_async_error(self) -> None:
-        if self._abort_error is not None:
-            raise self._abort_error
-        if self._closed:
-            return
-        st = self._lib.async_error(self._handle)
-        if st not in (0, NCCL_IN_PROGRESS):
-            err = self._lib.error(st, "ncclCommGetAsyncError", self._handle)
-            wd = self._watchdog
-            if wd is not None and wd.verdict_on(err) is not None and \
-                    self._abort_error is not None:
-                raise self._abort_error from err   # names the call and the peer behind it
-            raise err
-
     # -- calls ----------------------------------------------------------------------------
     # Each method: refuse if closed, resolve (the resolver's cache: a repeated call is not
     # parsed or planned again; a new one is, with every check), issue the C calls, record.
@@ -299,7 +263,7 @@ class Communicator(CommExtras):
                    stream: Any = None) -> Work:
         """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclAllReduce`` (premul_sum: with ``ncclRedOpCreatePreMulSum``)."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("all_reduce")
         return issue(self, self._resolver.resolve("all_reduce", stream, sendbuf, recvbuf, (op,)),
                      (sendbuf, recvbuf))
@@ -308,7 +272,7 @@ class Communicator(CommExtras):
                stream: Any = None) -> Work:
         """``root`` gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclReduce``."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("reduce")
         return issue(self, self._resolver.resolve("reduce", stream, sendbuf, recvbuf,
                                                   (root, op)), (sendbuf, recvbuf))
@@ -317,7 +281,7 @@ class Communicator(CommExtras):
                   stream: Any = None) -> Work:
         """Every rank gets ``root``'s ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclBroadcast``."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("broadcast")
         return issue(self, self._resolver.resolve("broadcast", stream, sendbuf, recvbuf, (root,)),
                      (sendbuf, recvbuf))
@@ -326,7 +290,7 @@ class Communicator(CommExtras):
         """``recvbuf`` (N*count, or a list of N) gets every rank's ``sendbuf`` in rank order;
         ``sendbuf`` None: in place (this rank's block of recvbuf is its input).
         NCCL: ``ncclAllGather`` (a list adds copies from a scratch buffer)."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("all_gather")
         return issue(self, self._resolver.resolve("all_gather", stream, sendbuf, recvbuf),
                      (sendbuf, recvbuf))
@@ -335,7 +299,7 @@ class Communicator(CommExtras):
                        stream: Any = None) -> Work:
         """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list).
         NCCL: ``ncclReduceScatter``."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("reduce_scatter")
         return issue(self, self._resolver.resolve("reduce_scatter", stream, sendbuf, recvbuf,
                                                   (op,)), (sendbuf, recvbuf))
@@ -344,7 +308,7 @@ class Communicator(CommExtras):
                    recv_counts: Any = None, *, stream: Any = None) -> Work:
         """Block d of this rank's ``sendbuf`` goes to rank d (even, uneven counts, lists).
         NCCL: ``ncclAlltoAll`` (NCCL >= 2.28, even counts), else grouped ncclSend/ncclRecv."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("all_to_all")
         return issue(self, self._resolver.resolve("all_to_all", stream, sendbuf, recvbuf,
                                                   (send_counts, recv_counts)),
@@ -354,7 +318,7 @@ class Communicator(CommExtras):
                stream: Any = None) -> Work:
         """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order (None off the
         root).  NCCL: ``ncclGather`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("gather")
         return issue(self, self._resolver.resolve("gather", stream, sendbuf, recvbuf, (root,)),
                      (sendbuf, recvbuf))
@@ -363,20 +327,20 @@ class Communicator(CommExtras):
                 stream: Any = None) -> Work:
         """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf`` (None off the root).
         NCCL: ``ncclScatter`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("scatter")
         return issue(self, self._resolver.resolve("scatter", stream, sendbuf, recvbuf, (root,)),
                      (sendbuf, recvbuf))
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Send ``buf`` to ``peer`` (which must post a matching recv).  NCCL: ``ncclSend``."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("send")
         return issue(self, self._resolver.resolve("send", stream, buf, None, (peer,)), (buf,))
 
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Receive into ``buf`` from ``peer``.  NCCL: ``ncclRecv``."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("recv")
         return issue(self, self._resolver.resolve("recv", stream, buf, None, (peer,)), (buf,))
 
@@ -384,7 +348,7 @@ class Communicator(CommExtras):
                   stream: Any = None) -> Work:
         """Send ``sendbuf`` to ``send_peer``, receive ``recvbuf`` from ``recv_peer``: one
         group of ``ncclSend`` + ``ncclRecv``; the buffers must not overlap."""
-        if self._closed or self._finalized:
+        if self._life.state is not USABLE:
             self._check_usable("send_recv")
         return issue(self, self._resolver.resolve("send_recv", stream, sendbuf, recvbuf,
                                                   (send_peer, recv_peer)), (sendbuf, recvbuf))
@@ -398,9 +362,7 @@ class Communicator(CommExtras):
         is complete (symmetry only: ``wait()`` returns at once).  Not during graph capture."""
         self._check_usable("barrier")
         if self._barrier_buf is None:
-            import cupy
-            with cupy.cuda.Device(self._device):
-                arr = cupy.zeros(1, dtype=cupy.float32)
+            arr = cuda().zeros_float32(1, self._device)
             self._barrier_buf = _parse(arr, "barrier buffer")
         buf = self._barrier_buf
         work = issue(self, self._resolver.resolve("barrier", stream, buf), (buf,))
@@ -422,109 +384,8 @@ class Communicator(CommExtras):
         self._check_usable("group")
         return group_scope(self._dispatch["GroupStart"], self._dispatch["GroupEnd"], self)
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def _finalize_now(self) -> None:
-        code = self._lib.ncclCommFinalize(self._handle)
-        self._lib.check(code, "ncclCommFinalize", self._handle, in_progress_ok=True)
-        if code == NCCL_IN_PROGRESS or self._nonblocking:
-            self._wait_ready("ncclCommFinalize")
-        self._finalized = True
-        self._resolver.clear()
-
-    def finalize(self) -> None:
-        """ncclCommFinalize: flush outstanding work (collective); then only close() is allowed."""
-        self._check_usable("finalize")
-        self._finalize_now()
-
-    def abort(self) -> None:
-        """ncclCommAbort: stop outstanding work and free the communicator (local, no hang)."""
-        if self._closed:
-            return
-        self._closed = self._aborted = True
-        self._resolver.clear()
-        self._stop_watchdog(closed=False)
-        try:
-            if self._nc is not None:
-                call_cupy(self._lib, "ncclCommAbort", self._handle, self._nc.abort)
-            else:
-                self._lib.check(self._lib.ncclCommAbort(self._handle), "ncclCommAbort")
-        finally:
-            self._registrations.clear()
-            self._premul_ops.clear()
-            self._free_owned()
-
-    def close(self) -> None:
-        """Free what the communicator owns, finalize and destroy it (idempotent; every rank
-        should call it)."""
-        if self._closed:
-            return
-        self._stop_watchdog(closed=True)
-        lib, h = self._lib, self._handle
-        for reg in list(self._registrations.values()):
-            try:
-                self._deregister(reg)
-            except Exception as e:
-                log.warning("close: deregistering %s failed: %s", reg, e)
-        self._registrations.clear()
-        for op in list(self._premul_ops):
-            try:
-                self._premul_destroy(op)
-            except Exception as e:
-                log.warning("close: ncclRedOpDestroy(%s) failed: %s", op, e)
-        if not self._finalized:
-            try:
-                self._finalize_now()
-            except BaseException:
-                self.abort()
-                raise
-        self._closed = True
-        self._resolver.clear()
-        try:
-            if self._nc is not None:
-                call_cupy(lib, "ncclCommDestroy", h, self._nc.destroy)
-            else:
-                lib.check(lib.ncclCommDestroy(h), "ncclCommDestroy", h)
-        finally:
-            self._free_owned()
-
-    def _stop_watchdog(self, closed: bool) -> None:
-        wd, self._watchdog = self._watchdog, None
-        self._watch = None
-        if wd is not None:
-            try:
-                wd.stop(closed=closed)
-            except Exception:
-                log.debug("stopping the watchdog failed", exc_info=True)
-
-    def _watchdog_abort(self, decision: Any) -> None:
-        """The watchdog's verdict: every blocked or later call raises CommAbortedError."""
-        self._abort_error = CommAbortedError(decision.message, collective=decision.collective,
-                                             seq=decision.seq, suspects=decision.suspects,
-                                             reason=decision.reason)
-        self.abort()
-
-    def _free_owned(self) -> None:
-        import cupy
-        with cupy.cuda.Device(self._device):
-            for ptr in list(self._allocations):
-                code = self._lib.ncclMemFree(ptr)
-                if code:
-                    log.warning("ncclMemFree(%#x) failed: %s", ptr, self._lib.error_string(code))
-            self._allocations.clear()
-            self._captured.clear()
-            self._barrier_buf = None
-
-    def __enter__(self) -> "Communicator":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # peers may be gone: a collective close() could hang
-            self.abort()
-
     def __repr__(self) -> str:
-        state = "aborted" if self._aborted else "closed" if self._closed else "open"
+        state = "open" if self._life.state is USABLE else self._life.state
         how = "cupy" if self._nc is not None else "ctypes"
         return (f"<ncclpy.Communicator {self.name!r} rank {self._rank}/{self._world_size} "
                 f"device {self._device} ({how}, {state})>")
@@ -569,16 +430,14 @@ def init(name: str = "default", config: Optional[Config] = None,
     bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
     comm = Communicator.from_bootstrap(bs, config, timeout=timeout, checked=checked,
                                        watchdog=watchdog)
-    import cupy
-    cupy.cuda.Device(comm.device).use()
+    cuda().use_device(comm.device)
     return comm
 
 
 def _require_gpu(name: str) -> None:
     """Raise CudaUnavailableError, before the rendezvous, when this process sees no device."""
-    from cupy.cuda import runtime
     try:
-        n = runtime.getDeviceCount()
+        n = cuda().device_count()
         why = "" if n > 0 else "the CUDA runtime reports 0 devices"
     except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
         why = f"{type(e).__name__}: {e}"

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
+from .._nccl.cuda import cuda
 from .._nccl.group import GroupState, group_depth, group_state
 from ..errors import NcclpyError
 from ..plan.types import PREMUL_OP, Copy, NcclCall, Scratch
@@ -31,7 +32,6 @@ __all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "seg
            "Resources", "device_current"]
 
 log = logging.getLogger(__name__)
-_MEMCPY_D2D = 3  # cudaMemcpyDeviceToDevice
 
 def _group_exit(st: GroupState, end: Callable[[], int],
                 raising: bool = False) -> None:
@@ -55,21 +55,33 @@ def _group_exit(st: GroupState, end: Callable[[], int],
         return
     comms, st.comms = list(st.comms.values()), {}
     pending, st.pending = st.pending, []
-    if err is None:
-        for c in comms:
-            if getattr(c, "nonblocking", False) and not c.closed:
-                try:
-                    c._wait_ready("ncclGroupEnd")
-                except BaseException as e:  # noqa: B902
-                    err = err or e
-    for fn in pending:
-        try:
-            fn(err)
-        except BaseException as e:  # noqa: B902
-            log.warning("deferred group step failed: %s", e)
-            err = err or e
+    try:
+        if err is None:
+            for c in comms:
+                if getattr(c, "nonblocking", False) and not c.closed:
+                    try:
+                        c._wait_ready("ncclGroupEnd")
+                    except BaseException as e:  # noqa: B902
+                        err = err or e
+        for fn in pending:
+            try:
+                fn(err)
+            except BaseException as e:  # noqa: B902
+                log.warning("deferred group step failed: %s", e)
+                err = err or e
+    finally:
+        for c in comms:                 # each held its handle from its first call in the group
+            c._life.leave()
     if err is not None:
         raise err
+
+
+def _join(st: GroupState, comm: Any) -> None:
+    """``comm`` takes part in this thread's open group: it stays entered in its lifecycle
+    (an abort waits for it) until the outermost group end."""
+    if id(comm) not in st.comms:
+        comm._life.enter("group")
+        st.comms[id(comm)] = comm
 
 
 @contextmanager
@@ -77,10 +89,17 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
                 comm: Any = None) -> Iterator[GroupState]:
     """``ncclGroupStart`` ... ``ncclGroupEnd`` with ncclpy's deferral (see module docstring)."""
     st = group_state()
-    start()
-    st.depth += 1
-    if comm is not None:
+    if comm is not None and id(comm) not in st.comms:
+        comm._life.enter("group")
+        try:
+            start()
+        except BaseException:
+            comm._life.leave()
+            raise
         st.comms[id(comm)] = comm
+    else:
+        start()
+    st.depth += 1
     try:
         yield st
     except BaseException:
@@ -108,29 +127,31 @@ def segments(steps: Sequence[Any]) -> List[Tuple[bool, Tuple[Any, ...]]]:
 
 
 @contextmanager
-def device_current(runtime: Any, device: int) -> Iterator[None]:
-    """Make ``device`` CUDA's current device for the block (restored after); two cheap
-    runtime calls when it already is."""
-    prev = runtime.getDevice()
+def device_current(cu: Any, device: int) -> Iterator[None]:
+    """Make ``device`` CUDA's current device for the block (restored after); one cheap
+    runtime call when it already is.  ``cu``: :func:`ncclpy._nccl.cuda.cuda`'s object."""
+    prev = cu.get_device()
     if prev == device:
         yield
         return
-    runtime.setDevice(device)
+    cu.set_device(device)
     try:
         yield
     finally:
-        runtime.setDevice(prev)
+        cu.set_device(prev)
 
 
 class Resources:
     """A plan's scratch memory and PreMulSum op; resolves Scratch/PREMUL_OP placeholders."""
 
-    __slots__ = ("comm", "scratch", "base", "op")
+    __slots__ = ("comm", "scratch", "base", "op", "_free")
 
     def __init__(self, comm: Any, plan: Any, stream: int) -> None:
         self.comm = comm
-        self.scratch = comm._alloc_scratch(plan.scratch_bytes, stream) if plan.scratch_bytes \
-            else None
+        self.scratch = self._free = None
+        if plan.scratch_bytes:
+            self.scratch, self._free = comm._alloc_scratch(plan.scratch_bytes, stream,
+                                                           plan.collective)
         self.base = int(self.scratch.ptr) if self.scratch is not None else 0
         self.op = comm._premul_create(plan.premul) if plan.premul is not None else None
 
@@ -150,17 +171,23 @@ class Resources:
         """Issue ``steps`` on ``stream`` with the communicator's device current: a copy on the
         null (or per-thread) stream goes to the *current* device's stream, which must be the
         one the NCCL call was issued on for the two to be ordered."""
-        from cupy.cuda import runtime
-        with device_current(runtime, self.comm.device):
+        cu = cuda()
+        with device_current(cu, self.comm.device):
             for s in steps:
                 if s.nbytes:
-                    runtime.memcpyAsync(self.value(s.dst), self.value(s.src), s.nbytes,
-                                        _MEMCPY_D2D, stream)
+                    cu.memcpy_async(self.value(s.dst), self.value(s.src), s.nbytes, stream)
 
     def release(self, err: Optional[BaseException] = None) -> None:
+        """After the plan's last step: destroy the PreMulSum op (NCCL allows it once the last
+        call using it returned) and, for scratch allocated in a capture, enqueue its free."""
         op, self.op = self.op, None
-        if op is not None:
-            self.comm._premul_destroy(op)
+        free, self._free = self._free, None
+        try:
+            if op is not None:
+                self.comm._premul_destroy(op)
+        finally:
+            if free is not None:
+                free()
 
 
 def _finish(res: Resources, work: Work, err: Optional[BaseException]) -> None:
@@ -189,7 +216,7 @@ def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
     issued = False
     try:
         if outer:
-            st.comms[id(comm)] = comm
+            _join(st, comm)
         for is_call, steps in segments(plan.steps):
             if not is_call:
                 if issued and outer:
@@ -226,17 +253,22 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
     communicator with a watchdog (``comm._watch``, a deque) gets the Work appended."""
     if not _after and comm._checker is not None:
         return _checked_issue(comm, r, keep)
-    calls = r.calls
-    if calls is None:                 # scratch, copies or a PreMulSum op: the plan's executor
-        work = execute(comm, r.plan, r.stream, keep)
-    elif r.group or r.in_group:
-        work = _issue_grouped(comm, r, keep)
-    else:
-        table, s = comm._dispatch, r.stream
-        for fn, args in calls:
-            table[fn](*args, stream=s)
-        work = Work(comm, comm._device, s, r.plan, keep)
-        work._record()
+    life = comm._life
+    life.enter(r.plan.collective)     # refused once aborted or closed: nothing touches the handle
+    try:
+        calls = r.calls
+        if calls is None:             # scratch, copies or a PreMulSum op: the plan's executor
+            work = execute(comm, r.plan, r.stream, keep)
+        elif r.group or r.in_group:
+            work = _issue_grouped(comm, r, keep)
+        else:
+            table, s = comm._dispatch, r.stream
+            for fn, args in calls:
+                table[fn](*args, stream=s)
+            work = Work(comm, comm._device, s, r.plan, keep)
+            work._record()
+    finally:
+        life.leave()
     watch = comm._watch
     if watch is not None and _after != 2:
         watch.append(work)
@@ -262,8 +294,8 @@ def _checked_issue(comm: Any, r: Any, keep: Any) -> Work:
         comm._checker.check((r.plan,), (r.plan.collective,))
         return issue(comm, r, keep, 1)
     work = Work(comm, comm._device, r.stream, r.plan, keep)
+    _join(st, comm)
     st.checks.append(_Deferred(comm, r, keep, work))
-    st.comms[id(comm)] = comm
     return work
 
 
@@ -313,7 +345,7 @@ def _issue_grouped(comm: Any, r: Any, keep: Any) -> Work:
     outer = st.depth > 0
     table, s = comm._dispatch, r.stream
     if outer:
-        st.comms[id(comm)] = comm
+        _join(st, comm)
     if r.group:
         with group_scope(table["GroupStart"], table["GroupEnd"], comm):
             for fn, args in r.calls:

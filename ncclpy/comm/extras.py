@@ -13,14 +13,16 @@ import ctypes
 import dataclasses
 import itertools
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from .._nccl.config import effective_nonblocking
-from .._nccl.dispatch import call_cupy, cupy_stream_for, int_arg
+from .._nccl.cuda import cuda
+from .._nccl.dispatch import call_cupy, int_arg
 from .._nccl.lib import (NCCL_IN_PROGRESS, NCCL_SPLIT_NOCOLOR, SCALAR_HOST_IMMEDIATE,
                         require_version)
-from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError
-from .execute import group_depth
+from ..errors import (ArgumentError, ArgumentTypeError, NcclpyError, NcclTimeoutError,
+                      UnsupportedError)
+from .._nccl.group import group_depth
 
 __all__ = ["CommExtras", "Registration"]
 
@@ -59,9 +61,11 @@ class CommExtras:
     _registrations: Any
     _allocations: Any
     _premul_ops: Any
-    _captured: Any
     _closed: bool
     name: str
+    _check_usable: Any
+    _nccl: Any
+    _wait_ready: Any
 
     def split(self, color: int, key: int) -> Optional[Any]:
         """ncclCommSplit: ranks with the same ``color`` form a new communicator, ordered by
@@ -79,12 +83,11 @@ class CommExtras:
             color = NCCL_SPLIT_NOCOLOR
         lib = self._lib
         require_version("ncclCommSplit", lib.version, lib.path)
-        import cupy
         name = f"{self.name}/split{color}"
-        with cupy.cuda.Device(self._device):
+        with cuda().device(self._device):
             if self._nc is not None and hasattr(self._nc, "commSplit"):
-                code, child = call_cupy(lib, "ncclCommSplit", self._handle, self._nc.commSplit,
-                                        color, key)
+                code, child = self._nccl("ncclCommSplit", call_cupy, lib, "ncclCommSplit",
+                                         self._handle, self._nc.commSplit, color, key)
                 if code:  # pragma: no cover - a CuPy-made communicator is blocking
                     raise NcclpyError("ncclCommSplit (through CuPy) returned ncclInProgress on "
                                       "a blocking communicator")
@@ -103,7 +106,8 @@ class CommExtras:
         lib = self._lib
         slot = ctypes.c_void_p(0)
         _SPLIT_SLOTS.append(slot)
-        code = lib.ncclCommSplit(self._handle, color, key, ctypes.byref(slot), None)
+        code = self._nccl("ncclCommSplit", lib.ncclCommSplit, self._handle, color, key,
+                          ctypes.byref(slot), None)
         try:
             lib.check(code, "ncclCommSplit", self._handle, in_progress_ok=True)
         except BaseException:
@@ -139,8 +143,8 @@ class CommExtras:
         spec = as_buffer(buf, "buf")
         nbytes = int(spec.count) * _itemsize(spec.dtype)
         h = ctypes.c_void_p(0)
-        self._lib.check(self._lib.ncclCommRegister(self._handle, spec.ptr, nbytes,
-                                                   ctypes.byref(h)), "ncclCommRegister",
+        self._lib.check(self._nccl("ncclCommRegister", self._lib.ncclCommRegister, self._handle,
+                                   spec.ptr, nbytes, ctypes.byref(h)), "ncclCommRegister",
                         self._handle)
         reg = Registration(h.value or 0, int(spec.ptr), nbytes)
         self._registrations[reg.id] = reg
@@ -161,9 +165,10 @@ class CommExtras:
         del self._registrations[found.id]
         self._deregister(found)
 
-    def _deregister(self, reg: Registration) -> None:
+    def _deregister(self, reg: Registration, states: tuple = ()) -> None:
         if reg.handle:   # NULL: NCCL registered nothing (local registration off)
-            self._lib.check(self._lib.ncclCommDeregister(self._handle, reg.handle),
+            self._lib.check(self._nccl("ncclCommDeregister", self._lib.ncclCommDeregister,
+                                       self._handle, reg.handle, states=states),
                             "ncclCommDeregister", self._handle)
 
     def mem_alloc(self, count: int, dtype: Any = "uint8") -> Any:
@@ -175,8 +180,7 @@ class CommExtras:
         name = dtype_name(dtype)
         nbytes = count * _itemsize(name)
         p = ctypes.c_void_p(0)
-        import cupy
-        with cupy.cuda.Device(self._device):
+        with cuda().device(self._device):
             self._lib.check(self._lib.ncclMemAlloc(ctypes.byref(p), max(nbytes, 1)),
                             "ncclMemAlloc")
         self._allocations[p.value] = nbytes
@@ -189,45 +193,69 @@ class CommExtras:
             raise ArgumentError(f"mem_free: {buf!r} was not allocated by this communicator's "
                                 f"mem_alloc")
         self._allocations.pop(ptr)
-        import cupy
-        with cupy.cuda.Device(self._device):
+        with cuda().device(self._device):
             self._lib.check(self._lib.ncclMemFree(ptr), "ncclMemFree")
 
 
     # -- resources used by the executor ---------------------------------------------------
-    def _alloc_scratch(self, nbytes: int, stream: int) -> Any:
-        import cupy
-        from cupy.cuda import runtime
-        with cupy.cuda.Device(self._device), cupy_stream_for(stream, self._device):
-            mem = cupy.cuda.alloc(nbytes)
+    def _alloc_scratch(self, nbytes: int, stream: int, what: str = "call") -> Tuple[Any, Any]:
+        """(memory with ``.ptr``, ``free`` or None) for a plan's scratch.  Eager: CuPy's pool,
+        in ``stream``'s order (freed when the Work lets go of it).  While ``stream`` captures
+        a CUDA graph: stream-ordered (``cudaMallocAsync``, an allocation node of the graph,
+        and ``free``, to be enqueued after the plan's last step, its free node): nothing is
+        allocated from a pool inside the capture, which torch's default capture mode
+        forbids."""
+        cu = cuda()
         try:
-            capturing = bool(runtime.streamIsCapturing(stream))
+            capturing = cu.stream_is_capturing(stream)
         except Exception:
             capturing = False
-        if capturing:  # a graph replays into it later: the communicator keeps it
-            self._captured.append(mem)
-        return mem
+        if not capturing:
+            return cu.alloc(nbytes, stream, self._device), None
+        try:
+            with cu.device(self._device):
+                ptr = cu.malloc_async(nbytes, stream)
+        except Exception as e:
+            raise UnsupportedError(
+                f"{what}: needs {nbytes} bytes of scratch and its stream is capturing a CUDA "
+                f"graph; ncclpy allocates it stream-ordered inside the capture "
+                f"(cudaMallocAsync), which failed here ({type(e).__name__}: {e}); make this "
+                f"call outside the capture, or in a form that needs no scratch (one buffer "
+                f"instead of a list, out of place)") from None
+        return _Ptr(ptr), (lambda: cu.free_async(ptr, stream))
 
     def _premul_create(self, spec: Any) -> int:
         lib = self._lib
         scalar = ctypes.create_string_buffer(bytes(spec.scalar), max(len(spec.scalar), 8))
         op = ctypes.c_int(0)
-        code = lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), scalar, int(spec.datatype),
-                                            SCALAR_HOST_IMMEDIATE, self._handle)
+        code = self._nccl("ncclRedOpCreatePreMulSum", lib.ncclRedOpCreatePreMulSum,
+                          ctypes.byref(op), scalar, int(spec.datatype), SCALAR_HOST_IMMEDIATE,
+                          self._handle)
         lib.check(code, "ncclRedOpCreatePreMulSum", self._handle, in_progress_ok=True)
         if code == NCCL_IN_PROGRESS and group_depth() == 0:
             self._wait_ready("ncclRedOpCreatePreMulSum")
         self._premul_ops.add(op.value)
         return op.value
 
-    def _premul_destroy(self, op: int) -> None:
-        if op not in self._premul_ops or self._closed:
+    def _premul_destroy(self, op: int, states: tuple = ()) -> None:
+        if op not in self._premul_ops or self._closed and not states:
             return
         self._premul_ops.discard(op)
-        code = self._lib.ncclRedOpDestroy(op, self._handle)
+        code = self._nccl("ncclRedOpDestroy", self._lib.ncclRedOpDestroy, op, self._handle,
+                          states=states)
         self._lib.check(code, "ncclRedOpDestroy", self._handle, in_progress_ok=True)
         if code == NCCL_IN_PROGRESS and group_depth() == 0:
-            self._wait_ready("ncclRedOpDestroy")
+            self._wait_ready("ncclRedOpDestroy", *states)
+
+
+class _Ptr:
+    """Stream-ordered scratch: just its address (the graph's free node releases it)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
 
 def _itemsize(dtype: Any) -> int:
     from ..dtypes import logical

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from ..errors import ArgumentError, ArgumentTypeError, NcclpyError
-from .execute import group_depth, issue
+from ..errors import ArgumentError, ArgumentTypeError
+from .._nccl.group import group_depth
+from .execute import issue
+from .lifecycle import USABLE
 from .resolver import Resolved, Resolver, first_buffer
 from .streams import as_stream_handle, default_stream_of, stream_handle
 from .work import Work
@@ -178,7 +180,8 @@ class Prepared:
     dtypes), op/root/peer; not the stream (default: the one given to ``prepare``, else the
     buffers' current stream at each call) nor the group state.  Each call issues the same NCCL
     call(s) as the eager method; it may be captured into a CUDA graph.  After the communicator
-    is closed, finalized or aborted, calling it raises NcclpyError.
+    is closed, finalized or aborted, calling it raises what the eager methods raise then (the
+    watchdog's CommAbortedError with its reason after a watchdog abort, else NcclpyError).
     """
 
     __slots__ = ("_comm", "_call", "_keep", "__weakref__")
@@ -198,14 +201,10 @@ class Prepared:
     def __call__(self, *, stream: Any = None) -> Work:
         """Issue the prepared NCCL call(s) on ``stream`` (see the module docstring)."""
         comm = self._comm
-        if comm._closed or comm._finalized:
-            raise self._refused(comm)
+        life = comm._life
+        if life.state is not USABLE:   # the eager methods' refusal: the watchdog's error too
+            raise life.refusal(f"prepared {self.name}")
         return issue(comm, self._call.bind(stream), self._keep)
-
-    def _refused(self, comm: Any) -> NcclpyError:
-        state = ("aborted" if comm._aborted else "closed" if comm._closed else "finalized")
-        return NcclpyError(f"prepared {self.name}: the communicator (rank {comm.rank}) is "
-                           f"{state}; a prepared call cannot outlive its communicator")
 
     def __repr__(self) -> str:
         return f"<ncclpy.Prepared {self.name} on {self._comm!r}>"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, Optional
 
+from .._nccl.cuda import cuda
 from ..buffers import type_kind
 from ..errors import ArgumentTypeError
 
@@ -72,8 +73,11 @@ _get_current_stream: Any = None
 
 
 def cupy_stream(device: int) -> int:
-    """CuPy's current stream on ``device``."""
+    """CuPy's current stream on ``device`` (the stand-in's, where one replaces CUDA)."""
     global _get_current_stream
+    cu = cuda()
+    if cu.name != "cupy":
+        return cu.current_stream(device)
     get = _get_current_stream
     if get is None:
         import cupy

@@ -3,38 +3,35 @@
 The event is recorded on the call's stream right after the NCCL work was enqueued (for calls
 made inside ``group()``: right after the outermost group end).  ``wait()`` blocks the host on
 it, ``wait(stream)`` makes another stream wait for it (no host block), ``is_completed()`` queries
-it.  A Work keeps the call's scratch memory and buffers alive until it has seen completion; for
-nonblocking communicators (and on every host wait) it also checks ``ncclCommGetAsyncError``.
+it.  The call's scratch memory and buffers stay referenced until the GPU ran the call, whether
+or not the Work is kept: a Work dropped before completion hands them, with its event, to a list
+that later calls sweep (:func:`sweep_dropped`), so an allocator cannot reuse memory NCCL still
+uses.  For nonblocking communicators (and on every host wait) a Work also checks
+``ncclCommGetAsyncError``.
 
 Cheap: events are not created per call.  Each device has a pool of ``cudaEventDisableTiming``
-events; a Work takes one when it records and gives it back as soon as it has seen completion
-(a host wait, ``is_completed()`` True) or is dropped.  Re-recording an event later is safe:
-whatever already waited on it (``wait(stream)``) captured its state at that moment, and a Work
-that has seen completion never touches its event again.  A call recorded while its stream is
-capturing a CUDA graph gets an event of its own instead (never pooled: an event recorded in a
-capture belongs to that capture), destroyed with the Work.
+events; a Work takes one when it records and gives it back once completion has been seen (a
+host wait, ``is_completed()`` True, the watchdog, or the sweep of dropped Works).
+Re-recording an event later is safe: whatever already waited on it (``wait(stream)``) captured
+its state at that moment.  A call recorded while its stream is capturing a CUDA graph gets an
+event of its own instead, destroyed with the Work: a plain record on a capturing stream is no
+node of the graph and marks no replay, so such a Work refuses ``wait()`` and
+``is_completed()`` with a precise error (``wait(other_stream)`` inside the capture is a graph
+edge).
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from .._nccl.cuda import cuda
 from ..errors import NcclpyError, NcclTimeoutError
 
-__all__ = ["Work", "EventPool", "event_pool"]
+__all__ = ["Work", "EventPool", "event_pool", "sweep_dropped"]
 
-_NOT_READY = 600            # cudaErrorNotReady
 _POOL_MAX = 256             # free events kept per device; more are destroyed
-_runtime: Any = None
-
-
-def _rt() -> Any:
-    global _runtime
-    if _runtime is None:
-        from cupy.cuda import runtime
-        _runtime = runtime
-    return _runtime
 
 
 class EventPool:
@@ -47,13 +44,13 @@ class EventPool:
         self._free: List[int] = []
         self.created = 0
 
-    def take(self, rt: Any) -> int:
+    def take(self, cu: Any) -> int:
         """A free event (a new one when none is free); the device must be current."""
         try:
             return self._free.pop()
         except IndexError:
             self.created += 1
-            return rt.eventCreateWithFlags(rt.eventDisableTiming)
+            return cu.event_create()
 
     def give(self, ev: int) -> None:
         """Hand ``ev`` back (destroyed when the pool is full)."""
@@ -80,9 +77,41 @@ def event_pool(device: int) -> EventPool:
 
 def _destroy(ev: int) -> None:
     try:
-        _rt().eventDestroy(ev)
+        cuda().event_destroy(ev)
     except Exception:  # pragma: no cover - context gone at interpreter exit
         pass
+
+
+#: Works dropped before anyone saw them complete: (device, event, what they kept alive).  The
+#: buffers and scratch a call uses stay referenced until the GPU is done with them, whether or
+#: not the caller keeps its Work (torch's caching allocator and CuPy's pool would otherwise
+#: hand the memory out again while NCCL still reads or writes it); the event goes back to the
+#: pool only then.  Swept, oldest first, whenever a call records its event.
+_dropped: "collections.deque[tuple]" = collections.deque()
+
+
+def sweep_dropped(cu: Any = None, limit: int = 8) -> int:
+    """Release what completed among the dropped Works (at most ``limit`` of them, oldest
+    first, stopping at the first still running); returns how many are left."""
+    cu = cu or cuda()
+    d = _dropped
+    for _ in range(limit):
+        try:
+            dev, ev, keep = d[0]
+        except IndexError:
+            return 0
+        try:
+            done = cu.event_query(ev)
+        except Exception:        # an error of its own: nothing left to wait for
+            done = True
+        if not done:
+            break
+        try:
+            d.popleft()
+        except IndexError:       # pragma: no cover - swept by another thread
+            return 0
+        event_pool(dev).give(ev)
+    return len(d)
 
 
 class Work:
@@ -117,22 +146,27 @@ class Work:
     def _record(self) -> None:
         """Take an event (pooled, or its own while the stream captures) and record it on the
         call's stream, with the call's device current."""
-        rt = _runtime or _rt()
+        cu = cuda()
         dev, stream = self._device, self._stream
-        prev = rt.getDevice()
+        prev = cu.get_device()
         if prev != dev:
-            rt.setDevice(dev)
+            cu.set_device(dev)
         try:
             try:
-                capturing = rt.streamIsCapturing(stream)
+                capturing = cu.stream_is_capturing(stream)
             except Exception:  # an invalidated capture, or the legacy stream during one
                 capturing = True
             if capturing:
-                ev = rt.eventCreateWithFlags(rt.eventDisableTiming)
+                ev = cu.event_create()
+                comm = self._comm
+                if comm is not None:      # close() says so if finalize then waits on graphs
+                    comm._captured_calls = getattr(comm, "_captured_calls", 0) + 1
             else:
-                ev = event_pool(dev).take(rt)
+                if _dropped:
+                    sweep_dropped(cu)
+                ev = event_pool(dev).take(cu)
             try:
-                rt.eventRecord(ev, stream)
+                cu.event_record(ev, stream)
             except BaseException:
                 if capturing:
                     _destroy(ev)
@@ -141,7 +175,7 @@ class Work:
                 raise
         finally:
             if prev != dev:
-                rt.setDevice(prev)
+                cu.set_device(prev)
         self._owned = capturing
         self._event = ev
 
@@ -185,9 +219,9 @@ class Work:
         try:
             if self._owned:           # recorded in a capture: never pooled, never reused
                 _destroy(ev)
-            elif not self._done:      # dropped before anyone saw completion: re-recordable
-                self._done = True
-                event_pool(self._device).give(ev)
+            elif not self._done:      # dropped before anyone saw completion: keep its
+                self._done = True     # buffers (and event) until the GPU is done with them
+                _dropped.append((self._device, ev, self._keep))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
@@ -224,11 +258,13 @@ class Work:
         async error and the watchdog's verdict, so a failed peer or an abort surfaces as an
         error instead of a hang.
         """
+        if stream is None and self._owned:
+            raise self._captured_error("wait()")
         ev = self._ready_event()
         if stream is not None:
             if ev is not None:     # done already: any stream is ordered after it
                 from .streams import as_stream_handle
-                _rt().streamWaitEvent(as_stream_handle(stream), ev, 0)
+                cuda().stream_wait_event(as_stream_handle(stream), ev)
             return
         if ev is not None:
             if not self._query(ev):
@@ -263,6 +299,8 @@ class Work:
             raise self._error
         if self._done:
             return True
+        if self._owned:
+            raise self._captured_error("is_completed()")
         ev = self._event
         if ev is None:
             return False
@@ -273,16 +311,18 @@ class Work:
             return True
         return False
 
+    def _captured_error(self, what: str) -> NcclpyError:
+        name = getattr(self.plan, "collective", "the call")
+        return NcclpyError(
+            f"{what}: this {name} was captured into a CUDA graph (its stream {self._stream:#x} "
+            f"was capturing), so it runs at each replay, and its Work follows none of them: "
+            f"launch the graph, then synchronize its stream (graph.launch(s); s.synchronize())"
+            f"; inside the same capture, work.wait(other_stream) orders another stream after "
+            f"it")
+
     @staticmethod
     def _query(ev: int) -> bool:
-        rt = _rt()
-        status = rt.eventQuery(ev)
-        if status == 0:
-            return True
-        if status == _NOT_READY:
-            return False
-        rt.check_status(status)   # raises CUDARuntimeError
-        return False              # pragma: no cover
+        return cuda().event_query(ev)
 
     def _check_comm(self) -> None:
         comm = self._comm

@@ -375,15 +375,29 @@ def plan_placement(nranks: int, ngpus: int, nccl_version: Optional[int], *,
         detail = f"hostid-socket: {ver}, distinct NCCL_HOSTID per rank, NCCL_NET=Socket"
         if single_node:
             detail += ", NCCL_SOCKET_IFNAME=lo"
+    # NCCL's guard against NVLS with several ranks on a GPU (init.cc: hasMultiRankNvml) is set
+    # by assignment inside a loop over rank pairs, so only the last pair counts; with
+    # r mod G placement and G >= 2 that pair is on two GPUs and NVLS setup goes on (NCCL's
+    # default on NVSwitch H100/H200).  So ncclpy turns NVLS off wherever ranks share a GPU.
+    nvls_user = env.get("NCCL_NVLS_ENABLE")
+    if nvls_user is None:
+        for e in envs:
+            e["NCCL_NVLS_ENABLE"] = "0"
     if cta_text and not cta_kept:
         detail += ", " + cta_text
+    if nvls_user is None:
+        detail += ", NCCL_NVLS_ENABLE=0"
     if kept:
         detail += "; kept the user's " + ", ".join(f"{k}={env[k]}" for k in kept)
     if cta_kept:
         detail += "; " + cta_text
-    if mode == "multi-rank-gpu" and str(env.get("NCCL_NVLS_ENABLE", "")).strip() == "1":
-        detail += ("; the user's NCCL_NVLS_ENABLE=1 makes NCCL fail init with several ranks per "
-                   "GPU (0 or the default 2 disables NVLS there)")
+    if nvls_user is not None:
+        detail += f"; kept the user's NCCL_NVLS_ENABLE={nvls_user}"
+        if mode == "multi-rank-gpu" and str(nvls_user).strip() == "1":
+            detail += " (it makes NCCL fail init with several ranks per GPU; 0 is safe)"
+        elif str(nvls_user).strip() != "0":
+            detail += (" (NCCL's guard against NVLS with several ranks per GPU counts only "
+                       "its last pair of ranks: NVLS may be set up on shared GPUs; 0 is safe)")
     rule = f", rank r -> GPU r mod {used}" if used > 1 else ""
     summary = f"placement: {where}{rule} ({detail}{over})"
     return Placement(nranks, ngpus, mode, devices, tuple(envs), summary, nccl_version,

@@ -48,15 +48,17 @@ def _test_id(case: ET.Element) -> str:
 
 
 def junit_counts(path: str) -> Optional[Dict[str, Any]]:
-    """Counts from a pytest junit XML file: passed, failed, errors, skipped, total, and the
-    failures (id, kind, first part of the message).  None when missing or unparsable."""
+    """Counts from a pytest junit XML file: passed, failed, errors, skipped, total, the
+    failures (id, kind, first part of the message), and the checks inside passing tests that
+    were skipped (the ``skipped_checks`` property: id, "count: reasons").  None when missing
+    or unparsable."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError) as e:
         log.debug("cannot parse %s: %s", path, e)
         return None
     out: Dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0,
-                           "failures": []}
+                           "failures": [], "skipped_checks": []}
     seen: Dict[str, str] = {}
     for case in root.iter("testcase"):
         if not case.get("name"):          # the test running when pytest was interrupted
@@ -64,6 +66,10 @@ def junit_counts(path: str) -> Optional[Dict[str, Any]]:
         tid = _test_id(case)
         kind = "passed"
         msg = ""
+        for prop in case.iter("property"):   # checks inside a test that could not run here
+            if prop.get("name") == "skipped_checks" and \
+                    len(out["skipped_checks"]) < _MAX_FAILURES:
+                out["skipped_checks"].append({"id": tid, "checks": prop.get("value") or ""})
         for child in case:
             if child.tag in ("failure", "error"):
                 kind = "failed" if child.tag == "failure" else "errors"

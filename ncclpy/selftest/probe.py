@@ -4,7 +4,8 @@
 NCCL are usable).  ``python -m ncclpy.selftest.probe FILE`` is the ``info`` stage: it writes
 :func:`collect` as JSON to FILE and prints it readably.  The NVIDIA driver version comes from
 NVML (nvidia-ml-py) or ``nvidia-smi``; MPS is "present" when ``nvidia-cuda-mps-control`` is on
-the PATH.
+the PATH; the test tools the pytest stages need (pytest, pytest-timeout) are listed, and a
+missing one fails the stage with its name.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import sys
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["cuda_reason", "nvidia_driver", "nvidia_smi", "collect", "main"]
+__all__ = ["cuda_reason", "nvidia_driver", "nvidia_smi", "collect", "main", "test_tools",
+           "TEST_TOOLS"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,24 @@ def nvidia_smi(fields: Sequence[str]) -> List[List[str]]:
     return [[c.strip() for c in line.split(",")] for line in p.stdout.splitlines() if line.strip()]
 
 
+#: what the pytest stages need besides ncclpy's own dependencies (module -> pip name)
+TEST_TOOLS = {"pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+
+
+def test_tools() -> Dict[str, Optional[str]]:
+    """The version of each of :data:`TEST_TOOLS` importable here (None: missing)."""
+    import importlib
+    out: Dict[str, Optional[str]] = {}
+    for mod, pip in TEST_TOOLS.items():
+        try:
+            m = importlib.import_module(mod)
+        except Exception:  # noqa: BLE001 - absent or broken: missing either way
+            out[pip] = None
+        else:
+            out[pip] = str(getattr(m, "__version__", "?"))
+    return out
+
+
 def collect() -> Dict[str, Any]:
     """``ncclpy info`` (with torch) plus the NVIDIA driver, nvidia-smi's view, MPS, the date."""
     from ncclpy.info import collect as info_collect
@@ -102,7 +122,10 @@ def collect() -> Dict[str, Any]:
         warnings.simplefilter("ignore")
         ni = info_collect(import_torch=True)
     smi = nvidia_smi(["name", "driver_version", "memory.total", "compute_mode"])
+    tools = test_tools()
     return {
+        "test_tools": tools,
+        "missing_tools": [name for name, v in tools.items() if v is None],
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "ncclpy_info": ni,
         "nvidia_driver": nvidia_driver(),
@@ -127,7 +150,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for row in doc["nvidia_smi"]:
         print(f"{'nvidia-smi:':<14}{', '.join(row)}")
     print(f"{'GPU usable:':<14}{'yes' if not doc['cuda_reason'] else doc['cuda_reason']}")
-    return 0 if not doc["cuda_reason"] else 1
+    missing = doc["missing_tools"]
+    print(f"{'test tools:':<14}" + ("all present" if not missing else
+                                   f"missing {', '.join(missing)} (pip install "
+                                   f"{' '.join(missing)}): the pytest stages cannot run"))
+    return 0 if not doc["cuda_reason"] and not missing else 1
 
 
 if __name__ == "__main__":

@@ -221,6 +221,10 @@ def paste_block(rec: RunRecord) -> str:
     if failed:
         more = "" if len(failed) <= 12 else f" and {len(failed) - 12} more"
         lines.append(f"- Failed tests: {', '.join(failed[:12])}{more}")
+    inner = [f"{k['id']} ({k['checks']})" for s in rec.stages
+             for k in (s.counts or {}).get("skipped_checks", [])]
+    if inner:                 # checks that did not run inside tests that passed
+        lines.append(f"- Checks skipped inside passing tests: {'; '.join(inner[:6])}")
     unfinished = [s.name for s in rec.stages if s.status in ("did not finish", "interrupted")]
     not_run = [s.name for s in rec.stages if s.status == "not run"]
     if unfinished:

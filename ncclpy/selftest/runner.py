@@ -155,7 +155,9 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
             if c is not None:
                 res.figures[f"check_n{n}"] = c
         c = res.counts or {}
-        if ok and c.get("passed", 0) == 0:
+        if not c and "No module named pytest" in _read(os.path.join(work, f"{p}.log")):
+            ok, reason = False, "pytest is not installed here (pip install pytest pytest-timeout)"
+        elif ok and c.get("passed", 0) == 0:
             ok = False
             reason = "every test skipped" if c.get("skipped") else "no test ran"
         elif rcs and rcs[-1] == 5:
@@ -170,8 +172,12 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
         doc = P.load_json(os.path.join(work, f"{p}.json"))
         if isinstance(doc, dict):
             res.figures["info"] = doc
+            missing = doc.get("missing_tools") or []
             if doc.get("cuda_reason"):
                 ok, reason = False, f"the probe found no usable GPU: {doc['cuda_reason']}"
+            elif missing:
+                ok, reason = False, (f"missing {', '.join(missing)} (pip install "
+                                     f"{' '.join(missing)}): the pytest stages cannot run")
         else:
             ok, reason = False, "the probe wrote no JSON"
     elif stage.kind in ("bench", "overhead"):

@@ -62,21 +62,37 @@ def report(failures: List[str], launch_error: str, limit: int = 25) -> str:
     return head + "\n\n" + "\n\n".join(failures[:limit])
 
 
-def assert_clean(run: Records, min_checks: int) -> None:
-    """No check failed, the launch went well, and at least ``min_checks`` distinct checks ran."""
+def skipped_checks(records: List[Dict[str, Any]]) -> Dict[str, str]:
+    """name -> reason of the checks that raised Skip (on any rank): they did not run."""
+    return {r["name"]: r["skip"] for r in records if r.get("skip")}
+
+
+def assert_clean(run: Records, min_checks: int, node: Any = None) -> None:
+    """No check failed, the launch went well, and at least ``min_checks`` distinct checks ran
+    (a skipped check is not one).  Skipped checks are listed on ``node`` (pytest's item) as the
+    junit property ``skipped_checks``, which the GPU proof's report shows."""
     records, failures, launch_error = run
     assert not failures and not launch_error, report(failures, launch_error)
-    names = {r["name"] for r in records if not r["name"].startswith("_")}
+    skipped = skipped_checks(records)
+    names = {r["name"] for r in records if not r["name"].startswith("_")} - set(skipped)
     assert len(names) >= min_checks, f"only {len(names)} checks ran: {sorted(names)[:20]}"
+    if skipped and node is not None:
+        reasons = sorted(set(skipped.values()))
+        node.user_properties.append(("skipped_checks",
+                                     f"{len(skipped)}: " + "; ".join(reasons)[:500]))
 
 
 def feature(run: Records, name: str, n: int) -> None:
     """Check ``name`` ran and passed on each of the ``n`` ranks."""
+    import pytest
     records, failures, err = run
     mine = [r for r in records if r["name"] == name]
     bad = [f for f in failures if f.split(":", 1)[0].endswith(" " + name)]
     assert mine, f"check {name!r} never ran; " + report(failures, err)
     assert not bad, report(bad, err)
+    skips = sorted({r["skip"] for r in mine if r.get("skip")})
+    if skips:                           # it did not run: pytest counts it as skipped
+        pytest.skip(f"{name}: " + "; ".join(skips))
     assert all(r["ok"] for r in mine) and len(mine) == n, mine
 
 
