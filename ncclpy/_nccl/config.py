@@ -189,9 +189,9 @@ class Config:
 
         Two fields are written even when unset, where NCCL would otherwise refuse the config:
         ``blocking`` is 1 on NCCL 2.14-2.16 (no "unset" there), and ``maxCTAs`` is
-        ``max(64, min_ctas)`` (32 before NCCL 2.25) when only ``min_ctas`` is given (NCCL checks min <= max before
-        filling its defaults).  The struct keeps the encoded strings alive (ctypes stores them
-        in ``_objects``).
+        ``max(64, min_ctas)`` (32 before NCCL 2.25) when only ``min_ctas`` is given (NCCL
+        checks min <= max before filling its defaults).  The struct keeps the encoded strings
+        alive (ctypes stores them in ``_objects``).
         """
         if nccl_version is not None:
             self.check_version(nccl_version)

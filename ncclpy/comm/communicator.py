@@ -13,10 +13,11 @@ otherwise (AlltoAll, Gather, Scatter, and everything on a ctypes-created communi
 errors from either path become ncclpy's NcclError subclass with the code, the call and
 ``ncclGetLastError``'s text.
 
-Each method: resolve (``ncclpy.comm.resolver``: parse the buffers, plan (pure, ``ncclpy.plan``) and
-pick the stream on the first call; a cached, never-stale result on a repeated one), issue
-(``ncclpy.comm.execute.issue``) -> :class:`~ncclpy.comm.work.Work`.  ``prepare`` resolves a call once for
-repeated use (``ncclpy.comm.prepared``).
+Each method: resolve (``ncclpy.comm.resolver``: parse the buffers, plan (pure,
+``ncclpy.plan``) and pick the stream on the first call; a cached, never-stale result on a
+repeated one), issue (``ncclpy.comm.execute.issue``) -> :class:`~ncclpy.comm.work.Work`.
+``prepare`` resolves a call once for repeated use (``ncclpy.comm.prepared``).  Finalize,
+abort, close and the lock that orders them with every call: ``ncclpy.comm.lifecycle``.
 """
 from __future__ import annotations
 
