@@ -36,6 +36,7 @@ class CupyRuntime:
         from cupy.cuda import runtime
         self.rt = runtime
         self._driver: Any = None
+        self._get_current_stream: Any = None
 
     # -- devices ----------------------------------------------------------------------------
     def device_count(self) -> int:
@@ -83,13 +84,17 @@ class CupyRuntime:
         self.rt.streamWaitEvent(stream, event, 0)
 
     def current_stream(self, device: int) -> int:
-        """CuPy's current stream on ``device``."""
-        import cupy
+        """CuPy's current stream on ``device`` (a call's default stream: kept cheap)."""
+        get = self._get_current_stream
+        if get is None:
+            import cupy
+            get = self._get_current_stream = cupy.cuda.get_current_stream
         try:
-            return cupy.cuda.get_current_stream(device).ptr
+            return get(device).ptr
         except TypeError:  # older CuPy: no device argument
+            import cupy
             with cupy.cuda.Device(device):
-                return int(cupy.cuda.get_current_stream().ptr)
+                return int(get().ptr)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.rt.memcpyAsync(dst, src, nbytes, _MEMCPY_D2D, stream)

@@ -69,25 +69,9 @@ def cai_stream(cai: Any) -> Optional[int]:
     return 0 if s == 1 else s  # 1 = legacy default stream (handle 0); 2 = per-thread default
 
 
-_get_current_stream: Any = None
-
-
 def cupy_stream(device: int) -> int:
-    """CuPy's current stream on ``device`` (the stand-in's, where one replaces CUDA)."""
-    global _get_current_stream
-    cu = cuda()
-    if cu.name != "cupy":
-        return cu.current_stream(device)
-    get = _get_current_stream
-    if get is None:
-        import cupy
-        get = _get_current_stream = cupy.cuda.get_current_stream
-    try:
-        return get(device).ptr
-    except TypeError:  # older CuPy: no device argument
-        import cupy
-        with cupy.cuda.Device(device):
-            return int(get().ptr)
+    """CuPy's current stream on ``device`` (through the CUDA boundary, so a stand-in's)."""
+    return cuda().current_stream(device)
 
 
 def torch_stream(device: int) -> int:
