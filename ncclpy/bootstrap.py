@@ -1,12 +1,13 @@
 """From "who am I" to "every rank holds the same NCCL unique id": the hand-over to the communicator.
 
 :func:`bootstrap` resolves the rendezvous (:func:`ncclpy.rendezvous.resolve`), connects to the store
-(rank 0 hosts it), exchanges the 128-byte ``ncclUniqueId`` (:func:`exchange_uid`) and picks the
-device.  The result, :class:`Bootstrap`, is a plain dataclass the communicator consumes.
+(rank 0 hosts it, or ``ncclpy run``'s launcher), exchanges the 128-byte ``ncclUniqueId``
+(:func:`exchange_uid`) and picks the device.  The result, :class:`Bootstrap`, is a plain dataclass the communicator consumes.
 
 The uid lives under ``ncclpy/uid/{name}/{generation}``, so several communicators (different
 names) and re-inits (new generations) never read each other's id.  With ``generation=None`` every
-rank bumps its own counter ``ncclpy/gen/{name}/{rank}``: ranks that create communicators in the
+rank counts its own generations per name, in one key per rank whatever the number of names
+(``ncclpy/gen/{rank}``: ``{"name": generation, ...}``): ranks that create communicators in the
 same order get the same generation without talking to each other.
 
 Hand-over: every other rank adds 1 to ``ncclpy/uid-ack/{name}/{generation}`` once it has read
@@ -24,6 +25,7 @@ log says which one was used and why.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import numbers
 import os
@@ -84,8 +86,32 @@ def uid_key(name: str, generation: int) -> str:
 
 
 def generation_key(name: str, rank: int) -> str:
-    """Store key of rank ``rank``'s generation counter for communicator ``name``."""
-    return f"ncclpy/gen/{name}/{rank}"
+    """Store key of rank ``rank``'s generation counters (one key per rank for every ``name``:
+    a JSON object name -> generation)."""
+    return f"ncclpy/gen/{rank}"
+
+
+_GENS: dict[tuple[int, int], dict] = {}
+_GENS_LOCK = threading.Lock()
+
+
+def _next_generation(store: Any, name: str, rank: int) -> int:
+    """Bump and return ``rank``'s generation of ``name`` (kept in this process, mirrored in the
+    rank's one key so a process that restarts against the same store continues the count)."""
+    key = generation_key(name, rank)
+    with _GENS_LOCK:
+        gens = _GENS.get((id(store), rank))
+        if gens is None:
+            gens = {}
+            if store.check([key]):
+                try:
+                    gens = dict(json.loads(store.get(key)))
+                except (ValueError, TypeError):
+                    gens = {}
+            _GENS[(id(store), rank)] = gens
+        gens[name] = int(gens.get(name, 0)) + 1
+        store.set(key, json.dumps(gens, separators=(",", ":")))
+        return gens[name]
 
 
 def ack_key(name: str, generation: int) -> str:
@@ -218,7 +244,7 @@ def exchange_uid(store: Any, rank: int, *, name: str = "default",
     if generation is None:
         gkey = generation_key(name, rank)
         generation = int(_store_call(store, rank, "count the generation of communicator "
-                                     f"{name!r}", gkey, store.add, gkey, 1))
+                                     f"{name!r}", gkey, _next_generation, store, name, rank))
     key = uid_key(name, generation)
     what = f"the NCCL unique id of communicator {name!r} generation {generation}"
     if rank == 0:
@@ -246,9 +272,11 @@ def exchange_uid(store: Any, rank: int, *, name: str = "default",
 
 def _never_came(store: Any, name: str, world_size: int) -> str:
     """" Ranks 2, 3 never reached the store ..." from the generation keys every rank sets."""
+    def came(r: int) -> bool:
+        key = generation_key(name, r)
+        return bool(store.check([key])) and name in json.loads(store.get(key))
     try:
-        absent = [r for r in range(1, world_size)
-                  if not store.check([generation_key(name, r)])]
+        absent = [r for r in range(1, world_size) if not came(r)]
     except Exception:   # a courtesy, as the count
         return ""
     if not absent:
@@ -306,7 +334,7 @@ def connect_store(info: RendezvousInfo, token: Optional[str] = None,
                   timeout: float = 300.0) -> Any:
     """The store of the resolved rendezvous ``info``, one per (address, port, rank) per process.
 
-    ``store_kind`` "ncclpy": ncclpy's TCP store, hosted by rank 0 (``token``, else
+    ``store_kind`` "ncclpy": ncclpy's TCP store, hosted by rank 0 or the launcher (``token``, else
     ``$NCCLPY_STORE_TOKEN``).  "torchrun": torchrun's agent store, joined as a client through
     torch's TCPStore, with keys under ``ncclpy/attempt-{TORCHELASTIC_RESTART_COUNT}/`` so a
     restarted job never reads the previous attempt's ids.
@@ -361,18 +389,26 @@ def _default_store(info: RendezvousInfo, token: Optional[str], timeout: float) -
 
 def _open_ncclpy_store(store_type: Any, info: RendezvousInfo, token: Optional[str],
                        timeout: float) -> Any:
-    """ncclpy's store for ``info`` (rank 0 hosts it); a failure to host or reach it is a
+    """ncclpy's store for ``info`` (rank 0 hosts it unless ``NCCLPY_STORE_HOSTED_BY=launcher``:
+    ``ncclpy run``'s launcher does, sized for the world); a failure to host or reach it is a
     :class:`RendezvousError` naming the address and how long this rank tried."""
     addr = f"{info.master_addr}:{info.master_port}"
+    host = info.rank == 0 and os.environ.get("NCCLPY_STORE_HOSTED_BY", "") != "launcher"
+    kw: dict = {}
+    if host:
+        from ncclpy.store.limits import StoreLimits
+        kw["limits"] = StoreLimits.for_world(info.world_size)
     try:
         return store_type(info.master_addr, info.master_port, token=token, timeout=timeout,
-                          is_server=info.rank == 0)
+                          is_server=host, **kw)
     except StoreError as e:
-        if info.rank == 0:
+        if host:
             raise RendezvousError(f"rank 0 could not host the store at {addr}: "
                                   f"{type(e).__name__}: {e}") from e
         raise RendezvousError(
-            f"rank {info.rank} could not reach the store at {addr} (hosted by rank 0) within "
+            f"rank {info.rank} could not reach the store at {addr} (hosted by "
+            f"{'rank 0' if not os.environ.get('NCCLPY_STORE_HOSTED_BY') else 'the launcher'}) "
+            f"within "
             f"{timeout:g} s: {type(e).__name__}: {e}. Is rank 0 running, and are "
             f"NCCLPY_MASTER_ADDR/NCCLPY_MASTER_PORT the same on every rank?") from e
     except OSError as e:   # rank 0: the port is taken, or the address is not this machine's

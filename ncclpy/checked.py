@@ -13,17 +13,25 @@ outermost end -- is summarised into a :func:`fingerprint` (pure: built from the 
   dtype) must pair up: rank r's sends to p, in order, equal p's receives from r; each rank reads
   the fingerprints of the peers it talks to.
 
-A rank that saw a problem counts it on a shared counter; all ranks then meet (one server-held
-barrier on ncclpy's store) and read the counter, so a mismatch raises :class:`CallMismatchError`
-on *every* rank -- before any NCCL call of the round was made.  Only then (the slow path) are
-all fingerprints read to print the table.  A rank that never arrives is named, after the
-timeout, in a :class:`CallCheckTimeout`.  On success a round costs a handful of store round
-trips per rank: set, get rank 0's, get each peer's, arrive, read the counter, delete the
-previous round's key.
+On ncclpy's store a round is **one round trip per rank and leaves no key**: each rank sends a
+VOTE (:mod:`ncclpy.store.tablewire`) carrying a hash of its collective part, which must be equal
+on every rank, and a sum over its point-to-point part (``+H(src, dst, k, count, dtype)`` for
+its k-th send to a peer, ``-H(...)`` for its k-th receive from one), which cancels to 0 over all
+ranks exactly when every send meets its receive (up to a 64-bit hash collision).  The server
+answers every rank once all voted, so a mismatch raises :class:`CallMismatchError` on *every*
+rank -- before any NCCL call of the round was made.  Only then (the slow path) does every rank
+publish its fingerprint; rank 0 reads them all, builds the table and publishes it, the others
+read it, and the last one out deletes the keys.  A rank that never arrives is named, after the
+timeout, in a :class:`CallCheckTimeout`.
+
+A store without the vote (torch's) gets the older exchange through keys: set, get rank 0's,
+get each peer's, arrive, read the shared counter of problems; the previous round's keys are
+deleted, so at most two rounds' keys exist at any time.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import time
@@ -31,8 +39,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .dtypes import NCCL_DTYPE_NAMES
 from .errors import CallCheckTimeout, CallMismatchError, StoreTimeout, UnsupportedError
+from .store import tablewire as _TW
 
-__all__ = ["Checker", "fingerprint", "compare", "format_table", "P2P_CALLS", "FIELDS"]
+__all__ = ["Checker", "fingerprint", "compare", "format_table", "round_hashes", "P2P_CALLS",
+           "FIELDS"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +101,24 @@ def fingerprint(plans: Sequence[Any], seq: int, names: Optional[Sequence[str]] =
                 p2p.append([c.fn.lower(), int(peer), int(count),
                             NCCL_DTYPE_NAMES.get(dt, dt), seq + i])
     return {"seq": seq, "n": len(plans), "calls": calls, "p2p": p2p}
+
+
+def _h64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def round_hashes(fp: Dict[str, Any], rank: int) -> Tuple[int, int]:
+    """(hash of the collective part, p2p sum mod 2**64) of one rank's fingerprint ``fp``: the
+    hash is equal on every rank exactly when their collective parts are; the sums of all ranks
+    add up to 0 exactly when every send has its matching receive (see the module docstring)."""
+    coll = _h64(json.dumps([fp["seq"], fp["calls"]], separators=(",", ":"), sort_keys=True))
+    total, nth = 0, {}
+    for kind, peer, count, dtype, _ in fp["p2p"]:
+        chan = (rank, peer) if kind == "send" else (peer, rank)
+        k = nth[(kind, peer)] = nth.get((kind, peer), -1) + 1
+        h = _h64(f"{chan[0]}>{chan[1]}#{k}:{count}:{dtype}")
+        total += h if kind == "send" else -h
+    return coll, total & ((1 << 64) - 1)
 
 
 def _p2p_with(fp: Dict[str, Any], kind: str, peer: int) -> List[Tuple[int, str]]:
@@ -243,6 +271,7 @@ class Checker:
         self.seq = 0
         self.round = 0
         self._arrive = bool(getattr(store, "supports_arrive", False))
+        self._vote = bool(getattr(store, "supports_tables", False))
 
     def _key(self, rnd: int, what: str) -> str:
         return f"{self.prefix}/{rnd}/{what}"
@@ -259,6 +288,63 @@ class Checker:
             if problems:
                 raise CallMismatchError(format_table({0: fp}, self.name, rnd, problems))
             return
+        if self._vote:
+            self._check_vote(rnd, fp)
+        else:
+            self._check_keys(rnd, fp)
+
+    def _check_vote(self, rnd: int, fp: Dict[str, Any]) -> None:
+        """One VOTE round trip; the table only on a mismatch."""
+        me, n = self.rank, self.world_size
+        own = [e for e in fp["p2p"] if not 0 <= e[1] < n]    # a peer that is not a rank
+        coll, total = round_hashes(fp, me)
+        try:
+            rep = self.store.vote(self._key(rnd, "v"), n, me, coll, total, bad=bool(own),
+                                  timeout=self.timeout)
+        except Exception as e:
+            if not _is_timeout(e):
+                raise
+            rep = _TW.VoteReply(_TW.TIMED_OUT, 0, [])
+        if rep.verdict & _TW.TIMED_OUT:
+            out: Dict[int, Optional[Dict[str, Any]]] = {me: fp}
+            out.update((r, None) for r in rep.missing)
+            self._raise_timeout(rnd, out, "waiting for every rank to compare", rep.missing)
+        if rep.verdict:
+            self._mismatch_table(rnd, fp)
+
+    def _mismatch_table(self, rnd: int, fp: Dict[str, Any]) -> None:
+        """The slow path after a failed vote: build the table on rank 0, share it, raise."""
+        store, me, n = self.store, self.rank, self.world_size
+        deadline = time.monotonic() + self.timeout
+        fps: Dict[int, Optional[Dict[str, Any]]] = {me: fp}
+        try:
+            store.set(self._key(rnd, f"fp/{me}"), json.dumps(fp, separators=(",", ":")))
+            self._meet(rnd, deadline)
+            if me == 0:
+                fps = self._read_all(rnd, fps, deadline)
+                for r in range(n):
+                    self._delete(self._key(rnd, f"fp/{r}"))
+                store.set(self._key(rnd, "table"), json.dumps(
+                    {str(r): f for r, f in fps.items()}, separators=(",", ":")))
+            else:
+                raw = json.loads(_wait_key(store, self._key(rnd, "table"),
+                                           max(deadline - time.monotonic(), 0.001)))
+                fps = {int(r): f for r, f in raw.items()}
+            left = max(deadline - time.monotonic(), 0.001)
+            if int(store.arrive(self._key(rnd, "out"), n, left)) % n == 0:
+                for what in ("table", "n", "out"):     # the last one out cleans up
+                    self._delete(self._key(rnd, what))
+        except Exception as e:
+            if not _is_timeout(e) and not isinstance(e, OSError) and \
+                    "Store" not in type(e).__name__:
+                raise
+            log.debug("checked mode: the mismatch table could not be collected: %s", e)
+        problems = compare(fps)
+        raise CallMismatchError(format_table(fps, self.name, rnd, problems), table=fps,
+                                problems=problems)
+
+    def _check_keys(self, rnd: int, fp: Dict[str, Any]) -> None:
+        """The exchange through keys, for a store without the vote (torch's)."""
         store, me = self.store, self.rank
         deadline = time.monotonic() + self.timeout
         store.set(self._key(rnd, f"fp/{me}"), json.dumps(fp, separators=(",", ":")))
@@ -281,8 +367,11 @@ class Checker:
                 raise
             self._timed_out(rnd, fps, "waiting for every rank to compare")
         nbad = int(store.add(self._key(rnd, "bad"), 0))
-        if rnd > 0:          # every rank has finished the previous round: drop its key
+        if rnd > 0:          # every rank has finished the previous round: drop its keys
             self._delete(self._key(rnd - 1, f"fp/{me}"))
+            if me == 0:
+                for what in ("n", "bad", "all"):
+                    self._delete(self._key(rnd - 1, what))
         if nbad:
             all_fps = self._read_all(rnd, fps, deadline)
             problems = compare(all_fps)
@@ -334,7 +423,10 @@ class Checker:
                 except Exception:
                     f = None
             out[r] = f
-        missing = [r for r, f in out.items() if f is None]
+        self._raise_timeout(rnd, out, doing, [r for r, f in out.items() if f is None])
+
+    def _raise_timeout(self, rnd: int, out: Dict[int, Optional[Dict[str, Any]]], doing: str,
+                       missing: List[int]) -> None:
         problems = compare(out)
         msg = (f"checked mode: rank {self.rank} timed out after {self.timeout:g} s {doing} on "
                f"communicator {self.name!r} (check {rnd}, sequence {out[self.rank]['seq']}); "

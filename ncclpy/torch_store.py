@@ -87,6 +87,11 @@ class TorchStoreAdapter:
         t = self.timeout if timeout is None else float(timeout)
         self._call("wait", ",".join(ks), t, self._store.wait, ks, datetime.timedelta(seconds=t))
 
+    def check(self, keys: Union[Key, Iterable[Key]]) -> bool:
+        """True if every key exists (does not wait)."""
+        ks = [_key(keys)] if isinstance(keys, (str, bytes, bytearray)) else [_key(k) for k in keys]
+        return bool(self._call("check", ",".join(ks), None, self._store.check, ks))
+
     def num_keys(self) -> int:
         return int(self._call("num_keys", "", None, self._store.num_keys))
 

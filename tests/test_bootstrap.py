@@ -122,7 +122,7 @@ def test_uid_normalisation_rejects(raw):
 
 def test_keys_are_scoped_by_name_and_generation():
     assert uid_key("a", 1) == "ncclpy/uid/a/1"
-    assert generation_key("a", 3) == "ncclpy/gen/a/3"
+    assert generation_key("a", 3) == "ncclpy/gen/3"
     assert len({uid_key(n, g) for n in ("a", "b", "a/1") for g in (1, 2)}) == 6
     assert ack_key("a", 1) == "ncclpy/uid-ack/a/1"
     keys = [f(n, g) for f in (uid_key, ack_key) for n in ("a", "b", "a/1") for g in (1, 2)]

@@ -692,8 +692,8 @@ def test_master_port_whose_p_plus_1_is_taken_is_a_precise_error(tmp_path):
 
 
 def test_a_failed_rank_is_published_in_the_store(tmp_path):
-    """Rank 0 hosts the store; rank 1 dies; the launcher sets ncclpy/dead/1 before stopping
-    rank 0, which reads it."""
+    """The launcher hosts the store; rank 1 dies; the launcher publishes its death (the key,
+    the dead list and the epoch) before stopping rank 0, which reads it."""
     prog = _script(tmp_path, """
         import os, sys
         from ncclpy.store import TCPStore
@@ -703,9 +703,12 @@ def test_a_failed_rank_is_published_in_the_store(tmp_path):
         if rank == 0:
             import signal   # the fail-fast SIGTERM races the read: wait for the grace SIGKILL
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            s = TCPStore(host, port, token=tok, is_server=True, timeout=30)
+            assert os.environ["NCCLPY_STORE_HOSTED_BY"] == "launcher"
+            s = TCPStore(host, port, token=tok, timeout=30)
             s.set("up", b"1")
             print("dead:", s.get("ncclpy/dead/1", timeout=25).decode(), flush=True)
+            print("list:", s.get("ncclpy/dead/ranks").decode(), s.add("ncclpy/dead/epoch", 0),
+                  flush=True)
             import time; time.sleep(30)
         else:
             TCPStore(host, port, token=tok, timeout=30).get("up")
@@ -714,3 +717,25 @@ def test_a_failed_rank_is_published_in_the_store(tmp_path):
     cp = run(["-n", "2", "--grace", "5", prog])
     assert cp.returncode == 7, cp.stderr
     assert "[rank 0] dead: exited with code 7" in cp.stdout, (cp.stdout, cp.stderr)
+    assert "[rank 0] list: 1 1" in cp.stdout, cp.stdout
+
+
+def test_the_store_outlives_rank_0_and_its_death_is_published(tmp_path):
+    """Under ncclpy run the store is the launcher's: rank 0 dies, rank 1 still reaches the
+    store and reads rank 0's death notice there."""
+    prog = _script(tmp_path, """
+        import os, sys, signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the fail-fast SIGTERM races the read
+        from ncclpy.store import TCPStore
+        rank = int(os.environ["RANK"])
+        host, port = os.environ["NCCLPY_MASTER_ADDR"], int(os.environ["NCCLPY_MASTER_PORT"])
+        s = TCPStore(host, port, token=os.environ["NCCLPY_STORE_TOKEN"], timeout=30)
+        if rank == 0:
+            s.get("ready")
+            os.kill(os.getpid(), signal.SIGKILL)
+        s.set("ready", b"1")
+        print("dead:", s.get("ncclpy/dead/0", timeout=25).decode(), flush=True)
+    """)
+    cp = run(["-n", "2", "--grace", "5", prog])
+    assert cp.returncode == 128 + 9, cp.stderr
+    assert "[rank 1] dead: was killed by signal SIGKILL" in cp.stdout, (cp.stdout, cp.stderr)

@@ -22,7 +22,8 @@ if ROOT not in sys.path:
 from ncclpy.comm import default_timeout, env_flag  # noqa: E402
 from ncclpy.errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
-from ncclpy.watchdog import Peer, Watchdog, WatchState, dead_key  # noqa: E402
+from ncclpy.debug.deaths import publish_deaths  # noqa: E402
+from ncclpy.watchdog import Peer, Watchdog, WatchState  # noqa: E402
 
 
 # -- decisions (pure) ---------------------------------------------------------------------------
@@ -63,7 +64,15 @@ def test_silent_peer_is_suspected_dead_before_the_timeout():
 
 def test_a_peer_that_never_beat_counts_from_the_start():
     d = _state().step(104.0, [], {1: Peer(seen=103.0), 2: Peer()})
-    assert d.reason == "peer_silent" and "rank 2 never sent one" in d.message
+    assert d.reason == "peer_silent" and "rank 2 never sent one in 4.0 s" in d.message
+
+
+def test_a_peer_that_never_beat_gets_the_start_up_grace_not_the_silence_limit():
+    st = WatchState(0, 3, "job", 600.0, dead_after=3.0, start=100.0, never_grace=60.0)
+    assert st.step(150.0, [], {1: Peer(seen=149.0), 2: Peer()}) is None
+    assert st.step(150.0, [], {1: Peer(seen=146.0), 2: Peer()}).suspects == (1,)
+    d = st.step(160.5, [], {1: Peer(seen=160.0), 2: Peer()})
+    assert d.suspects == (2,) and "rank 2 never sent one in 60.5 s" in d.message
 
 
 def test_closed_peer_is_not_suspected():
@@ -221,7 +230,7 @@ def test_a_killed_rank_is_named_by_every_other_rank():
 def test_the_launchers_notice_is_read():
     srv, ps = _start(2, secs=30.0)
     try:
-        TCPStore("127.0.0.1", srv.port, timeout=10).set(dead_key(1), b"killed by signal 9")
+        publish_deaths(TCPStore("127.0.0.1", srv.port, timeout=10), [1], "killed by signal 9")
         res = _result(ps[0])
         ps[1].kill()
         ps[1].wait(10)

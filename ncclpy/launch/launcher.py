@@ -17,9 +17,13 @@
   subprocess a rank started does not outlive it.
 * ``--timeout S``: ranks still running S seconds after the start are stopped (SIGTERM, SIGKILL
   after ``grace``); the summary names them and the exit code is :data:`EXIT_TIMEOUT` (124).
-* Peer death notice: when a rank fails, before the others are stopped, the launcher sets
-  ``ncclpy/dead/<rank>`` (the exit code or signal, as text) in the job's ncclpy store (hosted by
-  rank 0) when it can reach it within about a second, for the ranks' watchdog.
+* The job's ncclpy store lives in the launcher (node 0's, on several nodes), as torchrun's agent
+  hosts its store: rank 0 joins it as a client (``NCCLPY_STORE_HOSTED_BY=launcher``), so the
+  store outlives any rank, its connection limit is sized from the world size, and rank 0's
+  death is reported like any other's.
+* Peer death notice: when a rank fails, before the others are stopped, the launcher publishes
+  it (:mod:`ncclpy.debug.deaths`: ``ncclpy/dead/<rank>`` with the exit code or signal as text,
+  the dead list, the death epoch) for the ranks' watchdogs, bounded to about a second.
 * ``--checked`` sets ``NCCLPY_CHECKED=1`` for every rank.
 * Ranks die with the launcher (``PR_SET_PDEATHSIG``, Linux) if it is killed outright.
 * Ranks sharing a GPU: :mod:`ncclpy.launch.placement` sets NCCL's variables (a CTA limit above 2
@@ -49,7 +53,7 @@ from .mps import MPS_MODES, MPS_ENV, resolve_mode, setup_mps
 from .placement import Placement, place, summary_line, with_mps
 
 __all__ = ["launch", "add_run_arguments", "run_from_args", "build_command", "DEFAULT_GRACE",
-           "PREFIX_FORMAT", "EXIT_TIMEOUT", "EXIT_USAGE", "DEAD_KEY"]
+           "PREFIX_FORMAT", "EXIT_TIMEOUT", "EXIT_USAGE", "DEAD_KEY", "HOSTED_ENV"]
 
 #: Seconds between SIGTERM and SIGKILL (small, so a failed job stops within ~5 s).
 DEFAULT_GRACE = 3.0
@@ -61,6 +65,8 @@ EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
 #: Store key where the launcher publishes a rank's death (format with ``rank=``).
 DEAD_KEY = "ncclpy/dead/{rank}"
+#: Set to "launcher" in every rank's environment when the launcher hosts the job's store.
+HOSTED_ENV = "NCCLPY_STORE_HOSTED_BY"
 #: The spellings of ``ncclpy run``'s options, by ``launch()`` keyword, for CLI error messages.
 _FLAGS = {"nproc": "-n/--nprocs", "nnodes": "--nnodes", "node_rank": "--node-rank",
           "master_addr": "--master-addr", "master_port": "--master-port",
@@ -177,19 +183,33 @@ def _how(rc: int) -> str:
 
 
 def _publish_death(host: str, port: int, token: str, rank: int, rc: int) -> bool:
-    """Set ``ncclpy/dead/<rank>`` in the job's ncclpy store for the ranks' watchdog; bounded to
-    about a second, best effort (the store may not be up, or was rank 0's). True when set."""
+    """Publish ``rank``'s death in the job's ncclpy store for the ranks' watchdogs
+    (:func:`ncclpy.debug.deaths.publish_deaths`); bounded to about a second, best effort (a
+    store of another node may be unreachable). True when published."""
+    from ..debug.deaths import publish_deaths
     from ..errors import StoreError
     from ..store import TCPStore
     try:
         with TCPStore(host, port, token=token or None, timeout=1.0,
                       connect_timeout=0.5) as store:
-            store.set(DEAD_KEY.format(rank=rank), _how(rc))
+            publish_deaths(store, [rank], _how(rc))
         return True
     except (StoreError, OSError) as e:
         log.debug("ncclpy run: could not publish rank %d's death in the store at %s:%d: %s",
                   rank, host, port, e)
         return False
+
+
+def _host_store(addr: str, port: int, token: str, world: int) -> Any:
+    """Start the job's store server here, its connection limit sized for ``world`` ranks."""
+    from ..store import StoreServer
+    from ..store.limits import StoreLimits
+    try:
+        return StoreServer(addr, port, token=token or None,
+                           limits=StoreLimits.for_world(world)).start()
+    except Exception as e:
+        raise LaunchError(f"ncclpy run: could not host the job's store at {addr}:{port}: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def _rank_env(base: Mapping[str, str], **kw: Any) -> dict[str, str]:
@@ -211,7 +231,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     ``env`` (default ``os.environ``) is the base environment of every rank.  Multi-node runs
     (``nnodes > 1``) need ``master_addr``, ``master_port`` and a shared ``NCCLPY_STORE_TOKEN``
     in ``env``; single-node runs pick a free port and a fresh random token.  On one node
-    ``master_addr`` must be an address of this machine (rank 0 hosts the store here); a
+    ``master_addr`` must be an address of this machine (the launcher hosts the store here); a
     ``master_port`` must lie in 1..65534 (torch's store gets ``master_port + 1``).  ``mps``
     (``"auto"``, ``"on"``, ``"off"``; None: ``NCCLPY_MPS`` in ``env``, else ``"auto"``) says whether
     to run a CUDA MPS daemon while ranks share a GPU (:mod:`ncclpy.launch.mps`).  ``timeout``
@@ -285,13 +305,19 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     where = "" if single else f"node {node_rank} of {nnodes}, ranks {node_rank * nproc}-" \
                               f"{node_rank * nproc + nproc - 1} of {world}; "
     failed = True
+    server = None
     try:
+        if node_rank == 0:      # the job's store lives here, not in rank 0
+            server = _host_store(master_addr, master_port, token, world)
+            base[HOSTED_ENV] = "launcher"
         err.line(summary_line("ncclpy run", placement, where))
         rc = _start_and_supervise(command, base, placement, out, err, prefix, grace, master_addr,
                                   master_port, token, node_rank, nproc, world, timeout)
         failed = rc != 0
         return rc
     finally:
+        if server is not None:
+            server.close()
         kept = mps_setup.stop(failed=failed)   # also on errors and signals: never leave it
         if kept:
             err.line(f"ncclpy run: the run failed; MPS logs kept in {kept}")
@@ -312,7 +338,12 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
             old[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
+    watch = None
     try:
+        if world > nproc:   # multi-node: the launchers watch each other through the store;
+            from .nodewatch import NodeWatch   # the first beat precedes the ranks
+            watch = NodeWatch(master_addr, master_port, token, node_rank, world // nproc,
+                              nproc).start()
         for lr, rank in enumerate(ranks):
             renv = _rank_env(base, rank=rank, world_size=world, local_rank=lr,
                              local_world_size=nproc, master_addr=master_addr,
@@ -329,11 +360,6 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
             except OSError as e:
                 raise LaunchError(f"cannot start rank {rank}: {command[0]!r}: {e}") from e
         notify = functools.partial(_publish_death, master_addr, master_port, token)
-        watch = None
-        if world > nproc:   # multi-node: the launchers watch each other through the store
-            from .nodewatch import NodeWatch
-            watch = NodeWatch(master_addr, master_port, token, node_rank, world // nproc,
-                              nproc).start()
         outcome: list[str] = []
         try:
             rc = _supervise(procs, ranks, out, err, prefix, float(grace), pending, timeout,
@@ -341,8 +367,11 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
         finally:
             if watch is not None:
                 watch.finish(outcome[0] if outcome else None)
+                watch = None
         return rc
     except BaseException:
+        if watch is not None:
+            watch.finish("its launcher could not start its ranks")
         for p in procs:            # never leave ranks behind, whatever went wrong here
             _signal_group(p, signal.SIGKILL)
         for p in procs:
@@ -420,7 +449,7 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
             if rc != 0 and not decided():
                 failure = (i, rc)
                 stopped = len(alive)
-                if alive and notify is not None and ranks[i] != 0:   # rank 0 took the store
+                if alive and notify is not None:    # the store is the launcher's: also rank 0
                     notify(ranks[i], rc)
                 if alive and watch is not None:
                     watch.announce(f"rank {ranks[i]} {_how(rc)}")

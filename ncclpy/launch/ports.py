@@ -21,7 +21,8 @@ def bind_family(host: str, flag: str = "--master-addr") -> int:
 
 
 def check_local(host: str) -> None:
-    """On one node rank 0 hosts the store here, so ``host`` must be an address of this machine."""
+    """On one node the launcher hosts the store here: ``host`` must be an address of this
+    machine."""
     fam = bind_family(host)
     try:
         with socket.socket(fam, socket.SOCK_STREAM) as s:

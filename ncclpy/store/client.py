@@ -13,6 +13,7 @@ from typing import Iterable, List, Optional, Union
 
 from ..errors import ArgumentError, ArgumentTypeError, StoreRequestError
 from . import protocol as P
+from . import tablewire as TW
 from .limits import StoreLimits
 from .protocol import Op
 from .server import StoreServer, resolve_token
@@ -160,6 +161,48 @@ class TCPStore(Connection):
         t = self.timeout if timeout is None else _seconds(timeout, "timeout")
         return (Op.ARRIVE, P.U32X2.pack(P.timeout_ms(t), group), k, t, k,
                 f"arrive (group of {group})")
+
+    @property
+    def supports_tables(self) -> bool:
+        """True if the server serves :meth:`beat` and :meth:`vote` (heartbeat and vote tables)."""
+        return bool(self.server_flags & P.FLAG_TABLES)
+
+    def _need_tables(self, what: str) -> None:
+        if not self.supports_tables:
+            raise StoreRequestError(f"{what}: the store at {self._addr} does not serve it (an "
+                                    f"older ncclpy server)")
+
+    def beat(self, group: Key, rank: int, world: int, stale: float, value: Value = b"", *,
+             watch: Key = b"", flags: int = 0, timeout: Seconds = None) -> TW.BeatReply:
+        """Record ``rank``'s heartbeat in the server-held table ``group`` of ``world`` ranks and
+        read it back in one round trip: the ranks whose last beat is older than ``stale``
+        seconds, those that never beat, and the integer value of the counter ``watch``
+        (:mod:`ncclpy.store.tablewire`; ``flags`` its BEAT_* bits).  ``timeout``: seconds."""
+        self._need_tables("beat")
+        g, wk, v = _key(group), _key(watch), _value(value)
+        self._check_key(g, "beat")
+        t = self.timeout if timeout is None else _seconds(timeout, "timeout")
+        body = TW.pack_beat(g, rank, world, stale, v, wk, flags)
+        saved, self.timeout = self.timeout, t
+        try:
+            raw = self._call(Op.BEAT, body, b"", None, g, "beat")
+        finally:
+            self.timeout = saved
+        return TW.parse_beat(raw, world, bool(flags & TW.BEAT_FULL))
+
+    def vote(self, key: Key, group: int, rank: int, hash_: int, sum_: int = 0,
+             bad: bool = False, timeout: Seconds = None) -> TW.VoteReply:
+        """Vote on ``key`` with ``group`` voters (one round trip, held on the server until all
+        voted or ``timeout``): every voter's ``hash_`` must be equal and their ``sum_`` add up
+        to 0 mod 2**64; ``bad``: this voter found a problem of its own.  The server forgets the
+        vote once answered.  Returns the verdict (:class:`~ncclpy.store.tablewire.VoteReply`)."""
+        self._need_tables("vote")
+        k = _key(key)
+        self._check_key(k, "vote")
+        t = self.timeout if timeout is None else _seconds(timeout, "timeout")
+        body = TW.pack_vote(k, group, rank, hash_, sum_, TW.VOTE_BAD if bad else 0,
+                            P.timeout_ms(t))
+        return TW.parse_vote(self._call(Op.VOTE, body, b"", t, k, f"vote (group of {group})"))
 
     def _keys(self, keys: Union[Key, Iterable[Key]], what: str) -> List[bytes]:
         if isinstance(keys, (str, bytes, bytearray)):

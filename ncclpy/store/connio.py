@@ -193,6 +193,7 @@ class ConnIO(StoreOps):
             # fast path: exactly one whole, well-sized request and nothing buffered
             op, n = P.REQ_HEADER.unpack_from(chunk, 0)
             if len(chunk) == 5 + n and 0 <= n <= self._limits.get(op, -1):
+                self.served += 1
                 try:
                     self._handlers[op](conn, chunk[5:])
                 except (ValueError, IndexError, OverflowError, struct.error) as e:
@@ -232,6 +233,7 @@ class ConnIO(StoreOps):
                     break
                 body = bytes(buf[pos + hs:pos + hs + n])
                 pos += hs + n
+                self.served += 1
                 try:
                     self._handlers[op](conn, body)
                 except (ValueError, IndexError, OverflowError, struct.error) as e:

@@ -5,7 +5,8 @@ Every variable is ``NCCLPY_STORE_`` + the field name in capitals:
 
 * ``NCCLPY_STORE_MAX_KEY_SIZE`` (default 4096 bytes): longest key.
 * ``NCCLPY_STORE_MAX_VALUE_SIZE`` (64 MiB): largest value; also bounds a key list in bytes.
-* ``NCCLPY_STORE_MAX_CLIENTS`` (4096): concurrent connections; more are closed at once.
+* ``NCCLPY_STORE_MAX_CLIENTS`` (4096; a job's store: at least ``4 * world + 64``, see
+  :meth:`StoreLimits.for_world`): concurrent connections; more are told why and closed.
 * ``NCCLPY_STORE_MAX_KEYS_PER_REQUEST`` (4096): keys one ``wait``/``check`` may list; more are
   refused with an error naming the limit.
 * ``NCCLPY_STORE_MAX_BUFFERED_BYTES`` (1 GiB): request bytes buffered over all connections
@@ -107,5 +108,18 @@ class StoreLimits:
                 raise ArgumentError(f"{e} (from ${ENV_PREFIX}{bad[0].upper()})") from None
             raise
 
+
+def _for_world(cls, world: int, env: Optional[Mapping[str, str]] = None) -> "StoreLimits":
+    """The limits of a job's store for ``world`` ranks: ``max_clients`` at least
+    ``4 * world + 64`` (a connection per rank, a spare while another thread's call is parked,
+    a probe, launchers and tools), unless ``$NCCLPY_STORE_MAX_CLIENTS`` says otherwise."""
+    environ = os.environ if env is None else env
+    base = cls.resolve(None, env)
+    if (environ.get(ENV_PREFIX + "MAX_CLIENTS") or "").strip():
+        return base
+    return dataclasses.replace(base, max_clients=max(base.max_clients, 4 * int(world) + 64))
+
+
+StoreLimits.for_world = classmethod(_for_world)  # type: ignore[attr-defined]
 
 ENV_VARS = tuple(ENV_PREFIX + f.name.upper() for f in dataclasses.fields(StoreLimits))

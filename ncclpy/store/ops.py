@@ -215,12 +215,14 @@ class StoreOps:
         if conn.rbuf and not conn.closing and not conn.closed and conn.cork is None:
             conn.cork = []   # requests wait behind this reply: answer them in one send
             conn.cork_bytes = 0
-        if timed_out:
+        if timed_out and w.op == Op.VOTE:      # answered with the ranks that never voted
+            self._reply(conn, Status.OK, self._vote_timed_out(w))  # type: ignore[attr-defined]
+        elif timed_out:
             self._unlink(w)
             self._reply(conn, Status.TIMEOUT, P.pack_keys(sorted(w.pending)))
         elif w.op == Op.GET:
             self._reply(conn, Status.OK, self._data.get(w.keys[0], b""), shared=True)
-        elif w.op == Op.ARRIVE:
+        elif w.op == Op.ARRIVE or w.op == Op.VOTE:
             self._reply(conn, Status.OK, w.reply)
         else:
             self._send(conn, _OK_EMPTY)
@@ -230,6 +232,9 @@ class StoreOps:
                 self._ready.append(conn)   # handled by the loop, not recursively
 
     def _unlink(self, w: Waiter) -> None:
+        if w.op == Op.VOTE:
+            self._vote_leave(w)                  # type: ignore[attr-defined]
+            return
         if w.op == Op.ARRIVE:
             gates = self._gates.get(w.keys[0])
             if gates is not None:

@@ -9,8 +9,10 @@ Connection set-up (server -> client, 48 bytes, sent as soon as the server accept
             | max_key_size u32 | max_value_size u32 | nonce 32 bytes
 
 ``flags``: bit 0 (``FLAG_AUTH``) a token is required; bit 1 (``FLAG_ARRIVE``) the server
-serves ``ARRIVE`` (a client must not send it to a server that does not say so). ``max_keys`` is
-the server's ``max_keys_per_request`` (0: not advertised, e.g. over 65535); the
+serves ``ARRIVE`` (a client must not send it to a server that does not say so); bit 2
+(``FLAG_TABLES``) it serves ``BEAT`` and ``VOTE`` (:mod:`.tablewire`); bit 7 (``FLAG_REFUSED``)
+the server is full: an ``ERR_REQUEST`` frame saying why follows, then the server closes.
+``max_keys`` is the server's ``max_keys_per_request`` (0: not advertised, e.g. over 65535); the
 nonce is all zeros on a server without a token (nothing to prove).
 
 With a token in play the client then sends an ``AUTH`` request whose body is
@@ -32,6 +34,8 @@ body`` (network byte order). Request bodies (``str32`` = ``u32 length | bytes``)
     CHECK     str32 key ...
     PING      (empty)
     ARRIVE    timeout_ms u32 | group u32 | key (rest)
+    BEAT      see :mod:`.tablewire` (a heartbeat table held by the server)
+    VOTE      see :mod:`.tablewire` (a compare-and-barrier of hashes held by the server)
 
 ``ARRIVE`` adds 1 to the counter ``key`` (as ADD does) and answers once the counter reaches the
 next multiple of ``group`` at or above the new value: the arrival's group of ``group``
@@ -53,6 +57,7 @@ from typing import Iterable, List, Optional, Tuple
 
 __all__ = [
     "MAGIC", "VERSION", "HELLO", "HELLO_SIZE", "NONCE_SIZE", "FLAG_AUTH", "FLAG_ARRIVE",
+    "FLAG_TABLES", "FLAG_REFUSED",
     "REQ_HEADER", "REP_HEADER", "HEADER_SIZE", "Op", "Status", "OP_NAMES", "STATUS_NAMES",
     "NO_TIMEOUT", "AUTH_BODY_SIZE", "MAX_TIMEOUT_MS", "client_mac", "server_mac", "pack_str32",
     "pack_keys", "unpack_keys", "request", "body_limit", "timeout_ms", "parse_hello",
@@ -64,6 +69,8 @@ VERSION = 1
 NONCE_SIZE = 32
 FLAG_AUTH = 0x01
 FLAG_ARRIVE = 0x02
+FLAG_TABLES = 0x04
+FLAG_REFUSED = 0x80
 HELLO = struct.Struct("!4sBBHII")
 HELLO_SIZE = HELLO.size + NONCE_SIZE          # 48
 REQ_HEADER = struct.Struct("!BI")             # op, body length
@@ -92,6 +99,8 @@ class Op:
     CHECK = 9
     PING = 10
     ARRIVE = 11
+    BEAT = 12
+    VOTE = 13
 
 
 class Status:
@@ -131,6 +140,10 @@ def body_limit(op: int, max_key: int, max_value: int) -> int:
         return 4 + max(max_value, 4 + max_key)
     if op in (Op.NUM_KEYS, Op.PING):
         return 0
+    if op == Op.BEAT:
+        return 17 + 2 * (4 + max_key) + max_value
+    if op == Op.VOTE:
+        return 29 + max_key
     return -1
 
 

@@ -29,6 +29,8 @@ from .limits import StoreLimits
 from .loglimit import LogLimiter
 from .connio import NONBLOCKING_FLAGS, PAUSE_OUTPUT, ConnIO
 from .ops import Conn
+from .keepalive import set_keepalive
+from .tables import Tables
 from .poller import ERRS as _ERRS, READ as _READ, WRITE as _WRITE, Poller, raise_nofile_limit
 
 __all__ = ["StoreServer", "resolve_token", "TOKEN_ENV"]
@@ -55,7 +57,7 @@ def resolve_token(token) -> Optional[bytes]:
     raise ArgumentError(f"token: expected str or bytes, got {type(token).__name__}")
 
 
-class StoreServer(ConnIO):
+class StoreServer(ConnIO, Tables):
     """Key-value store server running as a daemon thread (never keeps a program alive).
 
     ``port=0`` picks a free port (see :attr:`port` after :meth:`start`). ``token`` (or
@@ -106,6 +108,11 @@ class StoreServer(ConnIO):
         self._inbytes = 0           # bytes in every connection's input buffer
         self._outbytes = 0          # copied (not shared) bytes in every output queue
         self._init_ops()
+        self._init_tables()
+        #: requests handled since the start (a figure for benchmarks and status lines)
+        self.served = 0
+        self._handlers[P.Op.BEAT] = self._op_beat
+        self._handlers[P.Op.VOTE] = self._op_vote
         self._logs = LogLimiter(log, self.log_burst, self.log_interval,
                                 schedule=lambda t: self._push_timer(t, None, _T_LOG))
         self._seq = itertools.count()
@@ -119,7 +126,7 @@ class StoreServer(ConnIO):
         self._wake_w: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = False
-        flags = P.FLAG_ARRIVE | (P.FLAG_AUTH if self._token is not None else 0)
+        flags = P.FLAG_ARRIVE | P.FLAG_TABLES | (P.FLAG_AUTH if self._token is not None else 0)
         self._hello_head = P.pack_hello(flags, lim.max_key_size, lim.max_value_size, b"",
                                         lim.max_keys_per_request)
         self._hello_plain = self._hello_head + bytes(P.NONCE_SIZE)
@@ -149,6 +156,11 @@ class StoreServer(ConnIO):
     def num_clients(self) -> int:
         """Connections currently open."""
         return len(self._conns)
+
+    @property
+    def num_keys(self) -> int:
+        """Keys stored now."""
+        return len(self._data)
 
     @property
     def buffered_bytes(self) -> int:
@@ -232,10 +244,12 @@ class StoreServer(ConnIO):
         conns = self._conns
         lfd = self._lsock.fileno()
         wfd = self._wake_r.fileno()
+        asked = self._table_poll(self._next_timeout() if self._timers else None)
         try:
-            events = self._poller.poll(self._next_timeout() if self._timers else None)
+            events = self._poller.poll(asked)
         except InterruptedError:  # pragma: no cover
             return
+        self._tick_clock(asked)
         for fd, ev in events:
             conn = conns.get(fd)
             try:
@@ -387,6 +401,22 @@ class StoreServer(ConnIO):
                             self._inbytes + self._outbytes, cap)
             self._close_conn(conn)
 
+    def _refuse(self, sock) -> None:
+        """Tell a client over the limit why (a greeting flagged FLAG_REFUSED, then the reason),
+        then close: it fails with that reason instead of a bare closed connection."""
+        msg = (f"the store is full: max_clients={self.max_clients} connections are open; raise "
+               f"NCCLPY_STORE_MAX_CLIENTS (or StoreLimits.max_clients) on the process that "
+               f"hosts the store, or use fewer connections per rank").encode()
+        frame = (P.pack_hello(P.FLAG_REFUSED, self.max_key_size, self.max_value_size,
+                              bytes(P.NONCE_SIZE)) + P.REP_HEADER.pack(P.Status.ERR_REQUEST,
+                                                                       len(msg)) + msg)
+        try:
+            sock.setblocking(False)
+            sock.send(frame)
+        except OSError:
+            pass
+        sock.close()
+
     # ------------------------------------------------------------------ connections
     def _listen(self, on: bool) -> None:
         if on != self._listening and not self._stop:
@@ -422,7 +452,7 @@ class StoreServer(ConnIO):
             if len(self._conns) >= self.max_clients:
                 self._logs.warn(log, "max_clients", peer, "store server: refusing client %s: "
                                 "max_clients=%d reached", peer, self.max_clients)
-                sock.close()
+                self._refuse(sock)
                 continue
             if not NONBLOCKING_FLAGS:
                 sock.setblocking(False)
@@ -430,6 +460,7 @@ class StoreServer(ConnIO):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            set_keepalive(sock)     # a client host that froze is dropped in seconds
             if self._token is None:
                 conn = Conn(sock, peer, authed=True, nonce=b"")
                 self._conns[conn.fd] = conn

@@ -11,6 +11,7 @@ and only a recv that times out on it early re-arms: see :meth:`Connection._arm`.
 from __future__ import annotations
 
 import datetime
+import functools
 import hmac
 import os
 import socket
@@ -18,14 +19,18 @@ import struct
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ..errors import (ArgumentTypeError, ArgumentError, StoreAuthError, StoreConnectionError,
                       StoreProtocolError, StoreRequestError, StoreTimeout)
 from . import protocol as P
+from .keepalive import set_keepalive
+from .liveness import MAX_OWED, PROBE_AFTER, PROBE_TIMEOUT, Liveness
+from .pipeline import Pipelining
 from .protocol import Op, Status
 
-__all__ = ["Connection", "GREETING_TIMEOUT", "Key", "Value", "Seconds"]
+__all__ = ["Connection", "GREETING_TIMEOUT", "PROBE_AFTER", "PROBE_TIMEOUT", "MAX_OWED", "Key",
+           "Value", "Seconds"]
 
 #: Seconds a client waits for the server's greeting after connecting. An ncclpy server greets at
 #: once; a peer that stays silent (another kind of server on that port, e.g. torch's TCPStore)
@@ -124,7 +129,7 @@ def _show(keys: Union[bytes, Sequence[bytes]]) -> str:
     return ", ".join(repr(k) for k in shown) + more
 
 
-class Connection:
+class Connection(Liveness, Pipelining):
     """One persistent connection to a store server; the request machinery of ``TCPStore``."""
 
     host: str
@@ -144,6 +149,9 @@ class Connection:
         # unknown. Kept so that a call re-arms (a system call) only when it must; see _arm.
         self._sock_timeout: Optional[float] = -1.0
         self._rbuf = bytearray()
+        self._owed = 0          # replies of timed-out calls still to be read and discarded
+        self._prober: Optional["Connection"] = None
+        self.probe_after, self.probe_timeout = PROBE_AFTER, PROBE_TIMEOUT
         self._closed = False
         self.max_key_size = 0
         self.max_value_size = 0
@@ -155,6 +163,13 @@ class Connection:
         self._spares: List["Connection"] = []       # idle, ready for reuse
         self._spare_all: List["Connection"] = []    # every one made, closed with this one
 
+    def _new_connection(self) -> "Connection":
+        """A fresh, unconnected Connection to the same server with this one's token."""
+        c = Connection.__new__(Connection)
+        c.timeout, c.connect_timeout, c._token = self.timeout, self.connect_timeout, self._token
+        c._init_connection(self.host, self.port)
+        return c
+
     def _spare(self) -> "Connection":
         """An idle spare connection to the same server (made on first need, connected lazily
         by its first call); give it back with :meth:`_unspare`. Used only while another thread
@@ -162,9 +177,7 @@ class Connection:
         with self._spare_lock:
             if self._spares:
                 return self._spares.pop()
-        c = Connection.__new__(Connection)
-        c.timeout, c.connect_timeout, c._token = self.timeout, self.connect_timeout, self._token
-        c._init_connection(self.host, self.port)
+        c = self._new_connection()
         with self._spare_lock:
             self._spare_all.append(c)
             c._closed = self._closed
@@ -223,6 +236,7 @@ class Connection:
                 self._arm(sock, min(max(remaining, 0.05), 30.0), recv=False, send=True)
                 sock.connect(sockaddr)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                set_keepalive(sock)   # a store host that froze resets the connection
                 return sock
             except OSError as e:
                 sock.close()
@@ -297,6 +311,15 @@ class Connection:
         if version != P.VERSION:
             raise StoreProtocolError(f"the store at {self._addr} speaks protocol version "
                                      f"{version}; this client speaks {P.VERSION}")
+        if flags & P.FLAG_REFUSED:   # the server is full: it says why, then closes
+            try:
+                _, n = P.REP_HEADER.unpack(self._recv_exact(sock, P.HEADER_SIZE, buf,
+                                                            now + remaining))
+                why = bytes(self._recv_exact(sock, min(n, 4096), buf, now + remaining))
+            except (OSError, struct.error):
+                why = b"(no reason received)"
+            raise StoreConnectionError(f"the store at {self._addr} refused this client: "
+                                       f"{why.decode('utf-8', 'replace')}")
         self.max_key_size, self.max_value_size = max_key, max_value
         self.max_keys_per_request = P.hello_max_keys(hello)
         self.server_flags = flags
@@ -329,12 +352,14 @@ class Connection:
         return buf
 
     def _recv_exact(self, sock: socket.socket, n: int, buf: bytearray,
-                    deadline: Optional[float]) -> bytearray:
+                    deadline: Optional[float], probe: Any = None) -> bytearray:
         """Read until ``n`` bytes are available; return them and keep any surplus in ``buf``.
 
         ``deadline`` (monotonic; None: none) bounds the whole read, not just each ``recv``: a
         peer that trickles bytes cannot stretch a call past its timeout. The armed receive
         bound stays where :func:`_keeps` allows; a recv that times out on it early is retried.
+        ``probe``: called after each :attr:`probe_after` seconds without data (it raises when
+        the store does not answer a probe either).
         """
         def recv(fn, arg):
             while True:
@@ -343,12 +368,16 @@ class Connection:
                     need = deadline - time.monotonic()
                     if need <= 0:
                         raise socket.timeout("timed out")
+                if probe is not None and (need is None or need > self.probe_after):
+                    need = self.probe_after
                 if not _keeps(self._sock_timeout, need):
                     self._arm(sock, need)
                 try:
                     return fn(arg)
                 except _TIMED_OUT:
                     self._sock_timeout = -1.0   # a long wait: re-arm for all that is left
+                    if probe is not None and (deadline is None or deadline > time.monotonic()):
+                        probe()
 
         if len(buf) < n and n - len(buf) > _SMALL:  # large value: read straight into place
             out = bytearray(n)
@@ -372,6 +401,7 @@ class Connection:
         return out
 
     def _drop(self) -> None:
+        self._owed = 0
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -405,6 +435,10 @@ class Connection:
                 return spare._call(op, head, tail, wait, keys, what)
             finally:
                 self._unspare(spare)
+        probe = None
+        if sock_timeout is None or sock_timeout > self.probe_after + self.probe_timeout:
+            probe = functools.partial(self._probe, what, keys, start)
+        sent = False
         try:
             if self._sock is None:
                 budget = self.connect_timeout if sock_timeout is None else min(
@@ -416,10 +450,14 @@ class Connection:
             sock = self._sock
             # a kept shorter bound (see _keeps): if the first recv times out on it, the slow
             # path goes on for the rest of this call's own bound
-            if not _keeps(self._sock_timeout, sock_timeout):
-                self._arm(sock, sock_timeout)
+            first = sock_timeout if probe is None else self.probe_after
+            if not _keeps(self._sock_timeout, first):
+                self._arm(sock, first)
             short = self._sock_timeout != sock_timeout
+            deadline = None if sock_timeout is None else start + sock_timeout
             try:
+                if self._owed:          # replies of earlier calls that timed out: skip them
+                    self._settle(sock, deadline)
                 if size < _SMALL:
                     sock.sendall(_REQ(op, size) + head + tail)
                 else:  # large value: no concatenated copy, and a send bound of its own
@@ -427,6 +465,7 @@ class Connection:
                     short = False
                     sock.sendall(_REQ(op, size) + head)
                     sock.sendall(tail)
+                sent = True
                 buf = self._rbuf
                 if not buf:  # fast path: the whole reply in one recv
                     try:
@@ -436,6 +475,8 @@ class Connection:
                             raise
                         self._sock_timeout = -1.0   # on to the slow path, re-armed for the rest
                         data = None
+                        if probe is not None:
+                            probe()
                     if data is not None:
                         if len(data) >= 5:
                             status, n = _REP_FROM(data, 0)
@@ -445,19 +486,22 @@ class Connection:
                         elif not data:
                             raise ConnectionResetError("the store closed the connection")
                         buf += data
-                deadline = None if sock_timeout is None else start + sock_timeout
-                status, n = _REP_FROM(self._recv_exact(sock, P.HEADER_SIZE, buf, deadline), 0)
+                status, n = _REP_FROM(self._recv_exact(sock, P.HEADER_SIZE, buf, deadline,
+                                                       probe), 0)
                 limit = max(self.max_value_size, 1 << 16) + 16
                 if n > limit:
                     raise StoreProtocolError(f"{what}: the store at {self._addr} announced a "
                                              f"{n}-byte reply (limit {limit})")
-                payload = bytes(self._recv_exact(sock, n, buf, deadline))
+                payload = bytes(self._recv_exact(sock, n, buf, deadline, probe))
             except _TIMED_OUT as e:
-                self._drop()
+                if sent and size < _SMALL and self._owed < MAX_OWED:
+                    self._owed += 1     # keep the connection: the next call skips the reply
+                else:
+                    self._drop()
                 raise StoreTimeout(f"{what}: no reply from the store at {self._addr} after "
                                    f"{time.monotonic() - start:.2f} s (timeout "
                                    f"{sock_timeout:.2f} s) for key(s) {_show(keys)}") from e
-            except StoreProtocolError:
+            except (StoreProtocolError, StoreConnectionError):   # the probe's verdict, too
                 self._drop()
                 raise
             except OSError as e:
@@ -472,6 +516,8 @@ class Connection:
                 self._drop()  # the server closes the connection after these
         finally:
             lock.release()
+            if probe is not None and self._prober is not None:
+                self._end_probe()
         self._raise(status, payload, what, keys, wait, start)
 
     def _raise(self, status: int, payload: bytes, what: str, keys, wait: Optional[float],
@@ -495,74 +541,6 @@ class Connection:
             raise StoreProtocolError(f"{what}: the store at {self._addr} reported a protocol "
                                      f"error: {msg}")
         raise StoreProtocolError(f"{what}: unknown reply status {status} from {self._addr}")
-
-    def _pipeline(self, calls: Sequence[Tuple[int, bytes, Optional[float], object, str]]
-                  ) -> List[bytes]:
-        """Send several requests ``(op, body, wait, keys, what)`` at once and read their
-        replies in order: one round trip instead of ``len(calls)``. The server runs them one
-        after the other (a parked WAIT holds back the rest), and runs them all even if one
-        fails; the first non-OK reply is raised once every reply has been read."""
-        if self._closed:
-            raise StoreConnectionError(f"{calls[0][4]}: this client of {self._addr} is closed")
-        start = time.monotonic()
-        bounds = []
-        for _, _, wait, _, _ in calls:
-            t = self.timeout if wait is None else wait + min(max(1.0, 0.1 * wait), 30.0)
-            bounds.append(t)
-        frames = b"".join(_REQ(op, len(body)) + body for op, body, _, _, _ in calls)
-        replies = []
-        lock = self._lock
-        if not lock.acquire(False):   # another thread's call is in flight: use a spare
-            spare = self._spare()
-            try:
-                return spare._pipeline(calls)
-            finally:
-                self._unspare(spare)
-        try:
-            if self._sock is None:
-                self._connect(min(self.connect_timeout, bounds[0]), calls[0][4], calls[0][3])
-                if self._closed:
-                    self._drop()
-                    raise StoreConnectionError(f"{calls[0][4]}: this client of {self._addr} "
-                                               f"is closed")
-            sock = self._sock
-            buf = self._rbuf
-            deadline = start
-            i = 0
-            try:
-                sock.sendall(frames)   # bounded by the send side armed at connect
-                for i, bound in enumerate(bounds):
-                    deadline += bound
-                    dl = None if deadline == _INF else deadline
-                    status, n = _REP_FROM(self._recv_exact(sock, P.HEADER_SIZE, buf, dl), 0)
-                    limit = max(self.max_value_size, 1 << 16) + 16
-                    if n > limit:
-                        raise StoreProtocolError(f"{calls[i][4]}: the store at {self._addr} "
-                                                 f"announced a {n}-byte reply (limit {limit})")
-                    replies.append((status, bytes(self._recv_exact(sock, n, buf, dl))))
-                    if status not in (Status.OK, Status.TIMEOUT, Status.ERR_REQUEST):
-                        self._drop()  # the server closes the connection after these
-                        break
-            except _TIMED_OUT as e:
-                self._drop()
-                raise StoreTimeout(f"{calls[i][4]}: no reply from the store at {self._addr} "
-                                   f"after {time.monotonic() - start:.2f} s for key(s) "
-                                   f"{_show(calls[i][3])}") from e
-            except StoreProtocolError:
-                self._drop()
-                raise
-            except OSError as e:
-                self._drop()
-                raise StoreConnectionError(
-                    f"{calls[i][4]}: lost the connection to the store at {self._addr} after "
-                    f"{time.monotonic() - start:.2f} s ({type(e).__name__}: {e}); key(s) "
-                    f"{_show(calls[i][3])}") from e
-        finally:
-            lock.release()
-        for (status, payload), (_, _, wait, keys, what) in zip(replies, calls):
-            if status != Status.OK:
-                self._raise(status, payload, what, keys, wait, start)
-        return [payload for _, payload in replies]
 
     def _check_key(self, k: bytes, what: str) -> None:
         if self.max_key_size and len(k) > self.max_key_size:

@@ -1,8 +1,10 @@
 """GPU worker for tests/gpu/test_watchdog_gpu.py: one rank of a job whose communicator the
 watchdog must abort.  ``python _gpu_watchdog.py MODE OUTDIR`` with the rendezvous in
 NCCLPY_* variables.  Modes: ``kill`` (the last rank SIGKILLs itself in the middle of a long
-all_reduce loop), ``skip`` (the last rank skips one all_reduce and then waits).  Every
-surviving rank writes ``rank<r>.json``: the error it got, and when."""
+all_reduce loop), ``skip`` (the last rank skips one all_reduce and then waits), ``checked``
+(checked mode: 200 matching all_reduces, each one vote per rank through the store, then the
+last rank's count differs).  Every surviving rank writes ``rank<r>.json``: the error it got,
+and when (``checked``: also the median checked call and the store's key count)."""
 from __future__ import annotations
 
 import json
@@ -17,9 +19,15 @@ def main(mode: str, outdir: str) -> None:
     import ncclpy
     rank, n = int(os.environ["NCCLPY_RANK"]), int(os.environ["NCCLPY_WORLD_SIZE"])
     timeout = float(os.environ.get("NCCLPY_TIMEOUT", "10"))
-    comm = ncclpy.init(f"wd-{mode}", timeout=timeout)
+    comm = ncclpy.init(f"wd-{mode}", timeout=timeout, checked=mode == "checked")
     x = cupy.ones(1 << 22, dtype=cupy.float32)
     out = {"rank": rank, "error": None}
+    if mode == "checked":
+        checked(comm, x, rank, n, out)
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        comm.close()
+        os._exit(0)
     last = n - 1
     t_event = None
     try:
@@ -46,6 +54,28 @@ def main(mode: str, outdir: str) -> None:
     except Exception:
         pass
     os._exit(0)
+
+
+def checked(comm, x, rank: int, n: int, out: dict) -> None:
+    """Matching calls pass (timed), a differing count raises on every rank, nothing is left."""
+    import statistics
+    import ncclpy
+    store = comm.bootstrap.store
+    comm.barrier()                       # every rank past its init: no bootstrap key changes
+    out["keys_before"] = store.num_keys()
+    ts = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        comm.all_reduce(x).wait()
+        ts.append(time.perf_counter() - t0)
+    out["checked_call_ms"] = 1e3 * statistics.median(ts)
+    out["keys_after_200"] = store.num_keys()
+    try:
+        comm.all_reduce(x[:1000] if rank == n - 1 else x).wait()
+    except ncclpy.CallMismatchError as e:
+        out.update(error=type(e).__name__, message=str(e))
+    comm.barrier()
+    out["keys_after_mismatch"] = store.num_keys()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """GPU tests of the watchdog's abort (issue 15): a rank killed in the middle of a long
-all_reduce loop, and a rank that skips a collective.  The other ranks must raise
+all_reduce loop, and a rank that skips a collective; and checked mode's one vote per rank per
+call on real communicators, which leaves no key (issue 26).  The other ranks must raise
 CommAbortedError naming the collective, its sequence number and the suspected rank within
 timeout + 5 s.  Ranks are plain processes (not ncclpy.spawn, whose fail-fast would stop the
 survivors before they report)."""
@@ -90,3 +91,14 @@ def test_a_skipped_collective_times_out_with_a_named_error(tmp_path):
         assert r["suspects"] == [2] and r["seq"] == 20, r
         assert "all_reduce (sequence 20) did not complete" in r["message"], r
         assert r["at"] - r["t_event"] <= TIMEOUT + 5.0, r
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.gpu_world(3)
+def test_checked_mode_votes_on_real_communicators_and_leaves_no_key(tmp_path):
+    res = _run("checked", 3, str(tmp_path))
+    for r in res:
+        assert r["keys_after_200"] == r["keys_before"], r   # 200 checked calls, no key
+        assert r["error"] == "CallMismatchError" and "*count=1000*" in r["message"], r
+        assert r["checked_call_ms"] < 1000, r

@@ -1,0 +1,605 @@
+"""``python -m bench.scale``: ncclpy's control plane at 64 .. 8,192 ranks on one machine (no GPU).
+
+What is real: the store server (its own process, ``StoreServer`` with the limits a job of N
+ranks gets), the wire protocol, the watchdog's decision logic (:class:`ncclpy.watchdog.WatchState`
+fed by :func:`ncclpy.watchdog.peers_from_beat` from real BEAT replies, judged only when on time:
+:func:`ncclpy.debug.heartbeat.is_late`), checked mode's fingerprints and hashes
+(:func:`ncclpy.checked.fingerprint` of real plans, :func:`ncclpy.checked.round_hashes`) and its
+one VOTE per rank, the launcher's death notice (:func:`ncclpy.debug.deaths.publish_deaths`), and
+one rank of every run: a process running the real :class:`ncclpy.watchdog.Watchdog` thread
+over a real ``TCPStore`` (the one SIGSTOPped or SIGKILLed).  What is simulated: the other N-1
+ranks are clients of one event loop (this process), one connection each for heartbeats plus one
+each for checked-mode votes (as a rank's watchdog beats over a spare connection while its main
+thread's vote is parked), starting at random times over the start spread.
+
+Per run: store requests/s and CPU of the store process over a heartbeat-only window, beat latency
+p50/p99 (send to reply, as the event loop sees it), an unrelated client's ``get`` p99 (another
+process), false aborts (a decision naming a live rank: must be 0), checked-mode time per call
+(all N votes sent to all N verdicts back) and each rank's local cost, store keys after the run,
+connections held; with a fault: how long until every simulated rank named the stopped / killed
+rank, and whether anyone named another.  JSON with ``--json PATH`` (a ``results`` list).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import random
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from ncclpy.checked import fingerprint, round_hashes  # noqa: E402
+from ncclpy.debug.heartbeat import is_late, on_time_limit  # noqa: E402
+from ncclpy.store import protocol as P  # noqa: E402
+from ncclpy.store import tablewire as W  # noqa: E402
+from ncclpy.store.poller import raise_nofile_limit  # noqa: E402
+from ncclpy.watchdog import (INTERVAL, Peer, WatchState, peers_from_beat,  # noqa: E402
+                             report_after)
+
+NAME = "scale"
+GROUP = f"ncclpy/{NAME}/0/hb"           # the real Watchdog's group for this name, generation 0
+DEAD_AFTER = max(3.0 * INTERVAL, 3.0)   # the Watchdog's default silence limit
+REPORT = report_after(DEAD_AFTER, INTERVAL)   # the age past which the store lists a peer
+CONNECTING = 256                        # connections being set up at once
+GRACE = 300.0                           # never-seen grace: the default communicator timeout
+EPOCH = b"ncclpy/dead/epoch"
+RANKS = b"ncclpy/dead/ranks"
+QUICK = [(256, 0, None), (1024, 0, None), (1024, 10, None), (1024, 0, "sigstop"),
+         (1024, 0, "sigkill")]
+DEFAULT = [(n, 0, None) for n in (64, 256, 1024, 4096, 8192)] + \
+    [(n, s, None) for n in (1024, 8192) for s in (10, 60)] + \
+    [(n, 0, f) for n in (1024, 8192) for f in ("sigstop", "sigkill")]
+
+
+# -- helper processes ------------------------------------------------------------------------------
+def _server_main(world: int) -> None:
+    """The store process: serve, answer "stats" on stdin with one JSON line."""
+    from ncclpy.store import StoreLimits, StoreServer
+    srv = StoreServer("127.0.0.1", 0, limits=StoreLimits.for_world(world))
+    prof = os.environ.get("BENCH_SCALE_PROFILE")
+    if prof:                    # profile the server thread (a developer's aid)
+        import cProfile
+        serve = srv._serve
+        p = cProfile.Profile()
+
+        def profiled() -> None:
+            p.runcall(serve)
+            p.dump_stats(prof)
+        srv._serve = profiled   # type: ignore[method-assign]
+    srv.start()
+    print(srv.port, flush=True)
+    for line in sys.stdin:
+        if line.strip() != "stats":
+            break
+        t = os.times()
+        print(json.dumps({"served": srv.served, "keys": srv.num_keys, "conns": srv.num_clients,
+                          "cpu": t.user + t.system, "sys": t.system, "at": time.monotonic()}),
+              flush=True)
+    srv.close()
+
+
+def _rank_main(port: int, rank: int, world: int) -> None:
+    """One real rank: the real Watchdog thread over a real TCPStore, with a stand-in comm."""
+    from ncclpy.store import TCPStore
+    from ncclpy.watchdog import Watchdog
+
+    class Comm:
+        name, _device, _watch, _timeout = NAME, 0, None, GRACE
+
+        def __init__(self) -> None:
+            self.rank, self.world_size = rank, world
+
+        def _watchdog_abort(self, d: Any) -> None:
+            print(json.dumps({"decision": d.reason, "suspects": list(d.suspects)}), flush=True)
+    Watchdog(Comm(), TCPStore("127.0.0.1", port, timeout=60)).start()
+    print("up", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def _getter_main(port: int, seconds: float) -> None:
+    """An unrelated client: a get of an existing key every 10 ms; prints p50/p99/max (ms)."""
+    from ncclpy.store import TCPStore
+    s = TCPStore("127.0.0.1", port, timeout=60)
+    s.set("bench/unrelated", b"x")
+    ts = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        s.get("bench/unrelated")
+        ts.append(time.perf_counter() - t0)
+        time.sleep(0.01)
+    ts.sort()
+    print(json.dumps({"p50": ts[len(ts) // 2] * 1e3, "p99": ts[int(len(ts) * 0.99)] * 1e3,
+                      "max": ts[-1] * 1e3, "n": len(ts)}), flush=True)
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bench.scale", *args], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+# -- the simulated ranks ---------------------------------------------------------------------------
+class Client:
+    """One connection of the event loop: greeting, then request/reply in order.  At most
+    :data:`CONNECTING` are being set up at a time (8,192 simultaneous connects from one
+    process overflow the listen queue; a real rank's client retries instead)."""
+
+    def __init__(self, loop: "Loop", port: int) -> None:
+        self.sock: Optional[socket.socket] = None
+        self.port = port
+        self.buf = bytearray()
+        self.greeted = False
+        self.expect: List[Any] = []       # (kind, sent at) per request in flight, in order
+        self.loop = loop
+        loop.connect_queue.append(self)
+        loop.pump_connects()
+
+    def open(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setblocking(False)
+        self.sock.connect_ex(("127.0.0.1", self.port))
+        self.loop.connecting += 1
+        self.loop.sel.register(self.sock, selectors.EVENT_READ, self)
+
+    def send(self, op: int, body: bytes, kind: Any) -> None:
+        self.expect.append((kind, time.monotonic()))
+        self.sock.send(P.request(op, body))
+
+    def readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            raise ConnectionError("the store closed a connection")
+        self.buf += data
+        if not self.greeted:
+            if len(self.buf) < P.HELLO_SIZE:
+                return
+            flags = P.parse_hello(self.buf)[2]
+            if flags & P.FLAG_REFUSED:
+                raise ConnectionError("the store refused a client: " + bytes(
+                    self.buf[P.HELLO_SIZE + 5:]).decode(errors="replace"))
+            del self.buf[:P.HELLO_SIZE]
+            self.greeted = True
+            self.loop.connecting -= 1
+            self.loop.pump_connects()
+        while len(self.buf) >= 5:
+            status, n = P.REP_HEADER.unpack_from(self.buf, 0)
+            if len(self.buf) < 5 + n:
+                return
+            body = bytes(self.buf[5:5 + n])
+            del self.buf[:5 + n]
+            kind, t0 = self.expect.pop(0)
+            self.loop.reply(self, kind, status, body, t0)
+
+
+class Sim:
+    """A simulated rank: its heartbeat connection and its watchdog's decisions."""
+
+    def __init__(self, rank: int, world: int, start: float) -> None:
+        self.rank, self.world, self.start = rank, world, start
+        self.state = WatchState(rank, world, NAME, GRACE, DEAD_AFTER, start, never_grace=GRACE)
+        self.beats = 0
+        self.peers: Dict[int, Peer] = {}
+        self.epoch = 0
+        self.dead: List[int] = []
+        self.decision: Optional[Any] = None
+        self.decided_at = 0.0
+        self.client: Optional[Client] = None
+        self.busy = False                  # a beat (and its follow-ups) in flight
+        self.late = 0
+
+
+class Loop:
+    """The event loop driving every simulated rank and the checked-mode voters."""
+
+    def __init__(self, port: int, world: int, sims: List[Sim]) -> None:
+        self.port, self.world, self.sims = port, world, sims
+        self.sel = selectors.DefaultSelector()
+        self.due: List[Any] = [(s.start, s.rank, "start") for s in sims]
+        heapq.heapify(self.due)
+        self.rtts: List[float] = []
+        self.record = False
+        self.votes_left = 0
+        self.vote_t0 = 0.0
+        self.vote_times: List[float] = []
+        self.vote_bad = 0
+        self.voters: List[Client] = []
+        self.connect_queue: List[Client] = []
+        self.connecting = 0
+
+    def close(self) -> None:
+        """Close every connection of this run (the next run needs the descriptors)."""
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()
+        self.sel.close()
+        self.connect_queue.clear()
+
+    def pump_connects(self) -> None:
+        while self.connect_queue and self.connecting < CONNECTING:
+            self.connect_queue.pop(0).open()
+
+    # heartbeats
+    def beat(self, s: Sim) -> None:
+        if s.busy or s.client is None or not s.client.greeted:
+            return                          # a real watchdog's call would still be blocked
+        s.beats += 1
+        body = W.pack_beat(GROUP.encode(), s.rank, self.world, REPORT,
+                           f"{s.beats}:0".encode(), EPOCH)
+        s.busy = True
+        s.client.send(P.Op.BEAT, body, ("beat", s))
+
+    def reply(self, c: Client, kind: Any, status: int, body: bytes, t0: float) -> None:
+        now = time.monotonic()
+        what, s = kind
+        if what == "vote":
+            self._voted(body)
+            return
+        if status != P.Status.OK and what != "dead":
+            raise RuntimeError(f"{what}: status {status}: {body[:200]!r}")
+        if what == "beat":
+            rtt = now - t0
+            if self.record:
+                self.rtts.append(rtt)
+            rep = W.parse_beat(body, self.world)
+            if is_late(rtt, on_time_limit(INTERVAL)):
+                s.late += 1
+                s.peers, s.busy = {}, False
+                return
+            if rep.epoch != s.epoch:
+                s.epoch = rep.epoch
+                c.send(P.Op.GET, P.U32.pack(1000) + RANKS, ("dead", s))
+            peers = peers_from_beat(rep, now, s.rank, now - s.start > GRACE)
+            if peers is None:
+                c.send(P.Op.BEAT, W.pack_beat(GROUP.encode(), s.rank, self.world, REPORT,
+                                              b"", EPOCH, W.BEAT_PEEK | W.BEAT_FULL),
+                       ("full", s))
+                return
+            s.peers = peers
+            if not c.expect:
+                self._decide(s, now)
+        elif what == "dead":
+            if status == P.Status.OK:
+                s.dead = sorted(int(x) for x in body.decode().split(",") if x.strip().isdigit())
+            if not c.expect:
+                self._decide(s, now)
+        elif what == "full":
+            full = W.parse_beat(body, self.world, full=True).full or []
+            s.peers = {r: Peer(seen=None if a is None else now - a, closed=cl)
+                       for r, (a, cl, _) in enumerate(full) if r != s.rank}
+            if not c.expect:
+                self._decide(s, now)
+
+    def _decide(self, s: Sim, now: float) -> None:
+        s.busy = False
+        if s.decision is None:
+            d = s.state.step(now, [], s.peers, s.dead, None, INTERVAL)
+            if d is not None:
+                s.decision, s.decided_at = d, now
+
+    # checked mode
+    def vote_round(self, key: bytes, bodies: List[bytes]) -> None:
+        self.votes_left = len(bodies)
+        self.vote_t0 = time.monotonic()
+        for c, body in zip(self.voters, bodies):
+            c.send(P.Op.VOTE, body, ("vote", None))
+
+    def _voted(self, body: bytes) -> None:
+        if W.parse_vote(body).verdict:
+            self.vote_bad += 1
+        self.votes_left -= 1
+        if self.votes_left == 0:
+            self.vote_times.append(time.monotonic() - self.vote_t0)
+
+    def run_until(self, end: float, stop: Any = None) -> None:
+        while True:
+            now = time.monotonic()
+            if now >= end or (stop is not None and stop()):
+                return
+            while self.due and self.due[0][0] <= now:
+                _, r, what = heapq.heappop(self.due)
+                s = self.sims[r]
+                if what == "start":
+                    s.client = Client(self, self.port)
+                    heapq.heappush(self.due, (now + 0.01, r, "beat"))
+                else:
+                    self.beat(s)
+                    heapq.heappush(self.due, (now + INTERVAL, r, "beat"))
+            wait = min(0.05, max(0.0, (self.due[0][0] if self.due else end) - now))
+            for key, _ in self.sel.select(wait):
+                key.data.readable()
+
+
+# -- one run -----------------------------------------------------------------------------------
+def _stats(srv: subprocess.Popen) -> Dict[str, Any]:
+    srv.stdin.write("stats\n")
+    srv.stdin.flush()
+    return json.loads(srv.stdout.readline())
+
+
+def _plan(world: int, rank: int) -> Any:
+    """Rank ``rank``'s plan of an in-place float32 all_reduce, by the real Resolver."""
+    from ncclpy import Buffer
+    from ncclpy.comm.resolver import Resolver
+    from ncclpy.plan.types import PlanContext
+    return Resolver(PlanContext(rank, world)).resolve(
+        "all_reduce", 0, Buffer(0x100000, 1024, "float32", 0), None, ("sum",)).plan
+
+
+def run_one(world: int, spread: float, fault: Optional[str], window: float,
+            checked_calls: int, seed: int = 1) -> Dict[str, Any]:
+    """One run (see the module docstring); its figures."""
+    rng = random.Random(seed)
+    srv = _spawn("--_server", str(world))
+    port = int(srv.stdout.readline())
+    real = None
+    loop = None
+    try:
+        t0 = time.monotonic() + 0.5
+        sims = [Sim(r, world, t0 + (rng.uniform(0, spread) if spread else 0.0))
+                for r in range(world - 1)]
+        loop = Loop(port, world, sims)
+        votes = _vote_bodies(world, checked_calls) if checked_calls else None
+        real = _spawn("--_rank", str(port), str(world - 1), str(world))
+        assert real.stdout.readline().strip() == "up"
+        loop.run_until(t0 + spread + 3 * INTERVAL)          # everyone started and beating
+        if not all(s.client is not None and s.client.greeted for s in sims):
+            raise RuntimeError("not every simulated rank connected")
+        getter = _spawn("--_getter", str(port), str(window))
+        a = _stats(srv)
+        loop.record = True
+        loop.run_until(time.monotonic() + window)
+        b = _stats(srv)
+        loop.record = False
+        dt = b["at"] - a["at"]
+        rtts = sorted(loop.rtts)
+        out: Dict[str, Any] = {
+            "ranks": world, "spread_s": spread, "fault": fault, "window_s": round(dt, 2),
+            "store_requests_per_s": round((b["served"] - a["served"]) / dt),
+            "store_cpu_fraction": round((b["cpu"] - a["cpu"]) / dt, 4),
+            "store_sys_fraction": round((b["sys"] - a["sys"]) / dt, 4),
+            "store_cpu_us_per_request": round(1e6 * (b["cpu"] - a["cpu"]) /
+                                              max(1, b["served"] - a["served"]), 2),
+            "beat_p50_s": round(rtts[len(rtts) // 2], 5) if rtts else None,
+            "beat_p99_s": round(rtts[int(len(rtts) * 0.99)], 5) if rtts else None,
+            "late_beats": sum(s.late for s in sims)}
+        loop.run_until(time.monotonic() + 1.0, lambda: getter.poll() is not None)
+        g = json.loads(getter.communicate(timeout=30)[0].strip().splitlines()[-1])
+        out["unrelated_get_p99_ms"] = round(g["p99"], 3)
+        if votes is not None:
+            c0 = _stats(srv)
+            out.update(_checked(loop, world, *votes))
+            c1 = _stats(srv)
+            out["checked_store_cpu_ms"] = round(1e3 * (c1["cpu"] - c0["cpu"]) /
+                                                out["checked_calls"], 3)
+        if fault:
+            out.update(_fault(loop, real, fault, port))
+        false = [s.decision.message for s in sims if s.decision is not None and
+                 (fault is None or set(s.decision.suspects) != {world - 1})]
+        if fault is None:            # the real rank's own watchdog must not have decided
+            real.kill()
+            said = real.communicate(timeout=30)[0]
+            false += [line for line in said.splitlines() if line.startswith('{"decision"')]
+        out["false_aborts"] = len(false)
+        if false:
+            out["false_abort_example"] = false[0][:300]
+        st = _stats(srv)
+        out["store_keys_after"], out["connections"] = st["keys"], st["conns"]
+        return out
+    finally:
+        if loop is not None:
+            loop.close()
+        try:
+            srv.stdin.write("quit\n")
+            srv.stdin.flush()
+            srv.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        for p in (real, srv):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _vote_bodies(world: int, calls: int) -> tuple:
+    """Every rank's VOTE of ``calls`` checked calls (real plans, fingerprints, hashes), made
+    before the run so the loop never stalls; and the median local cost per rank per call."""
+    plans = [_plan(world, r) for r in range(world)]
+    rounds, local = [], []
+    for i in range(calls):
+        key = f"ncclpy/{NAME}/0/chk/{i}/v".encode()
+        bodies = []
+        for r in range(world):
+            t = time.perf_counter()
+            coll, total = round_hashes(fingerprint([plans[r]], i), r)
+            bodies.append(W.pack_vote(key, world, r, coll, total, 0, 60000))
+            local.append(time.perf_counter() - t)
+        rounds.append((key, bodies))
+    return rounds, statistics.median(local)
+
+
+def _checked(loop: Loop, world: int, rounds: List[Any], local: float) -> Dict[str, Any]:
+    """The checked calls of all ranks, one after the other (N more connections: the voters)."""
+    loop.voters = [Client(loop, loop.port) for _ in range(world)]
+    loop.run_until(time.monotonic() + 60, lambda: all(c.greeted for c in loop.voters))
+    if not all(c.greeted for c in loop.voters):
+        raise RuntimeError("checked mode: not every voter connected within 60 s")
+    for key, bodies in rounds:
+        loop.vote_round(key, bodies)
+        loop.run_until(time.monotonic() + 60, lambda: loop.votes_left == 0)
+    ts = sorted(loop.vote_times)
+    return {"checked_call_ms": round(1e3 * statistics.median(ts), 3),
+            "checked_call_p99_ms": round(1e3 * ts[int(len(ts) * 0.99)], 3),
+            "checked_local_us": round(1e6 * local, 1),
+            "checked_calls": len(rounds), "checked_mismatches": loop.vote_bad}
+
+
+def _fault(loop: Loop, real: subprocess.Popen, fault: str, port: int) -> Dict[str, Any]:
+    victim = loop.world - 1
+    t = time.monotonic()
+    if fault == "sigstop":
+        real.send_signal(signal.SIGSTOP)
+    else:
+        real.kill()
+        real.wait()
+        from ncclpy.debug.deaths import publish_deaths
+        from ncclpy.store import TCPStore
+        with TCPStore("127.0.0.1", port, timeout=5) as s:   # what ncclpy run does
+            publish_deaths(s, [victim], "was killed by signal SIGKILL")
+    loop.run_until(t + DEAD_AFTER + 10, lambda: all(s.decision for s in loop.sims))
+    named = [s.decided_at - t for s in loop.sims
+             if s.decision is not None and s.decision.suspects == (victim,)]
+    if fault == "sigstop":
+        real.send_signal(signal.SIGCONT)
+    return {"victim": victim, "named_by": len(named), "of": len(loop.sims),
+            "detect_max_s": round(max(named), 2) if named else None,
+            "detect_p50_s": round(statistics.median(named), 2) if named else None,
+            "silence_limit_s": DEAD_AFTER}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a subset within about 2 minutes")
+    p.add_argument("--ranks", default=None, metavar="N,N,...",
+                   help="world sizes to run, spread 0, no fault (default: the full table)")
+    p.add_argument("--window", type=float, default=None, metavar="S",
+                   help="seconds of heartbeat measurement per run (default 10; --quick 5)")
+    p.add_argument("--checked-calls", type=int, default=20, metavar="K",
+                   help="checked-mode calls per run without a fault (default 20)")
+    p.add_argument("--key-rounds", type=int, default=None, metavar="K",
+                   help="checked calls of 2 ranks for the key-count check (default 100000; "
+                        "--quick 20000)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help="print the table of a JSON file this benchmark wrote, and exit")
+    p.add_argument("--_server", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_rank", nargs=3, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_getter", nargs=2, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a._server:
+        _server_main(a._server)
+        return 0
+    if a._rank:
+        _rank_main(*a._rank)
+        return 0
+    if a._getter:
+        _getter_main(int(a._getter[0]), float(a._getter[1]))
+        return 0
+    if a.markdown:
+        try:
+            with open(a.markdown) as f:
+                print(markdown(json.load(f)))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--markdown: cannot read {a.markdown!r}: {e}")
+        return 0
+    for flag, v, lo in (("--window", a.window, 0.5), ("--checked-calls", a.checked_calls, 0),
+                        ("--key-rounds", a.key_rounds, 1)):
+        if v is not None and v < lo:
+            p.error(f"{flag}: expected a number >= {lo:g}, got {v:g}")
+    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+        p.error(f"--json: the folder of {a.json!r} does not exist")
+    raise_nofile_limit()
+    if a.ranks:
+        try:
+            runs = [(int(n), 0, None) for n in a.ranks.split(",")]
+        except ValueError:
+            p.error(f"--ranks: expected world sizes like 64,1024, got {a.ranks!r}")
+        if any(n < 2 for n, _, _ in runs):
+            p.error(f"--ranks: expected world sizes >= 2, got {a.ranks!r}")
+    else:
+        runs = QUICK if a.quick else DEFAULT
+    window = a.window or (5.0 if a.quick else 10.0)
+    results = []
+    for world, spread, fault in runs:
+        r = run_one(world, spread, fault, window, 0 if fault else a.checked_calls)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    keys = _key_count(a.key_rounds or (20000 if a.quick else 100000))
+    print(json.dumps(keys), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"results": results, "checked_keys": keys,
+                       "machine": {"cpus": os.cpu_count()}}, f, indent=1)
+    bad = [r for r in results if r["false_aborts"] or (r.get("fault") and
+                                                       r["named_by"] != r["of"])]
+    return 1 if bad or keys["keys_after"] > keys["keys_before"] else 0
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    """The results as the table of ``docs/performance.md``."""
+    rows = ["| ranks | spread s | fault | store req/s | store CPU (1 core) | µs/req | beat p50 / "
+            "p99 ms | unrelated get p99 ms | false aborts | checked call ms (p50 / p99) | store "
+            "ms/call | keys after | connections | named by (max s) |",
+            "|" + "---|" * 14]
+    for r in data["results"]:
+        def ms(k: str) -> str:
+            return "" if r.get(k) is None else f"{1e3 * r[k]:.1f}"
+        chk = (f"{r['checked_call_ms']:.1f} / {r['checked_call_p99_ms']:.1f}"
+               if r.get("checked_call_ms") is not None else "")
+        named = (f"{r['named_by']}/{r['of']} ({r['detect_max_s']} s)" if r.get("fault") else "")
+        rows.append(f"| {r['ranks']} | {r['spread_s']} | {r.get('fault') or ''} | "
+                    f"{r['store_requests_per_s']} | {100 * r['store_cpu_fraction']:.1f} % | "
+                    f"{r['store_cpu_us_per_request']} | {ms('beat_p50_s')} / {ms('beat_p99_s')} | "
+                    f"{r['unrelated_get_p99_ms']} | {r['false_aborts']} | {chk} | "
+                    f"{r.get('checked_store_cpu_ms', '')} | {r['store_keys_after']} | "
+                    f"{r['connections']} | {named} |")
+    k = data.get("checked_keys")
+    if k:
+        rows.append(f"\nKey count over {k['rounds']:,} checked calls of 2 ranks (real Checker): "
+                    f"{k['keys_before']} before, {k['keys_after']} after ({k['seconds']} s).")
+    return "\n".join(rows)
+
+
+def _key_count(rounds: int) -> Dict[str, Any]:
+    """Two ranks (threads, the real Checker over real TCPStores) make ``rounds`` checked calls;
+    the store's key count before and after."""
+    import threading
+    from ncclpy.checked import Checker
+    from ncclpy import Buffer
+    from ncclpy.comm.resolver import Resolver
+    from ncclpy.plan.types import PlanContext
+    from ncclpy.store import StoreServer, TCPStore
+    srv = StoreServer("127.0.0.1", 0).start()
+    before = srv.num_keys
+
+    def rank(r: int) -> None:
+        s = TCPStore("127.0.0.1", srv.port, timeout=60)
+        plan = Resolver(PlanContext(r, 2)).resolve(
+            "all_reduce", 0, Buffer(0x100000, 1024, "float32", 0), None, ("sum",)).plan
+        chk = Checker(s, r, 2, name="keys", timeout=60)
+        for _ in range(rounds):
+            chk.check([plan])
+        s.close()
+    t0 = time.monotonic()
+    th = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    out = {"rounds": rounds, "keys_before": before, "keys_after": srv.num_keys,
+           "seconds": round(time.monotonic() - t0, 1)}
+    srv.close()
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(141)

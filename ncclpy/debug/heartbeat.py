@@ -1,0 +1,96 @@
+"""One member's side of a heartbeat table held by ncclpy's store (the watchdog's, nodewatch's).
+
+Every period a member sends one BEAT (:mod:`ncclpy.store.tablewire`): its own beat and value in,
+the members whose last beat is older than ``stale_after`` (server clock), the members that never
+beat and the death epoch out: one request per member per period, whatever the world size.
+
+The rule that keeps a slow store from being taken for dead peers: a reply that took longer than
+``on_time`` seconds is *late*; :meth:`Heart.beat` then returns None (no member is judged from
+it) and the slowness is logged with its figures, at most once a minute (plus a count).  Ages in a
+reply that came on time are the server's, and the server's clock does not run while its loop
+is stalled, so they are the members' own silence.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from ..store import tablewire as W
+
+__all__ = ["Heart", "SLOW_LOG_EVERY", "on_time_limit", "is_late"]
+
+log = logging.getLogger(__name__)
+
+#: seconds between two "store slow" warnings of one member (the ones between are counted)
+SLOW_LOG_EVERY = 60.0
+
+
+def on_time_limit(interval: float) -> float:
+    """How long a heartbeat's reply may take and still be judged: one interval (at least
+    0.25 s)."""
+    return max(float(interval), 0.25)
+
+
+def is_late(rtt: float, on_time: float) -> bool:
+    """A reply that took longer than ``on_time`` judges nobody."""
+    return rtt > on_time
+
+
+class Heart:
+    """``store``: ncclpy's TCPStore (serving the tables); ``group`` names the table of ``world``
+    members; ``what`` names this member in log lines ("watchdog of 'job' rank 3")."""
+
+    def __init__(self, store: Any, group: str, rank: int, world: int, *, stale_after: float,
+                 on_time: float, call_timeout: float, watch: str = "", what: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.group, self.rank, self.world = store, group, rank, world
+        self.stale_after, self.on_time = float(stale_after), float(on_time)
+        self.call_timeout, self.watch, self.what, self.clock = call_timeout, watch, what, clock
+        self.late = 0                 # late replies (and failed calls) since the start
+        self.last_rtt = 0.0
+        self.worst_rtt = 0.0
+        self._late_since_log = 0
+        self._logged_at: Optional[float] = None
+
+    def beat(self, value: bytes, flags: int = 0) -> Optional[W.BeatReply]:
+        """One BEAT; its reply when it came on time, else None (store slow: logged)."""
+        t0 = self.clock()
+        try:
+            rep = self.store.beat(self.group, self.rank, self.world, self.stale_after, value,
+                                  watch=self.watch, flags=flags, timeout=self.call_timeout)
+        except Exception as e:   # a slow or lost store: no news, never a verdict
+            self._slow(self.clock() - t0, f"{type(e).__name__}: {e}")
+            return None
+        rtt = self.last_rtt = self.clock() - t0
+        self.worst_rtt = max(self.worst_rtt, rtt)
+        if is_late(rtt, self.on_time):
+            self._slow(rtt, "")
+            return None
+        return rep
+
+    def full(self) -> Optional[W.BeatReply]:
+        """The whole table (a peek: not a beat); None when late or failed."""
+        return self.beat(b"", W.BEAT_PEEK | W.BEAT_FULL)
+
+    def close(self, value: bytes = b"closed") -> None:
+        """Leave the table: this member is never stale again (best effort)."""
+        try:
+            self.store.beat(self.group, self.rank, self.world, self.stale_after, value,
+                            flags=W.BEAT_CLOSE, timeout=self.call_timeout)
+        except Exception:
+            log.debug("%s: could not publish the close", self.what, exc_info=True)
+
+    def _slow(self, rtt: float, err: str) -> None:
+        self.late += 1
+        self._late_since_log += 1
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < SLOW_LOG_EVERY:
+            return
+        more = (f" ({self._late_since_log - 1} more late since the last such line)"
+                if self._late_since_log > 1 else "")
+        log.warning("%s: store slow: a heartbeat to the store took %.2f s (on time: %.2f s)%s; "
+                    "no peer is judged from a late reply%s", self.what, rtt, self.on_time,
+                    f" and failed ({err})" if err else "", more)
+        self._logged_at = now
+        self._late_since_log = 0

@@ -1,0 +1,309 @@
+"""The rank and launcher side of the control plane at scale (issue 26), on CPU with real servers:
+the watchdog's decision rules over the heartbeat table (a late reply judges nobody, a peer that
+never beat gets the start-up grace, the death epoch), one request per rank per beat, checked
+mode's one vote per rank per call and no key left behind, the launchers' node watch on a slow
+store, and bootstrap's one generation key per rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from ncclpy.checked import Checker, fingerprint, round_hashes
+from ncclpy.debug.deaths import EPOCH_KEY, RANKS_KEY, publish_deaths, read_deaths
+from ncclpy.store import StoreServer, TCPStore
+from ncclpy.watchdog import Watchdog
+from store_util import env as _env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Comm:
+    """What the Watchdog needs of a communicator (stand-in: no NCCL)."""
+
+    def __init__(self, rank: int, world: int, name: str = "cp", timeout: float = 60.0) -> None:
+        self.rank, self.world_size, self.name = rank, world, name
+        self._timeout, self._device, self._watch = timeout, 0, None
+        self.decision: Any = None
+
+    def _watchdog_abort(self, d: Any) -> None:
+        self.decision = d
+
+
+class _Slow:
+    """A stand-in at the store boundary: the real store, each beat ``delay`` s late."""
+
+    supports_tables = True
+
+    def __init__(self, store: TCPStore, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def beat(self, *a: Any, **k: Any) -> Any:
+        time.sleep(self.delay)
+        return self.store.beat(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+@pytest.fixture
+def server():
+    srv = StoreServer("127.0.0.1", 0).start()
+    yield srv
+    srv.close()
+
+
+def _peer_beats(port: int, group: str, rank: int, world: int, every: float, stop: threading.Event):
+    c = TCPStore("127.0.0.1", port, timeout=5)
+    n = 0
+    while not stop.wait(every):
+        n += 1
+        c.beat(group, rank, world, 1.0, f"{n}:5".encode())
+
+
+def _watchdog(store: Any, rank: int, world: int, **kw: Any) -> Watchdog:
+    wd = Watchdog(_Comm(rank, world), store, interval=0.1, dead_after=0.6, **kw)
+    wd._connect()
+    return wd
+
+
+def test_a_late_reply_judges_nobody_and_the_store_is_called_slow(server, caplog):
+    """Stale read != dead peer, rank side: rank 1 is silent for real, but while rank 0's replies
+    come late (the store is slow) nobody is named; once they come on time, rank 1 is."""
+    real = TCPStore("127.0.0.1", server.port, timeout=5)
+    TCPStore("127.0.0.1", server.port, timeout=5).beat("ncclpy/cp/0/hb", 1, 2, 0.6, b"1:0")
+    slow = _Slow(real, 0.3)                        # on time: 0.25 s (one interval, floored)
+    wd = _watchdog(slow, 0, 2)
+    caplog.set_level(logging.WARNING, logger="ncclpy.debug.heartbeat")
+    t_end = time.monotonic() + 1.5
+    while time.monotonic() < t_end:
+        now = time.monotonic()
+        wd.beat(now)
+        assert wd.decide(now) is None and wd.peers == {}
+    assert "store slow: a heartbeat to the store took 0.3" in caplog.text
+    assert "no peer is judged from a late reply" in caplog.text
+    assert caplog.text.count("store slow") == 1    # once a minute, the rest counted
+    slow.delay = 0.0
+    now = time.monotonic()
+    wd.beat(now)
+    d = wd.decide(now)
+    assert d is not None and d.reason == "peer_silent" and d.suspects == (1,), d
+
+
+def test_a_peer_that_never_beat_gets_the_start_up_grace(server):
+    stop = threading.Event()
+    t = threading.Thread(target=_peer_beats, args=(server.port, "ncclpy/cp/0/hb", 1, 3, 0.1,
+                                                   stop), daemon=True)
+    t.start()
+    try:
+        wd = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 0, 3, grace=1.5)
+        t0 = time.monotonic()
+        d = None
+        while d is None and time.monotonic() - t0 < 5:
+            now = time.monotonic()
+            wd.beat(now)
+            d = wd.decide(now)
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+    assert d is not None and d.suspects == (2,) and 1.5 <= took < 2.5, (d, took)
+    assert "rank 2 never sent one in 1." in d.message
+
+
+def test_one_request_per_rank_per_beat_and_the_death_epoch(server):
+    """A beat is one request whatever the world size; a death costs one more read per rank."""
+    c = TCPStore("127.0.0.1", server.port, timeout=5)
+    for r in range(1, 64):
+        c.beat("ncclpy/cp/0/hb", r, 64, 0.6, b"1:0")
+    wd = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 0, 64)
+    before = server.served
+    for _ in range(10):
+        wd.beat(time.monotonic())
+    assert server.served - before == 10
+    launchers = [threading.Thread(target=publish_deaths, args=(
+        TCPStore("127.0.0.1", server.port, timeout=5), [r], f"rank {r} was killed"))
+        for r in (7, 42)]                           # two nodes' launchers at once
+    for t in launchers:
+        t.start()
+    for t in launchers:
+        t.join(10)
+    assert read_deaths(c) == {7, 42} and int(c.get(EPOCH_KEY)) == 2
+    assert c.get("ncclpy/dead/7") == b"rank 7 was killed"
+    before = server.served
+    now = time.monotonic()
+    wd.beat(now)
+    assert server.served - before == 2              # the beat, then the dead list once
+    d = wd.decide(now, wd.dead())
+    assert d.reason == "peer_dead" and d.suspects == (7, 42), d
+    before = server.served
+    wd.beat(time.monotonic())
+    assert server.served - before == 1
+    assert c.get(RANKS_KEY) == b"7,42"
+
+
+def test_a_timeout_reads_the_whole_table_once_to_name_who_never_issued_the_call(server):
+    c = TCPStore("127.0.0.1", server.port, timeout=5)
+    c.beat("ncclpy/cp/0/hb", 1, 3, 0.6, b"9:4")     # rank 1 issued 4 calls
+    c.beat("ncclpy/cp/0/hb", 2, 3, 0.6, b"9:9")
+    wd = Watchdog(_Comm(0, 3, timeout=0.2), TCPStore("127.0.0.1", server.port, timeout=5),
+                  interval=0.1, dead_after=30.0)
+    wd._connect()
+
+    class Work:
+        _owned, _event, _error = False, object(), None
+        plan = type("P", (), {"collective": "all_reduce"})()
+
+        def is_completed(self) -> bool:
+            return False
+    for _ in range(6):
+        wd.queue.append(Work())
+    t0 = time.monotonic()
+    wd.drain(t0)
+    wd.beat(t0)
+    assert wd.peers == {}                            # both fresh: nothing to judge
+    before = server.served
+    d = wd.decide(t0 + 0.5)
+    assert server.served - before == 1 and wd.peers[1].issued == 4 and wd.peers[2].issued == 9
+    assert (d.reason, d.seq, d.suspects) == ("timeout", 0, (1, 2)), d
+    assert "every peer (1, 2): all issued it" in d.message
+    for _ in range(5):
+        wd.pending.popleft()                         # sequence 5 is the oldest now
+    before = server.served
+    d = wd.decide(time.monotonic() + 0.5)
+    assert server.served == before                   # the table was read already
+    assert (d.seq, d.suspects) == (5, (1,)) and "rank 1 issued 4" in d.message, d
+
+
+def test_a_real_killed_rank_is_named_and_live_ranks_never_are(server):
+    """Three processes with the real Watchdog thread: SIGSTOP one; the others name it, and
+    only it, within the silence limit + 2 s."""
+    code = (
+        "import json, sys, time\n"
+        "from ncclpy.store import TCPStore\nfrom ncclpy.watchdog import Watchdog\n"
+        "class C:\n  name, _device, _watch, _timeout = 'live', 0, None, 60.0\n"
+        "  rank, world_size, decision = int(sys.argv[2]), 3, None\n"
+        "  def _watchdog_abort(self, d): self.decision = d\n"
+        "c = C(); Watchdog(c, TCPStore('127.0.0.1', int(sys.argv[1]), timeout=10), "
+        "interval=0.2, dead_after=1.0).start()\nprint('up', flush=True)\n"
+        "t0 = time.monotonic()\n"
+        "while c.decision is None and time.monotonic() - t0 < 30: time.sleep(0.02)\n"
+        "d = c.decision\nprint(json.dumps(d and {'s': list(d.suspects), 'at': time.time()}), "
+        "flush=True)\n")
+    ps = [subprocess.Popen([sys.executable, "-c", code, str(server.port), str(r)],
+                           stdout=subprocess.PIPE, text=True, env=_env()) for r in range(3)]
+    try:
+        for p in ps:
+            assert p.stdout.readline().strip() == "up"
+        time.sleep(1.0)
+        ps[2].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        res = [json.loads(p.stdout.readline()) for p in ps[:2]]
+    finally:
+        for p in ps:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+    for r in res:
+        assert r is not None and r["s"] == [2] and r["at"] - stopped < 1.0 + 2.0, r
+
+
+def test_checked_mode_is_one_vote_per_rank_per_call_and_leaves_no_key(server):
+    from ncclpy import Buffer
+    from ncclpy.comm.resolver import Resolver
+    from ncclpy.plan.types import PlanContext
+    calls = 300
+    stores = [TCPStore("127.0.0.1", server.port, timeout=30) for _ in range(2)]
+    plans = [Resolver(PlanContext(r, 2)).resolve(
+        "all_reduce", 0, Buffer(0x100000, 16, "float32", 0), None, ("sum",)).plan
+        for r in range(2)]
+    before_keys, before = server.num_keys, server.served
+
+    def rank(r: int) -> None:
+        chk = Checker(stores[r], r, 2, name="k", timeout=30)
+        for _ in range(calls):
+            chk.check([plans[r]])
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert server.served - before == 2 * calls
+    assert server.num_keys == before_keys and not server._votes
+
+
+def test_round_hashes_pair_every_send_with_its_receive():
+    from ncclpy import Buffer
+    from ncclpy.comm.resolver import Resolver
+    from ncclpy.plan.types import PlanContext
+    world = 4
+
+    def fp(r: int, count: int = 16) -> Any:
+        res = Resolver(PlanContext(r, world))
+        nxt, prv = (r + 1) % world, (r - 1) % world
+        send = res.plan("send", res.parse("send", Buffer(0x1000, count, "float32", 0), None),
+                        (nxt,), in_group=True)
+        recv = res.plan("recv", res.parse("recv", Buffer(0x2000, 16, "float32", 0), None),
+                        (prv,), in_group=True)
+        return fingerprint([send, recv], 0, ["send", "recv"])
+    ok = [round_hashes(fp(r), r) for r in range(world)]
+    assert len({h for h, _ in ok}) == 1 and sum(s for _, s in ok) % (1 << 64) == 0
+    bad = [round_hashes(fp(r, 8 if r == 2 else 16), r) for r in range(world)]
+    assert sum(s for _, s in bad) % (1 << 64) != 0
+
+
+def test_a_slow_store_never_ends_the_node_watch_and_a_killed_launcher_is_named(tmp_path):
+    """The store stopped for 2 s (every call times out): both nodes' watches go on; then node
+    0's launcher stops beating (killed): node 1 names it within its silence limit + 2 s."""
+    from ncclpy.launch.nodewatch import NodeWatch
+    code = ("import time\nfrom ncclpy.store import StoreServer\n"
+            "s = StoreServer('127.0.0.1', 0).start()\nprint(s.port, flush=True)\n"
+            "time.sleep(600)\n")
+    srv = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                           env=_env())
+    port = int(srv.stdout.readline())
+    w0 = NodeWatch("127.0.0.1", port, "", 0, 2, 2, interval=0.2, dead_after=3.0).start()
+    w1 = NodeWatch("127.0.0.1", port, "", 1, 2, 2, interval=0.2, dead_after=3.0).start()
+    try:
+        time.sleep(1.0)
+        srv.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)
+        srv.send_signal(signal.SIGCONT)
+        time.sleep(1.5)
+        assert w0._thread.is_alive() and w1._thread.is_alive()
+        assert w0.failure is None and w1.failure is None, (w0.failure, w1.failure)
+        w0._stop.set()                             # node 0's launcher is gone, without a word
+        t0 = time.monotonic()
+        while w1.failure is None and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert w1.failure is not None and took < 3.0 + 2.0, (w1.failure, took)
+        assert "node 0 (ranks 0-1) stopped heartbeating" in w1.failure
+        c = TCPStore("127.0.0.1", port, timeout=5)
+        assert read_deaths(c) == {0, 1}            # for the ranks' watchdogs
+    finally:
+        srv.send_signal(signal.SIGCONT)
+        srv.kill()
+        srv.wait()
+
+
+def test_bootstrap_keeps_one_generation_key_per_rank(server):
+    from ncclpy.bootstrap import _never_came, _next_generation, generation_key
+    c = TCPStore("127.0.0.1", server.port, timeout=5)
+    for name in [f"n{i}" for i in range(20)] * 2:
+        for r in range(3):
+            _next_generation(c, name, r)
+    keys = [generation_key("any", r) for r in range(3)]
+    assert server.num_keys == 3 and all(c.check([k]) for k in keys)
+    assert json.loads(c.get(generation_key("x", 1)))["n7"] == 2
+    assert _next_generation(TCPStore("127.0.0.1", server.port), "n7", 1) == 3   # a new process
+    _next_generation(c, "solo", 0)
+    assert "Ranks 1, 2 never reached the store" in _never_came(c, "solo", 3)
