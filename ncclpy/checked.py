@@ -38,7 +38,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .dtypes import NCCL_DTYPE_NAMES
-from .errors import CallCheckTimeout, CallMismatchError, StoreTimeout, UnsupportedError
+from .errors import (CallCheckTimeout, CallMismatchError, StoreError, StoreTimeout,
+                     UnsupportedError)
 from .store import tablewire as _TW
 
 __all__ = ["Checker", "fingerprint", "compare", "format_table", "round_hashes", "P2P_CALLS",
@@ -335,10 +336,14 @@ class Checker:
                 for what in ("table", "n", "out"):     # the last one out cleans up
                     self._delete(self._key(rnd, what))
         except Exception as e:
-            if not _is_timeout(e) and not isinstance(e, OSError) and \
-                    "Store" not in type(e).__name__:
+            if not (_is_timeout(e) or isinstance(e, (StoreError, OSError))
+                    or "DistStoreError" in type(e).__name__):
                 raise
-            log.debug("checked mode: the mismatch table could not be collected: %s", e)
+            log.warning("checked mode: the mismatch table could not be collected: %s", e)
+            problems = compare(fps) + [f"rank {me} could not collect every rank's calls for "
+                                       f"this table ({type(e).__name__}: {e})"]
+            raise CallMismatchError(format_table(fps, self.name, rnd, problems), table=fps,
+                                    problems=problems) from e
         problems = compare(fps)
         raise CallMismatchError(format_table(fps, self.name, rnd, problems), table=fps,
                                 problems=problems)

@@ -307,3 +307,30 @@ def test_bootstrap_keeps_one_generation_key_per_rank(server):
     assert _next_generation(TCPStore("127.0.0.1", server.port), "n7", 1) == 3   # a new process
     _next_generation(c, "solo", 0)
     assert "Ranks 1, 2 never reached the store" in _never_came(c, "solo", 3)
+
+
+def test_a_mismatch_whose_table_cannot_be_collected_still_raises_saying_so():
+    """Stand-in at the store boundary: the vote says the calls differ, then the store is gone;
+    the rank still raises CallMismatchError (nothing reaches NCCL), naming why the table is
+    partial."""
+    from ncclpy import Buffer
+    from ncclpy.comm.resolver import Resolver
+    from ncclpy.errors import CallMismatchError, StoreConnectionError
+    from ncclpy.plan.types import PlanContext
+    from ncclpy.store import tablewire as TW
+
+    class Store:
+        supports_tables = supports_arrive = True
+
+        def vote(self, *a: Any, **k: Any) -> Any:
+            return TW.VoteReply(TW.HASH_DIFFERS, 2, [])
+
+        def set(self, *a: Any, **k: Any) -> None:
+            raise StoreConnectionError("set: lost the connection to the store")
+    plan = Resolver(PlanContext(0, 2)).resolve(
+        "all_reduce", 0, Buffer(0x100000, 16, "float32", 0), None, ("sum",)).plan
+    with pytest.raises(CallMismatchError) as ei:
+        Checker(Store(), 0, 2, name="t", timeout=5).check([plan])
+    msg = str(ei.value)
+    assert "rank 0 could not collect every rank's calls for this table" in msg, msg
+    assert "lost the connection to the store" in msg and "nothing of this round" in msg

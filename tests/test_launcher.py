@@ -706,9 +706,9 @@ def test_a_failed_rank_is_published_in_the_store(tmp_path):
             assert os.environ["NCCLPY_STORE_HOSTED_BY"] == "launcher"
             s = TCPStore(host, port, token=tok, timeout=30)
             s.set("up", b"1")
-            print("dead:", s.get("ncclpy/dead/1", timeout=25).decode(), flush=True)
-            print("list:", s.get("ncclpy/dead/ranks").decode(), s.add("ncclpy/dead/epoch", 0),
-                  flush=True)
+            epoch = int(s.get("ncclpy/dead/epoch", timeout=25))   # bumped last
+            print("dead:", s.get("ncclpy/dead/1").decode(), flush=True)
+            print("list:", s.get("ncclpy/dead/ranks").decode(), epoch, flush=True)
             import time; time.sleep(30)
         else:
             TCPStore(host, port, token=tok, timeout=30).get("up")
