@@ -92,9 +92,13 @@ def test_a_late_reply_judges_nobody_and_the_store_is_called_slow(server, caplog)
     assert "no peer is judged from a late reply" in caplog.text
     assert caplog.text.count("store slow") == 1    # once a minute, the rest counted
     slow.delay = 0.0
-    now = time.monotonic()
-    wd.beat(now)
-    d = wd.decide(now)
+    d = None
+    for _ in range(10):                            # on time now (a loaded machine may need
+        now = time.monotonic()                     # a second try)
+        wd.beat(now)
+        d = wd.decide(now)
+        if d is not None:
+            break
     assert d is not None and d.reason == "peer_silent" and d.suspects == (1,), d
 
 
@@ -105,7 +109,7 @@ def test_a_peer_that_never_beat_gets_the_start_up_grace(server):
     t.start()
     try:
         wd = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 0, 3, grace=1.5)
-        t0 = time.monotonic()
+        t0 = wd.state.start                        # the grace counts from the watchdog's start
         d = None
         while d is None and time.monotonic() - t0 < 5:
             now = time.monotonic()
@@ -193,7 +197,7 @@ def test_a_real_killed_rank_is_named_and_live_ranks_never_are(server):
         "  rank, world_size, decision = int(sys.argv[2]), 3, None\n"
         "  def _watchdog_abort(self, d): self.decision = d\n"
         "c = C(); Watchdog(c, TCPStore('127.0.0.1', int(sys.argv[1]), timeout=10), "
-        "interval=0.2, dead_after=1.0).start()\nprint('up', flush=True)\n"
+        "interval=0.2, dead_after=1.5).start()\nprint('up', flush=True)\n"
         "t0 = time.monotonic()\n"
         "while c.decision is None and time.monotonic() - t0 < 30: time.sleep(0.02)\n"
         "d = c.decision\nprint(json.dumps(d and {'s': list(d.suspects), 'at': time.time()}), "
@@ -213,7 +217,7 @@ def test_a_real_killed_rank_is_named_and_live_ranks_never_are(server):
             p.kill()
             p.wait()
     for r in res:
-        assert r is not None and r["s"] == [2] and r["at"] - stopped < 1.0 + 2.0, r
+        assert r is not None and r["s"] == [2] and r["at"] - stopped < 1.5 + 2.0, r
 
 
 def test_checked_mode_is_one_vote_per_rank_per_call_and_leaves_no_key(server):
