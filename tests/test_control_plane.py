@@ -271,3 +271,18 @@ def test_a_slow_reply_keeps_the_connection(proc):
     assert c._sock is sock and c._owed == 0
     c.add("n", 1)
     assert c.add("n", 1) == 2
+
+
+def test_a_beat_with_its_own_timeout_never_changes_the_shared_clients_timeout(server):
+    """The watchdog's short beats share the process's client with the main thread: a beat's
+    bound is its own, the client's ``timeout`` (what every other thread's call uses) stays."""
+    c = TCPStore("127.0.0.1", server.port, timeout=5)
+    seen = []
+    real = c._call
+
+    def spy(*a, **k):
+        seen.append(c.timeout)
+        return real(*a, **k)
+    c._call = spy
+    c.beat("t", 0, 1, 1.0, b"x", timeout=0.2)
+    assert seen == [5.0] and c.timeout == 5.0

@@ -183,11 +183,7 @@ class TCPStore(Connection):
         self._check_key(g, "beat")
         t = self.timeout if timeout is None else _seconds(timeout, "timeout")
         body = TW.pack_beat(g, rank, world, stale, v, wk, flags)
-        saved, self.timeout = self.timeout, t
-        try:
-            raw = self._call(Op.BEAT, body, b"", None, g, "beat")
-        finally:
-            self.timeout = saved
+        raw = self._call(Op.BEAT, body, b"", None, g, "beat", t)
         return TW.parse_beat(raw, world, bool(flags & TW.BEAT_FULL))
 
     def vote(self, key: Key, group: int, rank: int, hash_: int, sum_: int = 0,

@@ -100,8 +100,9 @@ class Liveness:
 
 
 def _show(keys: Any) -> str:
+    """Keys for an error message: ``'a', 'b' (+3 more)``."""
     if isinstance(keys, bytes):
         keys = [keys]
-    shown = [k.decode("utf-8", "replace") for k in list(keys)[:8]]
-    return ", ".join(repr(k) for k in shown) + (f" (+{len(keys) - 8} more)" if len(keys) > 8
-                                                 else "")
+    shown = [k.decode("utf-8", "replace") for k in keys[:8]]
+    more = f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""
+    return ", ".join(repr(k) for k in shown) + more

@@ -19,13 +19,13 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 from ..errors import (ArgumentTypeError, ArgumentError, StoreAuthError, StoreConnectionError,
                       StoreProtocolError, StoreRequestError, StoreTimeout)
 from . import protocol as P
 from .keepalive import set_keepalive
-from .liveness import MAX_OWED, PROBE_AFTER, PROBE_TIMEOUT, Liveness
+from .liveness import MAX_OWED, PROBE_AFTER, PROBE_TIMEOUT, Liveness, _show
 from .pipeline import Pipelining
 from .protocol import Op, Status
 
@@ -119,14 +119,6 @@ def _value(value: Value, name: str = "value") -> bytes:
     if isinstance(value, str):
         return value.encode("utf-8")
     raise ArgumentTypeError(f"{name}: expected bytes or str, got {type(value).__name__}")
-
-
-def _show(keys: Union[bytes, Sequence[bytes]]) -> str:
-    if isinstance(keys, bytes):
-        keys = [keys]
-    shown = [k.decode("utf-8", "replace") for k in keys[:8]]
-    more = f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""
-    return ", ".join(repr(k) for k in shown) + more
 
 
 class Connection(Liveness, Pipelining):
@@ -412,17 +404,19 @@ class Connection(Liveness, Pipelining):
 
     # ------------------------------------------------------------------ requests
     def _call(self, op: int, head: bytes, tail: bytes, wait: Optional[float],
-              keys: Union[bytes, List[bytes]], what: str) -> bytes:
+              keys: Union[bytes, List[bytes]], what: str,
+              bound: Optional[float] = None) -> bytes:
         """Send one request (body ``head + tail``), return the OK body.
 
         ``wait``: how long the server may park it (GET, WAIT); the socket then allows some slack
-        beyond that for the server's TIMEOUT reply to arrive.
+        beyond that for the server's TIMEOUT reply to arrive.  ``bound``: this call's bound when
+        not parked (default: the client's ``timeout``).
         """
         if self._closed:
             raise StoreConnectionError(f"{what}: this client of {self._addr} is closed")
         start = time.monotonic()
         if wait is None:
-            sock_timeout = self.timeout
+            sock_timeout = self.timeout if bound is None else bound
         else:
             sock_timeout = wait + min(max(1.0, 0.1 * wait), 30.0)
         if sock_timeout == _INF:
@@ -432,7 +426,7 @@ class Connection(Liveness, Pipelining):
         if not lock.acquire(False):   # another thread's call is in flight (maybe a long get)
             spare = self._spare()
             try:
-                return spare._call(op, head, tail, wait, keys, what)
+                return spare._call(op, head, tail, wait, keys, what, bound)
             finally:
                 self._unspare(spare)
         probe = None
