@@ -91,24 +91,18 @@ def generation_key(name: str, rank: int) -> str:
     return f"ncclpy/gen/{rank}"
 
 
-_GENS: dict[tuple[int, int], dict] = {}
-_GENS_LOCK = threading.Lock()
+_GENS_LOCK = threading.Lock()   # threads of one process never lose each other's update
 
 
 def _next_generation(store: Any, name: str, rank: int) -> int:
-    """Bump and return ``rank``'s generation of ``name`` (kept in this process, mirrored in the
-    rank's one key so a process that restarts against the same store continues the count)."""
+    """Bump and return ``rank``'s generation of ``name`` in the rank's one key (so a process
+    that restarts against the same store continues the count)."""
     key = generation_key(name, rank)
     with _GENS_LOCK:
-        gens = _GENS.get((id(store), rank))
-        if gens is None:
+        try:
+            gens = dict(json.loads(store.get(key))) if store.check([key]) else {}
+        except (ValueError, TypeError):
             gens = {}
-            if store.check([key]):
-                try:
-                    gens = dict(json.loads(store.get(key)))
-                except (ValueError, TypeError):
-                    gens = {}
-            _GENS[(id(store), rank)] = gens
         gens[name] = int(gens.get(name, 0)) + 1
         store.set(key, json.dumps(gens, separators=(",", ":")))
         return gens[name]
