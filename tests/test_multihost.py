@@ -161,7 +161,9 @@ def test_a_wrong_token_on_one_host(hosts, tmp_path):
     (rc0, o0, e0), (rc1, o1, e1) = _finish([p0, p1], 40)
     assert time.monotonic() - t0 < 25
     assert rc0 != 0 and rc1 != 0
-    assert "[rank 2]" in e1 and "token" in e1.lower() and "RendezvousError" in e1, e1
+    # both of host 1's ranks fail alike; fail-fast may stop one before it prints its error
+    assert ("[rank 2]" in e1 or "[rank 3]" in e1) and "token" in e1.lower() \
+        and "RendezvousError" in e1, e1
     assert "[rank 0]" in e0 and "waited 4 s to collect the 3 acknowledgements" in e0, e0
     assert "Ranks 2, 3 never reached the store" in e0, e0
 
