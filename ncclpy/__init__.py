@@ -21,7 +21,7 @@ _LAZY = {
         "CallCheckTimeout", "CommAbortedError", "NcclTimeoutError", "NcclUnhandledCudaError",
         "NcclSystemError", "NcclInternalError", "NcclInvalidArgument", "NcclInvalidUsage",
         "NcclRemoteError", "NcclInProgress")},
-    "CudaUnavailableError": "ncclpy._nccl.lib",
+    "CudaUnavailableError": "ncclpy.errors",
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},
     # store

@@ -28,7 +28,11 @@ from .dlpack import (DL_DEVICE_NAMES, DLDataType, DLDevice, DLManagedTensor,  # 
                      DLManagedTensorVersioned, DLPackInfo, DLPackVersion, DLTensor,
                      dlpack_dtype, parse_dlpack_capsule)
 from .dtypes import LOGICAL, dtype_name
-from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError, as_int
+from .errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
+                     as_int)
+
+#: the largest CUDA device ordinal (a C int)
+I32_MAX = (1 << 31) - 1
 
 __all__ = ["BufferSpec", "Buffer", "as_buffer", "DEVICE_HOST", "DEVICE_UNKNOWN",
            "parse_dlpack_capsule", "DLPackInfo", "type_kind", "device_of", "from_cai"]
@@ -127,13 +131,18 @@ class Buffer:
     device: int = 0
 
     def __post_init__(self) -> None:
-        ptr = _int_arg("Buffer", "ptr", self.ptr, 0)
-        count = _int_arg("Buffer", "count", self.count, 0)
-        device = _int_arg("Buffer", "device", self.device, 0)
+        ptr = as_int("Buffer: ptr", self.ptr, 0, U64_MAX)
+        count = as_int("Buffer: count", self.count, 0, U64_MAX)
+        device = as_int("Buffer: device", self.device, 0, I32_MAX)
         try:
             dt = dtype_name(self.dtype)
         except NcclpyError as e:
             raise type(e)(f"Buffer: dtype: {e}") from None
+        end = ptr + count * LOGICAL[dt].itemsize
+        if end > U64_MAX + 1:
+            raise ArgumentError(f"Buffer: ptr {ptr:#x} + count {count} x {LOGICAL[dt].itemsize} "
+                                f"bytes ends at {end:#x}, past the 64-bit address space; "
+                                f"expected a buffer that ends at or below 2**64")
         if ptr == 0 and count:
             raise ArgumentError(f"Buffer: ptr is NULL (0) but count is {count}; only an empty "
                                 f"buffer (count 0) may have a NULL pointer")

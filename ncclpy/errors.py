@@ -12,7 +12,7 @@ from typing import Any, Optional
 __all__ = [
     "as_int",
     "NcclpyError", "ArgumentError", "ArgumentTypeError", "UnsupportedError", "VersionError",
-    "MissingDependencyError", "RendezvousError", "LaunchError", "ProcessRaisedException",
+    "MissingDependencyError", "CudaUnavailableError", "RendezvousError", "LaunchError", "ProcessRaisedException",
     "StoreError", "StoreTimeout", "StoreConnectionError", "StoreAuthError", "StoreProtocolError",
     "StoreRequestError",
     "NcclError", "NcclUnhandledCudaError", "NcclSystemError", "NcclInternalError",
@@ -44,6 +44,11 @@ class VersionError(NcclpyError, RuntimeError):
 
 class MissingDependencyError(NcclpyError, ImportError):
     """CuPy or NCCL is not installed; the message names the pip extra to install."""
+
+
+class CudaUnavailableError(NcclpyError, RuntimeError):
+    """No usable CUDA device or driver for a communicator; the message gives the reason in the
+    words of ``ncclpy info`` (no CUDA driver, no GPU visible, CuPy missing, the CUDA error)."""
 
 
 class RendezvousError(NcclpyError, RuntimeError):
@@ -222,8 +227,16 @@ def nccl_error_from_code(code: int, call: str = "", last_error: str = "") -> Ncc
     return _BY_CODE.get(int(code), NcclError)(int(code), call, last_error)
 
 
-def as_int(label: str, value: Any, minimum: Optional[int] = None) -> int:
-    """``value`` as a Python int (``operator.index``; bools and None refused), >= ``minimum``.
+#: the largest pointer or size_t NCCL takes (64 bits); ctypes wraps anything larger silently
+U64_MAX = (1 << 64) - 1
+#: the largest int64_t
+I64_MAX = (1 << 63) - 1
+
+
+def as_int(label: str, value: Any, minimum: Optional[int] = None,
+           maximum: Optional[int] = None) -> int:
+    """``value`` as a Python int (``operator.index``; bools and None refused), >= ``minimum``
+    and <= ``maximum`` (where given).
 
     The one integer-argument check of the package, so every message reads the same:
     "LABEL must be an int, got VALUE (TYPE)" / "LABEL is V; expected an int >= MINIMUM".
@@ -238,4 +251,8 @@ def as_int(label: str, value: Any, minimum: Optional[int] = None) -> int:
                                 f"({type(value).__name__})") from None
     if minimum is not None and v < minimum:
         raise ArgumentError(f"{label} is {v}; expected an int >= {minimum}")
+    if maximum is not None and v > maximum:
+        raise ArgumentError(f"{label} is {v}; expected an int <= {maximum}"
+                            + (" (it must fit 64 bits: ctypes would wrap it silently)"
+                               if maximum in (U64_MAX, I64_MAX) else ""))
     return int(v)

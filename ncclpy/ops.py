@@ -6,6 +6,7 @@ after use.  NCCL has no bitwise reductions: BAND/BOR/BXOR get a precise error.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,7 +39,9 @@ SUM, PROD, MAX, MIN, AVG = (RedOp(n) for n in ("sum", "prod", "max", "min", "avg
 
 
 def premul_sum(scalar: Any) -> RedOp:
-    """``sum(scalar * x_r)``: NCCL's PreMulSum.  ``scalar`` is a real number (or a 0-d array)."""
+    """``sum(scalar * x_r)``: NCCL's PreMulSum.  ``scalar`` is a finite real number (or a 0-d
+    array); one rule everywhere (here, ``ncclpy check --premul-scalar``, the planners): finite,
+    and, on the call's dtype, neither overflowing nor rounding a non-zero value to zero."""
     if isinstance(scalar, bool) or not _is_number(scalar):
         raise ArgumentTypeError(
             f"premul_sum scalar: expected a real number, got {scalar!r} "
@@ -46,7 +49,11 @@ def premul_sum(scalar: Any) -> RedOp:
     if complex(scalar).imag != 0:
         raise UnsupportedError(f"premul_sum scalar: NCCL pre-multiplies by a real scalar; got "
                                f"the complex {scalar!r}")
-    return RedOp("premul_sum", float(complex(scalar).real))
+    value = float(complex(scalar).real)
+    if not math.isfinite(value):
+        raise ArgumentError(f"premul_sum scalar: expected a finite real number, got {scalar!r} "
+                            f"(NCCL would multiply every element by it: inf/NaN results)")
+    return RedOp("premul_sum", value)
 
 
 def _is_number(x: Any) -> bool:

@@ -54,18 +54,24 @@ VALUES = _values()
 
 @pytest.mark.parametrize("wire", FLOATS)
 def test_premul_scalar_matches_torch(wire):
-    """Every value either encodes to exactly torch's bits or is rejected as an overflow."""
-    checked = 0
+    """Every value either encodes to exactly torch's bits or is rejected as an overflow, or as
+    an underflow exactly where torch's bits are a zero for a non-zero value."""
+    checked = underflows = 0
     for x in VALUES:
         ref = torch_bits(x, wire)
         try:
             got = encode_scalar(x, wire)
         except ArgumentError as e:
+            if "underflows" in str(e):
+                sign = 1 << (8 * DTYPES[wire].itemsize - 1)
+                assert x != 0 and ref & (sign - 1) == 0 and wire in str(e), (wire, x)
+                underflows += 1
+                continue
             assert "overflows" in str(e) and wire in str(e)
             continue
         assert int.from_bytes(got, "little") == ref, (wire, x)
         checked += 1
-    assert checked > 600
+    assert checked > 480 and checked + underflows > 600, (checked, underflows)
 
 
 @pytest.mark.parametrize("fn, wire", [(float_to_bf16_bits, "bfloat16"),
@@ -93,7 +99,15 @@ def test_float8_saturation_and_overflow():
                     (1e39, "bfloat16"), (1e39, "float32")):
         with pytest.raises(ArgumentError, match="overflows"):
             encode_scalar(x, wire)
-    assert encode_scalar(float("inf"), "float16") == (0x7C00).to_bytes(2, "little")
+    for x in (float("inf"), float("-inf"), float("nan")):     # one rule: finite scalars only
+        with pytest.raises(ArgumentError, match="not finite"):
+            encode_scalar(x, "float16")
+        with pytest.raises(ArgumentError, match="finite real number"):
+            premul_sum(x)
+    for x, wire in ((1e-320, "float16"), (1e-320, "float32"), (1e-8, "float8_e5m2")):
+        with pytest.raises(ArgumentError, match="underflows"):
+            encode_scalar(x, wire)
+    assert encode_scalar(1e-320, "float64") == (0x7E8).to_bytes(8, "little")  # subnormal
 
 
 def test_float16_through_float32_like_torch():

@@ -298,7 +298,11 @@ def test_config_validation_messages():
              ({"max_ctas": 0}, errors.ArgumentError, "positive"),
              ({"blocking": "no"}, errors.ArgumentTypeError, "Config.blocking"),
              ({"cga_cluster_size": 1.5}, errors.ArgumentTypeError, "expected an int"),
-             ({"cga_cluster_size": -1}, errors.ArgumentError, ">= 0"),
+             ({"cga_cluster_size": -1}, errors.ArgumentError, "expected 0..8"),
+             ({"cga_cluster_size": 99}, errors.ArgumentError, "clamps"),
+             ({"traffic_class": -5}, errors.ArgumentError, "0..255"),
+             ({"blocking": 0}, errors.ArgumentTypeError, "got int 0"),
+             ({"blokcing": True}, TypeError, "blokcing"),
              ({"comm_name": 3}, errors.ArgumentTypeError, "Config.comm_name"),
              ({"net_name": "a\x00b"}, errors.ArgumentError, "NUL"),
              ({"cta_policy": "fast"}, errors.ArgumentError, "efficiency"),
@@ -310,7 +314,17 @@ def test_config_validation_messages():
             Config(**kwargs)
         assert words in str(ei.value), (kwargs, str(ei.value))
     assert Config(cta_policy="zero").cta_policy == 2
-    assert Config(blocking=0).blocking is False
+    import numpy as np
+    c = Config(blocking=np.False_, max_ctas=np.int64(8))     # NumPy scalars: one rule
+    assert c.blocking is False and c.max_ctas == 8 and type(c.max_ctas) is int
+    for field, value, cls, words in (("blocking", "garbage", errors.ArgumentTypeError,
+                                      "Config.blocking: expected True, False or None"),
+                                     ("min_ctas", 9, errors.ArgumentError, "min_ctas=9"),
+                                     ("nvls_ctas", 0, errors.ArgumentError, "positive"),
+                                     ("blokcing", True, AttributeError, "no field 'blokcing'")):
+        with pytest.raises(cls, match=words):             # checked on assignment too
+            setattr(c, field, value)
+    assert c.blocking is False and c.min_ctas is None    # a refused assignment changes nothing
 
 
 def _header_dirs():

@@ -11,6 +11,7 @@ than silently ignored.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import re
 from dataclasses import dataclass, fields
@@ -90,7 +91,15 @@ MAX_CTAS_64_FROM = 22500
 
 _CTA_POLICIES = {"default": CTA_POLICY_DEFAULT, "efficiency": CTA_POLICY_EFFICIENCY,
                  "zero": CTA_POLICY_ZERO}
+#: NCCL_MAX_CGA_CLUSTER_SIZE (init.cc): NCCL clamps a larger cgaClusterSize to it
+MAX_CGA_CLUSTER_SIZE = 8
 _POSITIVE = {"min_ctas", "max_ctas", "nvls_ctas", "n_channels_per_net_peer"}
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python or NumPy boolean (``numpy.bool_``; ``numpy.bool`` in NumPy 2)."""
+    t = type(value)
+    return t is bool or (t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"))
 
 
 @dataclass
@@ -120,13 +129,19 @@ class Config:
     n_channels_per_net_peer: Optional[int] = None
     nvlink_centric_sched: Optional[bool] = None
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, self._check(f.name, getattr(self, f.name)))
-        if (self.min_ctas is not None and self.max_ctas is not None
-                and self.min_ctas > self.max_ctas):
-            raise ArgumentError(f"Config: min_ctas={self.min_ctas} is larger than "
-                                f"max_ctas={self.max_ctas}; expected min_ctas <= max_ctas")
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Every assignment is checked, in ``__init__`` and after it (``c.blocking = "x"``
+        fails here, naming the field, not later inside NCCL's init)."""
+        if name not in CONFIG_FIELDS:
+            raise AttributeError(f"Config has no field {name!r}; expected one of "
+                                 f"{', '.join(CONFIG_FIELDS)}")
+        value = self._check(name, value)
+        lo = value if name == "min_ctas" else self.__dict__.get("min_ctas")
+        hi = value if name == "max_ctas" else self.__dict__.get("max_ctas")
+        if lo is not None and hi is not None and lo > hi:
+            raise ArgumentError(f"Config: min_ctas={lo} is larger than max_ctas={hi}; "
+                                f"expected min_ctas <= max_ctas")
+        object.__setattr__(self, name, value)
 
     @staticmethod
     def _check(name: str, value: Any) -> Any:
@@ -146,20 +161,31 @@ class Config:
             if "\x00" in value:
                 raise ArgumentError(f"Config.{name}: {value!r} contains a NUL character")
             return value
-        if kind == "bool":
-            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        if kind == "bool":      # one rule: Python and NumPy booleans, never 0/1 or "yes"
+            if _is_bool(value):
                 return bool(value)
-            raise ArgumentTypeError(f"Config.{name}: expected True, False or None, got {value!r}")
-        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"Config.{name}: expected True, False or None, got "
+                                    f"{type(value).__name__} {value!r}")
+        if _is_bool(value):
             raise ArgumentTypeError(f"Config.{name}: expected an int or None, got "
                                     f"{type(value).__name__} {value!r}")
+        try:
+            value = operator.index(value)      # int, numpy integers
+        except TypeError:
+            raise ArgumentTypeError(f"Config.{name}: expected an int or None, got "
+                                    f"{type(value).__name__} {value!r}") from None
         if not CONFIG_UNDEF_INT < value < 2 ** 31:
             raise ArgumentError(f"Config.{name}: {value} does not fit a C int (INT_MIN is "
                                 f"reserved for 'unset': use None)")
         if name in _POSITIVE and value <= 0:
             raise ArgumentError(f"Config.{name}: expected a positive int, got {value}")
-        if name == "cga_cluster_size" and value < 0:
-            raise ArgumentError(f"Config.cga_cluster_size: expected >= 0, got {value}")
+        if name == "cga_cluster_size" and not 0 <= value <= MAX_CGA_CLUSTER_SIZE:
+            raise ArgumentError(f"Config.cga_cluster_size: expected 0..{MAX_CGA_CLUSTER_SIZE} "
+                                f"(NCCL clamps a larger value to {MAX_CGA_CLUSTER_SIZE} with only "
+                                f"a warning), got {value}")
+        if name == "traffic_class" and not 0 <= value <= 255:
+            raise ArgumentError(f"Config.traffic_class: expected 0..255 (the network's traffic "
+                                f"class byte), got {value}")
         if name == "cta_policy" and value not in _CTA_POLICIES.values():
             raise ArgumentError(f"Config.cta_policy: {value} is not a CTA policy; expected 0 "
                                 f"(default), 1 (efficiency) or 2 (zero)")

@@ -22,8 +22,8 @@ import re
 import threading
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..errors import (MissingDependencyError, NcclError, NcclpyError, VersionError,
-                      nccl_error_from_code)
+from ..errors import (CudaUnavailableError, MissingDependencyError, NcclError, NcclpyError,
+                      VersionError, nccl_error_from_code)
 from ..ops import format_version
 
 __all__ = ["NcclLib", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
@@ -41,10 +41,6 @@ UNIQUE_ID_BYTES = 128
 
 INSTALL_HINT = ("install the CUDA extra that matches your driver: pip install 'ncclpy[cu13]' "
                 "(CUDA 13) or pip install 'ncclpy[cu12]' (CUDA 12)")
-
-
-class CudaUnavailableError(NcclpyError, RuntimeError):
-    """No usable CUDA device/driver for a communicator (the CUDA error is in the message)."""
 
 
 def nccl_version_code(major: int, minor: int, patch: int = 0) -> int:

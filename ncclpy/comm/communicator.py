@@ -425,6 +425,7 @@ def init(name: str = "default", config: Optional[Config] = None,
     checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
     watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
     from ..bootstrap import _check_device_arg, bootstrap
+    _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
     _check_device_arg(resolve_kwargs.get("device"))
     get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
@@ -435,13 +436,54 @@ def init(name: str = "default", config: Optional[Config] = None,
     return comm
 
 
+#: the keyword arguments init() passes on to bootstrap() and rendezvous.resolve()
+INIT_KEYWORDS = ("store", "token", "generation", "uid_exchange", "rank", "world_size",
+                 "local_rank", "master_addr", "master_port", "env", "local_world_size", "device")
+
+
+def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
+    """init()'s own argument errors, before anything looks for a GPU or a peer."""
+    import difflib
+    if not isinstance(name, str) or not name:
+        raise ArgumentTypeError(f"ncclpy.init: name must be a non-empty str, got {name!r}")
+    if config is not None and not isinstance(config, Config):
+        raise ArgumentTypeError(f"ncclpy.init: config must be an ncclpy.Config or None, got "
+                                f"{config!r} ({type(config).__name__})")
+    for key in kwargs:
+        if key not in INIT_KEYWORDS:
+            near = difflib.get_close_matches(key, INIT_KEYWORDS + (
+                "timeout", "checked", "watchdog", "config", "name"), n=1)
+            raise ArgumentTypeError(f"ncclpy.init() got an unexpected keyword argument {key!r}"
+                                    + (f"; did you mean {near[0]!r}?" if near else "")
+                                    + f" (expected one of name, config, timeout, checked, "
+                                      f"watchdog, {', '.join(INIT_KEYWORDS)})")
+    from ..bootstrap import UID_EXCHANGES
+    env = kwargs.get("env")
+    env = os.environ if env is None else env
+    choice = kwargs.get("uid_exchange")
+    src = "uid_exchange"
+    if choice is None and env.get("NCCLPY_UID_EXCHANGE", "").strip():
+        choice, src = env["NCCLPY_UID_EXCHANGE"].strip(), "NCCLPY_UID_EXCHANGE"
+    if choice is not None and (not isinstance(choice, str)
+                               or choice.lower() not in UID_EXCHANGES):
+        raise ArgumentError(f"ncclpy.init: {src}: expected one of {', '.join(UID_EXCHANGES)}, "
+                            f"got {choice!r}")
+
+
 def _require_gpu(name: str) -> None:
-    """Raise CudaUnavailableError, before the rendezvous, when this process sees no device."""
+    """Raise CudaUnavailableError, before the rendezvous, when this process sees no device
+    (the reason in the words of ``ncclpy info``)."""
+    from ..info import gpu_device_reason
     try:
-        n = cuda().device_count()
-        why = "" if n > 0 else "the CUDA runtime reports 0 devices"
-    except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
+        why = gpu_device_reason()
+    except Exception as e:  # noqa: BLE001 - the count below says it again
         why = f"{type(e).__name__}: {e}"
+    if not why:
+        try:
+            n = cuda().device_count()
+            why = "" if n > 0 else "the CUDA runtime reports 0 devices"
+        except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
+            why = f"{type(e).__name__}: {e}"
     if why:
         raise CudaUnavailableError(
             f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "

@@ -11,10 +11,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..buffers import DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, as_buffer
 from ..dtypes import DType, Logical, LOGICAL, nccl_dtype
-from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError, as_int
+from ..errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
+                      as_int)
 from ..ops import NCCL_OPS, RedOp, effective_op
 from .scalars import encode_scalar
 from .types import PREMUL_OP, NcclCall, Plan, PlanContext, PremulSpec, Step
+
+_ADDRESS_END = U64_MAX + 1
 
 __all__ = ["Wire", "check_ctx", "buf", "buf_list", "wire", "reduction", "rank_arg",
            "same_dtype", "expect_count", "divisible", "overlaps", "adjacent", "counts_arg",
@@ -51,6 +54,10 @@ def buf(ctx: PlanContext, coll: str, name: str, b: Any, *, output: bool = False)
                             f"expected non-negative values")
     if count and not ptr:
         raise ArgumentError(f"{coll}: {name} has {count} elements but a NULL pointer")
+    if ptr + count * LOGICAL[spec.dtype].itemsize > _ADDRESS_END:
+        raise ArgumentError(f"{coll}: {name} at ptr {ptr:#x} with {count} elements ends past the "
+                            f"64-bit address space; expected a pointer and count that fit 64 "
+                            f"bits (ctypes would wrap them silently)")
     if device == DEVICE_HOST:
         raise ArgumentError(f"{coll}: {name} is in host memory (device -1); NCCL needs device "
                             f"memory on device {ctx.device}")
@@ -240,7 +247,7 @@ def counts_arg(ctx: PlanContext, coll: str, name: str, counts: Any) -> List[int]
                             f"world_size ({ctx.world_size})")
     out = []
     for i, c in enumerate(counts):
-        v = as_int(f"{coll}: {name}[{i}]", c, 0)
+        v = as_int(f"{coll}: {name}[{i}]", c, 0, U64_MAX)
         out.append(v)
     return out
 

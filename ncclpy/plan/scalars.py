@@ -146,6 +146,11 @@ def encode_scalar(value: Any, wire: str, *, what: str = "premul_sum scalar") -> 
             raise ArgumentError(
                 f"{what} {value!r} overflows {wire} (largest finite value "
                 f"{_MAX_FINITE[wire]:g}); it would become inf or saturate")
+        if not math.isfinite(x):
+            raise ArgumentError(f"{what} {value!r} is not finite; expected a finite number")
+        if x != 0 and not bits & ((1 << (8 * d.itemsize - 1)) - 1):
+            raise ArgumentError(f"{what} {value!r} underflows {wire}: it would become 0; "
+                                f"expected 0 or a magnitude {wire} can hold")
         return int(bits).to_bytes(d.itemsize, "little")
     x = float(value) if not isinstance(value, int) else value
     if isinstance(x, float):
