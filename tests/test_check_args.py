@@ -168,3 +168,40 @@ def test_check_modules_import_no_circle():
         return seen
     cycles = sorted(m for m in mods if m in reach(m, set()))
     assert not cycles, {m: sorted(graph[m]) for m in cycles}
+
+
+def test_require_ncclpy_fails_where_ncclpy_cannot_run():
+    """Without a GPU, ``--require-ncclpy`` is a failure (exit 1) that runs nothing and says why;
+    with ``--backend gloo`` it is a contradiction (exit 2)."""
+    from ncclpy.info import no_gpu_reason
+    if not no_gpu_reason():
+        pytest.skip("a GPU is usable here: ncclpy would run")
+    p = check("--require-ncclpy", "--collectives", "broadcast", "--sizes", "3")
+    assert p.returncode == 1 and p.stdout == "", p.stderr
+    assert p.stderr.startswith("ncclpy check: FAILED: --require-ncclpy: ncclpy cannot run on "
+                               "this machine (") and p.stderr.rstrip().endswith("nothing was run")
+    p = check("--require-ncclpy", "--backend", "gloo", "--collectives", "broadcast")
+    assert p.returncode == 2 and "--require-ncclpy with --backend gloo" in p.stderr
+
+
+def test_without_a_gpu_the_summary_says_ncclpy_did_not_run(tmp_path):
+    """The default run on a CPU machine passes (torch matches the reference) but never claims
+    ncclpy passed: the summary and the JSON count torch's cases apart."""
+    from ncclpy.info import no_gpu_reason
+    why = no_gpu_reason()
+    if not why:
+        pytest.skip("a GPU is usable here: ncclpy runs")
+    out = tmp_path / "c.json"
+    p = check("-n", "2", "--collectives", "broadcast", "--dtypes", "float32", "--sizes", "3",
+              "--json", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    tail = p.stdout.splitlines()[-4:]
+    assert tail[0].endswith("ncclpy NOT run"), tail
+    assert tail[1].startswith("  torch (gloo) vs numpy reference only: ") and \
+        "passed bit for bit, 0 failed" in tail[1]
+    assert tail[2].startswith("  ncclpy needs a GPU: ")
+    import json
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert s["passed"] == 0 and s["ncclpy_cases"] == 0 and s["passed_torch_only"] == s["cases"]
+    assert "ncclpy did not run" in doc["compared"]

@@ -273,8 +273,11 @@ def test_report_row_and_summary(tmp_path):
     assert len(Rp.format_header_row().split()) >= 10
     counts = Rp.summarize([rec, dict(rec, status="pass"), dict(rec, status="error"),
                            dict(rec, status="within ULP")], skipped=4)
-    assert counts == {"cases": 4, "passed": 1, "failed": 1, "within_ulp": 1,
-                      "torch_divergence": 1, "unsupported": 0, "skipped": 4}
+    assert counts == {"cases": 4, "passed": 0, "passed_torch_only": 1, "failed": 1,
+                      "within_ulp": 1, "torch_divergence": 1, "unsupported": 0, "skipped": 4,
+                      "ncclpy_cases": 0}
+    ran = Rp.summarize([dict(rec, status="pass", ncclpy_ran=True), dict(rec, status="pass")])
+    assert (ran["passed"], ran["passed_torch_only"], ran["ncclpy_cases"]) == (1, 1, 1)
     assert "float8 reductions" in Rp.format_skip_row(
         {"collective": "all_reduce", "dtype": "float8_e4m3", "op": "sum",
          "reason": "float8 reductions need compute capability 9.0+"})
@@ -375,11 +378,11 @@ def test_libnccl_identification():
 
 # -- real runs ------------------------------------------------------------------------------
 def _summary(out: str) -> str:
-    """The summary (its two lines, joined)."""
+    """The summary (its lines, joined)."""
     lines = out.splitlines()
     at = [i for i, ln in enumerate(lines) if " cases on " in ln]
     assert at, out
-    return " ".join(ln.strip() for ln in lines[at[-1]:at[-1] + 2])
+    return " ".join(ln.strip() for ln in lines[at[-1]:])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -391,6 +394,7 @@ def test_full_gloo_matrix(n, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = _summary(p.stdout)
     assert " 0 failed" in s and "(gloo)" in s and "0 within ULP" in s
+    assert "ncclpy NOT run torch (gloo) vs numpy reference only:" in s
     doc = json.loads(js.read_text())
     want, skipped = C.build_matrix(n, backend="gloo")
     assert doc["exit_code"] == 0 and doc["summary"]["failed"] == 0
@@ -481,7 +485,10 @@ def test_json_to_stdout_keeps_the_table_on_stderr():
                   "--sizes", "3", "--json", "-")
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(p.stdout)                 # nothing else on stdout
-    assert doc["exit_code"] == 0 and doc["summary"]["passed"] == doc["summary"]["cases"] > 0
+    assert doc["exit_code"] == 0 and doc["summary"]["passed_torch_only"] == \
+        doc["summary"]["cases"] > 0
+    assert doc["summary"]["passed"] == 0 and doc["summary"]["ncclpy_cases"] == 0   # gloo only
+    assert doc["compared"] == "torch (gloo) vs numpy reference only; ncclpy did not run"
     assert "by collective and dtype:" in p.stderr and " cases on 2 ranks" in p.stderr
 
 

@@ -90,10 +90,17 @@ def test_problem_list_groups_cases_with_their_reasons():
 
 def test_summary_lines_fit_and_count_right():
     counts = {"cases": 1, "passed": 0, "failed": 1, "within_ulp": 0, "torch_divergence": 1,
-              "unsupported": 0, "skipped": 1}
-    a, b = R.summary_lines(counts, 1.25, "gloo", 1)
-    assert a == "ncclpy check: 1 case on 1 rank (gloo) in 1.2 s: 0 passed bit for bit, 1 failed"
+              "unsupported": 0, "skipped": 1, "ncclpy_cases": 1}
+    a, b = R.summary_lines(counts, 1.25, "nccl", 1)
+    assert a == "ncclpy check: 1 case on 1 rank (nccl) in 1.2 s: 0 passed bit for bit, 1 failed"
     assert b == "  1 torch divergence, 0 within ULP tolerance, 0 unsupported, 1 combination skipped"
+    # ncclpy did not run (no GPU): the summary never reads as if it had
+    gloo = dict(counts, failed=0, passed_torch_only=1, ncclpy_cases=0)
+    lines = R.summary_lines(gloo, 1.25, "gloo", 2, "no CUDA driver")
+    assert lines[0] == "ncclpy check: 1 case on 2 ranks (gloo) in 1.2 s: ncclpy NOT run"
+    assert lines[1] == "  torch (gloo) vs numpy reference only: 1 passed bit for bit, 0 failed"
+    assert lines[2] == "  ncclpy needs a GPU: no CUDA driver"
+    assert "passed bit for bit" not in lines[0]
     big = dict(counts, cases=99999, passed=99999, torch_divergence=99999, skipped=9999,
                within_ulp=99999, unsupported=99999, failed=99999)
     assert all(len(ln) <= R.WIDTH for ln in R.summary_lines(big, 9999.9, "gloo", 4096))

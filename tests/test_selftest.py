@@ -246,7 +246,9 @@ def test_ctrl_c_stops_the_stage_writes_the_report_and_returns_130(tmp_path):
     assert "INTERRUPTED" in text and "- Did not finish: long" in text
     assert "- To finish: `PYTHONPATH=. python3 -m ncclpy.selftest $OUT --stage long --stage " \
            "later`" in text
-    assert said[-1] == "----- end -----"
+    assert said[-2] == "----- end -----"
+    assert said[-1] == ("[selftest] INTERRUPTED: 0 of 2 stages passed; interrupted: long; "
+                        "not run (proves nothing): later")
 
 
 _TESTS = textwrap.dedent("""
@@ -342,6 +344,7 @@ def _check_doc(failed: int = 0) -> dict:
     from ncclpy.check import report as CR
     records = ([{"status": "pass"}] * 5 + [{"status": "torch divergence"}]
                + [{"status": "unsupported"}] * 2 + [{"status": "fail"}] * failed)
+    records = [dict(r, ncclpy_ran=True) for r in records]
     counts = CR.summarize(records, skipped=3)
     return {"header": {"world_size": 2, "backend": "nccl", "device": "NVIDIA H100 80GB HBM3",
                        "libnccl": {"same": True, "ncclpy_nccl_version": "2.28.9",
@@ -356,8 +359,9 @@ def test_check_summary(tmp_path):
     CR.write_json(str(f), _check_doc())
     c = P.check_summary(str(f))
     assert c["world_size"] == 2 and c["same_libnccl"] is True and c["exit_code"] == 0
-    assert c["summary"] == {"cases": 8, "passed": 5, "failed": 0, "within_ulp": 0,
-                            "torch_divergence": 1, "unsupported": 2, "skipped": 3}
+    assert c["summary"] == {"cases": 8, "passed": 5, "passed_torch_only": 0, "failed": 0,
+                            "within_ulp": 0, "torch_divergence": 1, "unsupported": 2,
+                            "skipped": 3, "ncclpy_cases": 8}
     assert c["nccl"] == "2.28.9" and c["seconds"] == 97.5
     f.write_text('{"header": ')
     assert P.check_summary(str(f)) is None
@@ -562,8 +566,15 @@ def test_report_and_summary_files(tmp_path):
     assert [s["status"] for s in doc["stages"]] == [
         "passed", "failed", "failed", "did not finish", "not run", "passed", "passed",
         "not run", "not run"]
-    assert R.exit_code(R.RunRecord("d", "c", 1, [R.StageResult("a", "a", "passed"),
-                                                 R.StageResult("b", "b", "skipped")])) == 0
+    part = R.RunRecord("d", "c", 1, [R.StageResult("a", "a", "passed"),
+                                     R.StageResult("b", "b", "skipped")])
+    assert R.exit_code(part) == 1          # a stage whose tests all skipped proved nothing
+    assert R.verdict_line(part) == ("[selftest] NOT PASSED: 1 of 2 stages passed; skipped "
+                                    "(proves nothing): b")
+    full = R.RunRecord("d", "c", 1, [R.StageResult("a", "a", "passed")])
+    assert R.exit_code(full) == 0 and R.verdict_line(full) == "[selftest] PASSED: all 1 stages " \
+        "passed"
+    assert R.exit_code(R.RunRecord("d", "c", 1, [])) == 1
 
 
 def test_versions_without_a_probe():

@@ -108,6 +108,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write every case as JSON ('-': stdout, the report then goes to "
                         "stderr); the file's directory must exist")
+    p.add_argument("--require-ncclpy", action="store_true",
+                   help="fail (exit 1) unless ncclpy itself ran every case: without it a machine "
+                        "with no GPU checks only torch (gloo) against the reference, and says so")
     p.add_argument("--nvls", action="store_true", help="allow NVLS (do not pin NCCL_NVLS_ENABLE=0)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no matrix: only what did not pass and the summary (with -v: only the "
@@ -237,7 +240,7 @@ def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
         "in_place": inplace, "premul_scalar": ns.premul_scalar, "seed": ns.seed,
         "json": os.path.abspath(ns.json) if ns.json and ns.json != "-" else ns.json,
         "quiet": ns.quiet, "timeout": ns.timeout, "verbose": ns.verbose,
-        "run_timeout": ns.run_timeout,
+        "run_timeout": ns.run_timeout, "require_ncclpy": ns.require_ncclpy,
         "no_gpu_reason": no_gpu, "env": {}, "pinned": [], "kept": []}
     if backend == "nccl":
         cfg["env"], cfg["pinned"], cfg["kept"] = fairness_env(ns.nvls)
@@ -318,6 +321,14 @@ def _main(argv: List[str]) -> int:
     backend = ns.backend if ns.backend != "auto" else ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
         parser.error(f"{parser.flag('backend')} nccl: {why}")
+    if ns.require_ncclpy and backend == "gloo":
+        if ns.backend == "gloo":
+            parser.error(f"{parser.flag('require_ncclpy')} with {parser.flag('backend')} gloo: "
+                         f"the gloo run never runs ncclpy; expected --backend nccl or auto")
+        if not (ns.list or ns.list_skips):
+            sys.stderr.write(f"{PROG}: FAILED: {parser.flag('require_ncclpy')}: ncclpy cannot run "
+                             f"on this machine ({why}); nothing was run\n")
+            return 1
     cfg = _config(parser, ns, n, backend, "" if backend == "nccl" else (why or "backend gloo"))
     if ns.list or ns.list_skips:
         return _list(cfg, ns.list_skips)

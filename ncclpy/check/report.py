@@ -85,12 +85,22 @@ def format_skip_row(skip: Dict[str, Any]) -> str:
 
 
 def summarize(records: Iterable[Dict[str, Any]], skipped: int = 0) -> Dict[str, int]:
-    """Counts by outcome (an unknown status counts as failed)."""
-    out = {"cases": 0, "passed": 0, "failed": 0, "within_ulp": 0, "torch_divergence": 0,
-           "unsupported": 0, "skipped": skipped}
+    """Counts by outcome (an unknown status counts as failed).
+
+    ``passed`` counts only cases in which ncclpy ran and matched torch and the reference;
+    a case in which only torch was compared with the reference (no GPU: ncclpy did not run)
+    passes into ``passed_torch_only`` instead, and ``ncclpy_cases`` says in how many cases
+    ncclpy ran at all: a reader of the JSON can never take torch's result for ncclpy's."""
+    out = {"cases": 0, "passed": 0, "passed_torch_only": 0, "failed": 0, "within_ulp": 0,
+           "torch_divergence": 0, "unsupported": 0, "skipped": skipped, "ncclpy_cases": 0}
     for r in records:
         out["cases"] += 1
-        out[STATUS_COUNTED.get(r["status"], "failed")] += 1
+        ran = bool(r.get("ncclpy_ran"))
+        out["ncclpy_cases"] += ran
+        key = STATUS_COUNTED.get(r["status"], "failed")
+        if key == "passed" and not ran:
+            key = "passed_torch_only"
+        out[key] += 1
     return out
 
 
@@ -100,20 +110,35 @@ def plural(n: int, word: str, many: Optional[str] = None) -> str:
 
 
 def summary_lines(counts: Dict[str, int], seconds: float, backend: str,
-                  world_size: int) -> List[str]:
-    """The last lines of a run (each within :data:`WIDTH` columns)."""
-    return [f"ncclpy check: {plural(counts['cases'], 'case')} on {plural(world_size, 'rank')} "
-            f"({backend}) in {seconds:.1f} s: {counts['passed']} passed bit for bit, "
-            f"{counts['failed']} failed",
+                  world_size: int, no_ncclpy: str = "") -> List[str]:
+    """The last lines of a run (each within :data:`WIDTH` columns).  When ncclpy did not run
+    (``no_ncclpy``: why), the first line says so and counts torch against the reference only."""
+    head = (f"ncclpy check: {plural(counts['cases'], 'case')} on {plural(world_size, 'rank')} "
+            f"({backend}) in {seconds:.1f} s: ")
+    torch_only = counts.get("passed_torch_only", 0)
+    if counts.get("ncclpy_cases", counts["cases"]) == 0:
+        first = [head + "ncclpy NOT run",
+                 f"  torch ({backend}) vs numpy reference only: {torch_only} passed bit for bit, "
+                 f"{counts['failed']} failed"]
+        if no_ncclpy:
+            first.append(f"  ncclpy needs a GPU: {no_ncclpy}"[:WIDTH])
+    else:
+        first = [head + f"{counts['passed']} passed bit for bit, {counts['failed']} failed"]
+        if torch_only:
+            first.append(f"  {torch_only} passed with torch vs the reference only (ncclpy did "
+                         f"not run them)")
+    return first + [
             f"  {plural(counts['torch_divergence'], 'torch divergence')}, "
             f"{counts.get('within_ulp', 0)} within ULP tolerance, "
             f"{counts['unsupported']} unsupported, "
             f"{plural(counts['skipped'], 'combination')} skipped"]
 
 
-def summary_line(counts: Dict[str, int], seconds: float, backend: str, world_size: int) -> str:
+def summary_line(counts: Dict[str, int], seconds: float, backend: str, world_size: int,
+                 no_ncclpy: str = "") -> str:
     """The summary as one line (:func:`summary_lines` joined)."""
-    return " ".join(ln.strip() for ln in summary_lines(counts, seconds, backend, world_size))
+    return " ".join(ln.strip() for ln in summary_lines(counts, seconds, backend, world_size,
+                                                       no_ncclpy))
 
 
 def write_json(path: str, doc: Dict[str, Any]) -> None:

@@ -262,15 +262,17 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
         assert out.progress is not None
         out.progress.clear()
         counts = R.summarize(records, len(skipped))
-        problems = _run_problems(h)
+        problems = _run_problems(h, counts, bool(cfg.get("require_ncclpy")))
         rc = 1 if counts["failed"] or problems else 0
         if not quiet:
             out.lines(O.matrix_lines(records, skipped))
         out.lines(O.problem_lines(records, skipped, ctx["backend"]))
-        out.lines([""] + R.summary_lines(counts, time.time() - t0, ctx["backend"], ctx["n"]))
+        out.lines([""] + R.summary_lines(counts, time.time() - t0, ctx["backend"], ctx["n"],
+                                         h.get("ncclpy_error") or ""))
         for p in problems:
             out.lines(_wrapped(f"ncclpy check: FAILED: {p}"))
         doc = {"header": h, "summary": counts, "exit_code": rc, "problems": problems,
+               "compared": _compared(counts, ctx["backend"]),
                "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped}
         if cfg.get("json"):
             try:
@@ -302,11 +304,23 @@ def _output_closed(cfg: Dict[str, Any]) -> None:
         os._exit(EXIT_CLOSED_PIPE)
 
 
-def _run_problems(h: Dict[str, Any]) -> List[str]:
-    """What makes a GPU run fail whatever the cases say."""
-    if h["backend"] != "nccl":
-        return []
+def _compared(counts: Dict[str, int], backend: str) -> str:
+    """What the run compared, in words (the JSON's ``compared``)."""
+    if counts.get("ncclpy_cases"):
+        return f"ncclpy vs torch ({backend}) vs numpy reference"
+    return f"torch ({backend}) vs numpy reference only; ncclpy did not run"
+
+
+def _run_problems(h: Dict[str, Any], counts: Optional[Dict[str, int]] = None,
+                  require_ncclpy: bool = False) -> List[str]:
+    """What makes a run fail whatever the cases say: on a GPU run ncclpy not starting or a
+    different libnccl; with ``--require-ncclpy``, any case ncclpy did not run."""
     out = []
+    if require_ncclpy and counts is not None and counts.get("ncclpy_cases", 0) < counts["cases"]:
+        out.append(f"--require-ncclpy: ncclpy ran {counts.get('ncclpy_cases', 0)} of "
+                   f"{R.plural(counts['cases'], 'case')} ({h.get('ncclpy_error') or 'no GPU'})")
+    if h["backend"] != "nccl":
+        return out
     if h.get("ncclpy_error"):
         out.append(f"ncclpy did not run: {h['ncclpy_error']}")
     lib = h.get("libnccl") or {}

@@ -19,7 +19,8 @@ import tempfile
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
-from .report import PROGRAM, RunRecord, StageResult, exit_code, paste_block, write_outputs
+from .report import (PROGRAM, RunRecord, StageResult, exit_code, paste_block, verdict_line,
+                     write_outputs)
 from .runner import GRACE_S, pack, run_stages
 from .stages import DEFAULT_BUDGET_S, NAMES, RESERVE_S, Ctx, Stage, commands, select
 
@@ -172,6 +173,7 @@ def execute(stages: Sequence[Stage], outdir: str, budget_s: float, *, command: s
     out("----- paste into docs/gpu-runs.md, under \"Runs\" -----")
     out(paste_block(rec).rstrip())
     out("----- end -----")
+    out(verdict_line(rec))
     return exit_code(rec)
 
 

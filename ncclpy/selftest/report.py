@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["StageResult", "RunRecord", "versions", "stage_line", "paste_block", "report_md",
-           "summary_doc", "write_outputs", "exit_code", "STATUSES", "PROGRAM"]
+           "summary_doc", "write_outputs", "exit_code", "verdict_line", "STATUSES", "PROGRAM"]
 
 PROGRAM = "ncclpy.selftest"
 #: every status a stage can end in
@@ -51,11 +51,27 @@ class RunRecord:
 
 
 def exit_code(rec: RunRecord) -> int:
-    """0 when every selected stage passed (or had only skipped tests), 130 when interrupted,
-    else 1."""
+    """0 only when every selected stage passed; 130 when interrupted; else 1 -- a stage whose
+    tests all skipped proved nothing, so it is not a success either (:func:`verdict_line`)."""
     if rec.interrupted:
         return 130
-    return 0 if all(s.status in ("passed", "skipped") for s in rec.stages) else 1
+    return 0 if rec.stages and all(s.status == "passed" for s in rec.stages) else 1
+
+
+def verdict_line(rec: RunRecord) -> str:
+    """The run in one line: how many stages passed, and which did not, by outcome."""
+    n = len(rec.stages)
+    ok = sum(s.status == "passed" for s in rec.stages)
+    if n and ok == n:
+        return f"[selftest] PASSED: all {n} stages passed"
+    other: Dict[str, List[str]] = {}
+    for s in rec.stages:
+        if s.status != "passed":
+            other.setdefault(s.status, []).append(s.name)
+    rest = "; ".join(f"{st}{' (proves nothing)' if st in ('skipped', 'not run') else ''}: "
+                     f"{', '.join(names)}" for st, names in other.items())
+    head = "INTERRUPTED" if rec.interrupted else "NOT PASSED"
+    return f"[selftest] {head}: {ok} of {n} stages passed; {rest or 'no stage selected'}"
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -154,8 +170,12 @@ def _figure_lines(stages: Sequence[StageResult]) -> List[str]:
             sm = c.get("summary") or {}
             lib = {True: "one libnccl", False: "DIFFERENT libnccl"}.get(c.get("same_libnccl"),
                                                                         "libnccl ?")
+            ran = sm.get("ncclpy_cases")
+            ran_note = "" if ran is None or ran == sm.get("cases") else \
+                f" (ncclpy ran in only {ran} of them)"
             out.append(f"- `ncclpy check -n {c.get('world_size')} --backend nccl` (one GPU): "
-                       f"{sm.get('cases', '?')} cases, {sm.get('passed', '?')} passed bit for "
+                       f"{sm.get('cases', '?')} cases{ran_note}, {sm.get('passed', '?')} "
+                       f"passed bit for "
                        f"bit, {sm.get('failed', '?')} failed, {sm.get('within_ulp', '?')} "
                        f"within ULP, {sm.get('torch_divergence', '?')} torch divergences, "
                        f"{sm.get('unsupported', '?')} unsupported, {sm.get('skipped', '?')} "
