@@ -7,12 +7,14 @@ syntax (``K``/``M``/``G`` are powers of 1024), so an ``all_reduce_perf`` command
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import List, Optional, Sequence
 
 from ncclpy import registry
-from ncclpy.cli_util import EXIT_CLOSED_PIPE, run_cli, silence_stdout, stdout_reader_gone
+from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, run_cli, silence_stdout,
+                             stdout_reader_gone)
 from ncclpy.dtypes import DTYPES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
@@ -137,9 +139,10 @@ def parse_backends(text: str) -> List[str]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser: nccl-tests' flags, then ncclpy's."""
-    p = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    """The argparse parser: nccl-tests' flags, then ncclpy's (a usage error is one line naming
+    the flag as typed, exit status 2)."""
+    p = OneLineParser(
         prog="python -m bench",
         description="nccl-tests-compatible collective benchmark over ncclpy, raw CuPy NCCL and "
                     "torch.distributed. Sizes take K/M/G suffixes (powers of 1024).",
@@ -155,12 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-e", "--maxbytes", default="32M", help="maximum size (default 32M)")
     g.add_argument("-i", "--stepbytes", default="1M",
                    help="fixed increment between sizes when -f is not > 1 (default 1M)")
-    g.add_argument("-f", "--stepfactor", type=int, default=1,
+    g.add_argument("-f", "--stepfactor", type=_int, default=1,
                    help="multiplication factor between sizes (default: disabled)")
-    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
-    g.add_argument("-w", "--warmup_iters", type=int, default=1,
+    g.add_argument("-n", "--iters", type=_int, default=20, help="timed iterations (default 20)")
+    g.add_argument("-w", "--warmup_iters", type=_int, default=1,
                    help="warm-up iterations per size, not timed (default 1)")
-    g.add_argument("-c", "--check", type=int, default=1,
+    g.add_argument("-c", "--check", type=_int, default=1,
                    help="check iterations: 0 disables the correctness check (default 1)")
     g.add_argument("-o", "--op", default="sum",
                    help="sum, prod, max, min, avg or all (default sum)")
@@ -168,15 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nccl-tests type name (int8 uint8 int32 uint32 int64 uint64 half float "
                         "double bfloat16 f8e4m3 f8e5m2), ncclpy name, or all (default float)")
     g.add_argument("-r", "--root", default="0", help="root rank, or all (default 0)")
-    g.add_argument("-G", "--cudagraph", type=int, default=0,
+    g.add_argument("-G", "--cudagraph", type=_int, default=0,
                    help="capture the iterations into a CUDA graph and replay it this many times "
                         "(GPU only; default 0: no graph)")
-    g.add_argument("-a", "--average", type=int, default=1, choices=(0, 1, 2, 3),
+    g.add_argument("-a", "--average", type=_average, default=1,
                    help="time reported across ranks: 0=rank 0, 1=average, 2=min, 3=max (default 1)")
     g.add_argument("-J", "--output_file", default=None, metavar="FILE",
                    help="write results as JSON in nccl-tests' schema (see bench/schema.json)")
     x = p.add_argument_group("ncclpy options")
-    x.add_argument("--nproc", type=int, default=None, metavar="N",
+    x.add_argument("--nproc", type=_int, default=None, metavar="N",
                    help="start N ranks here (ncclpy.spawn); without it, run as the ranks of an "
                         "outer launcher (ncclpy run, torchrun, mpirun, srun) or as a single rank")
     x.add_argument("--backend", default=None,
@@ -191,12 +194,70 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--csv", default=None, metavar="FILE", help="also write results as CSV")
     x.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot bus bandwidth and latency against size (needs matplotlib)")
-    x.add_argument("--timeout", type=float, default=300.0,
+    x.add_argument("--timeout", type=_seconds, default=300.0,
                    help="seconds to wait for other ranks at set-up and synchronisation points")
     x.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     # test-only hook: corrupt this many elements of rank 0's checked output (never in a real run)
     x.add_argument("--test-corrupt", type=int, default=0, help=argparse.SUPPRESS)
     return p
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _average(text: str) -> int:
+    v = _int(text)
+    if v not in AVERAGE_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected 0 (rank 0), 1 (average), 2 (min) or 3 (max), "
+                                         f"got {text!r}")
+    return v
+
+
+#: nccl-tests' -a values
+AVERAGE_CHOICES = (0, 1, 2, 3)
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return v
+
+
+_FLAG_PREFIX = re.compile(r"^(?:-[A-Za-z]/)?--?[A-Za-z_][\w-]*: ")
+
+
+def _typed_error(p: OneLineParser, dest: str, e: Exception) -> ArgumentError:
+    """``e`` re-worded to start with the flag of ``dest`` as the user typed it."""
+    return ArgumentError(f"{p.flag(dest)}: {_FLAG_PREFIX.sub('', str(e), count=1)}")
+
+
+def _output_problem(path: str) -> str:
+    """'' when ``path`` can be written (see :func:`ncclpy.check.cli.check_output_path`)."""
+    from ncclpy.check.cli import check_output_path
+    return check_output_path(path)
+
+
+def _plot_problem(path: str) -> str:
+    """'' when matplotlib can write ``path`` (importable, a format it knows, a writable place)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "needs matplotlib (pip install matplotlib)"
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    kinds = Figure().canvas.get_supported_filetypes()
+    if ext not in kinds:
+        what = f".{ext} files" if ext else "a file without an extension"
+        known = ", ".join("." + k for k in sorted(kinds))
+        return f"{path!r}: matplotlib cannot write {what}; expected one of {known}"
+    return _output_problem(path)
 
 
 def _gpu_visible() -> bool:
@@ -208,19 +269,34 @@ def _gpu_visible() -> bool:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
-    """Parse a command line into a :class:`~bench.sweep.SweepConfig` (ArgumentError if invalid)."""
+    """Parse and check a command line into a :class:`~bench.sweep.SweepConfig`, before anything
+    starts: ArgumentError naming the flag as typed (a malformed flag value: SystemExit 2, one
+    line).  The output files (``-J``, ``--csv``, ``--plot``), the root against the ranks that
+    will run and the GPU for ``--device cuda`` are checked here, not after the sweep."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+
+    def flagged(dest: str, fn, *args):
+        try:
+            return fn(*args)
+        except ArgumentError as e:
+            raise _typed_error(p, dest, e) from None
     collectives = parse_collectives(a.collective)
-    minb = parse_size(a.minbytes, "-b/--minbytes")
-    maxb = parse_size(a.maxbytes, "-e/--maxbytes")
-    stepb = parse_size(a.stepbytes, "-i/--stepbytes")
-    for name, val, lo in (("-n/--iters", a.iters, 1), ("-w/--warmup_iters", a.warmup_iters, 0),
-                          ("-c/--check", a.check, 0), ("-G/--cudagraph", a.cudagraph, 0),
-                          ("-f/--stepfactor", a.stepfactor, 0)):
+    minb = flagged("minbytes", parse_size, a.minbytes, "-b/--minbytes")
+    maxb = flagged("maxbytes", parse_size, a.maxbytes, "-e/--maxbytes")
+    stepb = flagged("stepbytes", parse_size, a.stepbytes, "-i/--stepbytes")
+    for dest, val, lo in (("iters", a.iters, 1), ("warmup_iters", a.warmup_iters, 0),
+                          ("check", a.check, 0), ("cudagraph", a.cudagraph, 0),
+                          ("stepfactor", a.stepfactor, 0)):
         if val < lo:
-            raise ArgumentError(f"{name}: expected an integer >= {lo}, got {val}")
-    sizes = size_list(minb, maxb, a.stepfactor, stepb)
+            raise ArgumentError(f"{p.flag(dest)}: expected an integer >= {lo}, got {val}")
+    if minb > maxb:
+        raise ArgumentError(f"{p.flag('minbytes')} {a.minbytes} is larger than "
+                            f"{p.flag('maxbytes')} {a.maxbytes} ({minb} > {maxb} bytes); "
+                            f"expected the smallest size first")
+    sizes = flagged("stepfactor" if a.stepfactor > 1 else "stepbytes", size_list, minb, maxb,
+                    a.stepfactor, stepb)
     root_text = str(a.root).strip().lower()
     if root_text == "all":
         root = -1
@@ -228,48 +304,89 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         try:
             root = int(root_text, 0)
         except ValueError:
-            raise ArgumentError(f"-r/--root: expected a rank or all, got {a.root!r}") from None
+            raise ArgumentError(f"{p.flag('root')}: expected a rank or all, got "
+                                f"{a.root!r}") from None
         if root < 0:
-            raise ArgumentError(f"-r/--root: expected a rank >= 0 or all, got {a.root!r}")
+            raise ArgumentError(f"{p.flag('root')}: expected a rank >= 0 or all, got {a.root!r}")
+    if a.nproc is not None and a.nproc < 1:
+        raise ArgumentError(f"{p.flag('nproc')}: expected N >= 1, got {a.nproc}")
+    world = a.nproc if a.nproc is not None else launched_world()
+    if root >= 0 and world is not None and any(registry.get(c).rooted for c in collectives):
+        if root >= world:
+            raise ArgumentError(f"{p.flag('root')}: {root} is not a rank of a run of {world} "
+                                f"rank{'s' if world != 1 else ''}; expected 0..{world - 1} or all")
     device = a.device
     if device == "auto":
         device = "cuda" if _gpu_visible() else "cpu"
-    backends = parse_backends(a.backend) if a.backend else (
+    elif device == "cuda":
+        why = _no_gpu_reason()
+        if why:
+            raise ArgumentError(f"{p.flag('device')} cuda: no usable GPU here ({why}); use "
+                                f"--device cpu (the torch backend on gloo) or a GPU machine")
+    backends = flagged("backend", parse_backends, a.backend) if a.backend else (
         ["ncclpy"] if device == "cuda" else ["torch"])
     if device == "cpu":
         bad = [b for b in backends if b != "torch"]
         if bad:
-            raise ArgumentError(f"--backend {','.join(bad)} needs --device cuda (a GPU); on cpu "
-                                f"only the torch backend (gloo) runs")
+            raise ArgumentError(f"{p.flag('backend')} {','.join(bad)} needs --device cuda (a "
+                                f"GPU); on cpu only the torch backend (gloo) runs")
         if a.cudagraph:
-            raise ArgumentError("-G/--cudagraph: CUDA graphs are unsupported with --device cpu")
+            raise ArgumentError(f"{p.flag('cudagraph')}: CUDA graphs are unsupported with "
+                                f"--device cpu")
         if a.timer == "events":
-            raise ArgumentError("--timer events: CUDA events are unsupported with --device cpu")
-    if a.nproc is not None and a.nproc < 1:
-        raise ArgumentError(f"--nproc: expected N >= 1, got {a.nproc}")
+            raise ArgumentError(f"{p.flag('timer')} events: CUDA events are unsupported with "
+                                f"--device cpu")
+    for dest, path, check in (("output_file", a.output_file, _output_problem),
+                              ("csv", a.csv, _output_problem), ("plot", a.plot, _plot_problem)):
+        why = check(path) if path else ""
+        if why:
+            raise ArgumentError(f"{p.flag(dest)}: {why}")
     return SweepConfig(
         collectives=collectives, sizes=sizes, minbytes=minb, maxbytes=maxb, stepbytes=stepb,
         stepfactor=a.stepfactor, iters=a.iters, warmup_iters=a.warmup_iters, check=a.check,
-        ops=parse_ops(a.op), dtypes=parse_dtypes(a.datatype), root=root,
-        cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
+        ops=flagged("op", parse_ops, a.op), dtypes=flagged("datatype", parse_dtypes, a.datatype),
+        root=root, cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
         nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
         plot=a.plot, timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
         argv=["python -m bench", *argv])
 
 
+def _no_gpu_reason() -> str:
+    """'' when a GPU and NCCL are usable here, else why not (``ncclpy info``'s words)."""
+    try:
+        from ncclpy.info import no_gpu_reason
+        return no_gpu_reason()
+    except Exception as e:  # noqa: BLE001 - the probe itself failed: say how
+        return f"{type(e).__name__}: {e}"
+
+
 def _spawn_ranks(cfg: SweepConfig) -> int:
     """:func:`bench.sweep.spawn_ranks`, except that a closed stdout (``| head``) is quiet (141)."""
+    import dataclasses
+    import tempfile
     from bench import sweep
     from ncclpy.launch.spawn import spawn
+    fd, path = tempfile.mkstemp(prefix="ncclpy-bench-", suffix=".rc")
+    os.close(fd)
+    os.unlink(path)
     try:
-        spawn(sweep._spawned, cfg.nproc, args=(cfg,))
-    except Exception as e:
-        if stdout_reader_gone():           # rank 0 lost its reader: not an error to report
-            silence_stdout()
-            return EXIT_CLOSED_PIPE
-        print(f"python -m bench: a rank failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+        try:
+            spawn(sweep._spawned, cfg.nproc, args=(dataclasses.replace(cfg, result_file=path),))
+        except Exception as e:
+            if stdout_reader_gone():           # rank 0 lost its reader: not an error to report
+                silence_stdout()
+                return EXIT_CLOSED_PIPE
+            print(f"python -m bench: a rank failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        try:
+            with open(path) as f:
+                return int(f.read().strip())     # the verdict the footer gave
+        except (OSError, ValueError):
+            print("python -m bench: rank 0 reported no result", file=sys.stderr)
+            return 1
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
@@ -278,7 +395,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = parse_args(argv)
     except ArgumentError as e:
-        print(f"python -m bench: error: {e}", file=sys.stderr)
+        print(f"python -m bench: error: {e} (see 'python -m bench -h')", file=sys.stderr)
         return 2
     world = launched_world()
     if cfg.nproc is not None and world is None and cfg.nproc > 1:
@@ -301,7 +418,10 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: :func:`_main` with Ctrl-C (130, one line) and a closed stdout (141, quiet)
     handled as command-line tools do."""
-    return run_cli("python -m bench", lambda: _main(argv))
+    try:
+        return run_cli("python -m bench", lambda: _main(argv))
+    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -129,13 +129,23 @@ def avg_busbw(rows: Sequence[Row]) -> float:
 
 
 def footer_lines(rows_by_backend: Dict[str, List[Row]], program: str,
-                 min_bw: Optional[float] = None) -> Tuple[List[str], bool]:
-    """The footer and whether the run passed (no wrong elements, bandwidth above the
-    ``NCCL_TESTS_MIN_BW`` floor when one is given)."""
+                 min_bw: Optional[float] = None, checked: bool = True
+                 ) -> Tuple[List[str], bool]:
+    """The footer and whether the run passed (something was measured, no wrong elements,
+    bandwidth above the ``NCCL_TESTS_MIN_BW`` floor when one is given).  Never "OK" for what
+    did not happen: ``-c 0`` (``checked`` False) reads "not checked", and a run in which every
+    case was skipped reads "nothing measured" and fails."""
     all_rows = [r for rows in rows_by_backend.values() for r in rows]
     errors = out_of_bounds(all_rows)
-    ok = errors == 0
-    out = ["# %-20s : %d %s" % ("Out of bounds values", errors, "FAILED" if errors else "OK")]
+    ok = errors == 0 and bool(all_rows)
+    if not all_rows:
+        out = ["# %-20s : nothing measured: every case was skipped (see above) FAILED"
+               % "Out of bounds values"]
+    elif not checked:
+        out = ["# %-20s : not checked (-c 0)" % "Out of bounds values"]
+    else:
+        out = ["# %-20s : %d %s" % ("Out of bounds values", errors,
+                                    "FAILED" if errors else "OK")]
     multi = len(rows_by_backend) > 1
     for name, rows in rows_by_backend.items():
         bw = avg_busbw(rows)
@@ -235,8 +245,9 @@ def _jbool(b: bool) -> str:
 def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
                nccl_version: int, config: Dict[str, object], devices: List[Dict[str, object]],
                start_time: str, extension: Dict[str, object], min_bw: Optional[float] = None,
-               errors: Sequence[str] = ()) -> Dict[str, object]:
-    """The JSON document: nccl-tests' version-2 layout plus the ``ncclpy`` extension."""
+               errors: Sequence[str] = (), checked: bool = True) -> Dict[str, object]:
+    """The JSON document: nccl-tests' version-2 layout plus the ``ncclpy`` extension
+    (``out_of_bounds.okay`` is "unchecked" when ``-c 0`` or nothing was measured)."""
     all_rows = [r for rows in rows_by_backend.values() for r in rows]
     first = next(iter(rows_by_backend.values()), [])
     bw = avg_busbw(first)
@@ -261,7 +272,8 @@ def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
         "nccl_version": int(nccl_version),
         "config": cfg,
         "results": results,
-        "out_of_bounds": {"count": oob, "okay": _jbool(oob == 0)},
+        "out_of_bounds": {"count": oob, "okay": (
+            "unchecked" if not checked or not all_rows else _jbool(oob == 0))},
         "average_bus_bandwidth": {
             "bandwidth": _jnum(bw),
             "okay": "unchecked" if min_bw is None else _jbool(bw >= min_bw * 0.9)},

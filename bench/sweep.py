@@ -66,6 +66,9 @@ class SweepConfig:
     quiet: bool = False
     test_corrupt: int = 0
     argv: List[str] = field(default_factory=list)
+    #: where spawned ranks leave their (agreed) exit status, so that a verdict the footer
+    #: already explained is not reported as a crashed rank
+    result_file: Optional[str] = None
 
     @property
     def collective(self) -> str:
@@ -161,7 +164,12 @@ def spawn_ranks(cfg: SweepConfig) -> int:
 
 
 def _spawned(rank: int, cfg: SweepConfig) -> None:
-    code = run_rank(cfg)
+    code = run_rank(cfg)       # the same on every rank (reduced with max)
+    if cfg.result_file is not None:
+        if rank == 0:
+            with open(cfg.result_file, "w") as f:
+                f.write(str(int(code)))
+        return
     if code:
         raise SystemExit(code)
 
@@ -465,7 +473,7 @@ def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
     min_bw = float(env_bw) if env_bw else None
     for line in output.ratio_lines(output.ratio_rows(state.rows)):
         print(line)
-    footer, ok = output.footer_lines(state.rows, program, min_bw)
+    footer, ok = output.footer_lines(state.rows, program, min_bw, checked=cfg.check > 0)
     for line in footer:
         print(line)
     all_rows = [r for rows in state.rows.values() for r in rows]
@@ -489,7 +497,8 @@ def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
                "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped}
         doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,
                                 nccl_version=nccl_version, config=config, devices=devices,
-                                start_time=start, extension=ext, min_bw=min_bw)
+                                start_time=start, extension=ext, min_bw=min_bw,
+                                checked=cfg.check > 0)
         path = output.write_json(per_collective_path(cfg.output_file, state.coll.name,
                                                      several), doc)
         print(f"# Writing JSON output to {path}")

@@ -117,13 +117,26 @@ def test_parse_args_all_and_names():
     (["all_reduce", "--device", "cpu", "--backend", "ncclpy"], "needs --device cuda"),
     (["all_reduce", "--device", "cpu", "-G", "2"], "unsupported with --device cpu"),
     (["all_reduce", "--device", "cpu", "--timer", "events"], "unsupported with --device cpu"),
-    (["all_reduce", "--device", "cpu", "-o", "band"], "-o/--op"),
+    (["all_reduce", "--device", "cpu", "-o", "band"], "^-o: "),
     (["all_reduce", "--device", "cpu", "-o", "mulsum"], "mulsum"),
-    (["all_reduce", "--device", "cpu", "-d", "int16"], "-d/--datatype"),
+    (["all_reduce", "--device", "cpu", "-d", "int16"], "^-d: "),
     (["all_reduce", "--device", "cpu", "-d", "complex64"], "not an NCCL type"),
-    (["all_reduce", "--device", "cpu", "-r", "x"], "-r/--root"),
-    (["all_reduce", "--device", "cpu", "-n", "0"], "-n/--iters"),
+    (["all_reduce", "--device", "cpu", "-r", "x"], "^-r: "),
+    (["all_reduce", "--device", "cpu", "-n", "0"], "^-n: expected an integer >= 1, got 0"),
     (["all_reduce", "--device", "cpu", "--backend", "mpi"], "--backend"),
+    (["all_reduce", "--device", "cpu", "--iters", "0"], "^--iters: "),
+    (["all_reduce", "--device", "cpu", "--datatype", "int16"], "^--datatype: "),
+    (["reduce", "--device", "cpu", "--nproc", "2", "-r", "5"],
+     "^-r: 5 is not a rank of a run of 2 ranks; expected 0..1 or all"),
+    (["all_reduce", "--device", "cpu", "-J", "/nonexistent-ncclpy/x.json"],
+     "^-J: cannot write '/nonexistent-ncclpy/x.json': directory '/nonexistent-ncclpy' does not"),
+    (["all_reduce", "--device", "cpu", "--output_file", "/nonexistent-ncclpy/x.json"],
+     "^--output_file: cannot write"),
+    (["all_reduce", "--device", "cpu", "--csv", "/nonexistent-ncclpy/x.csv"], "^--csv: "),
+    (["all_reduce", "--device", "cpu", "--plot", "out.txt"],
+     "^--plot: 'out.txt': matplotlib cannot write .txt files; expected one of "),
+    (["all_reduce", "--device", "cpu", "-b", "1M", "-e", "1K"],
+     r"^-b 1M is larger than -e 1K \(1048576 > 1024 bytes\)"),
     (["barrier", "--device", "cpu"], "no data"),
     (["nope", "--device", "cpu"], "unknown"),
 ])
@@ -196,7 +209,12 @@ def test_timing_divides_like_nccl_tests_benchtime():
     assert timed_calls(20, 10) == 200
     assert per_call_seconds(0.5, 20, 0) == pytest.approx(0.025)
     assert per_call_seconds(0.5, 20, 10) == pytest.approx(0.0025)
-    cfg = parse_args(["all_reduce", "--device", "cuda", "-n", "7", "-G", "3", "-a", "2"])
+    import bench.cli
+    real, bench.cli._no_gpu_reason = bench.cli._no_gpu_reason, lambda: ""   # parse as on a GPU
+    try:
+        cfg = parse_args(["all_reduce", "--device", "cuda", "-n", "7", "-G", "3", "-a", "2"])
+    finally:
+        bench.cli._no_gpu_reason = real
     assert (cfg.iters, cfg.cudagraph, cfg.average) == (7, 3, 2)
 
 
@@ -507,7 +525,44 @@ def test_cli_errors_exit_2():
     cp = _run("bench", "all_reduce", "--device", "cpu", "-G", "1")
     assert cp.returncode == 2 and "CUDA graphs are unsupported" in cp.stderr
     cp = _run("bench", "all_reduce", "--device", "cpu", "-b", "1M", "-e", "1K")
-    assert cp.returncode == 2 and "minbytes" in cp.stderr
+    assert cp.returncode == 2 and "-b 1M is larger than -e 1K" in cp.stderr
+    # every mistake: one line naming the flag as typed, exit 2, before anything starts
+    for args, words in ((["-f", "0.5"], "-f: expected an integer, got '0.5'"),
+                        (["-a", "7"], "-a: expected 0 (rank 0), 1 (average), 2 (min) or 3"),
+                        (["--timeout", "-3"], "--timeout: expected seconds > 0, got '-3'"),
+                        (["--nproc", "2", "-J", "/nonexistent-ncclpy/d/out.json"],
+                         "-J: cannot write"),
+                        (["--nproc", "2", "--plot", "out.txt"], "--plot: 'out.txt'")):
+        cp = _run("bench", "all_reduce", "--device", "cpu", *args)
+        assert cp.returncode == 2 and cp.stdout == "", (args, cp.stderr)
+        assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
+        assert cp.stderr.startswith(f"python -m bench: error: {words}"), cp.stderr
+        assert cp.stderr.rstrip().endswith("(see 'python -m bench -h')")
+
+
+def test_bench_device_cuda_without_a_gpu_is_one_line():
+    from gpu_util import cuda_reason
+    if not cuda_reason():
+        pytest.skip("a GPU is present: --device cuda runs")
+    cp = _run("bench", "all_reduce", "--device", "cuda", "--nproc", "2")
+    assert cp.returncode == 2 and cp.stdout == "" and "Traceback" not in cp.stderr
+    assert cp.stderr.startswith("python -m bench: error: --device cuda: no usable GPU here (")
+
+
+def test_bench_never_says_ok_for_what_it_did_not_do(tmp_path):
+    """-c 0: the footer says "not checked" (the JSON "unchecked"); every case skipped: the run
+    fails, saying nothing was measured (a verdict, not a crashed rank)."""
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce", "--device", "cpu", "--nproc", "2", "-b", "1K", "-e", "1K",
+              "-n", "2", "-c", "0", "-q", "-J", str(js))
+    assert cp.returncode == 0, cp.stderr
+    assert "# Out of bounds values : not checked (-c 0)" in cp.stdout
+    assert json.loads(js.read_text())["out_of_bounds"]["okay"] == "unchecked"
+    cp = _run("bench", "all_reduce", "--device", "cpu", "--nproc", "2", "-b", "1K", "-e", "1K",
+              "-n", "2", "-d", "f8e4m3", "-q")
+    assert cp.returncode == 1, cp.stderr
+    assert "nothing measured: every case was skipped (see above) FAILED" in cp.stdout
+    assert "a rank failed" not in cp.stderr
 
 
 def test_overhead_without_gpu_says_so(tmp_path):
