@@ -1,5 +1,9 @@
 """``python -m bench.host_overhead``: the Python time of one call up to the NCCL function (CPU).
 
+Runs on a CPU machine (no GPU, no driver), but needs the CUDA extra (``pip install -e
+".[cu13]"``, or ``cu12``): the floor is a real call into libnccl and the ``cupy`` input a real
+``cupy.ndarray``.  Without libnccl it says so in one line and exits 2.
+
 What is timed, in one process and one run, for an in-place ``all_reduce`` (op sum) of one
 buffer of 2 float32 (8 bytes) on rank 0 of 2, through a real :class:`ncclpy.comm.resolver.Resolver`
 (no communicator, no GPU; the libnccl is the one CuPy loads):
@@ -249,7 +253,8 @@ def table(doc: Dict[str, Any]) -> str:
     f = doc["floor"]
     lines = [f"# ncclpy host overhead: in-place all_reduce of {COUNT} float32, Python time up "
              f"to the NCCL call",
-             f"# floor: {f['call']} on {f['libnccl']} (NCCL {f['nccl_version']})",
+             f"# floor: {f['call']} on {f['libnccl']} (NCCL "
+             f"{_version(f['nccl_version'])})",
              f"{'input':<8} {'path':<9} {'min_ns':>9} {'median_ns':>10} {'p90_ns':>9} "
              f"{'x_floor':>8}  target",
              f"{'floor':<8} {'-':<9} {f['min_ns']:>9.1f} {doc['floor_ns']:>10.1f} "
@@ -263,8 +268,18 @@ def table(doc: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _version(code: Any) -> str:
+    """``2.32.3`` for 23203, as every other ncclpy tool prints NCCL's version."""
+    from ncclpy.ops import format_version
+    try:
+        return format_version(int(code))
+    except (TypeError, ValueError):
+        return str(code)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.host_overhead",
+    from ncclpy.cli_util import OneLineParser
+    p = OneLineParser(prog="python -m bench.host_overhead",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON")
     p.add_argument("--repeats", type=int, default=200, help="samples per path (default 200)")
@@ -273,17 +288,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point (exit codes in the module docstring)."""
+    """Entry point (exit codes in the module docstring); Ctrl-C: 130, a closed pipe: 141."""
+    from ncclpy.cli_util import run_cli
+    try:
+        return run_cli("python -m bench.host_overhead", lambda: _main(argv))
+    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.repeats < 1 or a.batch < 1:
-        print("python -m bench.host_overhead: --repeats and --batch must be >= 1",
-              file=sys.stderr)
-        return 2
+    for flag, val in (("--repeats", a.repeats), ("--batch", a.batch)):
+        if val < 1:
+            print(f"python -m bench.host_overhead: error: {flag}: expected an integer >= 1, got "
+                  f"{val}", file=sys.stderr)
+            return 2
+    if a.json:
+        from ncclpy.check.cli import check_output_path
+        why = check_output_path(a.json)
+        if why:
+            print(f"python -m bench.host_overhead: error: --json: {why}", file=sys.stderr)
+            return 2
     try:
         from ncclpy._nccl.lib import get_lib
         get_lib()
     except Exception as e:
-        print(f"python -m bench.host_overhead: cannot load libnccl for the floor and the "
+        print(f"python -m bench.host_overhead: needs libnccl (the CUDA extra: pip install "
+              f"'ncclpy[cu13]' or 'ncclpy[cu12]'; no GPU needed) for the floor and the "
               f"resolver's NCCL version: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     try:

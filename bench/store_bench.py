@@ -23,8 +23,8 @@ out), times a store that does nothing but the system calls and a dict (its barri
 ncclpy's own overhead apart from Python's. Ratios are speeds, ``a/b`` > 1 meaning a is faster.
 
 Usage: ``python -m bench.store_bench [--ranks 8,64,512] [--process-ranks 8,64] [--ops N]
-[--repeat R] [--warmup W] [--json PATH | --no-json] [--no-torch] [--no-floor]``. The JSON goes to
-``bench/results/store_bench.json`` unless told otherwise. ``--process-ranks`` defaults to at most
+[--repeat R] [--warmup W] [--json PATH] [--no-torch] [--no-floor]``. Tables (each line within 100
+columns) on stdout; the JSON file only with ``--json``. ``--process-ranks`` defaults to at most
 64: where DNS is unreachable c10d's per-connection reverse lookups stall each of torch's forked
 ranks for seconds, and hundreds of them retrying at once can swamp a small machine.
 """
@@ -49,13 +49,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 if __package__ in (None, ""):  # run as ``python bench/store_bench.py``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ncclpy.errors import ArgumentError  # noqa: E402
 from ncclpy.store import TCPStore, barrier  # noqa: E402
 from bench.store_floor import FloorClient, floor_server  # noqa: E402
 
-__all__ = ["main", "build_parser", "rendezvous_time", "ops_per_second", "DEFAULT_JSON", "MODES"]
+__all__ = ["main", "build_parser", "rendezvous_time", "ops_per_second", "MODES", "max_ranks",
+           "WIDTH"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_JSON = os.path.join(ROOT, "bench", "results", "store_bench.json")
 HOST = "127.0.0.1"
 UID = bytes(range(128))
 TIMEOUT = 120.0
@@ -343,37 +344,92 @@ def _ops_remote(kind: str, nops: int, servers: Dict[str, _RemoteServer]) -> Dict
 
 
 # ---------------------------------------------------------------------------- output
+#: columns every table line fits in
+WIDTH = 100
+#: a cell whose max exceeds its min by more than this factor is flagged as noisy
+NOISY = 3.0
+
+
 def _stats(runs: List[float]) -> Dict[str, object]:
     return {"runs": runs, "min": min(runs), "median": statistics.median(runs), "max": max(runs)}
 
 
-def _ms(st: Dict[str, object]) -> str:
-    return f"{st['min'] * 1e3:7.1f} /{st['median'] * 1e3:7.1f} /{st['max'] * 1e3:8.1f}"
+def _num(x: float) -> str:
+    """A short number: 4 significant digits at most, k/M for rates."""
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.0f}k"
+    if x >= 100:
+        return f"{x:.0f}"
+    return f"{x:.1f}"
 
 
-def _rate(st: Dict[str, object]) -> str:
-    return f"{st['min']:7.0f} /{st['median']:7.0f} /{st['max']:7.0f}"
+def _cell(st: Dict[str, object], scale: float = 1.0) -> str:
+    """``median ±spread%`` of one cell (half of max - min, relative to the median; times in ms
+    with ``scale`` 1e3); min, median and max of every run are in the JSON."""
+    lo, med, hi = (float(st[k]) * scale for k in ("min", "median", "max"))  # type: ignore
+    spread = 50.0 * (hi - lo) / med if med else 0.0
+    return f"{_num(med)} ±{spread:.0f}%" if spread < 999.5 else f"{_num(med)} ±>999%"
 
 
 def _speeds(st: Dict[str, Dict[str, object]], pairs: List[Tuple[str, str]],
             times: bool) -> str:
     """The speed ratio a/b of each pair, from medians (of times: b/a; of rates: a/b)."""
-    if not pairs:
-        return ""
     cells = []
     for a, b in pairs:
         fast, slow = (b, a) if times else (a, b)
-        cells.append(f"{_ratio(st[fast]['median'], st[slow]['median']):>12}")
-    return "         " + " ".join(cells)
+        cells.append(f"{_ratio(st[fast]['median'], st[slow]['median']):>13}")
+    return "".join(cells)
 
 
 def _ratio(num: Optional[float], den: Optional[float]) -> str:
-    return f"{num / den:8.2f}x" if num and den else "     n/a"
+    return f"{num / den:.2f}x" if num and den else "n/a"
+
+
+def _noisy(st: Dict[str, Dict[str, object]], what: str) -> List[str]:
+    """A note for each cell whose runs spread by more than :data:`NOISY` (a stall, another
+    load): its median, and a ratio built on it, may mislead."""
+    out = []
+    for k, v in st.items():
+        lo, hi = float(v["min"]), float(v["max"])  # type: ignore[arg-type]
+        if lo > 0 and hi / lo > NOISY:
+            out.append(f"NOISY: {k} {what}: its slowest run is {hi / lo:.0f}x its fastest; "
+                       f"its median and ratios may mislead (more --repeat, a quieter machine)")
+    return out
+
+
+def _count_list(text: str, flag: str) -> List[int]:
+    """Comma-separated positive ints (empty: none)."""
+    out = []
+    for x in text.split(","):
+        if not x.strip():
+            continue
+        try:
+            v = int(x)
+        except ValueError:
+            raise ArgumentError(f"{flag}: expected comma-separated rank counts, got {x.strip()!r} "
+                                f"in {text!r}") from None
+        if v < 1:
+            raise ArgumentError(f"{flag}: expected rank counts >= 1, got {v}")
+        out.append(v)
+    return out
+
+
+def max_ranks() -> int:
+    """The most ranks one cell may have here: each rank holds a client socket and the server
+    one more, within this process's open-file limit (``ulimit -n``) and the store's default
+    ``max_clients``."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    fds = (soft - 64) // 2 if soft != resource.RLIM_INFINITY else 1 << 20
+    from ncclpy.store.limits import StoreLimits
+    return max(1, min(fds, StoreLimits().max_clients))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.store_bench",
-                                 description=__doc__.split("\n\n")[0])
+    from ncclpy.cli_util import OneLineParser
+    ap = OneLineParser(prog="python -m bench.store_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="8,64,512",
                     help="comma-separated rank counts for the rendezvous (default 8,64,512)")
     ap.add_argument("--process-ranks", default="8,64",
@@ -382,11 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", type=int, default=5000,
                     help="operations of each kind per ops/s run (default 5000)")
     ap.add_argument("--repeat", type=int, default=5,
-                    help="timed runs per cell: min/median/max reported (default 5)")
+                    help="timed runs per cell: the median, its spread and (JSON) min/max (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per cell (default 1)")
-    ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON,
-                    help=f"where to write the results as JSON (default {DEFAULT_JSON})")
-    ap.add_argument("--no-json", action="store_true", help="do not write the JSON file")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the results as JSON to PATH (its directory must exist); "
+                         "default: no file")
+    ap.add_argument("--no-json", action="store_true",
+                    help="write no JSON file (the default; kept for old command lines)")
     ap.add_argument("--no-torch", action="store_true", help="leave torch's column out")
     ap.add_argument("--no-floor", action="store_true",
                     help="leave out the floor's columns (bench/store_floor.py: the least a "
@@ -395,20 +453,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Entry point: a usage error is one line naming the flag (exit 2); Ctrl-C exits 130 and a
+    closed output pipe (``| head``) 141, quietly."""
+    from ncclpy.cli_util import run_cli
+    try:
+        return run_cli("python -m bench.store_bench", lambda: _main(argv))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def _main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     cells: List[Tuple[str, int]] = []
-    for mode, opt, text in (("threads", "--ranks", args.ranks),
-                            ("processes", "--process-ranks", args.process_ranks)):
-        try:
-            cells += [(mode, int(x)) for x in text.split(",") if x.strip()]
-        except ValueError:
-            ap.error(f"{opt}: expected comma-separated ints, got {text!r}")
+    try:
+        for mode, dest, text in (("threads", "ranks", args.ranks),
+                                 ("processes", "process_ranks", args.process_ranks)):
+            cells += [(mode, n) for n in _count_list(text, ap.flag(dest))]
+    except ArgumentError as e:
+        ap.error(str(e))
     if cells and any(mode == "processes" for mode, _ in cells) and not hasattr(os, "fork"):
-        ap.error("--process-ranks needs os.fork (pass --process-ranks '')")
-    if any(n < 1 for _, n in cells) or args.ops < 1 or args.repeat < 1 or args.warmup < 0:
-        ap.error("rank counts, --ops and --repeat must be positive, --warmup >= 0")
+        ap.error(f"{ap.flag('process_ranks')}: needs os.fork (pass {ap.flag('process_ranks')} "
+                 f"'')")
+    for dest, lo in (("ops", 1), ("repeat", 1), ("warmup", 0)):
+        if getattr(args, dest) < lo:
+            ap.error(f"{ap.flag(dest)}: expected an integer >= {lo}, got {getattr(args, dest)}")
+    limit = max_ranks()
+    for mode, n in cells:
+        if n > limit:
+            dest = "ranks" if mode == "threads" else "process_ranks"
+            ap.error(f"{ap.flag(dest)}: {n} ranks is more than this machine allows one cell "
+                     f"({limit}: two open files per rank within ulimit -n, and the store's "
+                     f"max_clients); expected at most {limit}")
+    if args.json:
+        from ncclpy.check.cli import check_output_path
+        why = check_output_path(args.json)
+        if why:
+            ap.error(f"{ap.flag('json')}: {why}")
+    return _run(args, cells)
 
+
+def _run(args: argparse.Namespace, cells: List[Tuple[str, int]]) -> int:
     kinds = ["ncclpy"]   # then torch, then the floor, as asked
     notes = ["torch's set is not acknowledged: rates time a set followed by a get of the same "
              "key so that both stores complete the write inside the clock"]
@@ -431,16 +516,15 @@ def main(argv=None) -> int:
     # speed ratios a/b (rates a/b, times b/a), medians, for the columns present
     pairs = [(a, b) for a, b in (("ncclpy", "torch"), ("floor", "torch"), ("ncclpy", "floor"))
              if a in kinds and b in kinds]
-    ratio_head = ("   speed " + " ".join(f"{a + '/' + b:>12}" for a, b in pairs)
-                  + " (medians)" if pairs else "")
+    ratio_head = "".join(f"{a + '/' + b:>13}" for a, b in pairs)
     print(f"store benchmark on {platform.node()} ({os.cpu_count()} CPUs, Python "
-          f"{platform.python_version()}, torch {torch_version or 'n/a'}); min / median / max of "
-          f"{args.repeat} run(s) after {args.warmup} warm-up")
+          f"{platform.python_version()}, torch {torch_version or 'n/a'})")
+    print(f"each cell: median ±half its range, of {args.repeat} run(s) after {args.warmup} "
+          f"warm-up; speed ratios of medians")
 
     rendezvous: List[Dict[str, object]] = []
     print("\nrendezvous: connect + 128-byte uid get + barrier; rank 0 hosts the server (ms)")
-    print(f"{'mode':>10} {'ranks':>6} " + " ".join(f"{k + ' min/med/max':>26}" for k in kinds)
-          + ratio_head)
+    print(f"{'mode':>9} {'ranks':>5} " + "".join(f"{k:>13}" for k in kinds) + ratio_head)
     for mode, n in cells:
         runs: Dict[str, List[float]] = {k: [] for k in kinds}
         for i in range(args.warmup + args.repeat):
@@ -452,14 +536,14 @@ def main(argv=None) -> int:
         for k in kinds:
             rendezvous.append({"mode": mode, "ranks": n, "store": k,
                                **{f"{f}_s": st[k][f] for f in ("runs", "min", "median", "max")}})
-        print(f"{mode:>10} {n:>6} " + " ".join(f"{_ms(st[k]):>26}" for k in kinds)
+        notes += _noisy(st, f"rendezvous of {n} ranks ({mode})")
+        print(f"{mode:>9} {n:>5} " + "".join(f"{_cell(st[k], 1e3):>13}" for k in kinds)
               + _speeds(st, pairs, times=True), flush=True)
 
     ops: List[Dict[str, object]] = []
     print(f"\none client, {args.ops} operations of each kind, 16-byte values (ops/s; set+get: "
-          f"pairs/s, torch's set being unacknowledged)")
-    print(f"{'server':>14} {'op':>8} " + " ".join(f"{k + ' min/med/max':>24}" for k in kinds)
-          + ratio_head)
+          f"pairs/s)")
+    print(f"{'server':>9} {'op':>7} " + "".join(f"{k:>13}" for k in kinds) + ratio_head)
     remote = {k: _RemoteServer(k) for k in kinds}
     try:
         for where, fn in (("same process", lambda k: _ops_local(k, args.ops)),
@@ -470,21 +554,24 @@ def main(argv=None) -> int:
                     r = fn(k)
                     if i >= args.warmup:
                         runs2[k].append(r)
+            short = "same" if where == "same process" else "other"
             for op in OPS:
                 st = {k: _stats([r[op] for r in runs2[k]]) for k in kinds}
                 for k in kinds:
                     ops.append({"server": where, "op": op, "store": k,
                                 **{f"{f}_ops_s": st[k][f] for f in ("runs", "min", "median",
                                                                     "max")}})
-                print(f"{where:>14} {op:>8} " + " ".join(f"{_rate(st[k]):>24}" for k in kinds)
+                notes += _noisy(st, f"{op} ops/s ({where})")
+                print(f"{short:>9} {op:>7} " + "".join(f"{_cell(st[k]):>13}" for k in kinds)
                       + _speeds(st, pairs, times=False), flush=True)
     finally:
         for r in remote.values():
             r.close()
+    import textwrap
     for note in notes:
-        print(f"note: {note}")
+        print(textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  "))
 
-    if not args.no_json:
+    if args.json:
         doc = {"benchmark": "store", "version": JSON_VERSION,
                "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "machine": {"node": platform.node(), "cpus": os.cpu_count(),
@@ -496,7 +583,6 @@ def main(argv=None) -> int:
                "stores": kinds, "notes": notes, "torch_warmup_s": warm,
                "rendezvous": rendezvous,
                "ops_per_second": ops}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"\nwrote {args.json}")

@@ -52,12 +52,13 @@ def _validate(doc: dict, stores, cells, repeat: int, floor: bool = True) -> None
 
 
 def test_bench_runs_threads_and_processes_and_writes_json(tmp_path):
-    out = tmp_path / "sub" / "store.json"
+    out = tmp_path / "store.json"
     cp = _run("--ranks", "8", "--process-ranks", "8", "--ops", "200", "--repeat", "2",
               "--warmup", "0", "--no-torch", "--json", str(out))
     assert cp.returncode == 0, cp.stderr[-3000:]
     assert "rendezvous" in cp.stdout and "set+get" in cp.stdout and str(out) in cp.stdout
-    assert "min/med/max" in cp.stdout and "ncclpy/floor" in cp.stdout
+    assert "median ±half its range" in cp.stdout and "ncclpy/floor" in cp.stdout
+    assert all(len(ln) <= store_bench.WIDTH for ln in cp.stdout.splitlines()), cp.stdout
     doc = json.loads(out.read_text())
     _validate(doc, ["ncclpy"], [("threads", 8), ("processes", 8)], 2)
     assert doc["config"]["ranks"] == [8] and doc["config"]["process_ranks"] == [8]
@@ -76,14 +77,14 @@ def test_bench_compares_with_torch(tmp_path):
     assert doc["machine"]["torch"]
 
 
-def test_json_is_written_by_default_and_can_be_turned_off(tmp_path):
+def test_no_json_file_unless_asked(tmp_path):
+    """Nothing is written into the source tree (or anywhere) without --json."""
     args = store_bench.build_parser().parse_args([])
-    assert args.json == store_bench.DEFAULT_JSON
-    assert store_bench.DEFAULT_JSON.endswith(os.path.join("bench", "results", "store_bench.json"))
+    assert args.json is None
     cp = _run("--ranks", "2", "--process-ranks", "", "--ops", "20", "--repeat", "1",
-              "--warmup", "0", "--no-torch", "--no-json", timeout=120)
+              "--warmup", "0", "--no-torch", timeout=120)
     assert cp.returncode == 0, cp.stderr[-3000:]
-    assert "wrote" not in cp.stdout
+    assert "wrote" not in cp.stdout and not (ROOT / "bench" / "results").exists()
 
 
 def test_floor_column_can_be_left_out(tmp_path):
@@ -95,7 +96,49 @@ def test_floor_column_can_be_left_out(tmp_path):
     _validate(json.loads(out.read_text()), ["ncclpy"], [("threads", 2)], 1, floor=False)
 
 
-def test_bad_arguments_are_refused():
-    for args in (["--ranks", "x"], ["--ranks", "0"], ["--repeat", "0"]):
-        cp = _run(*args, "--no-json", "--no-torch", timeout=60)
-        assert cp.returncode == 2 and "error" in cp.stderr, (args, cp.stderr)
+BAD = [(["--ranks", "x"], "--ranks: expected comma-separated rank counts, got 'x'"),
+       (["--ranks", "0"], "--ranks: expected rank counts >= 1, got 0"),
+       (["--process-ranks", "8,-1"], "--process-ranks: expected rank counts >= 1, got -1"),
+       (["--ops", "0"], "--ops: expected an integer >= 1, got 0"),
+       (["--repeat", "0"], "--repeat: expected an integer >= 1, got 0"),
+       (["--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
+       (["--ranks", "100000"], "--ranks: 100000 ranks is more than this machine allows one cell"),
+       (["--json", "/etc/passwd/x.json"], "--json: cannot write '/etc/passwd/x.json'"),
+       (["--json", "/nonexistent-ncclpy/x.json"],
+        "--json: cannot write '/nonexistent-ncclpy/x.json': directory '/nonexistent-ncclpy' "
+        "does not exist"),
+       (["--frob"], "unrecognized arguments: --frob")]
+
+
+@pytest.mark.parametrize("args, words", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments_are_one_line_before_anything_runs(args, words):
+    cp = _run(*args, "--no-torch", timeout=60)
+    assert cp.returncode == 2 and cp.stdout == "", (args, cp.stdout, cp.stderr)
+    assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr.startswith(f"python -m bench.store_bench: error: {words}"), cp.stderr
+    assert not os.path.exists("/nonexistent-ncclpy")
+
+
+def test_closed_pipe_and_ctrl_c_end_quietly():
+    import signal
+    import time
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "bench.store_bench", "--ranks", "2,2,2,2,2,2", "--process-ranks",
+           "", "--ops", "50", "--repeat", "20", "--warmup", "0", "--no-torch"]
+    # | head -1: the reader goes away after the first line
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode() if p.stderr else ""
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err, err
+    # Ctrl-C while it runs
+    p = subprocess.Popen(cmd + ["--ops", "20000"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err.decode()
+    assert err.decode().strip().splitlines()[-1] == "python -m bench.store_bench: interrupted"
+    assert "Traceback" not in err.decode()
