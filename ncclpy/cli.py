@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with the ``run``, ``info`` and ``check`` subcommands."""
     from . import __version__
-    from .launch.launcher import add_run_arguments
+    from .launch.runcli import add_run_arguments
 
     p = OneLineParser(
         prog="ncclpy", description="ncclpy: a Python layer over NVIDIA NCCL.")
@@ -69,7 +69,7 @@ def _main(argv: List[str]) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "run":
-        from .launch.launcher import run_from_args
+        from .launch.runcli import run_from_args
         return run_from_args(ns, parser=parser)
     if ns.command == "info":
         return _info(ns)

@@ -33,7 +33,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import os
@@ -47,12 +46,14 @@ import time
 from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
 from .ports import check_local, check_port, check_ports_free, free_port
+from .limits import check_start_limits
+from ..cli_util import EXIT_CLOSED_PIPE
 from ..errors import ArgumentError, LaunchError
 from ._pdeath import PR_SET_PDEATHSIG, prctl_function
-from .mps import MPS_MODES, MPS_ENV, resolve_mode, setup_mps
+from .mps import resolve_mode, setup_mps
 from .placement import Placement, place, summary_line, with_mps
 
-__all__ = ["launch", "add_run_arguments", "run_from_args", "build_command", "DEFAULT_GRACE",
+__all__ = ["launch", "build_command", "DEFAULT_GRACE",
            "PREFIX_FORMAT", "EXIT_TIMEOUT", "EXIT_USAGE", "DEAD_KEY", "HOSTED_ENV"]
 
 #: Seconds between SIGTERM and SIGKILL (small, so a failed job stops within ~5 s).
@@ -73,6 +74,8 @@ _FLAGS = {"nproc": "-n/--nprocs", "nnodes": "--nnodes", "node_rank": "--node-ran
           "ranks_per_gpu": "--ranks-per-gpu", "grace": "--grace", "timeout": "--timeout",
           "mps": "--mps", "command": "PROGRAM"}
 _CHUNK = 1 << 16
+#: seconds between looks, while ranks are being started, for a rank that already failed
+_START_POLL = 0.2
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,8 @@ class _Sink:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.lock = threading.Lock()
+        #: the reader of this stream went away (``ncclpy run ... | head``): EPIPE on a write
+        self.closed = False
 
     def write(self, data: bytes) -> None:
         with self.lock:
@@ -120,7 +125,9 @@ class _Sink:
                 else:                       # a binary stream
                     self.stream.write(data)
                     self.stream.flush()
-            except (OSError, ValueError):   # closed or broken pipe: keep draining the rank
+            except BrokenPipeError:          # the reader is gone: the supervisor stops the job
+                self.closed = True
+            except (OSError, ValueError):   # closed: keep draining the rank
                 pass
 
     def line(self, text: str) -> None:
@@ -268,6 +275,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
         raise ArgumentError(f"{N('command')}: expected a program to run, got an empty command")
     if checked:
         base["NCCLPY_CHECKED"] = "1"
+    check_start_limits(nproc, N("nproc"))      # before anything starts: no half-started job
     out, err = _Sink(stdout or sys.stdout), _Sink(stderr or sys.stderr)
 
     single = nnodes == 1
@@ -344,7 +352,12 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
             from .nodewatch import NodeWatch   # the first beat precedes the ranks
             watch = NodeWatch(master_addr, master_port, token, node_rank, world // nproc,
                               nproc).start()
+        next_poll = time.monotonic() + _START_POLL
         for lr, rank in enumerate(ranks):
+            if time.monotonic() >= next_poll:   # a rank that already failed stops the start-up
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                next_poll = time.monotonic() + _START_POLL
             renv = _rank_env(base, rank=rank, world_size=world, local_rank=lr,
                              local_world_size=nproc, master_addr=master_addr,
                              master_port=master_port, token=token,
@@ -362,8 +375,8 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
         notify = functools.partial(_publish_death, master_addr, master_port, token)
         outcome: list[str] = []
         try:
-            rc = _supervise(procs, ranks, out, err, prefix, float(grace), pending, timeout,
-                            notify, watch, outcome)
+            rc = _supervise(procs, ranks[:len(procs)], out, err, prefix, float(grace), pending,
+                            timeout, notify, watch, outcome, unstarted=len(ranks) - len(procs))
         finally:
             if watch is not None:
                 watch.finish(outcome[0] if outcome else None)
@@ -385,7 +398,7 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
 def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err: _Sink,
                prefix: bool, grace: float, pending: list[int], timeout: Optional[float] = None,
                notify: Optional[Callable[[int, int], bool]] = None, watch: Any = None,
-               outcome: Optional[list] = None) -> int:
+               outcome: Optional[list] = None, unstarted: int = 0) -> int:
     """Pump output, forward queued signals, stop everyone on the first failure, at ``timeout``
     or when ``watch.failure`` (another node) is set; the exit code. ``notify(rank, rc)``
     publishes the first failure first; ``outcome`` gets a line about a failure here."""
@@ -418,10 +431,17 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
     job_end = None if timeout is None else time.monotonic() + timeout
 
     remote: Optional[str] = None                   # another node failed (multi-node)
+    pipe_closed = False                            # stdout's reader went away (| head)
 
     def decided() -> bool:   # the first event (signal, failure, timeout) decides the outcome
-        return interrupt is not None or failure is not None or bool(timed_out) or bool(remote)
+        return (interrupt is not None or failure is not None or bool(timed_out) or bool(remote)
+                or pipe_closed)
     while alive:
+        if out.closed and not decided():           # nobody reads the ranks' output: stop them
+            pipe_closed = True
+            for j in alive:
+                _signal_group(procs[j], signal.SIGTERM)
+            deadline = time.monotonic() + grace
         if watch is not None and watch.failure and not decided():
             remote, stopped = watch.failure, len(alive)
             watch.announce(remote)
@@ -472,6 +492,10 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
     for t in readers:   # a grandchild still holding a pipe must not hang the launcher
         t.join(max(0.0, end - time.monotonic()))
 
+    if pipe_closed:      # quiet, as a tool stopped by a closed pipe (128 + SIGPIPE)
+        if outcome is not None:
+            outcome.append("its output pipe was closed")
+        return EXIT_CLOSED_PIPE
     if interrupt is not None:
         summary = ", ".join(
             f"rank {ranks[i]} {codes[i] if codes[i] >= 0 else _signame(-codes[i])}"
@@ -509,82 +533,9 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
                 msg += f" ({killed} with SIGKILL after {grace:g} s)"
         else:
             msg += "no other rank was running"
+        if unstarted:
+            msg += (f"; {unstarted} rank{'s were' if unstarted != 1 else ' was'} never started "
+                    f"(the failure came during start-up)")
         err.line(msg)
         return rc if rc > 0 else 128 + (-rc)
     return 0
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``ncclpy run``'s options to ``p`` (torchrun's names where the concept is the same)."""
-    p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", "--nprocs", dest="nproc",
-                   type=int, required=True, metavar="N", help="ranks to start on this node")
-    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes (default 1)")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
-                   metavar="K", help="this node's index, 0..M-1 (default 0)")
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="H",
-                   help="address of the store (rank 0); default 127.0.0.1 on one node")
-    p.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
-                   metavar="P", help="port of ncclpy's store, 1..65534 (torch's store gets P+1); "
-                                     "default: a free port on one node")
-    p.add_argument("--ranks-per-gpu", "--ranks_per_gpu", dest="ranks_per_gpu", type=int,
-                   default=None, metavar="R",
-                   help="share each GPU among R ranks: N ranks use ceil(N/R) GPUs, rank r -> "
-                        "GPU r mod ceil(N/R) (default: one rank per GPU while they suffice)")
-    p.add_argument("--mps", choices=MPS_MODES, default=None,
-                   help=f"CUDA MPS while ranks share a GPU: auto starts a daemon for the run when "
-                        f"nvidia-cuda-mps-control is on PATH, on requires it, off never starts "
-                        f"one (default: ${MPS_ENV}, else auto)")
-    p.add_argument("--no-prefix", "--no_prefix", dest="no_prefix", action="store_true",
-                   help="do not prefix output lines with '[rank R] '")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
-                   help=f"seconds between SIGTERM and SIGKILL when stopping ranks "
-                        f"(default {DEFAULT_GRACE:g})")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help=f"stop the job when ranks are still running SECONDS after the start; "
-                        f"the summary names them; exit code {EXIT_TIMEOUT} (default: no limit)")
-    p.add_argument("--checked", action="store_true",
-                   help="checked mode in every rank (sets NCCLPY_CHECKED=1)")
-    p.add_argument("-m", "--module", action="store_true",
-                   help="PROGRAM is a Python module, run as 'python -m PROGRAM'")
-    p.add_argument("program", nargs=argparse.REMAINDER, metavar="PROGRAM [ARGS...]",
-                   help="the program (a *.py script runs with this Python) and its arguments")
-    p.epilog = (f"exit codes: 0 every rank succeeded; a failed rank's code (128+N for signal N); "
-                f"{EXIT_TIMEOUT} --timeout passed; 128+N when the launcher got signal N (SIGINT: "
-                f"130); {EXIT_USAGE} a usage error")
-
-
-def _typed(parser: Optional[argparse.ArgumentParser], key: str) -> str:
-    """The flag of ``launch()`` keyword ``key`` as the user typed it (else its usual spelling)."""
-    spelled = _FLAGS.get(key, key)
-    argv = getattr(parser, "_argv", None)
-    if not argv or not spelled.startswith("-"):
-        return spelled
-    from ..cli_util import typed_flag
-    names = {"nproc": ["-n", "--nproc-per-node", "--nproc_per_node", "--nprocs"],
-             "node_rank": ["--node-rank", "--node_rank"],
-             "master_addr": ["--master-addr", "--master_addr"],
-             "master_port": ["--master-port", "--master_port"],
-             "ranks_per_gpu": ["--ranks-per-gpu", "--ranks_per_gpu"]}.get(key, [spelled])
-    argv = list(argv)
-    if "run" in argv:
-        argv = argv[argv.index("run") + 1:]
-    return typed_flag(names, argv) if any(
-        a.split("=", 1)[0] in names or a.startswith(tuple(n for n in names if len(n) == 2))
-        for a in argv) else spelled
-
-
-def run_from_args(ns: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> int:
-    """Run ``ncclpy run`` from parsed arguments; usage errors exit 2 with one line naming the
-    flag as typed."""
-    flags = {k: _typed(parser, k) for k in _FLAGS}
-    try:
-        command = build_command(ns.program, ns.module)
-        return launch(command, ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank,
-                      master_addr=ns.master_addr, master_port=ns.master_port,
-                      ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace,
-                      mps=getattr(ns, "mps", None), timeout=getattr(ns, "timeout", None),
-                      checked=bool(getattr(ns, "checked", False)), _flags=flags)
-    except (ArgumentError, LaunchError) as e:
-        text = " ".join(str(e).split())   # one line, as argparse's own errors
-        sys.stderr.write(f"ncclpy run: error: {text}\n")
-        return EXIT_USAGE
