@@ -313,14 +313,19 @@ class Checker:
         if rep.verdict:
             self._mismatch_table(rnd, fp)
 
-    def _mismatch_table(self, rnd: int, fp: Dict[str, Any]) -> None:
-        """The slow path after a failed vote: build the table on rank 0, share it, raise."""
+    def _mismatch_table(self, rnd: int, fp: Dict[str, Any], published: bool = False) -> None:
+        """The slow path after a failed vote (or count of problems): build the table on rank 0,
+        share it, raise CallMismatchError on every rank.  Rank 0, which may host the store,
+        leaves only after every rank has read the table (the "out" meeting), so no rank is
+        left asking a store that is gone; a failure of that last meeting, once the table is
+        read, loses nothing and is only logged."""
         store, me, n = self.store, self.rank, self.world_size
         deadline = time.monotonic() + self.timeout
         fps: Dict[int, Optional[Dict[str, Any]]] = {me: fp}
         try:
-            store.set(self._key(rnd, f"fp/{me}"), json.dumps(fp, separators=(",", ":")))
-            self._meet(rnd, deadline)
+            if not published:
+                store.set(self._key(rnd, f"fp/{me}"), json.dumps(fp, separators=(",", ":")))
+                self._meet(rnd, deadline)
             if me == 0:
                 fps = self._read_all(rnd, fps, deadline)
                 for r in range(n):
@@ -331,10 +336,6 @@ class Checker:
                 raw = json.loads(_wait_key(store, self._key(rnd, "table"),
                                            max(deadline - time.monotonic(), 0.001)))
                 fps = {int(r): f for r, f in raw.items()}
-            left = max(deadline - time.monotonic(), 0.001)
-            if int(store.arrive(self._key(rnd, "out"), n, left)) % n == 0:
-                for what in ("table", "n", "out"):     # the last one out cleans up
-                    self._delete(self._key(rnd, what))
         except Exception as e:
             if not (_is_timeout(e) or isinstance(e, (StoreError, OSError))
                     or "DistStoreError" in type(e).__name__):
@@ -344,9 +345,33 @@ class Checker:
                                        f"this table ({type(e).__name__}: {e})"]
             raise CallMismatchError(format_table(fps, self.name, rnd, problems), table=fps,
                                     problems=problems) from e
+        try:
+            self._leave(rnd, deadline)
+        except Exception as e:  # noqa: BLE001 - the table is read: nothing is lost
+            log.debug("checked mode: leaving the mismatch table of check %d: %s", rnd, e)
         problems = compare(fps)
         raise CallMismatchError(format_table(fps, self.name, rnd, problems), table=fps,
                                 problems=problems)
+
+    def _leave(self, rnd: int, deadline: float) -> None:
+        """Every rank has read the table before rank 0 (which may host the store) goes on:
+        each other rank counts itself out with one ``add`` (its reply is sent before the count
+        can be seen), and rank 0 polls the count, then deletes the round's keys.  A barrier
+        would not do: its last reply may still be unsent when rank 0, released first, exits
+        and takes the store with it, leaving a rank to wait out its timeout."""
+        key = self._key(rnd, "out")
+        if self.rank != 0:
+            self.store.add(key, 1)
+            return
+        want, pause = self.world_size - 1, 0.001
+        while int(self.store.add(key, 0)) < want:
+            if time.monotonic() >= deadline:
+                raise StoreTimeout(f"checked mode: {key!r}: not every rank read the mismatch "
+                                   f"table within {self.timeout:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        for what in ("table", "n", "out"):
+            self._delete(self._key(rnd, what))
 
     def _check_keys(self, rnd: int, fp: Dict[str, Any]) -> None:
         """The exchange through keys, for a store without the vote (torch's)."""
@@ -375,13 +400,10 @@ class Checker:
         if rnd > 0:          # every rank has finished the previous round: drop its keys
             self._delete(self._key(rnd - 1, f"fp/{me}"))
             if me == 0:
-                for what in ("n", "bad", "all"):
+                for what in ("n", "bad", "all", "table", "out"):
                     self._delete(self._key(rnd - 1, what))
-        if nbad:
-            all_fps = self._read_all(rnd, fps, deadline)
-            problems = compare(all_fps)
-            raise CallMismatchError(format_table(all_fps, self.name, rnd, problems),
-                                    table=all_fps, problems=problems)
+        if nbad:             # rank 0 builds the table; it leaves after every rank read it
+            self._mismatch_table(rnd, fp, published=True)
 
     def _read(self, rnd: int, r: int, deadline: float) -> Dict[str, Any]:
         left = max(deadline - time.monotonic(), 0.001)

@@ -473,17 +473,17 @@ def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
 def _require_gpu(name: str) -> None:
     """Raise CudaUnavailableError, before the rendezvous, when this process sees no device
     (the reason in the words of ``ncclpy info``)."""
-    from ..info import gpu_device_reason
     try:
-        why = gpu_device_reason()
-    except Exception as e:  # noqa: BLE001 - the count below says it again
+        n = cuda().device_count()
+        why = "" if n > 0 else "the CUDA runtime reports 0 devices"
+    except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
         why = f"{type(e).__name__}: {e}"
-    if not why:
+    if why:                 # say it as ncclpy info does ("no CUDA driver", not "insufficient")
+        from ..info import gpu_device_reason
         try:
-            n = cuda().device_count()
-            why = "" if n > 0 else "the CUDA runtime reports 0 devices"
-        except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
-            why = f"{type(e).__name__}: {e}"
+            why = gpu_device_reason() or why
+        except Exception:  # noqa: BLE001 - keep the CUDA error
+            pass
     if why:
         raise CudaUnavailableError(
             f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "
