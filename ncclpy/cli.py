@@ -1,4 +1,5 @@
-"""The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``.
+"""The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``,
+``plan`` (the NCCL calls of one call, without a GPU).
 
 ``main(argv)`` returns the exit code; the console script and ``python -m ncclpy`` call it.
 Subcommand modules are imported lazily so ``ncclpy info`` works even where a colleague module
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also import torch and report its CUDA and NCCL versions")
     sub.add_parser("check", help="cross-check ncclpy against references (see 'ncclpy check -h')",
                    add_help=False)
+    sub.add_parser("plan", help="print the exact NCCL calls each rank would make for one call, "
+                                "without a GPU (see 'ncclpy plan -h')", add_help=False)
+    p.subs = {"run": run, "info": info}  # type: ignore[attr-defined]
     return p
 
 
@@ -67,7 +71,10 @@ def _info(ns: argparse.Namespace) -> int:
 
 def _main(argv: List[str]) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:        # named by the subcommand that got them: 'ncclpy info: error: ...'
+        sub = getattr(parser, "subs", {}).get(ns.command, parser)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "run":
         from .launch.runcli import run_from_args
         return run_from_args(ns, parser=parser)
@@ -82,6 +89,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "check":   # pass everything through untouched
         return _check(argv[1:])        # (ncclpy check handles Ctrl-C and closed pipes itself)
+    if argv and argv[0] == "plan":
+        from .plan.cli import main as plan_main
+        return plan_main(argv[1:])
     prog = f"ncclpy {argv[0]}" if argv and argv[0] in ("run", "info") else "ncclpy"
     return run_cli(prog, lambda: _main(argv))
 

@@ -113,12 +113,15 @@ def test_console_script_entry_point_resolves():
 # -- one-line usage errors, Ctrl-C and closed pipes (ncclpy.cli_util) --------------------------
 @pytest.mark.parametrize("args, line", [
     (["frobnicate"], "ncclpy: error: COMMAND: invalid choice: 'frobnicate'"),
-    (["info", "--bogus"], "ncclpy: error: unrecognized arguments: --bogus"),
+    (["info", "--bogus"], "ncclpy info: error: unrecognized arguments: --bogus"),
     (["run", "--nproc-per-node", "abc", "x.py"],
      "ncclpy run: error: --nproc-per-node: invalid int value: 'abc'"),
     (["run", "--nproc_per_node=two", "x.py"],
      "ncclpy run: error: --nproc_per_node: invalid int value: 'two'"),
     (["run", "--grace", "x", "-n", "1", "x.py"], "ncclpy run: error: --grace: invalid float value"),
+    (["info", "--jsn"], "ncclpy info: error: unrecognized arguments: --jsn (see 'ncclpy info -h')"),
+    (["plan", "all_reduce", "--cnt", "3"],
+     "ncclpy plan: error: unrecognized arguments: --cnt 3 (see 'ncclpy plan -h')"),
 ])
 def test_usage_errors_are_one_line_naming_the_flag_as_typed(args, line):
     cp = _run(*args)

@@ -20,18 +20,21 @@ def bind_family(host: str, flag: str = "--master-addr") -> int:
                             f"({getattr(e, 'strerror', None) or e})") from None
 
 
-def check_local(host: str) -> None:
+def check_local(host: str, name: str = "--master-addr") -> None:
     """On one node the launcher hosts the store here: ``host`` must be an address of this
-    machine."""
+    machine (``name``: the flag or argument, for the error)."""
     fam = bind_family(host)
     try:
         with socket.socket(fam, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
     except OSError as e:
+        where = ("with --nnodes 1 rank 0 runs here and hosts the store, so leave --master-addr "
+                 "out (127.0.0.1)" if name.startswith("-") else
+                 "spawn's ranks all run here and rank 0 hosts the store, so leave master_addr "
+                 "out (127.0.0.1)")
         raise ArgumentError(
-            f"--master-addr {host}: not an address of this machine ({e.strerror or e}); with "
-            f"--nnodes 1 rank 0 runs here and hosts the store, so leave --master-addr out "
-            f"(127.0.0.1) or give one of this machine's addresses") from None
+            f"{name} {host}: not an address of this machine ({e.strerror or e}); {where} or "
+            f"give one of this machine's addresses") from None
 
 
 def free_port(host: str) -> int:

@@ -41,6 +41,7 @@ from ncclpy.errors import ArgumentError, ArgumentTypeError, LaunchError, Process
 from ncclpy.launch._pdeath import die_with_parent
 from ncclpy.launch.env import rank_env
 from ncclpy.launch.mps import MpsSetup, resolve_mode, setup_mps
+from ncclpy.launch.ports import check_local
 
 __all__ = ["spawn", "SpawnContext", "TERM_GRACE_S"]
 
@@ -93,6 +94,31 @@ def _describe_exit(exitcode: int) -> str:
     if exitcode < 0:
         return f"died by signal {_signal_name(-exitcode)}"
     return f"exited with code {exitcode}"
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """``rank 3`` / ``ranks 1, 3``, as ``ncclpy run`` names them."""
+    return (f"rank {ranks[0]}" if len(ranks) == 1
+            else "ranks " + ", ".join(str(r) for r in ranks))
+
+
+def _check_picklable(start_method: str, fn: Any, args: Sequence[Any]) -> None:
+    """With "spawn" or "forkserver" the function and its arguments are pickled to reach the
+    children: say so, naming what cannot be, before any child starts."""
+    if start_method == "fork":
+        return
+    import pickle
+    for what, obj in (("fn", fn), ("args", tuple(args))):
+        try:
+            pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - PicklingError, AttributeError, TypeError
+            name = getattr(obj, "__qualname__", type(obj).__name__)
+            hint = (" (a lambda or a function defined inside another cannot be; define it at "
+                    "the top level of a module)" if what == "fn" else "")
+            raise ArgumentTypeError(
+                f"{what}: {name} cannot be sent to the children: start_method="
+                f"{start_method!r} pickles it, and pickling failed ({type(e).__name__}: "
+                f"{e}){hint}") from None
 
 
 def _two_free_ports(host: str) -> tuple[int, int]:
@@ -366,6 +392,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
         raise ArgumentError(f"start_method: expected one of {methods}, "
                             f"got {start_method!r}") from e
 
+    _check_picklable(start_method, fn, args)
+    if not isinstance(master_addr, str) or not master_addr:
+        raise ArgumentTypeError(f"master_addr: expected a host name or address, got "
+                                f"{master_addr!r}")
+    check_local(master_addr, "master_addr")      # the store is hosted here, by rank 0
     if checked is not None and not isinstance(checked, bool):
         raise ArgumentTypeError(f"checked: expected None, True or False, got "
                                 f"{type(checked).__name__} {checked!r}")
@@ -417,8 +448,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
         if not context.join(timeout):
             running = [r for r, p in enumerate(processes) if p.exitcode is None]
             context.stop()
-            raise LaunchError(f"spawn: timeout={timeout:g} s passed with ranks {running} still "
-                              f"running; all ranks were stopped")
+            raise LaunchError(f"spawn: timeout={timeout:g} s passed with {_rank_list(running)} "
+                              f"still running; all ranks were stopped")
     except BaseException:
         if any(p.exitcode is None for p in processes):
             context.stop()

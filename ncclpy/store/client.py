@@ -46,9 +46,21 @@ class TCPStore(Connection):
     its own, so threads never wait behind each other; spares are made on first need and reused.
     """
 
-    def __init__(self, host: str, port: int, *, token=None, timeout: Seconds = 300.0,
+    def __init__(self, host: str, port: int, world_size: Optional[int] = None,
+                 is_master: bool = False, *, token=None, timeout: Seconds = 300.0,
                  connect_timeout: Seconds = None, is_server: bool = False,
                  limits: Union[StoreLimits, dict, None] = None) -> None:
+        # torch's positional form TCPStore(host, port, world_size, is_master) works too:
+        # is_master is is_server, and world_size sizes the server's connection limit
+        if not isinstance(is_master, bool) or not isinstance(is_server, bool):
+            raise ArgumentTypeError(f"is_master / is_server: expected True or False, got "
+                                    f"{is_master!r} / {is_server!r}")
+        if world_size is not None and (isinstance(world_size, bool)
+                                       or not isinstance(world_size, int) or world_size < 1):
+            raise ArgumentError(f"world_size: expected None or an int >= 1, got {world_size!r}")
+        is_server = is_server or is_master
+        if is_server and limits is None and world_size is not None:
+            limits = StoreLimits.for_world(world_size)  # type: ignore[attr-defined]
         if not isinstance(host, str) or not host:
             raise ArgumentError(f"host: expected a host name or address, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -203,7 +215,16 @@ class TCPStore(Connection):
     def _keys(self, keys: Union[Key, Iterable[Key]], what: str) -> List[bytes]:
         if isinstance(keys, (str, bytes, bytearray)):
             keys = [keys]
-        ks = [_key(k) for k in keys]
+        elif not isinstance(keys, Iterable):
+            raise ArgumentTypeError(f"{what}: keys must be a key or a list of keys (str or "
+                                    f"bytes), got {keys!r} ({type(keys).__name__}); the "
+                                    f"timeout is the second argument: {what}(keys, timeout)")
+        ks = []
+        for i, k in enumerate(keys):
+            if not isinstance(k, (str, bytes, bytearray)):
+                raise ArgumentTypeError(f"{what}: keys[{i}] must be str or bytes, got {k!r} "
+                                        f"({type(k).__name__})")
+            ks.append(_key(k))
         for k in ks:
             self._check_key(k, what)
         if self.max_keys_per_request and len(ks) > self.max_keys_per_request:
