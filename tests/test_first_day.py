@@ -81,3 +81,48 @@ def test_no_gpu_error_is_public_and_speaks_like_ncclpy_info():
     if "driver" in reason:
         assert "insufficient" not in str(ei.value)
     assert os.environ.get("NCCLPY_UID_EXCHANGE") is None
+
+
+def _sleep(rank: int) -> None:
+    import time
+    time.sleep(30)
+
+
+def test_spawn_refuses_what_it_cannot_pickle_and_a_foreign_master_addr():
+    from ncclpy.errors import LaunchError
+    with pytest.raises(ArgumentTypeError, match=r"^fn: .*<lambda> cannot be sent to the children: "
+                                                r"start_method='spawn' pickles it"):
+        ncclpy.spawn(lambda r: None, 2)
+    with pytest.raises(ArgumentTypeError, match=r"^args: tuple cannot be sent"):
+        ncclpy.spawn(_sleep, 2, args=(lambda: 0,))
+    with pytest.raises(ArgumentError, match=r"^master_addr 8\.8\.8\.8: not an address of this "
+                                            r"machine"):
+        ncclpy.spawn(_sleep, 2, master_addr="8.8.8.8")
+    with pytest.raises(LaunchError, match=r"timeout=1 s passed with ranks 0, 1 still running"):
+        ncclpy.spawn(_sleep, 2, timeout=1)
+
+
+def test_tcpstore_takes_torchs_positional_form_and_says_what_wait_wants():
+    import datetime
+    from ncclpy.store import TCPStore
+    server = TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=5))
+    try:
+        assert server.server is not None and server.server.limits.max_clients >= 4 * 3 + 64
+        client = TCPStore("127.0.0.1", server.server.port, 3, False, timeout=5)
+        try:
+            client.set("k", b"v")
+            assert server.get("k") == b"v"
+            with pytest.raises(ArgumentTypeError, match=r"^wait: keys must be a key or a list of "
+                                                        r"keys \(str or bytes\), got 5 \(int\); "
+                                                        r"the timeout is the second argument"):
+                client.wait(5)
+            with pytest.raises(ArgumentTypeError, match=r"^wait: keys\[1\] must be str or bytes"):
+                client.wait(["k", 7])
+            client.wait(["k"], 1)
+        finally:
+            client.close()
+        with pytest.raises(ArgumentError, match="world_size: expected None or an int >= 1"):
+            TCPStore("127.0.0.1", 0, 0, True)
+    finally:
+        server.server.close()
+        server.close()
