@@ -260,7 +260,8 @@ class Checker:
         if store is None and int(world_size) > 1:   # uid_exchange="mpi": there is no store
             raise UnsupportedError(
                 f"checked: communicator {name!r} has no rendezvous store (its uid came over "
-                f"MPI_Bcast, uid_exchange='mpi'), and checked mode compares the ranks' calls "
+                f"MPI_Bcast, uid_exchange='mpi', or a torch broadcast, from_torch on a torch "
+                f"without a reachable store), and checked mode compares the ranks' calls "
                 f"through that store; use uid_exchange='store' (NCCLPY_UID_EXCHANGE=store) "
                 f"or checked=False")
         self.store = store
@@ -359,17 +360,13 @@ class Checker:
         can be seen), and rank 0 polls the count, then deletes the round's keys.  A barrier
         would not do: its last reply may still be unsent when rank 0, released first, exits
         and takes the store with it, leaving a rank to wait out its timeout."""
+        from .store.sync import count_out, wait_counted_out
         key = self._key(rnd, "out")
         if self.rank != 0:
-            self.store.add(key, 1)
+            count_out(self.store, key)
             return
-        want, pause = self.world_size - 1, 0.001
-        while int(self.store.add(key, 0)) < want:
-            if time.monotonic() >= deadline:
-                raise StoreTimeout(f"checked mode: {key!r}: not every rank read the mismatch "
-                                   f"table within {self.timeout:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+        wait_counted_out(self.store, key, self.world_size - 1,
+                         max(deadline - time.monotonic(), 0.001), "checked mode's table")
         for what in ("table", "n", "out"):
             self._delete(self._key(rnd, what))
 

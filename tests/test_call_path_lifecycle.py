@@ -394,3 +394,27 @@ def test_checked_mode_stops_a_mismatch_before_nccl_sees_it():
         run_ranks(2, rank)
     assert _names(eng).count("ncclAllReduce") == 2 * 2       # the mismatch never reached NCCL
     assert eng.violations == []
+
+
+def test_object_collectives_of_a_communicator_go_through_its_store_not_nccl():
+    port = free_port()
+    out = {}
+
+    def rank(r):
+        c = _init(r, 3, port, timeout=10.0, watchdog=False)
+        got = c.broadcast_object({"cfg": [1, 2], "from": r} if r == 2 else None, root=2)
+        every = c.all_gather_object(("rank", r))
+        with pytest.raises(errors.ArgumentError, match="max_bytes=8"):
+            c.all_gather_object("x" * 64, max_bytes=8)
+        with pytest.raises(errors.ArgumentError, match="root 3 is not a rank"):
+            c.broadcast_object(1, root=3)
+        out[r] = (got, every)
+        c.close()
+        with pytest.raises(errors.NcclpyError, match="all_gather_object"):
+            c.all_gather_object(1)                      # closed: refused like any call
+    with standin() as eng:
+        run_ranks(3, rank)
+    for r in range(3):
+        assert out[r] == ({"cfg": [1, 2], "from": 2}, [("rank", 0), ("rank", 1), ("rank", 2)])
+    assert not [c for c in _names(eng) if c.startswith("ncclAll") or c.startswith("ncclBroad")]
+    assert eng.violations == []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from .._nccl.config import Config, effective_nonblocking, init_struct
 from .._nccl.cuda import cuda
@@ -127,6 +127,10 @@ class Communicator(CommExtras, CommLifecycle):
         if watchdog:
             from ..watchdog import Watchdog
             comm._watchdog = Watchdog(comm, store).start()
+        from .objects import ObjectExchange
+        comm._objects = ObjectExchange(store, comm.rank, comm.world_size,
+                                       f"ncclpy/{comm.name}/{getattr(bs, 'generation', 0)}/obj",
+                                       comm._timeout)
         return comm
 
     @classmethod
@@ -173,6 +177,7 @@ class Communicator(CommExtras, CommLifecycle):
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
         self._watch: Any = None              # the watchdog's deque of issued Work
         self._watchdog: Any = None
+        self._objects: Any = None            # broadcast_object / all_gather_object (objects.py)
         self.bootstrap: Any = None
         self._name = "default"
         self._dispatch = build_dispatch(self, lib, handle, nc)
@@ -354,6 +359,31 @@ class Communicator(CommExtras, CommLifecycle):
         return issue(self, self._resolver.resolve("send_recv", stream, sendbuf, recvbuf,
                                                   (send_peer, recv_peer)), (sendbuf, recvbuf))
 
+    def broadcast_object(self, obj: Any, root: int = 0, *,
+                         max_bytes: Optional[int] = None) -> Any:
+        """``obj`` of rank ``root`` on every rank (torch's ``broadcast_object_list`` for one
+        object), pickled through the rendezvous store, not NCCL: no GPU memory, no stream.
+        Every rank calls it, in the same order.  ``max_bytes`` bounds the pickled object
+        (default 16 MiB).  See :mod:`ncclpy.comm.objects`."""
+        self._check_usable("broadcast_object")
+        return self._object_exchange("broadcast_object").broadcast(obj, root, max_bytes)
+
+    def all_gather_object(self, obj: Any, *, max_bytes: Optional[int] = None) -> List[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (torch's
+        ``all_gather_object``), pickled through the rendezvous store; ``max_bytes`` bounds
+        each rank's pickled object (default 16 MiB), the joined result the store's largest
+        value.  See :mod:`ncclpy.comm.objects`."""
+        self._check_usable("all_gather_object")
+        return self._object_exchange("all_gather_object").all_gather(obj, max_bytes)
+
+    def _object_exchange(self, what: str) -> Any:
+        if self._objects is None:
+            from ..errors import UnsupportedError
+            raise UnsupportedError(f"{what}: this communicator was not made by ncclpy.init / "
+                                   f"from_bootstrap (a split child or a bare Communicator), so "
+                                   f"it has no rendezvous store for objects")
+        return self._objects
+
     def barrier(self, *, stream: Any = None, timeout: Optional[float] = None) -> Work:
         """Block the host until every rank has reached the barrier.
 
@@ -414,22 +444,51 @@ def group():
 
 def init(name: str = "default", config: Optional[Config] = None,
          timeout: Optional[float] = None, *, checked: Optional[bool] = None,
-         watchdog: Optional[bool] = None, **resolve_kwargs: Any) -> Communicator:
+         watchdog: Optional[bool] = None, from_torch: Any = None,
+         **resolve_kwargs: Any) -> Communicator:
     """Bootstrap (rendezvous + uid exchange) and create the communicator; makes its device
-    CuPy's current device.  ``timeout`` (default ``$NCCLPY_TIMEOUT``, else 300 s) bounds the
-    rendezvous, ``Work.wait()``, ``barrier()``, checked-mode checks and the watchdog;
-    ``checked`` / ``watchdog``: see :meth:`Communicator.from_bootstrap`.  Raises, before
-    the rendezvous: MissingDependencyError (no CuPy/libnccl), CudaUnavailableError (no
-    GPU); then RendezvousError, or the NcclError of ``ncclCommInitRank``."""
+    CuPy's current device.
+
+    * ``name``: the communicator's name (its keys in the store; several per job may coexist).
+    * ``config``: an :class:`ncclpy.Config` (NCCL's options), None for NCCL's defaults.
+    * ``timeout`` (default ``$NCCLPY_TIMEOUT``, else 300 s) bounds the rendezvous,
+      ``Work.wait()``, ``barrier()``, checked-mode checks and the watchdog.
+    * ``checked`` / ``watchdog``: see :meth:`Communicator.from_bootstrap`.
+    * ``from_torch``: a torch.distributed ProcessGroup (True: the default group): the ranks
+      of that group, rank r of it rank r here, the uid through torch's own store, no port
+      of ncclpy's (:mod:`ncclpy.rendezvous.torch_group`).  Rank, world size and store then
+      come from torch: only ``device`` and ``generation`` may be given besides.
+    * ``store``: any object with ncclpy's or torch's store methods (a ``TCPStore`` of either)
+      instead of connecting to ncclpy's store at the rendezvous address; ``token``: that
+      store's shared secret (default ``$NCCLPY_STORE_TOKEN``); ``uid_exchange``: "store"
+      (default), "mpi" (``MPI_Bcast`` under mpirun, no store) or "auto".
+    * ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr``,
+      ``master_port``, ``env``, ``device``, ``generation``: override what the environment says
+      (:func:`ncclpy.resolve`).
+
+    Raises, before any rendezvous: ArgumentError / ArgumentTypeError for its own arguments,
+    MissingDependencyError (no CuPy/libnccl), CudaUnavailableError (no GPU); then
+    RendezvousError, or the NcclError of ``ncclCommInitRank``."""
     timeout = default_timeout(timeout)
     checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
     watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
     from ..bootstrap import _check_device_arg, bootstrap
     _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
+    if from_torch is not None:
+        extra = sorted(set(resolve_kwargs) - {"device", "generation"})
+        if extra:
+            raise ArgumentError(f"ncclpy.init: from_torch takes rank, world size and store from "
+                                f"the torch group; drop {', '.join(extra)}")
+        from ..rendezvous.torch_group import torch_group
+        torch_group(from_torch)         # not a group, not initialised, not a member: say so now
     _check_device_arg(resolve_kwargs.get("device"))
     get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
-    bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
+    if from_torch is not None:
+        from ..rendezvous.torch_group import bootstrap_from_torch
+        bs = bootstrap_from_torch(from_torch, name, timeout=timeout, **resolve_kwargs)
+    else:
+        bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
     comm = Communicator.from_bootstrap(bs, config, timeout=timeout, checked=checked,
                                        watchdog=watchdog)
     cuda().use_device(comm.device)
@@ -452,11 +511,11 @@ def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
     for key in kwargs:
         if key not in INIT_KEYWORDS:
             near = difflib.get_close_matches(key, INIT_KEYWORDS + (
-                "timeout", "checked", "watchdog", "config", "name"), n=1)
+                "timeout", "checked", "watchdog", "config", "name", "from_torch"), n=1)
             raise ArgumentTypeError(f"ncclpy.init() got an unexpected keyword argument {key!r}"
                                     + (f"; did you mean {near[0]!r}?" if near else "")
                                     + f" (expected one of name, config, timeout, checked, "
-                                      f"watchdog, {', '.join(INIT_KEYWORDS)})")
+                                      f"watchdog, from_torch, {', '.join(INIT_KEYWORDS)})")
     from ..bootstrap import UID_EXCHANGES
     env = kwargs.get("env")
     env = os.environ if env is None else env

@@ -7,12 +7,13 @@ trip per rank. Any other store with the duck-typed methods (add, set, wait; e.g.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Optional
 
 from ..errors import ArgumentError, StoreError, StoreTimeout
 from .client import TCPStore
 
-__all__ = ["barrier"]
+__all__ = ["barrier", "count_out", "wait_counted_out"]
 
 
 def _wait(store, key: str, timeout: Optional[float]) -> None:
@@ -130,3 +131,22 @@ def _barrier_from_keys(store, prefix: str, tag: str, rank: int, world_size: int,
         except StoreTimeout as e:
             raise StoreTimeout(f"barrier {tag!r} (generation {gen}): rank {rank} hosts the store "
                                f"and timed out waiting for every rank to leave; {e}") from e
+
+
+def count_out(store, key: str) -> None:
+    """A reader's half of a hand-over: one ``add`` on ``key`` (its reply is sent before the
+    count can be seen, so the writer never leaves while this call is unanswered)."""
+    store.add(key, 1)
+
+
+def wait_counted_out(store, key: str, want: int, timeout: float, what: str) -> None:
+    """The writer's half: poll ``key`` until ``want`` readers have counted themselves out
+    (:func:`count_out`), within ``timeout`` seconds.  Unlike a barrier, no reply to a reader
+    is still in flight when this returns, so a writer that hosts the store may then exit."""
+    deadline, pause = time.monotonic() + timeout, 0.001
+    while int(store.add(key, 0)) < want:
+        if time.monotonic() >= deadline:
+            raise StoreTimeout(f"{what}: {key!r}: {want - int(store.add(key, 0))} of {want} "
+                               f"readers had not finished after {timeout:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)

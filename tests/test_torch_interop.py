@@ -1,0 +1,195 @@
+"""ncclpy inside a torch job, on CPU with gloo, up to the point a GPU is needed: the uid of
+``ncclpy.init(from_torch=group)`` goes through torch's own store (no port of ncclpy's) or, where
+that store cannot be reached, a broadcast in the group; rank r of the group is rank r of the
+communicator; subgroups and several communicators never share keys.  The object collectives
+(``broadcast_object`` / ``all_gather_object``) over both stores, with the writer hosting the store
+and leaving at once.  Real processes, real torch.distributed (gloo), real libnccl unique ids.
+Run as a script, this file is one rank."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+pytestmark = pytest.mark.timeout(300)
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+
+def _uid_available() -> str:
+    try:
+        from ncclpy.bootstrap import get_unique_id
+        get_unique_id()
+        return ""
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------ the rank (script mode)
+def _rank_main(mode: str, port: int, rank: int, world: int) -> None:
+    import datetime
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    from ncclpy.rendezvous import torch_group as T
+    out: dict = {"rank": rank}
+    if mode == "broadcast":     # a torch whose store cannot be reached: the broadcast path
+        from torch.distributed import distributed_c10d as c10d
+
+        def no_store():
+            raise RuntimeError("no default store in this torch")
+        c10d._get_default_store = no_store
+    if mode in ("store", "broadcast"):
+        a = T.bootstrap_from_torch(None, "a", timeout=30)
+        b = T.bootstrap_from_torch(True, "a", timeout=30)       # the same name again: gen 1
+        sub = dist.new_group([1, 2])
+        out.update(a=[a.rank, a.world_size, a.generation, a.uid.hex(), a.uid_exchange],
+                   b=[b.generation, b.uid.hex()])
+        if rank in (1, 2):
+            s = T.bootstrap_from_torch(sub, "a", timeout=30)
+            out["sub"] = [s.rank, s.world_size, s.generation, s.uid.hex()]
+        else:
+            try:
+                T.bootstrap_from_torch(sub, "a", timeout=30)
+            except Exception as e:  # noqa: BLE001
+                out["sub_error"] = f"{type(e).__name__}: {e}"
+        out["source"] = a.info.source
+    elif mode == "objects":     # through torch's store, from a communicator's point of view
+        from ncclpy.comm.objects import ObjectExchange
+        _, g, r, n, gname = T.torch_group(None)
+        ex = ObjectExchange(T._group_store(dist, gname, 30), r, n, "t/obj", 30)
+        out["b"] = ex.broadcast({"from": rank, "x": [1.5, rank]} if rank == 1 else None, 1)
+        out["g"] = ex.all_gather(("rank", rank, "y" * rank))
+        try:
+            ex.all_gather(b"z" * 2048, max_bytes=1024)
+        except Exception as e:  # noqa: BLE001
+            out["big"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out), flush=True)
+    if mode != "objects":
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _objects_hosted(port: int, rank: int, world: int) -> None:
+    """Rank 0 hosts ncclpy's store and exits the moment its collective returns."""
+    from ncclpy.comm.objects import ObjectExchange
+    from ncclpy.store import StoreServer, TCPStore
+    if rank == 0:
+        StoreServer("127.0.0.1", port).start()
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    ex = ObjectExchange(store, rank, world, "h/obj", 30)
+    got = ex.all_gather({"r": rank})
+    b = ex.broadcast(["root", rank] if rank == 0 else None, 0)
+    print(json.dumps({"g": got, "b": b}), flush=True)
+    os._exit(0)
+
+
+# ------------------------------------------------------------------ the tests
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(mode: str, world: int = 3) -> list:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for k in ("NCCLPY_STORE_TOKEN", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    port = _free_port()
+    ps = [subprocess.Popen([sys.executable, __file__, mode, str(port), str(r), str(world)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+          for r in range(world)]
+    outs = []
+    for p in ps:
+        o, e = p.communicate(timeout=240)
+        assert p.returncode == 0, e.decode()[-3000:]
+        outs.append(json.loads(o.decode().strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["store", "broadcast"])
+def test_from_torch_shares_one_uid_per_group_and_generation(mode):
+    why = _uid_available()
+    if why:
+        pytest.skip(f"libnccl cannot make a unique id here: {why}")
+    outs = _job(mode)
+    a = [o["a"] for o in outs]
+    assert [x[:3] for x in a] == [[0, 3, 1], [1, 3, 1], [2, 3, 1]]      # group rank = rank
+    assert len({x[3] for x in a}) == 1 and {x[4] for x in a} == {
+        "store" if mode == "store" else "torch-broadcast"}
+    b = [o["b"] for o in outs]
+    assert {x[0] for x in b} == {2} and len({x[1] for x in b}) == 1 and b[0][1] != a[0][3]
+    sub = [o.get("sub") for o in outs]
+    assert sub[0] is None and "is not a member of the group" in outs[0]["sub_error"]
+    assert [s[:3] for s in sub[1:]] == [[0, 2, 1], [1, 2, 1]]         # ranks 1, 2 -> 0, 1
+    assert sub[1][3] == sub[2][3] and sub[1][3] not in (a[0][3], b[0][1])
+    assert outs[0]["source"].startswith("torch.distributed group ")
+
+
+def test_object_collectives_through_torchs_store():
+    outs = _job("objects")
+    for o in outs:
+        assert o["b"] == {"from": 1, "x": [1.5, 1]}
+        assert o["g"] == [["rank", 0, ""], ["rank", 1, "y"], ["rank", 2, "yy"]]
+        assert o["big"].startswith("ArgumentError: all_gather_object: the object pickles to ")
+        assert "expected at most max_bytes=1024" in o["big"]
+
+
+def test_object_collectives_when_the_writer_hosts_the_store_and_leaves_at_once():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("NCCLPY_STORE_TOKEN", None)
+    for attempt in range(4):
+        port, t0 = _free_port(), time.monotonic()
+        ps = [subprocess.Popen([sys.executable, __file__, "hosted", str(port), str(r), "3"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+              for r in range(3)]
+        for p in ps:
+            o, e = p.communicate(timeout=120)
+            assert p.returncode == 0, e.decode()[-3000:]
+            got = json.loads(o.decode().strip().splitlines()[-1])
+            assert got == {"g": [{"r": 0}, {"r": 1}, {"r": 2}], "b": ["root", 0]}, got
+        assert time.monotonic() - t0 < 25, attempt    # nobody waited out its 30 s bound
+
+
+def test_from_torch_errors_come_before_any_gpu_or_store(monkeypatch):
+    import ncclpy
+    from ncclpy.errors import (ArgumentError, ArgumentTypeError, CudaUnavailableError,
+                               RendezvousError)
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this test process")
+    with pytest.raises(RendezvousError, match="torch.distributed is not initialised"):
+        ncclpy.init(from_torch=True)
+    port = _free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ArgumentTypeError, match="from_torch: expected a torch.distributed "
+                                                    "ProcessGroup"):
+            ncclpy.init(from_torch="world")
+        with pytest.raises(ArgumentError, match="from_torch takes rank, world size and store "
+                                                "from the torch group; drop rank"):
+            ncclpy.init(from_torch=True, rank=0)
+        from ncclpy.info import no_gpu_reason
+        why = no_gpu_reason()
+        if why and not why.startswith("CuPy is not"):
+            with pytest.raises(CudaUnavailableError):     # the GPU check, before the store
+                ncclpy.init(from_torch=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    m, prt, rk, ws = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    if m == "hosted":
+        _objects_hosted(prt, rk, ws)
+    else:
+        _rank_main(m, prt, rk, ws)
