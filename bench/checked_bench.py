@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import timeit
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,14 +69,61 @@ def hot_path() -> Dict[str, float]:
     return {"checker_test_ns": test / n * 1e9, "watch_append_ns": app / (n // 20) * 1e9}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", default="2,8,64")
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m bench.checked_bench``'s parser (one-line usage errors, exit status 2)."""
+    from ncclpy.cli_util import OneLineParser
+    ap = OneLineParser(prog="python -m bench.checked_bench",
+                       description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=_worlds, default=[2, 8, 64], metavar="N,N,...",
+                    help="world sizes, ranks as threads over one real store (default 2,8,64)")
+    ap.add_argument("--calls", type=_positive, default=200, metavar="K",
+                    help="checked calls per rank at world sizes up to 8; a quarter (at least "
+                         "20) above (default 200)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the results as JSON (its folder must exist)")
+    return ap
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _worlds(text: str) -> List[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or any(w < 2 for w in out):
+        raise argparse.ArgumentTypeError(f"expected world sizes >= 2 such as 2,8,64, got "
+                                         f"{text!r}")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; a usage error is one line (exit 2), Ctrl-C 130, a closed pipe 141."""
+    from ncclpy.cli_util import run_cli
+    try:
+        return run_cli("python -m bench.checked_bench", lambda: _main(argv))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.json:
+        from ncclpy.check.cli import check_output_path
+        why = check_output_path(a.json)
+        if why:
+            ap.error(f"{ap.flag('json')}: {why}")
     doc = {"cpus": os.cpu_count(), "calls": a.calls, "results": [], **hot_path()}
-    for w in map(int, a.worlds.split(",")):
+    for w in a.worlds:
         calls = a.calls if w <= 8 else max(a.calls // 4, 20)
         med = run(w, calls)
         doc["results"].append({"world": w, "calls": calls, "median_us": med * 1e6})

@@ -88,8 +88,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> OverheadConfig:
     from bench.cli import parse_backends, parse_size
     from ncclpy import registry
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m bench.overhead",
-                                description=__doc__.split("\n\n")[0])
+    p = build_parser()
+    a = p.parse_args(argv)
+    return _config(p, a, argv, parse_backends, parse_size, registry)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m bench.overhead``'s parser (one-line usage errors, exit status 2)."""
+    from ncclpy.cli_util import OneLineParser
+    p = OneLineParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--collective", default="all_reduce", help="default all_reduce")
     p.add_argument("--sizes", default="8,64,512,4K", help="comma-separated sizes (default "
                    "8,64,512,4K; K = 1024)")
@@ -105,8 +112,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> OverheadConfig:
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default 2 unless run under a launcher)")
     p.add_argument("-J", "--json", default=None, metavar="FILE", help="write results as JSON")
-    p.add_argument("--timeout", type=float, default=300.0)
-    a = p.parse_args(argv)
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the other ranks at set-up (default 300)")
+    return p
+
+
+def _config(p: argparse.ArgumentParser, a: argparse.Namespace, argv: List[str],
+            parse_backends: Any, parse_size: Any, registry: Any) -> OverheadConfig:
     coll = registry.get(a.collective)
     if not coll.data:
         raise ArgumentError(f"--collective: {coll.name} moves no data")
@@ -291,11 +303,21 @@ def _spawned(rank: int, cfg: OverheadConfig) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: 0 on success, 2 on a bad command line or without a GPU, 1 on failure."""
+    """Entry point: 0 on success, 2 on a bad command line or without a GPU, 1 on failure;
+    Ctrl-C 130, a closed output pipe 141."""
+    from ncclpy.cli_util import run_cli
+    try:
+        return run_cli("python -m bench.overhead", lambda: _main(argv))
+    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = parse_args(argv)
     except ArgumentError as e:
-        print(f"python -m bench.overhead: error: {e}", file=sys.stderr)
+        print(f"python -m bench.overhead: error: {e} (see 'python -m bench.overhead -h')",
+              file=sys.stderr)
         return 2
     if cfg.device == "none":
         print("python -m bench.overhead: needs a CUDA GPU: it measures the host-side cost of "

@@ -44,6 +44,7 @@ from ncclpy.debug.heartbeat import is_late, on_time_limit  # noqa: E402
 from ncclpy.store import protocol as P  # noqa: E402
 from ncclpy.store import tablewire as W  # noqa: E402
 from ncclpy.store.poller import raise_nofile_limit  # noqa: E402
+from bench.scale_table import markdown  # noqa: E402
 from ncclpy.watchdog import (INTERVAL, Peer, WatchState, peers_from_beat,  # noqa: E402
                              report_after)
 
@@ -471,8 +472,10 @@ def _fault(loop: Loop, real: subprocess.Popen, fault: str, port: int) -> Dict[st
             "silence_limit_s": DEAD_AFTER}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m bench.scale``'s parser (one-line usage errors, exit status 2)."""
+    from ncclpy.cli_util import OneLineParser
+    p = OneLineParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a subset within about 2 minutes")
     p.add_argument("--ranks", default=None, metavar="N,N,...",
                    help="world sizes to run, spread 0, no fault (default: the full table)")
@@ -489,6 +492,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--_server", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_rank", nargs=3, type=int, help=argparse.SUPPRESS)
     p.add_argument("--_getter", nargs=2, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; a usage error is one line (exit 2)."""
+    try:
+        return _main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a._server:
         _server_main(a._server)
@@ -537,31 +553,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = [r for r in results if r["false_aborts"] or (r.get("fault") and
                                                        r["named_by"] != r["of"])]
     return 1 if bad or keys["keys_after"] > keys["keys_before"] else 0
-
-
-def markdown(data: Dict[str, Any]) -> str:
-    """The results as the table of ``docs/performance.md``."""
-    rows = ["| ranks | spread s | fault | store req/s | store CPU (1 core) | µs/req | beat p50 / "
-            "p99 ms | unrelated get p99 ms | false aborts | checked call ms (p50 / p99) | store "
-            "ms/call | keys after | connections | named by (max s) |",
-            "|" + "---|" * 14]
-    for r in data["results"]:
-        def ms(k: str) -> str:
-            return "" if r.get(k) is None else f"{1e3 * r[k]:.1f}"
-        chk = (f"{r['checked_call_ms']:.1f} / {r['checked_call_p99_ms']:.1f}"
-               if r.get("checked_call_ms") is not None else "")
-        named = (f"{r['named_by']}/{r['of']} ({r['detect_max_s']} s)" if r.get("fault") else "")
-        rows.append(f"| {r['ranks']} | {r['spread_s']} | {r.get('fault') or ''} | "
-                    f"{r['store_requests_per_s']} | {100 * r['store_cpu_fraction']:.1f} % | "
-                    f"{r['store_cpu_us_per_request']} | {ms('beat_p50_s')} / {ms('beat_p99_s')} | "
-                    f"{r['unrelated_get_p99_ms']} | {r['false_aborts']} | {chk} | "
-                    f"{r.get('checked_store_cpu_ms', '')} | {r['store_keys_after']} | "
-                    f"{r['connections']} | {named} |")
-    k = data.get("checked_keys")
-    if k:
-        rows.append(f"\nKey count over {k['rounds']:,} checked calls of 2 ranks (real Checker): "
-                    f"{k['keys_before']} before, {k['keys_after']} after ({k['seconds']} s).")
-    return "\n".join(rows)
 
 
 def _key_count(rounds: int) -> Dict[str, Any]:

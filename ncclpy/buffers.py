@@ -85,7 +85,7 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffer spans: ``count * itemsize`` of its dtype."""
+        """The bytes the buffer spans, ``count * itemsize`` of its dtype."""
         return self.count * self.itemsize
 
     @property
@@ -153,7 +153,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffer spans: ``count * itemsize`` of its dtype."""
+        """The bytes the buffer spans, ``count * itemsize`` of its dtype."""
         return self.count * LOGICAL[self.dtype].itemsize
 
 

@@ -203,6 +203,17 @@ def test_reference_builds_with_warnings_as_errors(tmp_path):
         assert flag in cli, flag
     errs = (tmp_path / "html" / "api" / "errors.html").read_text()
     assert 'id="ncclpy.NcclTimeoutError"' in errs and 'id="ncclpy.CommAbortedError"' in errs
+    for tool in ("ncclpy plan", "python -m ncclpy.selftest", "python -m bench.overhead",
+                 "python -m bench.host_overhead", "python -m bench.store_bench",
+                 "python -m bench.checked_bench", "python -m bench.scale"):
+        assert f"usage: {tool}" in cli, tool          # every command line, with its help
+    for flag in ("--require-ncclpy", "--nccl-version", "--calls K", "--worlds N,N,..."):
+        assert flag in cli, flag
+    # a property docstring "X: Y" renders as a bogus "Type: ..." field: none may
+    for page in sorted((tmp_path / "html").rglob("*.html")):
+        html = page.read_text()
+        assert ">Type<" not in html and ">Type:<" not in html, page.name
+    assert "from_torch" in (tmp_path / "html" / "concepts" / "torch.html").read_text()
 
 
 @pytest.mark.slow

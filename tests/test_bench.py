@@ -613,3 +613,19 @@ def test_coord_aggregates_across_ranks_like_nccl_tests():
                                                                                   8.0, 6.0)
         assert got["any"] == "rank 2 failed" and got["none"] is None
         assert got["gather"] == ([b"0", b"1", b"2"] if rank == 0 else [])
+
+
+@pytest.mark.parametrize("module, args, words", [
+    ("bench.overhead", ["--calls", "0"], "--calls: expected >= 1, got 0"),
+    ("bench.overhead", ["--calls", "x"], "--calls: invalid int value: 'x'"),
+    ("bench.checked_bench", ["--worlds", "1"], "--worlds: expected world sizes >= 2"),
+    ("bench.checked_bench", ["--json", "/nonexistent-ncclpy/x.json"], "--json: cannot write"),
+    ("bench.host_overhead", ["--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+    ("bench.host_overhead", ["--json", "/nonexistent-ncclpy/x.json"], "--json: cannot write"),
+    ("bench.scale", ["--window", "x"], "--window: "),
+])
+def test_every_bench_tool_refuses_in_one_line(module, args, words):
+    cp = _run(module, *args, timeout=60)
+    assert cp.returncode == 2 and cp.stdout == "", (cp.stdout, cp.stderr)
+    assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr.startswith(f"python -m {module}: error: {words}"), cp.stderr

@@ -205,3 +205,5 @@ def test_without_a_gpu_the_summary_says_ncclpy_did_not_run(tmp_path):
     s = doc["summary"]
     assert s["passed"] == 0 and s["ncclpy_cases"] == 0 and s["passed_torch_only"] == s["cases"]
     assert "ncclpy did not run" in doc["compared"]
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text()))

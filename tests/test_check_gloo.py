@@ -395,6 +395,9 @@ def test_full_gloo_matrix(n, tmp_path):
     s = _summary(p.stdout)
     assert " 0 failed" in s and "(gloo)" in s and "0 within ULP" in s
     assert "ncclpy NOT run torch (gloo) vs numpy reference only:" in s
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text())
+    jsonschema.validate(json.loads(js.read_text()), schema)      # the documented schema
     doc = json.loads(js.read_text())
     want, skipped = C.build_matrix(n, backend="gloo")
     assert doc["exit_code"] == 0 and doc["summary"]["failed"] == 0

@@ -48,7 +48,7 @@ def test_no_gpu_exits_2_at_once_with_one_line(tmp_path):
     lines = p.stderr.splitlines()
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("ncclpy.selftest: no CUDA GPU here (")
-    assert lines[0].endswith("); run it on the GPU machine")
+    assert lines[0].endswith("); nothing was run: it needs a machine with an NVIDIA GPU")
     assert p.stdout == "" and not out.exists()
 
 
@@ -85,9 +85,9 @@ def test_unknown_stage_is_refused_naming_the_stages():
     p = _run("--stage", "nope", "/tmp/never-made")
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
-    last = p.stderr.strip().splitlines()[-1]
-    assert last == ("python -m ncclpy.selftest: error: --stage: unknown stage 'nope'; the stages "
-                    "are: " + ", ".join(S.NAMES))
+    assert p.stderr == ("python -m ncclpy.selftest: error: --stage: unknown stage 'nope'; the "
+                        "stages are: " + ", ".join(S.NAMES)
+                        + " (see 'python -m ncclpy.selftest -h')\n")     # one line
 
 
 @pytest.mark.parametrize("value,msg", [("-3", "expected seconds > 0, got '-3'"),
@@ -97,14 +97,16 @@ def test_unknown_stage_is_refused_naming_the_stages():
 def test_bad_budget_is_refused(value, msg):
     p = _run("--budget", value, "/tmp/never-made")
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().endswith(f"error: argument --budget: {msg}"), p.stderr
+    assert p.stderr == (f"python -m ncclpy.selftest: error: --budget: {msg} (see 'python -m "
+                        f"ncclpy.selftest -h')\n"), p.stderr         # one line, no usage block
 
 
 def test_outdir_is_required_without_list():
     p = _run()
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().endswith("error: OUTDIR is required (the folder for the report), "
-                                     "unless --list")
+                                     "unless --list (see 'python -m ncclpy.selftest -h')")
+    assert p.stderr.count("\n") == 1, p.stderr
 
 
 def test_closed_stdout_gives_no_traceback():

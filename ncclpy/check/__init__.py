@@ -5,8 +5,9 @@ Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (one 
 :mod:`.session` (a rank's whole run), :mod:`.divergences` (torch's known divergences and refusals),
 :mod:`.fairness` (pinned environment, same libnccl, placement under torchrun),
 :mod:`.compare` (byte and ULP comparison), :mod:`.report` (table rows, summary and JSON),
-:mod:`.overview` (progress line, collective x dtype matrix, what did not pass), :mod:`.cli`
-(``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples as data).  ``session``
+:mod:`.overview` (progress line, collective x dtype matrix, what did not pass),
+:mod:`ncclpy.check.cli` (``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples
+as data), ``schema.json`` (the ``--json`` file's schema).  ``session``
 imports ``runner``, never the reverse.
 Importing this package imports neither torch nor CuPy.
 """

@@ -107,7 +107,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--seed", type=_seed, default=1234, help="input seed (per rank and case)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write every case as JSON ('-': stdout, the report then goes to "
-                        "stderr); the file's directory must exist")
+                        "stderr); the file's directory must exist; its schema is "
+                        "ncclpy/check/schema.json")
     p.add_argument("--require-ncclpy", action="store_true",
                    help="fail (exit 1) unless ncclpy itself ran every case: without it a machine "
                         "with no GPU checks only torch (gloo) against the reference, and says so")

@@ -215,7 +215,7 @@ class Communicator(CommExtras, CommLifecycle):
 
     @property
     def config(self) -> Optional[Config]:
-        """The :class:`Config` it was created with (None: NCCL's defaults)."""
+        """The :class:`Config` it was created with, or None where NCCL's defaults apply."""
         return self._config
 
     @property

@@ -9,7 +9,7 @@ ncclpy, cupy, torch, 8 B - 256 MiB), ``overhead``, ``examples``, ``benchtests``.
 
 Modules: :mod:`.stages` (what runs, selection, budget arithmetic), :mod:`.runner` (bounded
 subprocesses), :mod:`.parse` (junit, check, bench and overhead files), :mod:`.report` (report,
-summary, paste block), :mod:`.probe` (GPU present? versions), :mod:`.cli`.
+summary, paste block), :mod:`.probe` (GPU present? versions), :mod:`ncclpy.selftest.cli`.
 """
 from __future__ import annotations
 

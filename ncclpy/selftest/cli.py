@@ -60,15 +60,17 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    p = argparse.ArgumentParser(
+    from ..cli_util import OneLineParser
+    p = OneLineParser(
         prog=f"python -m {PROGRAM}",
         description="Prove ncclpy on a GPU: versions, the GPU tests, ncclpy check against "
                     "torch, the bench sweep and overhead, the examples; one bounded stage "
                     "after another, most valuable first.  Run it from the repository root "
                     "(PYTHONPATH=.).",
-        epilog=f"Stages, in order: {', '.join(NAMES)} (info always runs first).  On the lent "
-               f"GPU machine: PYTHONPATH=. python3 -m {PROGRAM} $OUT, then, if stages were "
-               f"left, a second call with --stage NAME for each.")
+        epilog=f"Stages, in order: {', '.join(NAMES)} (info always runs first).  On a GPU "
+               f"machine: PYTHONPATH=. python3 -m {PROGRAM} OUTDIR, then, if stages were "
+               f"left, a second call with --stage NAME for each.  Exit status 0 only when "
+               f"every stage passed.")
     p.add_argument("outdir", nargs="?", metavar="OUTDIR",
                    help="folder for report.md, summary.json and stages.tar.gz (created)")
     p.add_argument("--stage", action="append", metavar="NAME", default=[],
@@ -183,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
         return _term_status or 130
+    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 def _main(args: List[str]) -> int:
@@ -205,7 +209,8 @@ def _main(args: List[str]) -> int:
     from .probe import cuda_reason
     why = cuda_reason()
     if why:
-        sys.stderr.write(f"{PROGRAM}: no CUDA GPU here ({why}); run it on the GPU machine\n")
+        sys.stderr.write(f"{PROGRAM}: no CUDA GPU here ({why}); nothing was run: it needs a "
+                         f"machine with an NVIDIA GPU\n")
         return 2
     if ns.loose and os.path.isdir(os.path.join(ns.outdir, "stages")) and \
             os.listdir(os.path.join(ns.outdir, "stages")):

@@ -144,7 +144,7 @@ class StoreServer(ConnIO, Tables):
 
     @property
     def address(self) -> Tuple[str, int]:
-        """``(host, port)``: what clients connect to."""
+        """What clients connect to, as ``(host, port)``."""
         return (self._host, self._port)
 
     @property
