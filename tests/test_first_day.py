@@ -126,3 +126,13 @@ def test_tcpstore_takes_torchs_positional_form_and_says_what_wait_wants():
     finally:
         server.server.close()
         server.close()
+
+
+def test_init_docstring_names_every_keyword_a_torch_user_needs():
+    doc = ncclpy.init.__doc__
+    for word in ("``store``", "``token``", "``uid_exchange``", "``from_torch``", "``config``",
+                 "``timeout``", "``checked``", "``watchdog``"):
+        assert word in doc, word
+    from ncclpy.comm.communicator import INIT_KEYWORDS
+    for key in INIT_KEYWORDS:                 # every keyword init() passes on is documented
+        assert f"``{key}``" in doc, key

@@ -56,11 +56,28 @@ def test_host_overhead_runs_and_writes_the_issue_json(tmp_path):
     assert sum(1 for line in lines if line.split()[:1] in (["Buffer"], ["cai"], ["cupy"])) == \
         len(doc["results"])
     assert "# torch: not measured" in cp.stdout
+    from ncclpy.ops import format_version      # NCCL's version as every tool prints it
+    floor = next(ln for ln in lines if ln.startswith("# floor: "))
+    assert floor.endswith(f"(NCCL {format_version(doc['floor']['nccl_version'])})"), floor
 
 
 def test_host_overhead_bad_arguments_exit_2():
     cp = _run("bench.host_overhead", "--repeats", "0")
     assert cp.returncode == 2 and "--repeats" in cp.stderr
+
+
+def test_host_overhead_says_it_needs_the_cuda_extra():
+    """Documented as a CPU benchmark: it is one, but it needs libnccl (the CUDA extra)."""
+    from bench import host_overhead
+    assert "needs the CUDA extra" in host_overhead.__doc__
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy.cuda'] = None\n"
+            "from bench.host_overhead import main; sys.exit(main(['--repeats', '1']))")
+    cp = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)
+    assert cp.returncode == 2 and cp.stdout == "" and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr.startswith("python -m bench.host_overhead: needs libnccl (the CUDA extra: "
+                                "pip install 'ncclpy[cu13]'"), cp.stderr
 
 
 def test_host_overhead_times_the_real_paths():
