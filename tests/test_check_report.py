@@ -154,8 +154,8 @@ def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
     assert len(table) == sum(c["case"]["collective"] in ("all_reduce", "broadcast")
                              for c in a["cases"])
     assert a["cases"] == b["cases"] and a["summary"] == b["summary"] and \
-        set(a) == set(b) == {"header", "summary", "exit_code", "problems", "seconds", "cases",
-                             "skipped"}
+        set(a) == set(b) == {"header", "summary", "exit_code", "problems", "compared", "seconds",
+                             "cases", "skipped"}
 
 
 def test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix():
