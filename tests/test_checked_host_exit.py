@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,24 +20,34 @@ if ROOT not in sys.path:
 pytestmark = pytest.mark.timeout(300)
 
 
-def _rank(kind: str, port: int, rank: int, world: int) -> None:
+def _rank(kind: str, portfile: str, rank: int, world: int) -> None:
     """One rank: rank 0 hosts the store; the last rank plans 17 elements, the others 16."""
     from ncclpy import Buffer
     from ncclpy.checked import Checker
     from ncclpy.comm.resolver import Resolver
     from ncclpy.plan.types import PlanContext
     server = None
+    from port_file import publish_port, read_port
     if kind == "ncclpy":
         from ncclpy.store import StoreServer, TCPStore
         if rank == 0:
-            server = StoreServer("127.0.0.1", port).start()
+            server = StoreServer("127.0.0.1", 0).start()
+            publish_port(portfile, server.port)
+        port = read_port(portfile)
         store = TCPStore("127.0.0.1", port, timeout=30)
     else:
         import datetime
         import torch.distributed as dist
         from ncclpy.torch_store import TorchStoreAdapter
-        raw = dist.TCPStore("127.0.0.1", port, world, rank == 0,
-                            timeout=datetime.timedelta(seconds=30))
+        if rank == 0:
+            raw = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=30))
+            port = raw.port
+            publish_port(portfile, port)
+        else:
+            port = read_port(portfile)
+            raw = dist.TCPStore("127.0.0.1", port, world, False,
+                                timeout=datetime.timedelta(seconds=30))
         store = TorchStoreAdapter(raw, f"127.0.0.1:{port}", 30)
     count = 17 if rank == world - 1 else 16
     plan = Resolver(PlanContext(rank, world)).resolve(
@@ -52,23 +61,17 @@ def _rank(kind: str, port: int, rank: int, world: int) -> None:
     os._exit(0)      # at once, store and server with it: the race this test is about
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("kind", ["ncclpy", "torch"])
-def test_every_rank_raises_the_mismatch_though_rank_0_leaves_at_once(kind):
+def test_every_rank_raises_the_mismatch_though_rank_0_leaves_at_once(kind, tmp_path):
     if kind == "torch":
         pytest.importorskip("torch.distributed")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((ROOT, os.path.join(ROOT, "tests"))))
     env.pop("NCCLPY_STORE_TOKEN", None)
     world = 3
     for attempt in range(6):
         t0 = time.monotonic()
-        port = _free_port()
-        ps = [subprocess.Popen([sys.executable, __file__, kind, str(port), str(r), str(world)],
+        portfile = str(tmp_path / f"port{attempt}")
+        ps = [subprocess.Popen([sys.executable, __file__, kind, portfile, str(r), str(world)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
               for r in range(world)]
         for r, p in enumerate(ps):
@@ -82,4 +85,4 @@ def test_every_rank_raises_the_mismatch_though_rank_0_leaves_at_once(kind):
 
 
 if __name__ == "__main__":
-    _rank(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    _rank(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -293,3 +293,26 @@ def test_mpi_job_port_accepts_any_job_id():
     assert mpi_job_port("7") == 30007
     assert mpi_job_port("prterun-host-1234@1") == mpi_job_port("prterun-host-1234@1")
     assert 30000 <= mpi_job_port("prterun-host-1234@1") <= 32766
+
+
+def test_free_port_picks_below_the_ephemeral_range():
+    """A port from the ephemeral range can be taken by any outgoing connection between the
+    check and the store's bind (EADDRINUSE, seen in CI); picks come from below it."""
+    import socket
+    from ncclpy.rendezvous import environment as E
+    lo, _ = E._ephemeral_range()
+    if lo - 2 <= E.PICK_LOW:
+        pytest.skip(f"no room below the ephemeral range here (it starts at {lo})")
+    for span in (1, 2):
+        for _ in range(20):
+            p = E.free_port("127.0.0.1", span=span)
+            assert E.PICK_LOW <= p and p + span - 1 < lo, (p, lo)
+            for k in range(span):               # every port of the span binds
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("127.0.0.1", p + k))
+    from ncclpy.launch.ports import free_port as launcher_port
+    from ncclpy.launch.spawn import _two_free_ports
+    assert launcher_port("127.0.0.1") < lo
+    a, b = _two_free_ports("127.0.0.1")
+    assert a != b and a < lo and b < lo

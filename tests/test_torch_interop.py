@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,11 +34,16 @@ def _uid_available() -> str:
 
 
 # ------------------------------------------------------------------ the rank (script mode)
-def _rank_main(mode: str, port: int, rank: int, world: int) -> None:
+def _rank_main(mode: str, portfile: str, rank: int, world: int) -> None:
     import datetime
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    from port_file import publish_port, read_port
+    tmo = datetime.timedelta(seconds=60)
+    if rank == 0:       # the job's store on a port the kernel picked (no free-port race)
+        store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False, timeout=tmo)
+        publish_port(portfile, store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", read_port(portfile), world, False, timeout=tmo)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=tmo)
     from ncclpy.rendezvous import torch_group as T
     out: dict = {"rank": rank}
     if mode == "broadcast":     # a torch whose store cannot be reached: the broadcast path
@@ -79,13 +83,14 @@ def _rank_main(mode: str, port: int, rank: int, world: int) -> None:
     os._exit(0)
 
 
-def _objects_hosted(port: int, rank: int, world: int) -> None:
+def _objects_hosted(portfile: str, rank: int, world: int) -> None:
     """Rank 0 hosts ncclpy's store and exits the moment its collective returns."""
+    from port_file import publish_port, read_port
     from ncclpy.comm.objects import ObjectExchange
     from ncclpy.store import StoreServer, TCPStore
     if rank == 0:
-        StoreServer("127.0.0.1", port).start()
-    store = TCPStore("127.0.0.1", port, timeout=30)
+        publish_port(portfile, StoreServer("127.0.0.1", 0).start().port)
+    store = TCPStore("127.0.0.1", read_port(portfile), timeout=30)
     ex = ObjectExchange(store, rank, world, "h/obj", 30)
     got = ex.all_gather({"r": rank})
     b = ex.broadcast(["root", rank] if rank == 0 else None, 0)
@@ -94,18 +99,17 @@ def _objects_hosted(port: int, rank: int, world: int) -> None:
 
 
 # ------------------------------------------------------------------ the tests
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _job(mode: str, world: int = 3) -> list:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((ROOT, os.path.join(ROOT, "tests"))))
     for k in ("NCCLPY_STORE_TOKEN", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    port = _free_port()
-    ps = [subprocess.Popen([sys.executable, __file__, mode, str(port), str(r), str(world)],
+    return env
+
+
+def _job(mode: str, tmp: str, world: int = 3) -> list:
+    env = _env()
+    portfile = os.path.join(tmp, f"port-{mode}")
+    ps = [subprocess.Popen([sys.executable, __file__, mode, portfile, str(r), str(world)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
           for r in range(world)]
     outs = []
@@ -117,11 +121,11 @@ def _job(mode: str, world: int = 3) -> list:
 
 
 @pytest.mark.parametrize("mode", ["store", "broadcast"])
-def test_from_torch_shares_one_uid_per_group_and_generation(mode):
+def test_from_torch_shares_one_uid_per_group_and_generation(mode, tmp_path):
     why = _uid_available()
     if why:
         pytest.skip(f"libnccl cannot make a unique id here: {why}")
-    outs = _job(mode)
+    outs = _job(mode, str(tmp_path))
     a = [o["a"] for o in outs]
     assert [x[:3] for x in a] == [[0, 3, 1], [1, 3, 1], [2, 3, 1]]      # group rank = rank
     assert len({x[3] for x in a}) == 1 and {x[4] for x in a} == {
@@ -135,8 +139,8 @@ def test_from_torch_shares_one_uid_per_group_and_generation(mode):
     assert outs[0]["source"].startswith("torch.distributed group ")
 
 
-def test_object_collectives_through_torchs_store():
-    outs = _job("objects")
+def test_object_collectives_through_torchs_store(tmp_path):
+    outs = _job("objects", str(tmp_path))
     for o in outs:
         assert o["b"] == {"from": 1, "x": [1.5, 1]}
         assert o["g"] == [["rank", 0, ""], ["rank", 1, "y"], ["rank", 2, "yy"]]
@@ -144,12 +148,11 @@ def test_object_collectives_through_torchs_store():
         assert "expected at most max_bytes=1024" in o["big"]
 
 
-def test_object_collectives_when_the_writer_hosts_the_store_and_leaves_at_once():
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("NCCLPY_STORE_TOKEN", None)
+def test_object_collectives_when_the_writer_hosts_the_store_and_leaves_at_once(tmp_path):
+    env = _env()
     for attempt in range(4):
-        port, t0 = _free_port(), time.monotonic()
-        ps = [subprocess.Popen([sys.executable, __file__, "hosted", str(port), str(r), "3"],
+        portfile, t0 = str(tmp_path / f"port{attempt}"), time.monotonic()
+        ps = [subprocess.Popen([sys.executable, __file__, "hosted", portfile, str(r), "3"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
               for r in range(3)]
         for p in ps:
@@ -168,9 +171,8 @@ def test_from_torch_errors_come_before_any_gpu_or_store(monkeypatch):
         pytest.skip("torch.distributed is already initialised in this test process")
     with pytest.raises(RendezvousError, match="torch.distributed is not initialised"):
         ncclpy.init(from_torch=True)
-    port = _free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         with pytest.raises(ArgumentTypeError, match="from_torch: expected a torch.distributed "
                                                     "ProcessGroup"):
@@ -188,7 +190,7 @@ def test_from_torch_errors_come_before_any_gpu_or_store(monkeypatch):
 
 
 if __name__ == "__main__":
-    m, prt, rk, ws = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    m, prt, rk, ws = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     if m == "hosted":
         _objects_hosted(prt, rk, ws)
     else:

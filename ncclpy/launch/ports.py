@@ -39,26 +39,14 @@ def check_local(host: str, name: str = "--master-addr") -> None:
 
 def free_port(host: str) -> int:
     """A free port P on ``host`` (a local address) with P+1 free too (torch's store gets
-    ``MASTER_PORT`` = P+1)."""
-    fam = bind_family(host)
-    port = 0
+    ``MASTER_PORT`` = P+1), below the kernel's ephemeral range where possible
+    (:func:`ncclpy.rendezvous.free_port`)."""
+    from ..rendezvous import free_port as pick
     try:
-        for _ in range(50):
-            with socket.socket(fam, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = int(s.getsockname()[1])
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket(fam, socket.SOCK_STREAM) as s2:
-                    s2.bind((host, port + 1))
-                return port
-            except OSError:
-                continue
+        return pick(host, span=2)
     except OSError as e:
         raise LaunchError(f"cannot pick a free port on {host} ({e.strerror or e}); pass "
                           f"--master-port") from None
-    return port
 
 
 def check_port(port: Any, name: str = "--master-port") -> None:

@@ -30,7 +30,6 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -122,13 +121,15 @@ def _check_picklable(start_method: str, fn: Any, args: Sequence[Any]) -> None:
 
 
 def _two_free_ports(host: str) -> tuple[int, int]:
-    """Two distinct free ports on ``host`` (held open together so they differ)."""
+    """Two distinct free ports on ``host``, below the ephemeral range where possible (see
+    :func:`ncclpy.rendezvous.free_port`): ncclpy's store and torch's ``MASTER_PORT``."""
+    from ncclpy.rendezvous import free_port
     bind = host if host in ("127.0.0.1", "localhost", "::1") else ""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as a, socket.socket(family) as b:
-        a.bind((bind, 0))
-        b.bind((bind, 0))
-        return int(a.getsockname()[1]), int(b.getsockname()[1])
+    a = free_port(bind or "0.0.0.0")
+    b = free_port(bind or "0.0.0.0")
+    while b == a:
+        b = free_port(bind or "0.0.0.0")
+    return a, b
 
 
 def _stderr_line(line: str) -> None:

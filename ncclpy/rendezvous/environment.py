@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import socket
 import zlib
@@ -203,12 +204,52 @@ def mpi_job_port(job: str) -> int:
     return MPI_PORT_BASE + n % MPI_PORT_SPAN
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (bind to 0, read it back, close)."""
+#: the lowest port :func:`free_port` picks from (below it: well-known and common services)
+PICK_LOW = 10000
+_RANDOM = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports (Linux; else 32768-60999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(family: int, host: str, port: int) -> bool:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the stores bind
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A TCP port P free on ``host`` right now, with P+1 .. P+span-1 free too.
+
+    Picked at random *below* the kernel's ephemeral range where there is room: a port from
+    that range (what binding port 0 gives) can be taken, between this check and the real
+    bind, by any outgoing connection's source port, and the store then fails with
+    EADDRINUSE.  Falls back to binding port 0 when no port below the range is free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    lo, _ = _ephemeral_range()
+    if lo - span > PICK_LOW:
+        for _ in range(64):
+            p = _RANDOM.randrange(PICK_LOW, lo - span + 1)
+            if all(_bindable(family, host, p + k) for k in range(span)):
+                return p
+    for _ in range(64):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            p = int(s.getsockname()[1])
+        if p + span - 1 <= 65535 and all(_bindable(family, host, p + k) for k in range(1, span)):
+            return p
+    raise OSError(f"no {span} consecutive free port(s) found on {host}")
 
 
 # ----------------------------------------------------------------------------- resolve
