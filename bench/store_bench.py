@@ -438,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", type=int, default=5000,
                     help="operations of each kind per ops/s run (default 5000)")
     ap.add_argument("--repeat", type=int, default=5,
-                    help="timed runs per cell: the median, its spread and (JSON) min/max (default 5)")
+                    help="timed runs per cell: the median, its spread and (JSON) min/max "
+                         "(default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per cell (default 1)")
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="also write the results as JSON to PATH (its directory must exist); "

@@ -12,7 +12,8 @@ from typing import Any, Optional
 __all__ = [
     "as_int",
     "NcclpyError", "ArgumentError", "ArgumentTypeError", "UnsupportedError", "VersionError",
-    "MissingDependencyError", "CudaUnavailableError", "RendezvousError", "LaunchError", "ProcessRaisedException",
+    "MissingDependencyError", "CudaUnavailableError", "RendezvousError", "LaunchError",
+    "ProcessRaisedException",
     "StoreError", "StoreTimeout", "StoreConnectionError", "StoreAuthError", "StoreProtocolError",
     "StoreRequestError",
     "NcclError", "NcclUnhandledCudaError", "NcclSystemError", "NcclInternalError",
