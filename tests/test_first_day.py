@@ -136,3 +136,37 @@ def test_init_docstring_names_every_keyword_a_torch_user_needs():
     from ncclpy.comm.communicator import INIT_KEYWORDS
     for key in INIT_KEYWORDS:                 # every keyword init() passes on is documented
         assert f"``{key}``" in doc, key
+
+
+def test_object_collectives_say_when_the_store_refuses_the_result():
+    """all_gather_object's joined result larger than the store's values may be: every rank
+    raises, at once, saying so (no rank waits out its timeout)."""
+    import threading
+    import time
+    from ncclpy.comm.objects import ObjectExchange
+    from ncclpy.store import StoreServer, TCPStore
+    srv = StoreServer("127.0.0.1", 0, limits={"max_value_size": 4096}).start()
+    out: dict = {}
+
+    def rank(r: int) -> None:
+        store = TCPStore("127.0.0.1", srv.port, timeout=20)
+        ex = ObjectExchange(store, r, 3, "big/obj", 20)
+        try:
+            ex.all_gather(bytes(2000))                # each fits; the three together do not
+        except ArgumentError as e:
+            out[r] = str(e)
+        out[(r, "next")] = ex.broadcast(r if r == 0 else None, 0)   # still in step
+        store.close()
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    try:
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+    finally:
+        srv.close()
+    assert time.monotonic() - t0 < 15
+    for r in range(3):
+        assert out[r].startswith("all_gather_object: the store refused "), out
+        assert out[(r, "next")] == 0

@@ -77,6 +77,17 @@ def _rank_main(mode: str, portfile: str, rank: int, world: int) -> None:
             ex.all_gather(b"z" * 2048, max_bytes=1024)
         except Exception as e:  # noqa: BLE001
             out["big"] = f"{type(e).__name__}: {e}"
+        t0 = time.monotonic()
+        try:          # one rank cannot send: every rank raises at once, naming it
+            ex.all_gather("z" * 2048 if rank == 1 else "ok", max_bytes=1024)
+        except Exception as e:  # noqa: BLE001
+            out["one_big"] = f"{type(e).__name__}: {e}"
+        try:
+            ex.broadcast((lambda: 0) if rank == 2 else None, 2)
+        except Exception as e:  # noqa: BLE001
+            out["unpicklable"] = f"{type(e).__name__}: {e}"
+        out["fail_s"] = time.monotonic() - t0
+        out["after"] = ex.all_gather(rank)          # the ranks still agree on the sequence
     print(json.dumps(out), flush=True)
     if mode != "objects":
         dist.destroy_process_group()
@@ -146,6 +157,16 @@ def test_object_collectives_through_torchs_store(tmp_path):
         assert o["g"] == [["rank", 0, ""], ["rank", 1, "y"], ["rank", 2, "yy"]]
         assert o["big"].startswith("ArgumentError: all_gather_object: the object pickles to ")
         assert "expected at most max_bytes=1024" in o["big"]
+        assert o["after"] == [0, 1, 2] and o["fail_s"] < 20       # nobody waited it out
+    assert outs[1]["one_big"].startswith("ArgumentError: all_gather_object: the object pickles")
+    for o in (outs[0], outs[2]):
+        assert o["one_big"].startswith("ArgumentError: all_gather_object: rank 1 could not "
+                                       "send its object: all_gather_object: the object pickles")
+    assert outs[2]["unpicklable"].startswith("ArgumentError: broadcast_object: the object "
+                                             "cannot be pickled")
+    for o in outs[:2]:
+        assert o["unpicklable"].startswith("ArgumentError: broadcast_object: rank 2 could not "
+                                           "send its object: broadcast_object: the object cannot")
 
 
 def test_object_collectives_when_the_writer_hosts_the_store_and_leaves_at_once(tmp_path):

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
-from ..errors import ArgumentError, UnsupportedError, as_int
+from ..errors import (ArgumentError, StoreConnectionError, StoreError, StoreTimeout,
+                      UnsupportedError, as_int)
 from ..store.sync import count_out, wait_counted_out
 
 __all__ = ["ObjectExchange", "MAX_OBJECT_BYTES"]
@@ -66,7 +67,8 @@ class ObjectExchange:
         return data
 
     def broadcast(self, obj: Any, root: int, max_bytes: Optional[int] = None) -> Any:
-        """``obj`` of rank ``root`` on every rank (a copy: unpickled, on the root too)."""
+        """``obj`` of rank ``root`` on every rank (a copy: unpickled, on the root too).  An
+        object the root cannot send (unpicklable, too large) raises on every rank, at once."""
         what = "broadcast_object"
         root = as_int(f"{what}: root", root, 0)
         if root >= self.world_size:
@@ -74,41 +76,73 @@ class ObjectExchange:
                                 f"{self.world_size - 1}")
         self._need_store(what)
         key = f"{self.prefix}/{self.seq}/b"
-        self.seq += 1
+        self.seq += 1                     # first: every rank's count moves, whatever happens
         if self.rank == root:
-            data = self._dump(what, obj, max_bytes)
+            value, err = self._encode(what, obj, max_bytes)
             if self.world_size > 1:
-                self.store.set(key, data)
+                value = self._publish(key, value, what)
                 # the root leaves (and may take a store it hosts) once every reader has read
                 wait_counted_out(self.store, f"{key}/n", self.world_size - 1, self.timeout, what)
                 self._delete(key, f"{key}/n")
-            return pickle.loads(data)
-        data = self.store.get(key, timeout=self.timeout)
+            if err is not None:
+                raise err
+            return _decode(value, what, root)
+        value = self.store.get(key, timeout=self.timeout)
         count_out(self.store, f"{key}/n")
-        return pickle.loads(data)
+        return _decode(value, what, root)
 
     def all_gather(self, obj: Any, max_bytes: Optional[int] = None) -> List[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+        """Every rank's ``obj``, in rank order, on every rank.  An object some rank cannot
+        send raises on every rank, naming that rank."""
         what = "all_gather_object"
-        data = self._dump(what, obj, max_bytes)
         n = self.world_size
-        if n == 1:
-            return [pickle.loads(data)]
-        self._need_store(what)
+        if n > 1:
+            self._need_store(what)
         base = f"{self.prefix}/{self.seq}/g"
-        self.seq += 1
+        self.seq += 1                     # first: every rank's count moves, whatever happens
+        value, err = self._encode(what, obj, max_bytes)
+        if n == 1:
+            if err is not None:
+                raise err
+            return [_decode(value, what, 0)]
         if self.rank != 0:
-            self.store.set(f"{base}/{self.rank}", data)
+            self.store.set(f"{base}/{self.rank}", value)
             joined = self.store.get(f"{base}/all", timeout=self.timeout)
             count_out(self.store, f"{base}/n")
-            return _split(joined, n)
-        parts = [data] + [self.store.get(f"{base}/{r}", timeout=self.timeout)
-                          for r in range(1, n)]
-        joined = b"".join(_LEN.pack(len(p)) + p for p in parts)
-        self.store.set(f"{base}/all", joined)
+            if err is not None:
+                raise err
+            return _split(joined, n, what)
+        parts = [value] + [self.store.get(f"{base}/{r}", timeout=self.timeout)
+                           for r in range(1, n)]
+        joined = self._publish(f"{base}/all", b"".join(_LEN.pack(len(p)) + p for p in parts),
+                               what)
         wait_counted_out(self.store, f"{base}/n", n - 1, self.timeout, what)
         self._delete(f"{base}/all", f"{base}/n", *(f"{base}/{r}" for r in range(1, n)))
-        return [pickle.loads(p) for p in parts]
+        if err is not None:
+            raise err
+        return _split(joined, n, what)
+
+    def _encode(self, what: str, obj: Any,
+                max_bytes: Optional[int]) -> Tuple[bytes, Optional[Exception]]:
+        """(the value to publish, the error to raise here afterwards): a failure is published
+        too (``E`` + why), so the other ranks raise at once instead of waiting it out."""
+        try:
+            return _OK + self._dump(what, obj, max_bytes), None
+        except ArgumentError as e:
+            return _ERR + str(e).encode("utf-8", "replace"), e
+
+    def _publish(self, key: str, value: bytes, what: str) -> bytes:
+        """``set`` the value; one the store refuses (larger than its values may be) is
+        replaced by an error, which every rank then raises.  Returns what was published."""
+        try:
+            self.store.set(key, value)
+            return value
+        except StoreError as e:
+            if isinstance(e, (StoreTimeout, StoreConnectionError)):
+                raise
+            value = _ERR + f"{what}: the store refused {len(value)} bytes: {e}".encode()
+            self.store.set(key, value)
+            return value
 
     def _delete(self, *keys: str) -> None:
         delete = getattr(self.store, "delete", None) or getattr(self.store, "delete_key", None)
@@ -119,11 +153,24 @@ class ObjectExchange:
                 pass
 
 
-def _split(joined: bytes, n: int) -> List[Any]:
-    out, at = [], 0
+_OK, _ERR = b"O", b"E"
+
+
+def _decode(value: bytes, what: str, rank: int) -> Any:
+    """The object in a published value, or the sender's error raised here."""
+    if value[:1] == _ERR:
+        raise ArgumentError(f"{what}: rank {rank} could not send its object: "
+                            f"{value[1:].decode('utf-8', 'replace')}")
+    return pickle.loads(value[1:])
+
+
+def _split(joined: bytes, n: int, what: str) -> List[Any]:
+    if joined[:1] == _ERR:                    # the joined result itself was refused
+        raise ArgumentError(joined[1:].decode("utf-8", "replace"))
+    parts, at = [], 0
     for _ in range(n):
         (size,) = _LEN.unpack_from(joined, at)
         at += _LEN.size
-        out.append(pickle.loads(joined[at:at + size]))
+        parts.append(joined[at:at + size])
         at += size
-    return out
+    return [_decode(p, what, r) for r, p in enumerate(parts)]
