@@ -6,7 +6,8 @@ stream, no device synchronisation), bounded in size: one object at most ``max_by
 (default :data:`MAX_OBJECT_BYTES`), and all_gather's whole result at most the store's largest
 value (64 MiB by default).  Like torch's, these are collectives: every rank calls them in the
 same order; a rank that never comes makes the others fail after the communicator's timeout,
-naming the key.  Pickle runs arbitrary code on load: use them between ranks of your own job.
+naming the key, and an object a rank cannot send (unpicklable, over ``max_bytes``, a result the
+store refuses) makes every rank raise at once, naming that rank.  Pickle runs arbitrary code on load: use them between ranks of your own job.
 
 Both end with a hand-over: every reader counts itself out with one ``add``, and the writer (the
 root; rank 0 for all_gather) returns only once all have, so a writer that hosts the store may
