@@ -71,27 +71,17 @@ def hot_path() -> Dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     """``python -m bench.checked_bench``'s parser (one-line usage errors, exit status 2)."""
-    from ncclpy.cli_util import OneLineParser
+    from ncclpy.cli_util import OneLineParser, int_at_least
     ap = OneLineParser(prog="python -m bench.checked_bench",
                        description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=_worlds, default=[2, 8, 64], metavar="N,N,...",
                     help="world sizes, ranks as threads over one real store (default 2,8,64)")
-    ap.add_argument("--calls", type=_positive, default=200, metavar="K",
+    ap.add_argument("--calls", type=int_at_least(1, "an integer >= 1"), default=200, metavar="K",
                     help="checked calls per rank at world sizes up to 8; a quarter (at least "
                          "20) above (default 200)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the results as JSON (its folder must exist)")
     return ap
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
 
 
 def _worlds(text: str) -> List[int]:
@@ -107,18 +97,15 @@ def _worlds(text: str) -> List[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; a usage error is one line (exit 2), Ctrl-C 130, a closed pipe 141."""
-    from ncclpy.cli_util import run_cli
-    try:
-        return run_cli("python -m bench.checked_bench", lambda: _main(argv))
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    from ncclpy.cli_util import run_main
+    return run_main("python -m bench.checked_bench", lambda: _main(argv))
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     if a.json:
-        from ncclpy.check.cli import check_output_path
+        from ncclpy.cli_util import check_output_path
         why = check_output_path(a.json)
         if why:
             ap.error(f"{ap.flag('json')}: {why}")

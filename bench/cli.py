@@ -13,8 +13,8 @@ import sys
 from typing import List, Optional, Sequence
 
 from ncclpy import registry
-from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, run_cli, silence_stdout,
-                             stdout_reader_gone)
+from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path, run_main,
+                             silence_stdout, stdout_reader_gone)
 from ncclpy.dtypes import DTYPES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
@@ -239,12 +239,6 @@ def _typed_error(p: OneLineParser, dest: str, e: Exception) -> ArgumentError:
     return ArgumentError(f"{p.flag(dest)}: {_FLAG_PREFIX.sub('', str(e), count=1)}")
 
 
-def _output_problem(path: str) -> str:
-    """'' when ``path`` can be written (see :func:`ncclpy.check.cli.check_output_path`)."""
-    from ncclpy.check.cli import check_output_path
-    return check_output_path(path)
-
-
 def _plot_problem(path: str) -> str:
     """'' when matplotlib can write ``path`` (importable, a format it knows, a writable place)."""
     try:
@@ -257,7 +251,7 @@ def _plot_problem(path: str) -> str:
         what = f".{ext} files" if ext else "a file without an extension"
         known = ", ".join("." + k for k in sorted(kinds))
         return f"{path!r}: matplotlib cannot write {what}; expected one of {known}"
-    return _output_problem(path)
+    return check_output_path(path)
 
 
 def _gpu_visible() -> bool:
@@ -336,8 +330,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         if a.timer == "events":
             raise ArgumentError(f"{p.flag('timer')} events: CUDA events are unsupported with "
                                 f"--device cpu")
-    for dest, path, check in (("output_file", a.output_file, _output_problem),
-                              ("csv", a.csv, _output_problem), ("plot", a.plot, _plot_problem)):
+    for dest, path, check in (("output_file", a.output_file, check_output_path),
+                              ("csv", a.csv, check_output_path), ("plot", a.plot, _plot_problem)):
         why = check(path) if path else ""
         if why:
             raise ArgumentError(f"{p.flag(dest)}: {why}")
@@ -418,10 +412,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: :func:`_main` with Ctrl-C (130, one line) and a closed stdout (141, quiet)
     handled as command-line tools do."""
-    try:
-        return run_cli("python -m bench", lambda: _main(argv))
-    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return run_main("python -m bench", lambda: _main(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -289,11 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point (exit codes in the module docstring); Ctrl-C: 130, a closed pipe: 141."""
-    from ncclpy.cli_util import run_cli
-    try:
-        return run_cli("python -m bench.host_overhead", lambda: _main(argv))
-    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    from ncclpy.cli_util import run_main
+    return run_main("python -m bench.host_overhead", lambda: _main(argv))
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
@@ -304,7 +301,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{val}", file=sys.stderr)
             return 2
     if a.json:
-        from ncclpy.check.cli import check_output_path
+        from ncclpy.cli_util import check_output_path
         why = check_output_path(a.json)
         if why:
             print(f"python -m bench.host_overhead: error: --json: {why}", file=sys.stderr)

@@ -305,11 +305,8 @@ def _spawned(rank: int, cfg: OverheadConfig) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point: 0 on success, 2 on a bad command line or without a GPU, 1 on failure;
     Ctrl-C 130, a closed output pipe 141."""
-    from ncclpy.cli_util import run_cli
-    try:
-        return run_cli("python -m bench.overhead", lambda: _main(argv))
-    except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    from ncclpy.cli_util import run_main
+    return run_main("python -m bench.overhead", lambda: _main(argv))
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:

@@ -497,10 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point; a usage error is one line (exit 2)."""
+    from ncclpy.cli_util import exit_status
     try:
         return _main(argv)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        return exit_status(e)
 
 
 def _main(argv: Optional[List[str]] = None) -> int:

@@ -456,11 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point: a usage error is one line naming the flag (exit 2); Ctrl-C exits 130 and a
     closed output pipe (``| head``) 141, quietly."""
-    from ncclpy.cli_util import run_cli
-    try:
-        return run_cli("python -m bench.store_bench", lambda: _main(argv))
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    from ncclpy.cli_util import run_main
+    return run_main("python -m bench.store_bench", lambda: _main(argv))
 
 
 def _main(argv=None) -> int:
@@ -487,7 +484,7 @@ def _main(argv=None) -> int:
                      f"({limit}: two open files per rank within ulimit -n, and the store's "
                      f"max_clients); expected at most {limit}")
     if args.json:
-        from ncclpy.check.cli import check_output_path
+        from ncclpy.cli_util import check_output_path
         why = check_output_path(args.json)
         if why:
             ap.error(f"{ap.flag('json')}: {why}")

@@ -7,7 +7,10 @@
   parsing.
 * :func:`run_cli`: runs a command's body; Ctrl-C ends it with one line and exit status 130, a
   closed standard output (``ncclpy check | head -3``) ends it quietly with exit status 141
-  (128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe).
+  (128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe); :func:`run_main`
+  also turns a usage error's ``SystemExit`` into the status ``main(argv)`` returns.
+* :func:`int_at_least` (an argparse type) and :func:`check_output_path` (an output file is
+  checked before anything runs, and no directory is made): the checks every tool shares.
 
 Library code never prints; these helpers are for the command-line modules only.
 """
@@ -21,9 +24,9 @@ import select
 import sys
 from typing import Callable, List, NoReturn, Optional, Sequence, TextIO
 
-__all__ = ["OneLineParser", "run_cli", "typed_flag", "silence_stdout", "is_closed_pipe",
-           "stdout_reader_gone",
-           "EXIT_INTERRUPTED", "EXIT_CLOSED_PIPE"]
+__all__ = ["OneLineParser", "run_cli", "run_main", "typed_flag", "silence_stdout",
+           "is_closed_pipe", "stdout_reader_gone", "int_at_least", "check_output_path",
+           "exit_status", "EXIT_INTERRUPTED", "EXIT_CLOSED_PIPE"]
 
 #: exit status after Ctrl-C (128 + SIGINT), as shells report it
 EXIT_INTERRUPTED = 130
@@ -156,3 +159,53 @@ def run_cli(prog: str, body: Callable[[], int]) -> int:
             raise
         silence_stdout()
         return EXIT_CLOSED_PIPE
+
+
+def run_main(prog: str, body: Callable[[], int]) -> int:
+    """:func:`run_cli`, and a usage error's or ``--help``'s ``SystemExit`` as the exit status
+    (2, 0): what every command's ``main(argv)`` returns instead of raising."""
+    try:
+        return run_cli(prog, body)
+    except SystemExit as e:
+        return exit_status(e)
+
+
+def exit_status(e: SystemExit) -> int:
+    """The status a ``SystemExit`` stands for (argparse: 2 for a usage error, 0 for help)."""
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+
+def int_at_least(lo: int, what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``lo``; else "expected <what>, got <value>"."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
+        return v
+    return parse
+
+
+def check_output_path(path: str) -> str:
+    """'' when ``path`` can be written (its directory exists and takes a new file, or the file
+    exists and can be opened for writing), else why not.  Nothing is left behind, and no
+    directory is made: every tool checks its output files this way before it starts."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        return f"{path!r} is a directory; expected a file name"
+    parent = os.path.dirname(full) or "."
+    if not os.path.isdir(parent):
+        return f"cannot write {path!r}: directory {parent!r} does not exist"
+    try:
+        if os.path.exists(full):
+            with open(full, "a"):
+                pass
+        else:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)
+            os.unlink(full)
+    except OSError as e:
+        return f"cannot write {path!r}: {e.strerror or e}"
+    return ""

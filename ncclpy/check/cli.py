@@ -21,7 +21,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..cli_util import EXIT_CLOSED_PIPE, OneLineParser, run_cli, silence_stdout
+from ..cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path, int_at_least,
+                        run_main, silence_stdout)
 from ..errors import ArgumentError, ArgumentTypeError
 from . import cases as C
 from .fairness import PINS, apply_launcher_placement, fairness_env
@@ -30,18 +31,6 @@ from .report import plural
 __all__ = ["main", "build_parser", "fairness_env", "PINS", "check_output_path"]
 
 PROG = "ncclpy check"
-
-
-def _int_at_least(lo: int, what: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
-        return v
-    return parse
 
 
 def _seconds(lo: float, strict: bool, what: str):
@@ -83,7 +72,7 @@ def build_parser() -> OneLineParser:
                     "numpy reference.  Exit status 1 on any mismatch that is not a documented "
                     "torch divergence.  Prints a progress line (on a terminal), a matrix of "
                     "collective x dtype, what did not pass and why, and a summary.")
-    p.add_argument("-n", "--nprocs", type=_int_at_least(1, "a number of ranks >= 1"),
+    p.add_argument("-n", "--nprocs", type=int_at_least(1, "a number of ranks >= 1"),
                    default=None, metavar="N",
                    help="ranks to start (default: WORLD_SIZE under a launcher, else 2)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
@@ -149,28 +138,6 @@ def _gpu_available() -> Tuple[bool, str]:
     except Exception:  # noqa: BLE001 - the count already said no
         why = ""
     return False, why or "no CUDA GPU visible"
-
-
-def check_output_path(path: str) -> str:
-    """'' when ``path`` can be written (its directory exists and takes a new file, or the file
-    exists and can be opened for writing), else why not.  Nothing is left behind."""
-    full = os.path.abspath(path)
-    if os.path.isdir(full):
-        return f"{path!r} is a directory; expected a file name"
-    parent = os.path.dirname(full) or "."
-    if not os.path.isdir(parent):
-        return f"cannot write {path!r}: directory {parent!r} does not exist"
-    try:
-        if os.path.exists(full):
-            with open(full, "a"):
-                pass
-        else:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.close(fd)
-            os.unlink(full)
-    except OSError as e:
-        return f"cannot write {path!r}: {e.strerror or e}"
-    return ""
 
 
 def _names(parser: OneLineParser, dest: str, text: Optional[str], what: str,
@@ -353,10 +320,7 @@ def _main(argv: List[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``ncclpy check`` with ``argv``; the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return run_cli(PROG, lambda: _main(args))
-    except SystemExit as e:       # a usage error (status 2) or --help (0)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return run_main(PROG, lambda: _main(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,7 +17,7 @@ import re
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli_util import OneLineParser, run_cli
+from ..cli_util import OneLineParser, check_output_path, int_at_least, run_main
 from ..errors import NcclpyError
 from . import explain as X
 
@@ -60,23 +60,14 @@ def _ranks(text: str) -> List[int]:
     return out
 
 
-def _world(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of ranks >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of ranks >= 1, got {v}")
-    return v
-
-
 def build_parser() -> OneLineParser:
     """The ``ncclpy plan`` parser."""
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("collective", help=f"one of {', '.join(X.COLLECTIVES)} (nccl-tests stems "
                                       f"and NCCL names work too)")
-    p.add_argument("-n", "--nprocs", "--nproc", dest="nprocs", type=_world, default=2,
-                   metavar="N", help="world size (default 2)")
+    p.add_argument("-n", "--nprocs", "--nproc", dest="nprocs",
+                   type=int_at_least(1, "a number of ranks >= 1"), default=2, metavar="N",
+                   help="world size (default 2)")
     p.add_argument("--count", type=parse_count, default=1 << 20, metavar="ELEMENTS",
                    help="NCCL's count: elements of each rank's block (all_gather's sendcount, "
                         "reduce_scatter's recvcount, all_to_all's per-peer count, gather/"
@@ -117,7 +108,6 @@ def _main(argv: List[str]) -> int:
     p = build_parser()
     ns = p.parse_args(argv)
     if ns.json and ns.json != "-":
-        from ..check.cli import check_output_path
         why = check_output_path(ns.json)
         if why:
             p.error(f"{p.flag('json')}: {why}")
@@ -166,7 +156,4 @@ def _main(argv: List[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``ncclpy plan``; the exit code (usage errors 2, Ctrl-C 130, closed pipe 141)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return run_cli(PROG, lambda: _main(args))
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return run_main(PROG, lambda: _main(args))

@@ -19,6 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
+from ..cli_util import OneLineParser, exit_status
 from .report import (PROGRAM, RunRecord, StageResult, exit_code, paste_block, verdict_line,
                      write_outputs)
 from .runner import GRACE_S, pack, run_stages
@@ -60,7 +61,6 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
-    from ..cli_util import OneLineParser
     p = OneLineParser(
         prog=f"python -m {PROGRAM}",
         description="Prove ncclpy on a GPU: versions, the GPU tests, ncclpy check against "
@@ -186,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return _term_status or 130
     except SystemExit as e:       # a usage error (status 2, one line) or --help (0)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        return exit_status(e)
 
 
 def _main(args: List[str]) -> int:
