@@ -14,8 +14,12 @@ buffer of 2 float32 (8 bytes) on rank 0 of 2, through a real :class:`ncclpy.comm
   for every call; the cache is emptied between samples, outside the clock);
 * ``cached``: the same call again: ``Resolver.resolve`` builds the key (reads the buffer's
   pointer, count, dtype, device, layout; the stream; the op) and finds the result;
+* ``cached_rec``: ``cached`` plus the flight recorder's entry for the call
+  (:meth:`ncclpy.debug.recorder.Recorder.open`: its ring on by default, ``NCCLPY_TRACE_BUFFER``),
+  the call site found by walking out of ncclpy's frames;
 * ``prepared``: ``PreparedCall.bind()`` of a call prepared once (what ``p()`` does before its C
-  call: check the planning context, pick the stream and group state, hand over the call).
+  call: check the planning context, pick the stream and group state, hand over the call);
+* ``prepared_rec``: ``prepared`` plus the flight recorder's entry, as for ``cached_rec``.
 
 Each path ends where the communicator would call ``table[fn](*args, stream=s)`` with the final C
 arguments, checked before timing against the expected ``ncclAllReduce`` arguments.  Not in the
@@ -54,9 +58,11 @@ if __package__ in (None, ""):  # run as ``python bench/host_overhead.py``
 
 __all__ = ["main", "build_parser", "make_inputs", "stats", "measure", "TARGETS", "PATHS"]
 
-PATHS = ("cold", "cached", "prepared")
-#: the issue's targets on the CI machine: cached/prepared as ratios to the floor, cold in ns
-TARGETS = {"cached": ("ratio", 4.0), "prepared": ("ratio", 2.0), "cold": ("ns", 5000.0)}
+PATHS = ("cold", "cached", "cached_rec", "prepared", "prepared_rec")
+#: the issue's targets on the CI machine: cached/prepared as ratios to the floor, cold in ns;
+#: *_rec: the same with the flight recorder on (its default), held to the same targets
+TARGETS = {"cached": ("ratio", 4.0), "cached_rec": ("ratio", 4.0), "prepared": ("ratio", 2.0),
+           "prepared_rec": ("ratio", 2.0), "cold": ("ns", 5000.0)}
 BASE = 0x7F00_0000_0000   # made-up device addresses: never dereferenced
 STREAM = 0x5EED           # a raw cudaStream_t handle, passed as an int
 COUNT = 2                 # float32 elements: 8 bytes
@@ -112,6 +118,12 @@ def make_inputs() -> Tuple[Dict[str, Tuple[Callable[[int], Any], Optional[int]]]
     return inputs, omitted
 
 
+class _RecComm:
+    """What a flight recorder reads of its communicator (no NCCL handle behind it)."""
+
+    name, rank, world_size, device, nccl_version = "bench", 0, 2, 0, 0
+
+
 def stats(samples: Sequence[float]) -> Dict[str, float]:
     """min / median / p90 (nearest rank) of per-call nanoseconds."""
     xs = sorted(samples)
@@ -137,6 +149,7 @@ def measure(repeats: int = 200, batch: int = 100, *, log: Optional[Callable[[str
     from ncclpy.plan.types import PlanContext
     from ncclpy.comm.prepared import PreparedCall
     from ncclpy.comm.resolver import Resolver
+    from ncclpy.debug.recorder import DEFAULT_BUFFER, Recorder
 
     lib = get_lib()
     get_version = lib.fn("ncclGetVersion")
@@ -185,6 +198,18 @@ def measure(repeats: int = 200, batch: int = 100, *, log: Optional[Callable[[str
                 resolve(name, s, x, None, (op,))
             return (clock() - t0) / batch
 
+        # cached_rec: the same, plus what the flight recorder adds to every call (its entry,
+        # with the call site found by walking out of ncclpy's frames)
+        rec = Recorder(_RecComm(), DEFAULT_BUFFER)
+
+        def cached_rec(res: Resolver = res_hot, x: Any = x, s: Any = stream,
+                       rec: Any = rec) -> float:
+            resolve, open_ = res.resolve, rec.open
+            t0 = clock()
+            for _ in range(batch):
+                open_(resolve(name, s, x, None, (op,)))
+            return (clock() - t0) / batch
+
         # prepared: validated and planned once; bind() is what p() does before its C call
         pc = PreparedCall(Resolver(ctx), name, x, None, (op,), stream=stream)
         _expect(pc.bind(), BASE, want_stream)
@@ -198,7 +223,16 @@ def measure(repeats: int = 200, batch: int = 100, *, log: Optional[Callable[[str
 
         samplers[(inp, "cold")] = cold
         samplers[(inp, "cached")] = cached
+        samplers[(inp, "cached_rec")] = cached_rec
         samplers[(inp, "prepared")] = prepared
+
+        def prepared_rec(pc: PreparedCall = pc, rec: Any = rec) -> float:
+            bind, open_ = pc.bind, rec.open
+            t0 = clock()
+            for _ in range(batch):
+                open_(bind())
+            return (clock() - t0) / batch
+        samplers[(inp, "prepared_rec")] = prepared_rec
 
     for fn in (floor_sample, *samplers.values()):   # warm-up, outside the statistics
         for _ in range(3):

@@ -20,7 +20,7 @@ _LAZY = {
         "StoreProtocolError", "StoreRequestError", "NcclError", "CallMismatchError",
         "CallCheckTimeout", "CommAbortedError", "NcclTimeoutError", "NcclUnhandledCudaError",
         "NcclSystemError", "NcclInternalError", "NcclInvalidArgument", "NcclInvalidUsage",
-        "NcclRemoteError", "NcclInProgress")},
+        "NcclRemoteError", "NcclInProgress", "EnvironmentMismatchError")},
     "CudaUnavailableError": "ncclpy.errors",
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},

@@ -1,17 +1,19 @@
 """Checked mode: every rank's NCCL calls compared across ranks through the store, before NCCL.
 
 Turned on per communicator (``ncclpy.init(..., checked=True)`` or ``NCCLPY_CHECKED=1``).  Each
-*round* -- one call made outside a group, or every call of a ``with group():`` block at its
-outermost end -- is summarised into a :func:`fingerprint` (pure: built from the call's real
-:class:`~ncclpy.plan.types.Plan`) and exchanged through the rendezvous store by a
+*round* -- one collective made outside a group, or every collective of a ``with group():``
+block at its outermost end -- is summarised into a :func:`fingerprint` (pure: built from the
+call's real :class:`~ncclpy.plan.types.Plan`) and exchanged through the rendezvous store by a
 :class:`Checker`:
 
 * the collective part (per call: the communicator's sequence number, the collective, the NCCL
   function, count, dtype, op with its premul scalar, root, in place or not) must be identical on
   every rank; each rank compares its own with rank 0's;
-* the point-to-point part (every ``Send``/``Recv`` the round makes, with its peer, count and
-  dtype) must pair up: rank r's sends to p, in order, equal p's receives from r; each rank reads
-  the fingerprints of the peers it talks to.
+* the point-to-point part of a collective (the ``Send``/``Recv`` calls its plan makes, e.g. a
+  grouped all_to_all) must pair up: rank r's sends to p, in order, equal p's receives from r;
+* the user's own ``send``/``recv``/``send_recv`` are not part of the round: they are paired
+  with the peer's, per pair of ranks and in order, by :mod:`ncclpy.debug.pairing` (only the two
+  ranks of a pair take part), so a rank that makes no point-to-point call never waits.
 
 On ncclpy's store a round is **one round trip per rank and leaves no key**: each rank sends a
 VOTE (:mod:`ncclpy.store.tablewire`) carrying a hash of its collective part, which must be equal
@@ -274,13 +276,31 @@ class Checker:
         self.round = 0
         self._arrive = bool(getattr(store, "supports_arrive", False))
         self._vote = bool(getattr(store, "supports_tables", False))
+        from .debug.pairing import PairCheck
+        self._pairs = PairCheck(store, self.rank, self.world_size, self.prefix, self.timeout,
+                                name)
 
     def _key(self, rnd: int, what: str) -> str:
         return f"{self.prefix}/{rnd}/{what}"
 
     def check(self, plans: Sequence[Any], names: Optional[Sequence[str]] = None) -> None:
         """Compare this round's ``plans`` across ranks; raise CallMismatchError (every rank)
-        or CallCheckTimeout (a rank never arrived)."""
+        or CallCheckTimeout (a rank never arrived).  Its collectives are compared across every
+        rank (one round); its sends and receives (``send``, ``recv``, ``send_recv``) are
+        paired with their peers' only (:mod:`ncclpy.debug.pairing`): ranks that take no part
+        in them never wait for them."""
+        names = [p.collective for p in plans] if names is None else list(names)
+        coll = [i for i, nm in enumerate(names) if nm not in P2P_CALLS]
+        ops = [(c.fn.lower(), int(c.args[3]), int(c.args[1]),
+                str(NCCL_DTYPE_NAMES.get(c.args[2], c.args[2])))
+               for i, nm in enumerate(names) if nm in P2P_CALLS
+               for c in plans[i].calls if c.fn == "Send" or c.fn == "Recv"]
+        if coll:
+            self._check_round([plans[i] for i in coll], [names[i] for i in coll])
+        if ops:
+            self._pairs.check(ops)
+
+    def _check_round(self, plans: Sequence[Any], names: Sequence[str]) -> None:
         rnd, seq = self.round, self.seq
         self.round += 1
         self.seq += len(plans)

@@ -1,5 +1,6 @@
 """The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``,
-``plan`` (the NCCL calls of one call, without a GPU).
+``plan`` (the NCCL calls of one call, without a GPU), ``trace`` (what went wrong, from the
+flight-recorder dumps), ``status`` (where every rank of a running job is).
 
 ``main(argv)`` returns the exit code; the console script and ``python -m ncclpy`` call it.
 Subcommand modules are imported lazily so ``ncclpy info`` works even where a colleague module
@@ -40,10 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.add_argument("--torch", action="store_true",
                       help="also import torch and report its CUDA and NCCL versions")
+    info.add_argument("--all-ranks", "--all_ranks", dest="all_ranks", action="store_true",
+                      help="under a launcher (ncclpy run, torchrun, mpirun, srun): compare every "
+                           "rank's NCCL, versions and NCCL_* settings; rank 0 prints the "
+                           "differences (exit 1 when one changes NCCL's behaviour)")
     sub.add_parser("check", help="cross-check ncclpy against references (see 'ncclpy check -h')",
                    add_help=False)
     sub.add_parser("plan", help="print the exact NCCL calls each rank would make for one call, "
                                 "without a GPU (see 'ncclpy plan -h')", add_help=False)
+    sub.add_parser("trace", help="say what went wrong from the ranks' flight-recorder dumps "
+                                 "(see 'ncclpy trace -h')", add_help=False)
+    sub.add_parser("status", help="where is every rank of a running job, now (see "
+                                  "'ncclpy status -h')", add_help=False)
     p.subs = {"run": run, "info": info}  # type: ignore[attr-defined]
     return p
 
@@ -60,6 +69,9 @@ def _check(argv: Sequence[str]) -> int:
 
 
 def _info(ns: argparse.Namespace) -> int:
+    if ns.all_ranks:
+        from .debug.agree import info_all_ranks
+        return info_all_ranks(as_json=ns.json)
     from .info import collect, format_info
     d = collect(import_torch=ns.torch)
     if ns.json:
@@ -92,6 +104,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "plan":
         from .plan.cli import main as plan_main
         return plan_main(argv[1:])
+    if argv and argv[0] == "trace":
+        from .debug.tracecli import main as trace_main
+        return trace_main(argv[1:])
+    if argv and argv[0] == "status":
+        from .debug.statuscli import main as status_main
+        return status_main(argv[1:])
     prog = f"ncclpy {argv[0]}" if argv and argv[0] in ("run", "info") else "ncclpy"
     return run_cli(prog, lambda: _main(argv))
 

@@ -19,7 +19,7 @@ __all__ = [
     "NcclError", "NcclUnhandledCudaError", "NcclSystemError", "NcclInternalError",
     "NcclInvalidArgument", "NcclInvalidUsage", "NcclRemoteError", "NcclInProgress",
     "NcclTimeoutError", "nccl_error_from_code", "NCCL_RESULT_NAMES",
-    "CallMismatchError", "CallCheckTimeout", "CommAbortedError",
+    "CallMismatchError", "CallCheckTimeout", "CommAbortedError", "EnvironmentMismatchError",
 ]
 
 
@@ -116,6 +116,17 @@ class CallCheckTimeout(CallMismatchError, TimeoutError):
                  missing: Any = ()) -> None:
         super().__init__(message, table=table, problems=problems)
         self.missing = list(missing)
+
+
+class EnvironmentMismatchError(NcclpyError, RuntimeError):
+    """Checked mode, at init: the ranks differ in something that changes NCCL's behaviour (its
+    version, the Config, NCCL_ALGO, NCCL_PROTO, a transport switch...); raised on every rank
+    before NCCL is called.  ``errors`` and ``notes`` (the differences that do not matter): one
+    line each, naming the ranks and their values (:mod:`ncclpy.debug.agree`)."""
+
+    def __init__(self, message: str, *, errors: Any = (), notes: Any = ()) -> None:
+        super().__init__(message)
+        self.errors, self.notes = list(errors), list(notes)
 
 
 class CommAbortedError(NcclpyError, RuntimeError):

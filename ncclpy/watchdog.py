@@ -225,6 +225,7 @@ class Watchdog:
         self._dead: List[int] = []
         self.pending: Deque[List[Any]] = collections.deque()   # [seq, work, first seen]
         self.issued = 0
+        self._last: Any = None            # the last drained Work's plan (for the status)
         self._beat = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -291,6 +292,7 @@ class Watchdog:
                 break
             self.pending.append([self.issued, w, None])
             self.issued += 1
+            self._last = w.plan
         p = self.pending
         while p:
             w = p[0][1]
@@ -315,7 +317,7 @@ class Watchdog:
         if c is None:
             return
         self._beat += 1
-        value = f"{self._beat}:{self.issued}".encode()
+        value = self.progress(now)
         if self._heart is None:
             self._beat_keys(c, now, value)
             return
@@ -332,6 +334,22 @@ class Watchdog:
             self.read_all(now)       # more suspects than one reply lists: read them all
         else:
             self.peers = peers
+
+    def progress(self, now: float) -> bytes:
+        """This rank's heartbeat value: its progress (:mod:`ncclpy.debug.status`)."""
+        from .debug.recorder import installed_signal, site_text
+        from .debug.status import Progress, encode
+        p = Progress(self._beat, self.issued, self.issued - len(self.pending),
+                     signal=installed_signal())
+        if self.pending and self.pending[0][2] is not None:
+            p.wait = max(now - self.pending[0][2], 0.0)
+        rec = getattr(self.comm, "_recorder", None)
+        e = rec.last() if rec is not None else None
+        if e is not None:
+            p.call, p.site = e[1].plan.collective, site_text(e[2], e[3]) or ""
+        elif self._last is not None:
+            p.call = getattr(self._last, "collective", "?")
+        return encode(p)
 
     def read_all(self, now: float) -> bool:
         """Read every peer's heartbeat (one request); False when the store was late."""
@@ -417,6 +435,12 @@ class Watchdog:
             return
         self._client = self._store
         if getattr(self._store, "supports_tables", False):
+            if self.comm.rank == 0:
+                try:             # list the table for ncclpy status (one add, one set)
+                    from .debug.status import register
+                    register(self._store, self.comm.name, self.group, self.comm.world_size)
+                except Exception as e:  # noqa: BLE001 - the status is a view, not a duty
+                    log.debug("watchdog: could not register for ncclpy status: %s", e)
             self._heart = Heart(
                 self._store, self.group, self.comm.rank, self.comm.world_size,
                 stale_after=report_after(self.state.dead_after, self.interval),

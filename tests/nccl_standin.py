@@ -220,7 +220,7 @@ class StandIn:
                 for op in at_head:
                     by_key[op.key].append(op)
                 for key, ops in by_key.items():
-                    if len(ops) == key[-1]:            # every participant is at its head
+                    if self.ready(key, ops):           # every participant is at its head
                         self._execute(ops)
                         for op in ops:
                             op.done = True
@@ -228,6 +228,11 @@ class StandIn:
                 for it in heads.values():
                     if it.kind == "nccl" and all(op.done for op in it.ops):
                         it.done, changed = True, True
+
+    def ready(self, key: Tuple[Any, ...], ops: List[_Op]) -> bool:
+        """Whether the NCCL op ``key`` can run: all ``key[-1]`` participants are at the heads of
+        their streams (``ops``)."""
+        return len(ops) == key[-1]
 
     def _execute(self, ops: List[_Op]) -> None:
         kind = ops[0].kind

@@ -74,6 +74,28 @@ def rounds(scenario: str, rank: int, world: int) -> List[List[tuple]]:
         if rank == 1:
             return [[("recv", _buf(8), None, (0,))]]
         return [[]]
+    if scenario == "p2p_bystander":   # 0 -> 1 standalone; rank 2+ takes no part at all
+        if rank == 0:
+            return [[("send", X, None, (1,))], [ar]]
+        if rank == 1:
+            return [[("recv", X, None, (0,))], [ar]]
+        return [[ar]]
+    if scenario == "p2p_order":       # the same two messages, received in the other order
+        if rank == 0:
+            return [[("send", X, None, (1,)), ("send", _buf(8), None, (1,))]]
+        if rank == 1:
+            return [[("recv", _buf(8), None, (0,)), ("recv", X, None, (0,))]]
+        return []
+    if scenario == "p2p_regrouped":   # standalone on one side, one group on the other: fine
+        if rank == 0:
+            return [[("send", X, None, (1,))], [("recv", X, None, (1,))]]
+        if rank == 1:
+            return [[("recv", X, None, (0,)), ("send", X, None, (0,))]]
+        return []
+    if scenario == "p2p_both_send_first":   # standalone sends on both sides: NCCL deadlocks
+        if rank in (0, 1):
+            return [[("send", X, None, (1 - rank,))], [("recv", X, None, (1 - rank,))]]
+        return []
     if scenario == "missing":     # the last rank never comes to the second check
         return [[ar], [ar]] if rank != last else [[ar]]
     raise ValueError(scenario)
@@ -169,7 +191,7 @@ def _all_raise(outs: List[Dict[str, Any]], sc: str, rnd: int = 0) -> List[str]:
 
 @pytest.fixture(scope="module")
 def two() -> List[Dict[str, Any]]:
-    return _procs(2, ["ok", *MISMATCHES, "sequence", "p2p_missing_recv", "p2p_count"])
+    return _procs(2, ["ok", *MISMATCHES, "sequence", "p2p_count"])
 
 
 def test_matching_calls_pass_at_two_ranks(two):
@@ -190,23 +212,64 @@ def test_sequence_mismatch_is_marked(two):
         assert "sequence number 1 != rank 0's 2" in msg and "*1" in msg
 
 
-def test_send_without_its_receive(two):
-    for msg in _all_raise(two, "p2p_missing_recv"):
-        assert ("rank 0: sends to rank 1 [16xfloat32] do not match rank 1's recvs from "
-                "rank 0 (none)") in msg
+@pytest.fixture(scope="module")
+def pairs() -> List[Dict[str, Any]]:
+    """Point-to-point scenarios on three ranks, with a short timeout (a missing peer is found
+    by waiting for it)."""
+    return _procs(3, ["p2p_bystander", "p2p_order", "p2p_regrouped", "p2p_missing_recv"],
+                  timeout=2.0)          # the one that waits out its timeout comes last
 
 
-def test_p2p_count_mismatch(two):
-    for msg in _all_raise(two, "p2p_count"):
-        assert "[16xfloat32] do not match rank 1's recvs from rank 0 [8xfloat32]" in msg
+@pytest.fixture(scope="module")
+def deadlock() -> List[Dict[str, Any]]:
+    return _procs(2, ["p2p_both_send_first"], timeout=2.0)
+
+
+def test_send_without_its_receive_is_named_by_the_sender(pairs):
+    res = pairs[0]["p2p_missing_recv"][0]
+    assert res["error"] == "CallCheckTimeout" and res["missing"] == [1], res
+    assert ("rank 0: send #0 to rank 1 (16xfloat32) was not met by rank 1's recv #0 within "
+            "2 s; rank 1 posted nothing for rank 0") in res["msg"], res["msg"]
+    assert "nothing of this round was given to NCCL" in res["msg"]
+    for r in (1, 2):       # the collective of that group passed; they had nothing to pair
+        assert pairs[r]["p2p_missing_recv"] == [{"ok": True}]
+
+
+def test_p2p_count_mismatch_raises_on_both_ranks_of_the_pair(two):
+    m0, m1 = _all_raise(two, "p2p_count")
+    assert ("mismatched: rank 0's send #0 to rank 1 (16xfloat32) meets rank 1's recv #0 of "
+            "8xfloat32") in m0, m0
+    assert ("mismatched: rank 1's recv #0 from rank 0 (8xfloat32) meets rank 0's send #0 of "
+            "16xfloat32") in m1, m1
+
+
+def test_a_rank_that_makes_no_point_to_point_call_never_waits_for_one(pairs):
+    for o in pairs:
+        assert all(res == {"ok": True} for res in o["p2p_bystander"]), o["p2p_bystander"]
+        assert all(res == {"ok": True} for res in o["p2p_regrouped"]), o["p2p_regrouped"]
+
+
+def test_the_same_messages_in_another_order_are_ambiguous(pairs):
+    for r in (0, 1):
+        res = pairs[r]["p2p_order"][0]
+        assert res["error"] == "CallMismatchError", res
+        assert "ambiguous: rank" in res["msg"] and "16xfloat32, 8xfloat32" in res["msg"] and \
+            "8xfloat32, 16xfloat32" in res["msg"] and "issue order" in res["msg"], res["msg"]
+
+
+def test_both_ranks_sending_first_outside_a_group_is_named_a_deadlock(deadlock):
+    for r in (0, 1):
+        res = deadlock[r]["p2p_both_send_first"][0]
+        assert res["error"] == "CallCheckTimeout", res
+        assert f"rank {1 - r} posted instead: send #0 to rank {r}" in res["msg"], res["msg"]
+        assert "both ranks send first outside a group" in res["msg"]
 
 
 def test_eight_ranks_in_processes():
-    outs = _procs(8, ["ok", "count", "p2p_missing_recv", "missing"], timeout=8.0)
+    outs = _procs(8, ["ok", "count", "missing"], timeout=8.0)
     assert all(res == {"ok": True} for o in outs for res in o["ok"])
     for msg in _all_raise(outs, "count"):
         assert msg.count("*count=17*") == 1 and "rank 7: call 0 differs" in msg
-    _all_raise(outs, "p2p_missing_recv")
     for r, o in enumerate(outs[:7]):           # rank 7 never came to check 1
         assert o["missing"][0] == {"ok": True}
         res = o["missing"][1]
@@ -238,7 +301,7 @@ def test_checker_one_rank_and_no_store_round_trip():
     chk = Checker(None, 0, 1)
     chk.check([Resolver(PlanContext(0, 1)).resolve("all_reduce", 0, X, None, ("sum",)).plan])
     assert chk.seq == 1 and chk.round == 1
-    with pytest.raises(CallMismatchError):
+    with pytest.raises(CallMismatchError, match="its sends to itself"):
         plan = Resolver(PlanContext(0, 1), ).plan("send", (X,), (0,), in_group=True)
         chk.check([plan], ["send"])     # a send to self without its receive
 

@@ -44,12 +44,12 @@ def test_host_overhead_runs_and_writes_the_issue_json(tmp_path):
     assert {"Buffer", "cai"} <= inputs and "torch" not in inputs and "torch" in doc["omitted"]
     for r in doc["results"]:
         assert {"input", "path", "median_ns", "ratio_to_floor"} <= set(r)
-        assert r["path"] in ("cold", "cached", "prepared")
+        assert r["path"] in ("cold", "cached", "cached_rec", "prepared", "prepared_rec")
         assert 0 < r["min_ns"] <= r["median_ns"] <= r["p90_ns"]
         assert r["ratio_to_floor"] == pytest.approx(r["median_ns"] / doc["floor_ns"], abs=0.01)
     for inp in inputs:
         assert sorted(r["path"] for r in doc["results"] if r["input"] == inp) == \
-            ["cached", "cold", "prepared"]
+            ["cached", "cached_rec", "cold", "prepared", "prepared_rec"]
     assert doc["call"]["collective"] == "all_reduce" and doc["repeats"] == 5
     lines = cp.stdout.splitlines()
     assert any(line.startswith("floor ") for line in lines)

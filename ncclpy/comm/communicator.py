@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from hashlib import blake2b
 import os
 from typing import Any, Dict, List, Optional
 
@@ -38,6 +39,8 @@ from .execute import group_scope, issue
 from ..plan.types import PlanContext
 from .prepared import Prepared
 from .resolver import Resolver
+from ..debug.nvtx import enabled as nvtx_enabled
+from ..debug.recorder import trace_signal, buffer_size, for_comm
 from ..watchdog import default_timeout, env_flag
 from .work import Work
 
@@ -64,6 +67,7 @@ class Communicator(CommExtras, CommLifecycle):
             raise ArgumentTypeError(f"config: expected ncclpy.Config or None, got "
                                     f"{type(config).__name__}")
         timeout = default_timeout(timeout)
+        trace = (buffer_size(), nvtx_enabled(), trace_signal())   # bad settings: before NCCL
         lib = get_lib()
         # NCCL_COMM_BLOCKING=0 makes even a config-less communicator nonblocking: its init then
         # returns ncclInProgress, which CuPy cannot represent, so it is made through ctypes.
@@ -101,6 +105,7 @@ class Communicator(CommExtras, CommLifecycle):
                 self.abort()
                 raise
         lib.mark_seen()
+        self._recorder = for_comm(self, blake2b(uid, digest_size=4).hexdigest(), *trace[:2])
 
     @classmethod
     def from_bootstrap(cls, bs: Any, config: Optional[Config] = None, *,
@@ -108,17 +113,25 @@ class Communicator(CommExtras, CommLifecycle):
                        watchdog: Optional[bool] = None) -> "Communicator":
         """A communicator from an :class:`ncclpy.bootstrap.Bootstrap` hand-over.
 
-        ``checked`` (default ``$NCCLPY_CHECKED``, off): compare every call across ranks
-        through the bootstrap's store before NCCL sees it (:mod:`ncclpy.checked`).
+        ``checked`` (default ``$NCCLPY_CHECKED``, off): first compare the ranks' NCCL, versions,
+        NCCL_* settings and ``config`` (:mod:`ncclpy.debug.agree`: EnvironmentMismatchError
+        before NCCL is called), then every call across ranks through the bootstrap's store
+        before NCCL sees it (:mod:`ncclpy.checked`).
         ``watchdog`` (default ``$NCCLPY_WATCHDOG``, on): a daemon thread that aborts the
         communicator when a call outlives ``timeout`` or a peer dies (:mod:`ncclpy.watchdog`).
         """
         checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
         watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
+        store = getattr(bs, "store", None)
+        if checked and store is not None and bs.world_size > 1:   # before NCCL sees them
+            from ..debug.agree import check_agreement
+            check_agreement(store, bs.rank, bs.world_size,
+                            f"ncclpy/{getattr(bs, 'name', 'default')}/"
+                            f"{getattr(bs, 'generation', 0)}/agree",
+                            default_timeout(timeout), config)
         comm = cls(bs.world_size, bs.rank, bs.uid, bs.device, config, timeout=timeout)
         comm.bootstrap = bs
         comm.name = getattr(bs, "name", "default")
-        store = getattr(bs, "store", None)
         if checked:
             from ..checked import Checker
             comm._checker = Checker(store, comm.rank, comm.world_size, name=comm.name,
@@ -149,6 +162,8 @@ class Communicator(CommExtras, CommLifecycle):
         obj._world_size = lib.comm_query("ncclCommCount", handle)
         obj._ctx = PlanContext(obj._rank, obj._world_size, device, lib.version)
         obj.name = name
+        obj._recorder = for_comm(obj, blake2b(name.encode(), digest_size=4).hexdigest(),
+                                 buffer_size(), nvtx_enabled())
         return obj
 
     def _setup(self, lib: Any, handle: int, nc: Any, rank: int, world_size: int, device: int,
@@ -177,6 +192,7 @@ class Communicator(CommExtras, CommLifecycle):
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
         self._watch: Any = None              # the watchdog's deque of issued Work
         self._watchdog: Any = None
+        self._recorder: Any = None           # the flight recorder (ncclpy.debug.recorder)
         self._objects: Any = None            # broadcast_object / all_gather_object (objects.py)
         self.bootstrap: Any = None
         self._name = "default"
@@ -192,6 +208,9 @@ class Communicator(CommExtras, CommLifecycle):
     def name(self, value: str) -> None:
         self._name = str(value)
         self._life.owner = f"rank {self._rank} of {self._name!r}"
+        rec = getattr(self, "_recorder", None)
+        if rec is not None:
+            rec.comm_name = self._name
 
     @property
     def rank(self) -> int:
@@ -256,6 +275,23 @@ class Communicator(CommExtras, CommLifecycle):
         """Seconds a call, a wait, a barrier or a check may take (``timeout=`` or
         ``$NCCLPY_TIMEOUT``, default 300)."""
         return self._timeout
+
+    def dump_trace(self, path: Optional[str] = None) -> str:
+        """Write this rank's flight recorder (its last calls, ``NCCLPY_TRACE_BUFFER``) as JSON
+        lines to ``path`` (a file, or a directory; default ``$NCCLPY_TRACE_DIR``) for
+        ``ncclpy trace``; the file written."""
+        rec = self._recorder
+        if rec is None:
+            raise NcclpyError(f"dump_trace: the flight recorder of communicator {self.name!r} "
+                              f"is off (NCCLPY_TRACE_BUFFER=0)")
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"dump_trace: path: expected a file or directory name, got "
+                                    f"{type(path).__name__} {path!r}")
+        try:
+            return rec.dump(None if path is None else os.fspath(path), "comm.dump_trace()")
+        except OSError as e:
+            raise ArgumentError(f"dump_trace: path {path!r}: cannot write the dump there: "
+                                f"{e.strerror or e}") from None
 
     @property
     def checked(self) -> bool:

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from .._nccl.cuda import cuda
 from .._nccl.group import GroupState, group_depth, group_state
-from ..errors import NcclpyError
+from ..debug.recorder import note_dump
+from ..errors import CallCheckTimeout, NcclpyError
 from ..plan.types import PREMUL_OP, Copy, NcclCall, Scratch
 from .work import Work
 
@@ -249,8 +250,16 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
 
     A communicator in checked mode (``comm._checker``) first compares the call across ranks
     (:func:`_checked_issue`); ``_after`` 1: the check passed; 2: a deferred call of a checked
-    group (its Work is watched through the user's Work it hands its event to).  A
-    communicator with a watchdog (``comm._watch``, a deque) gets the Work appended."""
+    group (its Work is watched through the user's Work it hands its event to); 3: recorded
+    by :func:`_recorded` (otherwise as 0).  A communicator with a flight recorder
+    (``comm._recorder``) records the call first; one with a watchdog (``comm._watch``, a
+    deque) gets the Work appended."""
+    if not _after:
+        rec = comm._recorder
+        if rec is not None:
+            return _recorded(comm, rec, r, keep)
+    elif _after == 3:
+        _after = 0
     if not _after and comm._checker is not None:
         return _checked_issue(comm, r, keep)
     life = comm._life
@@ -272,6 +281,30 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
     watch = comm._watch
     if watch is not None and _after != 2:
         watch.append(work)
+    return work
+
+
+def _recorded(comm: Any, rec: Any, r: Any, keep: Any) -> Work:
+    """``issue`` with the call in the flight recorder (and in an NVTX range when asked)."""
+    e = rec.open(r, 4)    # 0 open, 1 here, 2 issue, 3 the Communicator method, 4 the user
+    nv = rec.nvtx
+    if nv is not None:
+        nv.push(r.plan, e[0])
+    try:
+        work = issue(comm, r, keep, 3)
+    except BaseException as err:  # noqa: B902 - recorded, then re-raised
+        rec.fail(e, err)
+        if isinstance(err, CallCheckTimeout):   # a hang caught by checked mode: dump
+            note_dump(err, rec.try_dump("checked mode timeout"))
+        raise
+    finally:
+        if nv is not None:
+            nv.pop()
+    work._rec = e                     # then read _done / _error: see Work._completed
+    if work._error is not None:
+        rec.fail(e, work._error)
+    elif work._done:
+        rec.done(e)
     return work
 
 

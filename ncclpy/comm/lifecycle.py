@@ -375,6 +375,9 @@ class CommLifecycle:
                 self._lib.check(self._lib.ncclCommAbort(self._handle), "ncclCommAbort")
         finally:
             life.end_abort()
+            rec = getattr(self, "_recorder", None)
+            if rec is not None:
+                rec.mark_aborted()
             self._registrations.clear()
             self._premul_ops.clear()
             self._free_owned()
@@ -388,6 +391,9 @@ class CommLifecycle:
         if not life.begin_close():
             return
         self._stop_watchdog(closed=True)
+        rec = getattr(self, "_recorder", None)
+        if rec is not None:
+            rec.retire()
         if not life.wait_idle(self._timeout):
             err = CommAbortedError(f"close: another thread's {life._what} was still inside NCCL "
                                    f"after {self._timeout:g} s; the communicator was aborted "
@@ -435,8 +441,15 @@ class CommLifecycle:
                 log.debug("stopping the watchdog failed", exc_info=True)
 
     def _watchdog_abort(self, decision: Any) -> None:
-        """The watchdog's verdict: every blocked or later call raises CommAbortedError."""
-        self._abort_now(CommAbortedError(decision.message, collective=decision.collective,
+        """The watchdog's verdict: every blocked or later call raises CommAbortedError (its
+        message names the flight-recorder dump written first)."""
+        msg = decision.message
+        rec = getattr(self, "_recorder", None)
+        if rec is not None:
+            path = rec.try_dump(f"watchdog abort ({decision.reason})")
+            if path:
+                msg += f"; flight-recorder dump: {path}"
+        self._abort_now(CommAbortedError(msg, collective=decision.collective,
                                          seq=decision.seq, suspects=decision.suspects,
                                          reason=decision.reason))
 

@@ -110,6 +110,9 @@ def sweep_dropped(cu: Any = None, limit: int = 8) -> int:
             d.popleft()
         except IndexError:       # pragma: no cover - swept by another thread
             return 0
+        rec = keep[1]                                    # its flight-recorder entry
+        if rec is not None and rec[6] == "issued":     # [5] t_done, [6] state (recorder.py)
+            rec[5], rec[6] = time.time(), "completed"
         event_pool(dev).give(ev)
     return len(d)
 
@@ -128,7 +131,7 @@ class Work:
     """
 
     __slots__ = ("_comm", "_device", "_stream", "_event", "_owned", "_done", "_keep", "_error",
-                 "plan", "__weakref__")
+                 "plan", "_rec", "__weakref__")
 
     def __init__(self, comm: Any, device: int, stream: int, plan: Any = None,
                  keep: Any = ()) -> None:
@@ -141,6 +144,7 @@ class Work:
         self._keep = keep
         self._error: Optional[BaseException] = None
         self.plan = plan
+        self._rec: Optional[list] = None   # its flight-recorder entry (ncclpy.debug.recorder)
 
     # -- set up by the executor ---------------------------------------------------------
     def _record(self) -> None:
@@ -200,15 +204,24 @@ class Work:
     def _fail(self, err: BaseException) -> None:
         self._error = err
         self._keep = ()
+        e = self._rec
+        if e is not None and e[6] == "issued":         # [5] t_done, [6] state, [7] error
+            e[7], e[5], e[6] = f"{type(err).__name__}: {err}", time.time(), "failed"
 
     def _completed(self) -> None:
         """Completion seen: drop what was kept alive and give the pooled event back (once)."""
         self._keep = ()
         with _release_lock:
-            if self._done:
-                return
+            first = not self._done
             self._done = True
             ev, owned = self._event, self._owned
+        # after _done is set: a recorder entry attached meanwhile (execute._recorded sets
+        # _rec, then reads _done) is stamped here or there, never missed
+        e = self._rec
+        if e is not None and e[6] == "issued":     # stamped in the flight recorder
+            e[5], e[6] = time.time(), "completed"
+        if not first:
+            return
         if ev is not None and not owned:
             event_pool(self._device).give(ev)
 
@@ -221,7 +234,7 @@ class Work:
                 _destroy(ev)
             elif not self._done:      # dropped before anyone saw completion: keep its
                 self._done = True     # buffers (and event) until the GPU is done with them
-                _dropped.append((self._device, ev, self._keep))
+                _dropped.append((self._device, ev, (self._keep, self._rec)))
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
@@ -286,10 +299,14 @@ class Work:
                     grace, deadline = False, deadline + 2.0
                     continue
                 name = getattr(self.plan, "collective", "the call")
+                rec, dump = getattr(comm, "_recorder", None), ""
+                if rec is not None:
+                    path = rec.try_dump(f"Work.wait timeout ({name})")
+                    dump = f"; flight-recorder dump: {path}" if path else ""
                 raise NcclTimeoutError(8, "Work.wait",
                                        f"{name} not complete after {timeout:g} s (stream "
                                        f"{self._stream:#x}); abort the communicator, its "
-                                       f"peers may be gone or have skipped the call")
+                                       f"peers may be gone or have skipped the call{dump}")
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 

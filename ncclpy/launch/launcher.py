@@ -52,6 +52,8 @@ from ..errors import ArgumentError, LaunchError
 from ._pdeath import PR_SET_PDEATHSIG, prctl_function
 from .mps import resolve_mode, setup_mps
 from .placement import Placement, place, summary_line, with_mps
+from .forensics import Forensics
+from .jobfile import remove_job, write_job
 
 __all__ = ["launch", "build_command", "DEFAULT_GRACE",
            "PREFIX_FORMAT", "EXIT_TIMEOUT", "EXIT_USAGE", "DEAD_KEY", "HOSTED_ENV"]
@@ -313,17 +315,26 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     where = "" if single else f"node {node_rank} of {nnodes}, ranks {node_rank * nproc}-" \
                               f"{node_rank * nproc + nproc - 1} of {world}; "
     failed = True
-    server = None
+    server = job = None
+    forensics = Forensics(master_addr, master_port, token, base, err.line)
     try:
         if node_rank == 0:      # the job's store lives here, not in rank 0
             server = _host_store(master_addr, master_port, token, world)
             base[HOSTED_ENV] = "launcher"
+            job = write_job(master_addr, master_port, token, world, forensics.trace_dir,
+                            command)
         err.line(summary_line("ncclpy run", placement, where))
         rc = _start_and_supervise(command, base, placement, out, err, prefix, grace, master_addr,
-                                  master_port, token, node_rank, nproc, world, timeout)
+                                  master_port, token, node_rank, nproc, world, timeout,
+                                  forensics)
         failed = rc != 0
+        if failed:
+            said = forensics.summary()
+            if said:
+                err.line(said)
         return rc
     finally:
+        remove_job(job)
         if server is not None:
             server.close()
         kept = mps_setup.stop(failed=failed)   # also on errors and signals: never leave it
@@ -334,7 +345,8 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
 def _start_and_supervise(command: list[str], base: Mapping[str, str], placement: Placement,
                          out: _Sink, err: _Sink, prefix: bool, grace: float, master_addr: str,
                          master_port: int, token: str, node_rank: int, nproc: int,
-                         world: int, timeout: Optional[float] = None) -> int:
+                         world: int, timeout: Optional[float] = None,
+                         forensics: Optional[Forensics] = None) -> int:
     """Start the ranks with their environment and supervise them; the exit code."""
     preexec = _pdeathsig_fn()
     procs: list[subprocess.Popen] = []
@@ -344,7 +356,7 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
     pending: list[int] = []
     old: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
             old[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
     watch = None
     try:
@@ -376,7 +388,8 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
         outcome: list[str] = []
         try:
             rc = _supervise(procs, ranks[:len(procs)], out, err, prefix, float(grace), pending,
-                            timeout, notify, watch, outcome, unstarted=len(ranks) - len(procs))
+                            timeout, notify, watch, outcome, unstarted=len(ranks) - len(procs),
+                            forensics=forensics)
         finally:
             if watch is not None:
                 watch.finish(outcome[0] if outcome else None)
@@ -398,10 +411,13 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
 def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err: _Sink,
                prefix: bool, grace: float, pending: list[int], timeout: Optional[float] = None,
                notify: Optional[Callable[[int, int], bool]] = None, watch: Any = None,
-               outcome: Optional[list] = None, unstarted: int = 0) -> int:
+               outcome: Optional[list] = None, unstarted: int = 0,
+               forensics: Any = None) -> int:
     """Pump output, forward queued signals, stop everyone on the first failure, at ``timeout``
     or when ``watch.failure`` (another node) is set; the exit code. ``notify(rank, rc)``
-    publishes the first failure first; ``outcome`` gets a line about a failure here."""
+    publishes the first failure first; ``outcome`` gets a line about a failure here.
+    ``forensics`` (:class:`~ncclpy.launch.forensics.Forensics`): the status table and the
+    ranks' dumps on SIGUSR1, before stopping them at a failure or the timeout."""
     n = len(procs)
     readers = []
     for p, rank in zip(procs, ranks):
@@ -450,6 +466,10 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
             deadline = time.monotonic() + grace
         while pending:
             sig = pending.pop(0)
+            if sig == signal.SIGUSR1:             # a look inside: the job goes on
+                if forensics is not None and not decided():
+                    forensics.on_signal({ranks[j]: procs[j].pid for j in alive})
+                continue
             if not decided():
                 interrupt = sig
                 forwarded_to = len(alive)
@@ -473,11 +493,17 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
                     notify(ranks[i], rc)
                 if alive and watch is not None:
                     watch.announce(f"rank {ranks[i]} {_how(rc)}")
+                if alive and forensics is not None:
+                    forensics.collect(f"rank {ranks[i]} {_how(rc)}",
+                                      {ranks[j]: procs[j].pid for j in alive})
                 for j in alive:
                     _signal_group(procs[j], signal.SIGTERM)
                 deadline = time.monotonic() + grace
         if job_end is not None and alive and not decided() and time.monotonic() >= job_end:
             timed_out = sorted(alive)
+            if forensics is not None:
+                forensics.collect(f"--timeout {timeout:g} s passed",
+                                  {ranks[j]: procs[j].pid for j in alive})
             for j in alive:
                 _signal_group(procs[j], signal.SIGTERM)
             deadline = time.monotonic() + grace

@@ -64,7 +64,9 @@ class Stage:
 
 _GPU = "tests/gpu"
 _CHECK = "tests/gpu/test_check_gpu.py"
-_NOT_COMM = ("--ignore=tests/gpu/test_examples_gpu.py", "--ignore=tests/gpu/test_bench_gpu.py")
+_FORENSICS = "tests/gpu/test_forensics_gpu.py"
+_NOT_COMM = ("--ignore=tests/gpu/test_examples_gpu.py", "--ignore=tests/gpu/test_bench_gpu.py",
+             f"--ignore={_FORENSICS}")
 _NOT_CHECK = f"--ignore={_CHECK}"
 
 STAGES: Tuple[Stage, ...] = (
@@ -93,6 +95,10 @@ STAGES: Tuple[Stage, ...] = (
           args=("tests/gpu/test_examples_gpu.py",)),
     Stage("benchtests", "bench GPU tests (every collective, dtypes, graphs, torch)", "pytest",
           480, 120, args=("tests/gpu/test_bench_gpu.py",)),
+    Stage("forensics", "hang forensics: flight recorder, ncclpy trace, ncclpy status", "pytest",
+          300, 90, args=(_FORENSICS,),
+          notes="3-rank jobs on one GPU: a skipped collective, a send without its recv, a "
+                "SIGSTOPped rank, the status table while a job hangs"),
 )
 NAMES: Tuple[str, ...] = tuple(s.name for s in STAGES)
 

@@ -1,0 +1,68 @@
+"""A job for the hang-forensics tests, run by ``ncclpy run`` over the cross-process STAND-IN
+(tests/nccl_standin_procs.py): real processes, the launcher's real store, ncclpy's real call
+path, flight recorder, watchdog and dumps; only the NCCL launch is stood in for.
+
+``python forensics_job.py SCENARIO``: ``ok`` (three all_reduce, all complete), ``skip`` (rank 2
+skips the third all_reduce and idles ``JOB_IDLE`` seconds), ``differ`` (rank 2 makes a
+broadcast instead), ``unmatched`` (rank 0 sends to rank 1, which never receives), ``stop`` (rank
+2 stops itself with SIGSTOP before the third).
+Each line that makes a call ends with a ``# CALL <name>`` marker the tests look for.  With
+``--real`` (tests/gpu) it runs on real NCCL and CuPy arrays instead of the stand-in.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from nccl_standin import DevArray  # noqa: E402
+from nccl_standin_procs import proc_standin  # noqa: E402
+
+
+def main(scenario: str, real: bool = False) -> int:
+    if real:                      # the GPU tests: real NCCL, real device memory
+        return play(scenario, None)
+    from ncclpy.store import TCPStore
+    env = os.environ
+    store = TCPStore(env["NCCLPY_MASTER_ADDR"], int(env["NCCLPY_MASTER_PORT"]),
+                     token=env.get("NCCLPY_STORE_TOKEN") or None, timeout=60.0)
+    with proc_standin(store):
+        return play(scenario, lambda device: DevArray(np.ones(8, np.float32), device=device))
+
+
+def play(scenario: str, make) -> int:
+    import ncclpy
+    env = os.environ
+    comm = ncclpy.init("job")
+    r = comm.rank
+    if make is None:
+        import cupy
+        x = cupy.ones(8, cupy.float32)
+    else:
+        x = make(comm.device)
+    comm.all_reduce(x).wait()                                 # CALL first
+    comm.all_reduce(x).wait()                                 # CALL second
+    if scenario == "skip" and r == 2:
+        time.sleep(float(env.get("JOB_IDLE", "30")))          # skips the third
+    elif scenario == "differ" and r == 2:
+        comm.broadcast(x, root=0).wait()                      # CALL differs
+    elif scenario == "stop" and r == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif scenario == "unmatched":
+        if r == 0:
+            comm.send(x, 1).wait()                            # CALL lonely-send
+        else:
+            time.sleep(float(env.get("JOB_IDLE", "30")))
+    else:
+        comm.all_reduce(x).wait()                             # CALL third
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], "--real" in sys.argv[2:]))
