@@ -8,7 +8,7 @@ top of :mod:`ncclpy`.
 """
 from __future__ import annotations
 
-from ..watchdog import default_timeout, env_flag
+from ..debug.watchdog import default_timeout, env_flag
 from .communicator import Communicator, Config, Registration, group, init
 
 __all__ = ["Communicator", "Config", "Registration", "init", "group", "default_timeout",

@@ -41,7 +41,7 @@ from .prepared import Prepared
 from .resolver import Resolver
 from ..debug.nvtx import enabled as nvtx_enabled
 from ..debug.recorder import trace_signal, buffer_size, for_comm
-from ..watchdog import default_timeout, env_flag
+from ..debug.watchdog import default_timeout, env_flag
 from .work import Work
 
 __all__ = ["Communicator", "Config", "Registration", "init", "group"]
@@ -133,12 +133,12 @@ class Communicator(CommExtras, CommLifecycle):
         comm.bootstrap = bs
         comm.name = getattr(bs, "name", "default")
         if checked:
-            from ..checked import Checker
+            from ..debug.checked import Checker
             comm._checker = Checker(store, comm.rank, comm.world_size, name=comm.name,
                                     prefix=f"ncclpy/{comm.name}/{getattr(bs, 'generation', 0)}"
                                            f"/chk", timeout=comm._timeout)
         if watchdog:
-            from ..watchdog import Watchdog
+            from ..debug.watchdog import Watchdog
             comm._watchdog = Watchdog(comm, store).start()
         from .objects import ObjectExchange
         comm._objects = ObjectExchange(store, comm.rank, comm.world_size,

@@ -1,6 +1,9 @@
-"""Seeing and stopping what goes wrong: death notices and the heartbeat table of the watchdog.
+"""Seeing and stopping what goes wrong: the watchdog and its heartbeats and death notices,
+checked mode with its send/recv pairing and the ranks' agreement, the flight recorder,
+``ncclpy trace``, ``ncclpy status`` and NVTX ranges.
 
-(:mod:`ncclpy.watchdog` and :mod:`ncclpy.checked` stay where users import them.)
+The watchdog (:mod:`ncclpy.debug.watchdog`) and checked mode (:mod:`ncclpy.debug.checked`) live
+here; ``ncclpy.watchdog`` and ``ncclpy.checked`` stay where users import them (the same modules).
 """
 from __future__ import annotations
 

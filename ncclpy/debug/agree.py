@@ -138,7 +138,7 @@ def _groups(values: Mapping[int, Any]) -> str:
 
 
 def _ranks(rs: Sequence[int]) -> str:
-    from ..watchdog import _ranks as fmt
+    from .watchdog import _ranks as fmt
     return fmt(list(rs), 16)
 
 
@@ -176,7 +176,7 @@ def exchange(store: Any, rank: int, world: int, prefix: str, timeout: float,
         agreed = not v1.verdict and not v2.verdict
     if agreed:
         return Comparison([], [])
-    from ..checked import _wait_key
+    from .checked import _wait_key
     from ..store.sync import count_out, wait_counted_out
     store.set(f"{prefix}/f/{rank}", json.dumps(f, default=str))
     if rank == 0:

@@ -16,7 +16,7 @@ __all__ = ["enabled", "Ranges", "ranges"]
 
 def enabled() -> bool:
     """``NCCLPY_NVTX`` checked: 1/0, true/false, yes/no, on/off (default off)."""
-    from ..watchdog import env_flag
+    from .watchdog import env_flag
     return env_flag("NCCLPY_NVTX", None, "NCCLPY_NVTX", False)
 
 

@@ -157,7 +157,7 @@ class PairCheck:
                 f"{self.rank}); nothing of this round was given to NCCL:")
 
     def _get(self, key: str, timeout: float) -> bytes:
-        from ..checked import _wait_key
+        from .checked import _wait_key
         return _wait_key(self.store, key, timeout)
 
     def _delete(self, key: str) -> None:
@@ -174,5 +174,5 @@ def _list(items: Any) -> str:
 
 
 def _is_timeout(e: BaseException) -> bool:
-    from ..checked import _is_timeout as t
+    from .checked import _is_timeout as t
     return t(e)

@@ -49,8 +49,7 @@ _P2P = frozenset(("send", "recv", "send_recv"))
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: the call path: frames in these files are ncclpy's, never a user's call site
-_INTERNAL = tuple(_PKG + p for p in ("comm" + os.sep, "debug" + os.sep, "_nccl" + os.sep,
-                                     "checked.py", "watchdog.py"))
+_INTERNAL = tuple(_PKG + p for p in ("comm" + os.sep, "debug" + os.sep, "_nccl" + os.sep))
 _inside: Dict[str, bool] = {}
 _getframe, _now = sys._getframe, time.time
 _live: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
@@ -107,7 +106,7 @@ def site_text(code: Any, lasti: int) -> Optional[str]:
 def describe(plan: Any, seq: int) -> Dict[str, Any]:
     """What a call was, from its Plan: checked mode's fields (coll, nccl, count, dtype, op,
     root, in_place) and its point-to-point part ``p2p`` [[send|recv, peer, count, dtype]]."""
-    from ..checked import fingerprint
+    from .checked import fingerprint
     fp = fingerprint((plan,), seq)
     if fp["calls"]:
         d = dict(fp["calls"][0])

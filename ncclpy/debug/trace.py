@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..checked import FIELDS
+from .checked import FIELDS
 from ..errors import ArgumentError
 
 __all__ = ["Dump", "load", "analyze", "Finding", "CommReport",
