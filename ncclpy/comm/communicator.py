@@ -40,6 +40,7 @@ from ..plan.types import PlanContext
 from .prepared import Prepared
 from .resolver import Resolver
 from ..debug.nvtx import enabled as nvtx_enabled
+from ..debug.nvtx import ranges as nvtx_ranges
 from ..debug.recorder import trace_signal, buffer_size, for_comm
 from ..debug.watchdog import default_timeout, env_flag
 from .work import Work
@@ -67,7 +68,7 @@ class Communicator(CommExtras, CommLifecycle):
             raise ArgumentTypeError(f"config: expected ncclpy.Config or None, got "
                                     f"{type(config).__name__}")
         timeout = default_timeout(timeout)
-        trace = (buffer_size(), nvtx_enabled(), trace_signal())   # bad settings: before NCCL
+        trace = _trace_settings()      # bad settings, or NVTX asked for and missing: before NCCL
         lib = get_lib()
         # NCCL_COMM_BLOCKING=0 makes even a config-less communicator nonblocking: its init then
         # returns ncclInProgress, which CuPy cannot represent, so it is made through ctypes.
@@ -105,7 +106,7 @@ class Communicator(CommExtras, CommLifecycle):
                 self.abort()
                 raise
         lib.mark_seen()
-        self._recorder = for_comm(self, blake2b(uid, digest_size=4).hexdigest(), *trace[:2])
+        self._recorder = for_comm(self, blake2b(uid, digest_size=4).hexdigest(), *trace)
 
     @classmethod
     def from_bootstrap(cls, bs: Any, config: Optional[Config] = None, *,
@@ -162,8 +163,12 @@ class Communicator(CommExtras, CommLifecycle):
         obj._world_size = lib.comm_query("ncclCommCount", handle)
         obj._ctx = PlanContext(obj._rank, obj._world_size, device, lib.version)
         obj.name = name
-        obj._recorder = for_comm(obj, blake2b(name.encode(), digest_size=4).hexdigest(),
-                                 buffer_size(), nvtx_enabled())
+        try:
+            obj._recorder = for_comm(obj, blake2b(name.encode(), digest_size=4).hexdigest(),
+                                     *_trace_settings())
+        except BaseException:          # the environment changed since the parent's init
+            obj.abort()
+            raise
         return obj
 
     def _setup(self, lib: Any, handle: int, nc: Any, rank: int, world_size: int, device: int,
@@ -470,6 +475,13 @@ def _parse(obj: Any, name: str) -> Any:
 def _itemsize(dtype: Any) -> int:
     from ..dtypes import logical
     return logical(dtype).itemsize
+
+
+def _trace_settings() -> tuple:
+    """(ring size, NVTX ranges or None) from ``NCCLPY_TRACE_BUFFER``/``NCCLPY_NVTX``, and
+    ``NCCLPY_TRACE_SIGNAL`` checked: read before NCCL makes a communicator."""
+    trace_signal()
+    return buffer_size(), (nvtx_ranges() if nvtx_enabled() else None)
 
 
 def group():

@@ -271,16 +271,14 @@ def note_dump(err: BaseException, path: Optional[str]) -> None:
         err.args = (f"{err.args[0]}\nflight-recorder dump: {path}",) + err.args[1:]
 
 
-def for_comm(comm: Any, comm_id: str, capacity: int, nvtx: bool) -> Optional[Recorder]:
+def for_comm(comm: Any, comm_id: str, capacity: int, nvtx: Any) -> Optional[Recorder]:
     """The recorder of a new communicator (None when the ring and NVTX are both off);
-    installs the dump signal.  ``capacity``/``nvtx``: :func:`buffer_size`,
-    :func:`ncclpy.debug.nvtx.enabled`, read before NCCL made the communicator."""
-    if not capacity and not nvtx:
+    installs the dump signal.  ``capacity``: :func:`buffer_size`; ``nvtx``: the NVTX ranges
+    (:func:`ncclpy.debug.nvtx.ranges`) or None; both read before NCCL made the communicator."""
+    if not capacity and nvtx is None:
         return None
     rec = Recorder(comm, capacity, comm_id)
-    if nvtx:
-        from .nvtx import ranges
-        rec.nvtx = ranges()
+    rec.nvtx = nvtx
     try:
         install_signal()
     except ArgumentError as e:      # checked before the communicator was made: never here

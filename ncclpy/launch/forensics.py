@@ -49,6 +49,7 @@ class Forensics:
         except Exception:  # noqa: BLE001 - each rank reports its own bad setting
             self.signal = None
         self.asked_at: Optional[float] = None
+        self.started = time.time()      # dumps older than the job are not its own
 
     def snapshot(self) -> Optional[List[Dict[str, Any]]]:
         """Every communicator's table, or None (said in one line) when the store is gone."""
@@ -124,7 +125,13 @@ class Forensics:
 
     def summary(self) -> Optional[str]:
         """The closing line naming the dumps, or None when there are none."""
-        files = glob.glob(os.path.join(self.trace_dir, "ncclpy-trace-*.jsonl"))
+        files = []
+        for f in glob.glob(os.path.join(self.trace_dir, "ncclpy-trace-*.jsonl")):
+            try:
+                if os.path.getmtime(f) >= self.started - 1.0:
+                    files.append(f)
+            except OSError:
+                pass
         if not files:
             return None
         return (f"ncclpy run: {len(files)} flight-recorder dump(s) in {self.trace_dir}; "
