@@ -329,3 +329,15 @@ def test_info_all_ranks_prints_the_comparison_on_rank_0():
                         capture_output=True, text=True, timeout=90)
     assert ok.returncode == 0 and "[rank 0] all 2 ranks run the same NCCL with the same " \
         "settings" in ok.stdout, (ok.stdout, ok.stderr)
+
+
+def test_nvtx_asked_for_but_missing_is_refused_before_nccl(monkeypatch):
+    import cupy.cuda
+    monkeypatch.setenv("NCCLPY_NVTX", "1")
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nvtx", None)
+    monkeypatch.delattr(cupy.cuda, "nvtx", raising=False)
+    with standin() as eng:
+        with pytest.raises(errors.UnsupportedError, match="NCCLPY_NVTX=1: NVTX ranges need "
+                                                          "CuPy's NVTX binding"):
+            Communicator(1, 0, UID, 0)
+        assert not [x for x in eng.calls if "Init" in x[0]], eng.calls
