@@ -68,10 +68,37 @@ def _check(argv: Sequence[str]) -> int:
     return int(rc or 0)
 
 
+def _info_all_ranks(as_json: bool) -> int:
+    """``ncclpy info --all-ranks``: rank 0 prints the comparison; 0 (the ranks agree, or
+    differ only in what is noted), 1 (a behaviour difference), 2 (one line: not under a
+    launcher, or the store failed)."""
+    import dataclasses
+    from .debug.agree import compare_all_ranks
+    from .errors import RendezvousError, StoreError
+    prog = "ncclpy info --all-ranks"
+    try:
+        rank, world, cmp = compare_all_ranks()
+    except RendezvousError as e:
+        first = str(e).split(" - ")[0].split(":")[0]
+        print(f"{prog}: not under a launcher ({first}: no rank, world size or store address "
+              f"in the environment); start it with 'ncclpy run -n N -m ncclpy info "
+              f"--all-ranks' (or torchrun, mpirun, srun)", file=sys.stderr)
+        return 2
+    except (StoreError, OSError) as e:
+        print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        if as_json:
+            print(json.dumps({"world_size": world, **dataclasses.asdict(cmp)}, indent=1))
+        else:
+            print(f"{prog}: {world} ranks compared")
+            print(cmp.text(world))
+    return 1 if cmp.errors else 0
+
+
 def _info(ns: argparse.Namespace) -> int:
     if ns.all_ranks:
-        from .debug.agree import info_all_ranks
-        return info_all_ranks(as_json=ns.json)
+        return _info_all_ranks(ns.json)
     from .info import collect, format_info
     d = collect(import_torch=ns.torch)
     if ns.json:

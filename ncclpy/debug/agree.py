@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import EnvironmentMismatchError
 
 __all__ = ["facts", "split", "compare", "Comparison", "exchange", "BEHAVIOUR_VARS",
-           "behaviour_var", "check_agreement", "info_all_ranks"]
+           "behaviour_var", "check_agreement", "compare_all_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -212,34 +212,14 @@ def check_agreement(store: Any, rank: int, world: int, prefix: str, timeout: flo
     return cmp
 
 
-def info_all_ranks(as_json: bool = False, timeout: float = 120.0) -> int:
-    """``ncclpy info --all-ranks`` in one rank of a launched job: compare every rank's
-    facts; rank 0 prints the comparison.  Exit status 0 (agree, or only noted differences),
-    1 (a behaviour difference), 2 (not under a launcher: one line)."""
+def compare_all_ranks(timeout: float = 120.0) -> Tuple[int, int, Comparison]:
+    """``ncclpy info --all-ranks`` in one rank of a launched job: compare every rank's facts
+    through the job's store; (this rank, world size, the Comparison every rank gets).
+    RendezvousError when not under a launcher, StoreError when the store fails."""
     from ..bootstrap import connect_store
-    from ..errors import RendezvousError, StoreError
     from ..rendezvous import resolve
-    try:
-        info = resolve()
-    except RendezvousError as e:
-        first = str(e).split(" - ")[0].split(":")[0]
-        sys.stderr.write(f"ncclpy info --all-ranks: not under a launcher ({first}: no rank, "
-                         f"world size or store address in the environment); start it with "
-                         f"'ncclpy run -n N -m ncclpy info --all-ranks' (or torchrun, mpirun, "
-                         f"srun)\n")
-        return 2
-    try:
-        store = connect_store(info, timeout=timeout)
-        cmp = exchange(store, info.rank, info.world_size, "ncclpy/info/agree", timeout,
-                       facts(), always=True)
-    except (RendezvousError, StoreError, OSError) as e:
-        sys.stderr.write(f"ncclpy info --all-ranks: {' '.join(str(e).split())}\n")
-        return 2
-    if info.rank == 0:
-        if as_json:
-            print(json.dumps({"world_size": info.world_size, **dataclasses.asdict(cmp)},
-                             indent=1))
-        else:
-            print(f"ncclpy info --all-ranks: {info.world_size} ranks compared")
-            print(cmp.text(info.world_size))
-    return 1 if cmp.errors else 0
+    info = resolve()
+    store = connect_store(info, timeout=timeout)
+    cmp = exchange(store, info.rank, info.world_size, "ncclpy/info/agree", timeout, facts(),
+                   always=True)
+    return info.rank, info.world_size, cmp
