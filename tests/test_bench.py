@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from module_run import run_module
+
 from ncclpy import registry
 from ncclpy.errors import ArgumentError
 
@@ -26,14 +28,7 @@ from bench.output import Row, Side
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "bench" / "schema.json").read_text())
 pytestmark = pytest.mark.timeout(120)
-
-
-def _run(module, *args, timeout=120):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.pop("NCCL_TESTS_MIN_BW", None)
-    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+_run = run_module
 
 
 def _validate(doc):

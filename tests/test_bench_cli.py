@@ -4,23 +4,13 @@ skipped fails saying nothing was measured; every bench tool's usage error is one
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from module_run import run_module
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def _run(module, *args, timeout=120):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.pop("NCCL_TESTS_MIN_BW", None)
-    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+_run = run_module
 
 
 def test_bench_device_cuda_without_a_gpu_is_one_line():

@@ -57,6 +57,21 @@ def spawn_records(fn: Callable[..., Any], n: int, outdir: str, monkeypatch: Any,
     return records, failures, launch_error
 
 
+def short_run(fn: Callable[..., Any], n: int, tmp_path_factory: Any, name: str) -> Records:
+    """A module fixture's body for the short workers: skip (with the reason) without a GPU,
+    else :func:`spawn_records` of ``fn`` on ``n`` ranks into a fresh directory ``name``."""
+    import pytest
+    from gpu_util import cuda_reason
+    if cuda_reason():
+        pytest.skip(cuda_reason())
+    mp = pytest.MonkeyPatch()
+    try:
+        return spawn_records(fn, n, str(tmp_path_factory.mktemp(name)), mp,
+                             timeout=SHORT_SPAWN_TIMEOUT)
+    finally:
+        mp.undo()
+
+
 def report(failures: List[str], launch_error: str, limit: int = 25) -> str:
     head = f"{len(failures)} failed checks" + (f"; launch: {launch_error}" if launch_error else "")
     return head + "\n\n" + "\n\n".join(failures[:limit])

@@ -12,29 +12,21 @@ import sys
 
 import pytest
 
-from gpu_util import cuda_reason, requires_gpu
+from gpu_util import requires_gpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import _gpu_lifecycle as L  # noqa: E402
-from _gpu_spawn import (SHORT_SPAWN_TIMEOUT, SHORT_TEST_TIMEOUT, feature,  # noqa: E402
-                        spawn_records)
+from _gpu_spawn import SHORT_TEST_TIMEOUT, feature, short_run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(SHORT_TEST_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def life_run(tmp_path_factory):
-    if cuda_reason():
-        pytest.skip(cuda_reason())
-    mp = pytest.MonkeyPatch()
-    try:
-        return spawn_records(L.lifecycle_worker, 2, str(tmp_path_factory.mktemp("life")), mp,
-                             timeout=SHORT_SPAWN_TIMEOUT)
-    finally:
-        mp.undo()
+    return short_run(L.lifecycle_worker, 2, tmp_path_factory, "life")
 
 
 @requires_gpu

@@ -15,23 +15,16 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from _gpu_interop import torch_interop  # noqa: E402
-from _gpu_spawn import (SHORT_SPAWN_TIMEOUT, SHORT_TEST_TIMEOUT, feature,  # noqa: E402
-                        spawn_records)
+from _gpu_spawn import SHORT_TEST_TIMEOUT, feature, short_run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(SHORT_TEST_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def interop_run(tmp_path_factory):
-    if cuda_reason():
-        pytest.skip(cuda_reason())
-    pytest.importorskip("torch.distributed")
-    mp = pytest.MonkeyPatch()
-    try:
-        return spawn_records(torch_interop, 2, str(tmp_path_factory.mktemp("interop")), mp,
-                             timeout=SHORT_SPAWN_TIMEOUT)
-    finally:
-        mp.undo()
+    if not cuda_reason():
+        pytest.importorskip("torch.distributed")
+    return short_run(torch_interop, 2, tmp_path_factory, "interop")
 
 
 @requires_gpu

@@ -1,0 +1,21 @@
+"""Run ``python -m MODULE ARGS`` from the repository root as a user does (tests' helper)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["run_module", "ROOT"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The finished process (text output captured); ``NCCL_TESTS_MIN_BW`` is left out so the
+    bench's bandwidth floor never fails a test by accident."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("NCCL_TESTS_MIN_BW", None)
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
