@@ -59,10 +59,8 @@ def run_job(scenario: str, trace_dir: str, extra: Optional[Dict[str, str]] = Non
 def cli(*args: str, env: Optional[Dict[str, str]] = None,
         timeout: float = 60.0) -> subprocess.CompletedProcess:
     """``python -m ncclpy ARGS`` as a user runs it."""
-    e = dict(os.environ, PYTHONPATH=ROOT)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ncclpy", *args], env=e, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    from module_run import run_module
+    return run_module("ncclpy", *args, timeout=timeout, env=env)
 
 
 def trace(trace_dir: str) -> Tuple[int, Dict[str, Any], str]:

@@ -176,7 +176,7 @@ def exchange(store: Any, rank: int, world: int, prefix: str, timeout: float,
         agreed = not v1.verdict and not v2.verdict
     if agreed:
         return Comparison([], [])
-    from .checked import _wait_key
+    from .checked import _wait_key, delete_key
     from ..store.sync import count_out, wait_counted_out
     store.set(f"{prefix}/f/{rank}", json.dumps(f, default=str))
     if rank == 0:
@@ -188,10 +188,7 @@ def exchange(store: Any, rank: int, world: int, prefix: str, timeout: float,
         wait_counted_out(store, f"{prefix}/out", world - 1, timeout, "the settings comparison")
         for key in [f"{prefix}/f/{r}" for r in range(world)] + [f"{prefix}/report",
                                                                 f"{prefix}/out"]:
-            try:
-                (getattr(store, "delete_key", None) or store.delete)(key)
-            except Exception:  # noqa: BLE001 - cleanup only
-                pass
+            delete_key(store, key)
         return cmp
     cmp = Comparison(**json.loads(_wait_key(store, f"{prefix}/report", timeout)))
     count_out(store, f"{prefix}/out")

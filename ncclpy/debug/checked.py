@@ -479,10 +479,16 @@ class Checker:
         raise CallCheckTimeout(msg, table=out, problems=problems, missing=missing)
 
     def _delete(self, key: str) -> None:
-        delete = getattr(self.store, "delete_key", None) or getattr(self.store, "delete", None)
-        if delete is None:
-            return
-        try:
-            delete(key)
-        except Exception:  # cleanup only
-            log.debug("checked mode: deleting %s failed", key, exc_info=True)
+        delete_key(self.store, key)
+
+
+def delete_key(store: Any, key: str) -> None:
+    """Delete ``key`` from ncclpy's store or torch's (``delete`` / ``delete_key``); cleanup
+    only: a failure is logged, never raised."""
+    delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
+    if delete is None:
+        return
+    try:
+        delete(key)
+    except Exception:  # cleanup only
+        log.debug("deleting %s failed", key, exc_info=True)

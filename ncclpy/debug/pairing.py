@@ -27,6 +27,7 @@ import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 from ..errors import CallCheckTimeout, CallMismatchError
+from .checked import _is_timeout, _wait_key, delete_key
 
 __all__ = ["PairCheck", "Op"]
 
@@ -89,7 +90,7 @@ class PairCheck:
                 raise CallCheckTimeout(self._missing(kind, p, count, dtype, k),
                                        problems=[f"rank {me}: {_text(kind, k, p, count, dtype)} "
                                                  f"was never met"], missing=[p]) from None
-            self._delete(key)
+            delete_key(self.store, key)
             c, _, d = raw.decode().partition(":")
             got[(kind, p, k)] = (c, d)
         problems += self._compare(remote, got)
@@ -157,22 +158,10 @@ class PairCheck:
                 f"{self.rank}); nothing of this round was given to NCCL:")
 
     def _get(self, key: str, timeout: float) -> bytes:
-        from .checked import _wait_key
         return _wait_key(self.store, key, timeout)
 
-    def _delete(self, key: str) -> None:
-        delete = getattr(self.store, "delete_key", None) or getattr(self.store, "delete", None)
-        if delete is not None:
-            try:
-                delete(key)
-            except Exception:  # noqa: BLE001 - cleanup only
-                pass
 
 
 def _list(items: Any) -> str:
     return ", ".join(f"{c}x{d}" for c, d in items)
 
-
-def _is_timeout(e: BaseException) -> bool:
-    from .checked import _is_timeout as t
-    return t(e)
