@@ -191,6 +191,14 @@ def build_parser() -> OneLineParser:
     x.add_argument("--timer", default="host", choices=("host", "events"),
                    help="host: wall clock around the iterations and a stream sync, as nccl-tests; "
                         "events: CUDA events recorded on the stream (GPU only)")
+    x.add_argument("--algo", default=None, metavar="ALGO",
+                   help="force NCCL's algorithm for every call of the sweep, in NCCL_ALGO's "
+                        "syntax (ring, tree, ^nvls, ...): ncclpy's config=CollConfig(algorithm=) "
+                        "(NCCL >= 2.31, --backend ncclpy)")
+    x.add_argument("--predict", action="store_true",
+                   help="add NCCL's predicted time of each out-of-place call "
+                        "(ncclGroupSimulateEnd, NCCL >= 2.22) beside the measured one "
+                        "(--backend ncclpy)")
     x.add_argument("--csv", default=None, metavar="FILE", help="also write results as CSV")
     x.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot bus bandwidth and latency against size (needs matplotlib)")
@@ -330,6 +338,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         if a.timer == "events":
             raise ArgumentError(f"{p.flag('timer')} events: CUDA events are unsupported with "
                                 f"--device cpu")
+    algo = None
+    if a.algo is not None or a.predict:
+        bad = [b for b in backends if b != "ncclpy"]
+        flag = p.flag("algo") if a.algo is not None else p.flag("predict")
+        if bad:
+            raise ArgumentError(f"{flag}: needs --backend ncclpy (ncclpy's CollConfig and "
+                                f"group(simulate=True)); {', '.join(bad)} cannot")
+    if a.algo is not None:
+        from ncclpy._nccl.collconfig import CollConfig
+        try:
+            algo = CollConfig(algorithm=a.algo).algorithm
+        except NcclpyError as e:
+            raise ArgumentError(f"{p.flag('algo')}: {str(e).split(': ', 1)[-1]}") from None
+        if "send_recv" in collectives:
+            raise ArgumentError(f"{p.flag('algo')}: send_recv is ncclSend/ncclRecv, which "
+                                f"take no algorithm (no ncclCollConfig_t); drop it or --algo")
     for dest, path, check in (("output_file", a.output_file, check_output_path),
                               ("csv", a.csv, check_output_path), ("plot", a.plot, _plot_problem)):
         why = check(path) if path else ""
@@ -342,7 +366,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         root=root, cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
         nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
         plot=a.plot, timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
-        argv=["python -m bench", *argv])
+        algo=algo, predict=a.predict, argv=["python -m bench", *argv])
 
 
 def _no_gpu_reason() -> str:

@@ -87,10 +87,11 @@ def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: in
     return out
 
 
-def table_header(multi: bool = False) -> List[str]:
-    """nccl-tests' three column-header lines (a backend column when ``multi``)."""
+def table_header(multi: bool = False, predict: bool = False) -> List[str]:
+    """nccl-tests' three column-header lines (a backend column when ``multi``; NCCL's
+    predicted time of the out-of-place call, ``ncclGroupSimulateEnd``, when ``predict``)."""
     e = ("", "", "", "", "")
-    tail = "  backend" if multi else ""
+    tail = ("  %7s" % "predict" if predict else "") + ("  backend" if multi else "")
     return [
         "#",
         "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place"
@@ -114,6 +115,9 @@ def format_row(r: Row, multi: bool = False) -> str:
     """One line of the table, as nccl-tests prints it (backend appended when several)."""
     line = "%12d  %12d  %8s  %6s  %6s" % (r.size, r.count, r.type, r.redop, "%6i" % r.root)
     line += _side(r.oop) + _side(r.ip)
+    if "predicted_us" in r.extra:          # None: NCCL gave no estimate
+        p = r.extra["predicted_us"]
+        line += "  %7s" % ("N/A" if p is None else float_str(float(p), 7))
     return line + (f"  {r.backend}" if multi else "")
 
 
@@ -262,6 +266,12 @@ def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
     ext["average_bus_bandwidth_by_backend"] = {k: avg_busbw(v) for k, v in
                                                rows_by_backend.items()}
     ext["ratios"] = ratio_rows(rows_by_backend)
+    predicted = [{"backend": r.backend, "size": r.size, "type": r.type, "redop": r.redop,
+                  "root": r.root, "predicted_us": r.extra["predicted_us"],
+                  "measured_us": _jnum(r.oop.time_us)}
+                 for r in all_rows if "predicted_us" in r.extra]
+    if predicted:
+        ext["predicted"] = predicted
     cfg = dict(config)
     cfg["devices"] = devices
     return {
@@ -307,7 +317,7 @@ def write_json(path: str, doc: Dict[str, object]) -> str:
 CSV_FIELDS = ("backend", "collective", "nranks", "size", "count", "type", "redop", "root",
               "oop_time_us", "oop_algbw_GBps", "oop_busbw_GBps", "oop_wrong",
               "ip_time_us", "ip_algbw_GBps", "ip_busbw_GBps", "ip_wrong", "iters", "graph",
-              "device")
+              "device", "predicted_us")
 
 
 def write_csv(path: str, rows: Iterable[Row], *, collective: str, nranks: int, graph: int,
@@ -323,7 +333,13 @@ def write_csv(path: str, rows: Iterable[Row], *, collective: str, nranks: int, g
                         f"{r.oop.time_us:.3f}", f"{r.oop.algbw:.6f}", f"{r.oop.busbw:.6f}",
                         "" if r.oop.wrong is None else r.oop.wrong,
                         f"{r.ip.time_us:.3f}", f"{r.ip.algbw:.6f}", f"{r.ip.busbw:.6f}",
-                        "" if r.ip.wrong is None else r.ip.wrong, r.iters, graph, device])
+                        "" if r.ip.wrong is None else r.ip.wrong, r.iters, graph, device,
+                        _csv_pred(r)])
+
+
+def _csv_pred(r: Row) -> str:
+    p = r.extra.get("predicted_us")
+    return "" if p is None else f"{float(p):.3f}"
 
 
 # ---------------------------------------------------------------------------------- plot

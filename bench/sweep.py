@@ -65,6 +65,9 @@ class SweepConfig:
     timeout: float = 300.0
     quiet: bool = False
     test_corrupt: int = 0
+    #: --algo: NCCL's algorithm for every call (CollConfig); --predict: NCCL's estimate column
+    algo: Optional[str] = None
+    predict: bool = False
     argv: List[str] = field(default_factory=list)
     #: where spawned ranks leave their (agreed) exit status, so that a verdict the footer
     #: already explained is not reported as a crashed rank
@@ -302,6 +305,13 @@ class _Rank:
             for _ in range(self.cfg.iters):
                 once()
 
+    def predicted(self, b: Backend, bufs: Buffers, op: str, root: int) -> Optional[float]:
+        """NCCL's estimate of the out-of-place call (each rank's, aggregated by ``-a``)."""
+        t = b.predict(self.coll.name, bufs, op, root)
+        v = self.coord.reduce(-1.0 if t is None else t,
+                              "min" if t is None else AVERAGE_NAMES[self.cfg.average])
+        return None if v < 0 else v
+
     # -- verification --
     def input_for(self, bufs: Buffers, op: str, seed: int):
         return verify.rank_input(self.coll.name, bufs.dtype, op, self.rank, self.world,
@@ -375,6 +385,8 @@ class _Rank:
                             ip = self.bench_time(b, bufs, op, root, True, seed)
                             row = Row(b.name, bufs.layout.nbytes(item), bufs.layout.count,
                                       _TYPE_NAMES[dtype], dtype, op, root, oop, ip, cfg.iters)
+                            if cfg.predict:
+                                row.extra["predicted_us"] = self.predicted(b, bufs, op, root)
                             self.rows[b.name].append(row)
                             self.say(output.format_row(row, self.multi))
                             self.progress(f"{b.label} {_TYPE_NAMES[dtype]} {op} root {root} "
@@ -399,6 +411,7 @@ def run_rank(cfg: SweepConfig) -> int:
     try:
         for name in cfg.backends:
             b = get_backend(name)
+            b.algorithm = cfg.algo
             b.setup(rank, world, device, store,
                     master_addr=info.master_addr if info is not None else "127.0.0.1",
                     timeout=cfg.timeout)
@@ -425,7 +438,7 @@ def run_rank(cfg: SweepConfig) -> int:
                         check=cfg.check, graph=cfg.cudagraph, devices=devices,
                         version=_version()):
                     print(line)
-                for line in output.table_header(state.multi):
+                for line in output.table_header(state.multi, cfg.predict):
                     print(line, flush=True)
             state.sweep()
             if rank == 0:
@@ -494,7 +507,8 @@ def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
                "average": AVERAGE_NAMES[cfg.average], "timer": cfg.timer,
                "backends": [{"name": b.name, "label": b.label,
                              "nccl_version": b.nccl_version()} for b in backends],
-               "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped}
+               "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
+               "algorithm": cfg.algo}
         doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,
                                 nccl_version=nccl_version, config=config, devices=devices,
                                 start_time=start, extension=ext, min_bw=min_bw,

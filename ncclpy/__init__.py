@@ -20,7 +20,7 @@ _LAZY = {
         "StoreProtocolError", "StoreRequestError", "NcclError", "CallMismatchError",
         "CallCheckTimeout", "CommAbortedError", "NcclTimeoutError", "NcclUnhandledCudaError",
         "NcclSystemError", "NcclInternalError", "NcclInvalidArgument", "NcclInvalidUsage",
-        "NcclRemoteError", "NcclInProgress", "EnvironmentMismatchError")},
+        "NcclRemoteError", "NcclInProgress", "EnvironmentMismatchError", "NotLaunchedError")},
     "CudaUnavailableError": "ncclpy.errors",
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},
@@ -33,7 +33,9 @@ _LAZY = {
     "spawn": "ncclpy.launch.spawn",
     # communicator
     "init": "ncclpy.comm", "Communicator": "ncclpy.comm", "Config": "ncclpy.comm",
-    "Work": "ncclpy.comm.work", "group": "ncclpy.comm",
+    "Work": "ncclpy.comm.work", "group": "ncclpy.comm", "CollConfig": "ncclpy.comm",
+    "nccl_params": "ncclpy._nccl.params", "nccl_param": "ncclpy._nccl.params",
+    "set_encryption": "ncclpy._nccl.encryption",
     "Buffer": "ncclpy.buffers",
 }
 

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="under a launcher (ncclpy run, torchrun, mpirun, srun): compare every "
                            "rank's NCCL, versions and NCCL_* settings; rank 0 prints the "
                            "differences (exit 1 when one changes NCCL's behaviour)")
+    info.add_argument("--params", action="store_true",
+                      help="print NCCL's effective parameters (its parameter API, NCCL >= "
+                           "2.30.4; no GPU needed): NAME = value, as NCCL resolved them")
     sub.add_parser("check", help="cross-check ncclpy against references (see 'ncclpy check -h')",
                    add_help=False)
     sub.add_parser("plan", help="print the exact NCCL calls each rank would make for one call, "
@@ -96,9 +99,41 @@ def _info_all_ranks(as_json: bool) -> int:
     return 1 if cmp.errors else 0
 
 
+def _info_params(as_json: bool) -> int:
+    """``ncclpy info --params``: NCCL's parameters (0), or one line why not (2)."""
+    from ._nccl.params import has_param_api, nccl_params
+    from .errors import MissingDependencyError, NcclError, VersionError
+    try:
+        from ._nccl.lib import get_lib
+        lib = get_lib()
+        if not has_param_api(lib):
+            from .ops import format_version
+            raise VersionError(f"the loaded NCCL {format_version(lib.version)} ({lib.path}) has "
+                               f"no parameter API; it needs NCCL >= 2.30.4")
+        params = nccl_params(lib=lib)
+    except (MissingDependencyError, VersionError, NcclError) as e:
+        print(f"ncclpy info --params: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(params, indent=1))
+    else:
+        width = max((len(k) for k in params), default=0)
+        for k, v in params.items():
+            print(f"{k:<{width}} = {v}")
+        print(f"# {len(params)} parameters from {lib.path} (more after a communicator's init; "
+              f"all with NCCL_PARAM_DUMP_ALL=true)")
+    return 0
+
+
 def _info(ns: argparse.Namespace) -> int:
+    if ns.all_ranks and ns.params:
+        print("ncclpy info: --params and --all-ranks are separate reports: give one (the "
+              "all-ranks comparison includes NCCL's parameters)", file=sys.stderr)
+        return 2
     if ns.all_ranks:
         return _info_all_ranks(ns.json)
+    if ns.params:
+        return _info_params(ns.json)
     from .info import collect, format_info
     d = collect(import_torch=ns.torch)
     if ns.json:

@@ -20,6 +20,7 @@ __all__ = [
     "NcclInvalidArgument", "NcclInvalidUsage", "NcclRemoteError", "NcclInProgress",
     "NcclTimeoutError", "nccl_error_from_code", "NCCL_RESULT_NAMES",
     "CallMismatchError", "CallCheckTimeout", "CommAbortedError", "EnvironmentMismatchError",
+    "NotLaunchedError",
 ]
 
 
@@ -127,6 +128,11 @@ class EnvironmentMismatchError(NcclpyError, RuntimeError):
     def __init__(self, message: str, *, errors: Any = (), notes: Any = ()) -> None:
         super().__init__(message)
         self.errors, self.notes = list(errors), list(notes)
+
+
+class NotLaunchedError(NcclpyError, RuntimeError):
+    """The call was made inside ``group(simulate=True)``: NCCL only estimated its time
+    (``ncclGroupSimulateEnd``) and never launched it, so its Work has no result to wait for."""
 
 
 class CommAbortedError(NcclpyError, RuntimeError):

@@ -143,6 +143,8 @@ class StandIn:
         self.version = version
         self.polls = polls                       # in-progress polls of a nonblocking call
         self.calls: List[Tuple[str, int, int]] = []   # (name, handle, thread ident)
+        self.configs: List[Tuple[str, int]] = []       # (collective, ncclCollConfig_t address)
+        self.scalable_ids: List[Tuple[int, bytes]] = []  # (rank, ids) of InitRankScalable
         self.violations: List[str] = []
         self.slow: Dict[str, float] = {}         # NCCL call -> seconds it blocks
         self.fail: Dict[str, int] = {}           # NCCL call -> code it returns (once)

@@ -138,6 +138,18 @@ class StandInNccl(_lib.NcclLib):
             return IN_PROGRESS
         return self._wait_world(self.e.comms[h])
 
+    def _ncclCommInitRankScalable(self, out: Any, nranks: int, rank: int, nid: int,
+                                  ids: int, cfg: Any) -> int:
+        """Joins the world of the first id (all ids noted: every rank must pass the same)."""
+        raw = ctypes.string_at(int(ids), 128 * int(nid))
+        self.e.scalable_ids.append((int(rank), raw))
+        nb = bool(cfg) and NcclConfigStruct.from_address(int(cfg)).blocking == 0
+        h = self._join(int(nranks), raw[:128], int(rank), nb)
+        out._obj.value = h
+        if nb:
+            return IN_PROGRESS
+        return self._wait_world(self.e.comms[h])
+
     def _ncclCommGetAsyncError(self, h: int, out: Any) -> int:
         e = self.e
         c = e.comm(h, "ncclCommGetAsyncError")
@@ -311,6 +323,20 @@ class StandInNccl(_lib.NcclLib):
         ops, t.group = t.group, []
         return self._submit(ops)
 
+    def _ncclGroupSimulateEnd(self, info: Any) -> int:
+        """Like ncclGroupEnd, but the outermost end launches nothing and writes a stand-in
+        estimate: 1 us per call of the group (ncclpy's own logic is what is under test)."""
+        t = self.e.tls()
+        if t.group_depth == 0:
+            self.last_text = b"ncclGroupSimulateEnd: not in a group call"
+            return INVALID_USAGE
+        t.group_depth -= 1
+        if t.group_depth:
+            return SUCCESS
+        ops, t.group = t.group, []
+        info._obj.estimatedTime = float(len(ops))
+        return SUCCESS
+
     def _submit(self, ops: List[Tuple[_Comm, int, _Op]]) -> int:
         """One stream item per (comm, stream) of the batch; nonblocking comms report
         in progress."""
@@ -374,6 +400,35 @@ class StandInNccl(_lib.NcclLib):
 
     def _ncclScatter(self, s, r, n, dt, root, h, stream):
         return self._call("Scatter", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
+
+    # per-collective config (NCCL 2.31): the plain call, the config's address noted
+    def _configured(self, fn: str, *args: Any) -> int:
+        self.e.configs.append((fn, args[-1]))
+        return getattr(self, "_nccl" + fn)(*args[:-1])
+
+    def _ncclAllReduceConfig(self, *a):
+        return self._configured("AllReduce", *a)
+
+    def _ncclReduceConfig(self, *a):
+        return self._configured("Reduce", *a)
+
+    def _ncclBroadcastConfig(self, *a):
+        return self._configured("Broadcast", *a)
+
+    def _ncclAllGatherConfig(self, *a):
+        return self._configured("AllGather", *a)
+
+    def _ncclReduceScatterConfig(self, *a):
+        return self._configured("ReduceScatter", *a)
+
+    def _ncclAlltoAllConfig(self, *a):
+        return self._configured("AlltoAll", *a)
+
+    def _ncclGatherConfig(self, *a):
+        return self._configured("Gather", *a)
+
+    def _ncclScatterConfig(self, *a):
+        return self._configured("Scatter", *a)
 
     def _ncclSend(self, buf, n, dt, peer, h, stream):
         return self._call("Send", h, stream, buf=buf, nbytes=n * _BY_ENUM[dt].itemsize,
@@ -451,6 +506,10 @@ def _handle_of(name: str, args: Tuple[Any, ...]) -> int:
                                                 "ReduceScatter", "AllGather", "AlltoAll",
                                                 "Gather", "Scatter", "Send", "Recv"):
         return int(args[-2] or 0)
+    if name.endswith("Config") and name[4:-6] in ("AllReduce", "Reduce", "Broadcast",
+                                                  "ReduceScatter", "AllGather", "AlltoAll",
+                                                  "Gather", "Scatter"):
+        return int(args[-3] or 0)      # ..., comm, stream, config
     return 0
 
 

@@ -290,7 +290,8 @@ def test_fingerprint_and_table_from_real_plans():
     p1 = r1.resolve("all_reduce", 0, _buf(17), None, ("sum",)).plan
     f0, f1 = fingerprint([p0], 3), fingerprint([p1], 3)
     assert f0["calls"][0] == {"seq": 3, "coll": "all_reduce", "nccl": "AllReduce", "count": 16,
-                              "dtype": "float32", "op": "SUM", "root": None, "in_place": True}
+                              "dtype": "float32", "op": "SUM", "root": None, "in_place": True,
+                              "config": None}
     problems = compare({0: f0, 1: f1})
     assert problems == ["rank 1: call 0 differs from rank 0's in count"]
     table = format_table({0: f0, 1: f1}, "x", 0, problems)

@@ -133,7 +133,7 @@ def test_init_docstring_names_every_keyword_a_torch_user_needs():
     for word in ("``store``", "``token``", "``uid_exchange``", "``from_torch``", "``config``",
                  "``timeout``", "``checked``", "``watchdog``"):
         assert word in doc, word
-    from ncclpy.comm.communicator import INIT_KEYWORDS
+    from ncclpy.comm.startup import INIT_KEYWORDS
     for key in INIT_KEYWORDS:                 # every keyword init() passes on is documented
         assert f"``{key}``" in doc, key
 

@@ -269,7 +269,8 @@ def test_the_ranks_agree_on_what_they_run(var, val, fatal):
                 env[var] = val
             ps.append(subprocess.Popen([sys.executable, "-c", AGREE, str(r), str(srv.port)],
                                        env=env, stdout=subprocess.PIPE, text=True))
-        outs = [json.loads(p.communicate(timeout=60)[0]) for p in ps]
+        # the last line: NCCL_DEBUG=INFO makes NCCL log to stdout (its parameter API too)
+        outs = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in ps]
         served = srv.served
     finally:
         srv.close()
@@ -278,8 +279,11 @@ def test_the_ranks_agree_on_what_they_run(var, val, fatal):
             assert o.get("error") == "EnvironmentMismatchError", o
             assert f'env {var}: ranks 0, 2: (unset); rank 1: "{val}"' in o["msg"], o
         else:
-            assert o["ok"] and o["notes"] == [f'env {var}: ranks 0, 2: (unset); rank 1: '
-                                              f'"{val}"'], o
+            # the variable, and NCCL's own value of the parameter (its parameter API)
+            assert o["ok"] and o["notes"][0] == f'env {var}: ranks 0, 2: (unset); rank 1: ' \
+                                                f'"{val}"', o
+            assert o["notes"][1:] == [f'param {var}: ranks 0, 2: "<unknown>"; rank 1: '
+                                      f'"{val}"'], o
     assert served < 60, served          # O(N): two votes, then N sets, N gets, one report
 
 

@@ -181,6 +181,13 @@ class Backend:
         return self.download(bufs.pair(in_place)[1])
 
     # ---- running ------------------------------------------------------------------------
+    #: --algo: NCCL's algorithm for every call (backends that can force one)
+    algorithm: Optional[str] = None
+
+    def predict(self, collective: str, bufs: Buffers, op: str, root: int) -> Optional[float]:
+        """NCCL's estimate of the out-of-place call in microseconds (None: cannot tell)."""
+        return None
+
     def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:
         """Enqueue one collective (asynchronous where the backend is)."""
         raise NotImplementedError

@@ -6,7 +6,7 @@ forms (``recvbuf=None`` / ``sendbuf=None``) where it has them, NCCL's aliasing r
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ncclpy.dtypes import DTYPES
 
@@ -20,9 +20,13 @@ class NcclpyBackend(CupyStreamBackend):
     name = "ncclpy"
     label = "ncclpy"
 
+    _coll_config: Any = None
+
     def open_comm(self, uid: bytes) -> Any:
         import ncclpy
         self.ncclpy = ncclpy
+        if self.algorithm is not None:
+            self._coll_config = ncclpy.CollConfig(algorithm=self.algorithm)
         return ncclpy.Communicator(self.world, self.rank, uid, self.device)
 
     def close_comm(self, comm: Any) -> None:
@@ -47,25 +51,33 @@ class NcclpyBackend(CupyStreamBackend):
             bufs.extra["args"] = {k: getattr(bufs, k) for k in keys}
         return bufs
 
+    def predict(self, collective: str, bufs: Buffers, op: str, root: int) -> Optional[float]:
+        """The out-of-place call inside ``group(simulate=True)``: NCCL's estimate, nothing
+        launched."""
+        with self.comm.group(simulate=True) as g:
+            self.run(collective, bufs, op, root, False)
+        return g.estimated_time_us
+
     def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:
         s, r = call_args(collective, bufs.extra["args"], in_place, self.rank, root)
         c, st, me, n = self.comm, self.stream, self.rank, self.world
+        cfg = self._coll_config
         if collective == "all_reduce":
-            c.all_reduce(s, r, op=op, stream=st)
+            c.all_reduce(s, r, op=op, stream=st, config=cfg)
         elif collective == "reduce":
-            c.reduce(s, r, root=root, op=op, stream=st)
+            c.reduce(s, r, root=root, op=op, stream=st, config=cfg)
         elif collective == "broadcast":
-            c.broadcast(s, r, root=root, stream=st)
+            c.broadcast(s, r, root=root, stream=st, config=cfg)
         elif collective == "all_gather":
-            c.all_gather(s, r, stream=st)
+            c.all_gather(s, r, stream=st, config=cfg)
         elif collective == "reduce_scatter":
-            c.reduce_scatter(s, r, op=op, stream=st)
+            c.reduce_scatter(s, r, op=op, stream=st, config=cfg)
         elif collective == "all_to_all":
-            c.all_to_all(s, r, stream=st)
+            c.all_to_all(s, r, stream=st, config=cfg)
         elif collective == "gather":
-            c.gather(s, r, root=root, stream=st)
+            c.gather(s, r, root=root, stream=st, config=cfg)
         elif collective == "scatter":
-            c.scatter(s, r, root=root, stream=st)
+            c.scatter(s, r, root=root, stream=st, config=cfg)
         elif collective == "send_recv":
             c.send_recv(s, r, (me + 1) % n, (me - 1) % n, stream=st)
         else:  # pragma: no cover - the CLI only passes registry names with data

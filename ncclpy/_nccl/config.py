@@ -2,11 +2,12 @@
 
 Unset fields (``None``) keep NCCL's defaults: they are written as ``NCCL_CONFIG_UNDEF_INT``
 (INT_MIN) or NULL, exactly what ``NCCL_CONFIG_INITIALIZER`` writes.  The struct ncclpy declares is
-the NCCL 2.28 layout (``ncclConfig_v22800``, fields up to ``nvlinkCentricSched``) with
-``version = 22800``: NCCL copies ``min(size, its own sizeof)`` bytes and keeps its initializer's
-defaults for every later field, so a newer NCCL reads exactly these fields and an older one reads
-the prefix it knows.  A field the loaded NCCL does not know is refused with a VersionError rather
-than silently ignored.
+the NCCL 2.32 layout (fields up to ``nvlsHostMode``) with ``version = 23200``.  Its ``size`` is
+the versioned size for the loaded NCCL: the end of the last field that NCCL's ``ncclConfig_t``
+has.  NCCL copies ``min(size, its own sizeof)`` bytes, keeps its initializer's defaults for every
+later field, and resets the fields newer than ``version``; so a newer NCCL reads exactly these
+fields and an older one the prefix it knows.  A field the loaded NCCL does not know is refused
+with a VersionError rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from ..ops import format_version
 __all__ = ["Config", "NcclConfigStruct", "CONFIG_FIELDS", "CONFIG_MAGIC", "CONFIG_VERSION",
            "CONFIG_UNDEF_INT", "BLOCKING_UNDEF_FROM", "MAX_CTAS_FILL", "COMM_BLOCKING_ENV_FROM",
            "nccl_env_int", "env_blocking", "effective_nonblocking", "init_struct",
-           "CTA_POLICY_DEFAULT", "CTA_POLICY_EFFICIENCY", "CTA_POLICY_ZERO"]
+           "CTA_POLICY_DEFAULT", "CTA_POLICY_EFFICIENCY", "CTA_POLICY_ZERO", "struct_size",
+           "HOST_CFT_MODES", "NVLS_HOST_MODES"]
 
 CONFIG_MAGIC = 0xCAFEBEEF          # NCCL_API_MAGIC
-CONFIG_VERSION = 22800             # NCCL_VERSION(2, 28, 0): the layout declared below
+CONFIG_VERSION = 23200             # NCCL_VERSION(2, 32, 0): the layout declared below
 CONFIG_UNDEF_INT = -(2 ** 31)      # NCCL_CONFIG_UNDEF_INT == INT_MIN
 CTA_POLICY_DEFAULT = 0x00
 CTA_POLICY_EFFICIENCY = 0x01
@@ -34,7 +36,7 @@ CTA_POLICY_ZERO = 0x02
 
 
 class NcclConfigStruct(ctypes.Structure):
-    """``struct ncclConfig_v22800`` (nccl.h of NCCL 2.28; later NCCLs append fields)."""
+    """``ncclConfig_t`` as nccl.h of NCCL 2.32 declares it (later NCCLs append fields)."""
 
     _fields_ = [
         ("size", ctypes.c_size_t),
@@ -54,6 +56,15 @@ class NcclConfigStruct(ctypes.Structure):
         ("nvlsCTAs", ctypes.c_int),
         ("nChannelsPerNetPeer", ctypes.c_int),
         ("nvlinkCentricSched", ctypes.c_int),
+        ("graphUsageMode", ctypes.c_int),
+        ("numRmaCtx", ctypes.c_int),
+        ("maxP2pPeers", ctypes.c_int),
+        ("graphStreamOrdering", ctypes.c_int),
+        ("launchOrderImplicit", ctypes.c_int),
+        ("numRmaSig", ctypes.c_int),
+        ("rmaEagerInit", ctypes.c_int),
+        ("hostCftMode", ctypes.c_int),
+        ("nvlsHostMode", ctypes.c_int),
     ]
 
 
@@ -61,7 +72,10 @@ class NcclConfigStruct(ctypes.Structure):
 #: ``ncclConfig_t`` has the field (an older NCCL copies only the prefix it knows and silently
 #: drops the rest): 2.14 blocking; 2.17 CGA/CTAs/netName; 2.18 splitShare (with
 #: ncclCommSplit); 2.26 trafficClass; 2.27 commName, collnet/CTA policy/shrinkShare/nvlsCTAs;
-#: 2.28 nChannelsPerNetPeer/nvlinkCentricSched.
+#: 2.28 nChannelsPerNetPeer/nvlinkCentricSched; 2.29 graphUsageMode/numRmaCtx; 2.30
+#: maxP2pPeers; 2.30.5 graphStreamOrdering (NCCL's parseCommConfig resets it below a 2.30.5
+#: config version); 2.31 launchOrderImplicit/numRmaSig/rmaEagerInit/hostCftMode; 2.32
+#: nvlsHostMode.
 CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
     "blocking": ("blocking", "bool", 21400),
     "cga_cluster_size": ("cgaClusterSize", "int", 21700),
@@ -77,7 +91,23 @@ CONFIG_FIELDS: Dict[str, Tuple[str, str, int]] = {
     "nvls_ctas": ("nvlsCTAs", "int", 22700),
     "n_channels_per_net_peer": ("nChannelsPerNetPeer", "int", 22800),
     "nvlink_centric_sched": ("nvlinkCentricSched", "bool", 22800),
+    "graph_usage_mode": ("graphUsageMode", "int", 22900),
+    "num_rma_ctx": ("numRmaCtx", "int", 22900),
+    "max_p2p_peers": ("maxP2pPeers", "int", 23000),
+    "graph_stream_ordering": ("graphStreamOrdering", "bool", 23005),
+    "launch_order_implicit": ("launchOrderImplicit", "bool", 23100),
+    "num_rma_sig": ("numRmaSig", "int", 23100),
+    "rma_eager_init": ("rmaEagerInit", "bool", 23100),
+    "host_cft_mode": ("hostCftMode", "int", 23100),
+    "nvls_host_mode": ("nvlsHostMode", "int", 23200),
 }
+
+#: ``ncclHostCftMode_t`` (NCCL 2.31): name -> value (unset: ncclHostCftDefault == UNDEF_INT)
+HOST_CFT_MODES = {"enable": 1, "disable": 2, "fallback": 3}
+#: ``ncclNvlsHostMode_t`` (NCCL 2.32): name -> value; the two component flags may be OR-ed
+NVLS_HOST_MODES = {"enable": 0, "disable_transport": 1, "disable_symmetric_multimem": 2,
+                   "disable": 2 ** 31 - 1}
+_GRAPH_USAGE_MODES = (0, 1, 2)
 
 #: NCCL 2.14-2.16 accept only 0 or 1 in ``blocking`` (no "unset"): ncclpy writes 1 there
 BLOCKING_UNDEF_FROM = 21700
@@ -93,7 +123,24 @@ _CTA_POLICIES = {"default": CTA_POLICY_DEFAULT, "efficiency": CTA_POLICY_EFFICIE
                  "zero": CTA_POLICY_ZERO}
 #: NCCL_MAX_CGA_CLUSTER_SIZE (init.cc): NCCL clamps a larger cgaClusterSize to it
 MAX_CGA_CLUSTER_SIZE = 8
-_POSITIVE = {"min_ctas", "max_ctas", "nvls_ctas", "n_channels_per_net_peer"}
+_POSITIVE = {"min_ctas", "max_ctas", "nvls_ctas", "n_channels_per_net_peer", "max_p2p_peers"}
+_NON_NEGATIVE = {"num_rma_ctx", "num_rma_sig"}
+
+
+def struct_size(nccl_version: Optional[int]) -> int:
+    """The versioned ``size`` ncclpy writes: the end of the last field the ``ncclConfig_t`` of
+    NCCL ``nccl_version`` has (the whole 2.32 struct when the version is not known or newer),
+    rounded up to the struct's alignment as the C compiler rounds ``sizeof``."""
+    full = ctypes.sizeof(NcclConfigStruct)
+    if nccl_version is None:
+        return full
+    end = NcclConfigStruct.version.offset + ctypes.sizeof(ctypes.c_uint)
+    for _name, (cname, _kind, need) in CONFIG_FIELDS.items():
+        if need <= nccl_version:
+            f = getattr(NcclConfigStruct, cname)
+            end = max(end, f.offset + f.size)
+    align = ctypes.alignment(NcclConfigStruct)
+    return min(full, -(-end // align) * align)
 
 
 def _is_bool(value: Any) -> bool:
@@ -128,6 +175,15 @@ class Config:
     nvls_ctas: Optional[int] = None
     n_channels_per_net_peer: Optional[int] = None
     nvlink_centric_sched: Optional[bool] = None
+    graph_usage_mode: Optional[int] = None
+    num_rma_ctx: Optional[int] = None
+    max_p2p_peers: Optional[int] = None
+    graph_stream_ordering: Optional[bool] = None
+    launch_order_implicit: Optional[bool] = None
+    num_rma_sig: Optional[int] = None
+    rma_eager_init: Optional[bool] = None
+    host_cft_mode: Optional[Any] = None
+    nvls_host_mode: Optional[Any] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Every assignment is checked, in ``__init__`` and after it (``c.blocking = "x"``
@@ -141,6 +197,14 @@ class Config:
         if lo is not None and hi is not None and lo > hi:
             raise ArgumentError(f"Config: min_ctas={lo} is larger than max_ctas={hi}; "
                                 f"expected min_ctas <= max_ctas")
+        mode = value if name == "graph_usage_mode" else self.__dict__.get("graph_usage_mode")
+        order = value if name == "graph_stream_ordering" else \
+            self.__dict__.get("graph_stream_ordering")
+        if mode == 2 and order is False:
+            raise ArgumentError("Config: graph_stream_ordering=False is not supported with "
+                                "graph_usage_mode=2 (graph mixing); NCCL would fall back to "
+                                "stream ordering with only a warning; expected "
+                                "graph_stream_ordering True or None, or graph_usage_mode 0/1")
         object.__setattr__(self, name, value)
 
     @staticmethod
@@ -148,6 +212,8 @@ class Config:
         if value is None:
             return None
         kind = CONFIG_FIELDS[name][1]
+        if name in ("host_cft_mode", "nvls_host_mode"):
+            return _named_mode(name, value)
         if name == "cta_policy" and isinstance(value, str):
             key = value.strip().lower()
             if key not in _CTA_POLICIES:
@@ -179,6 +245,10 @@ class Config:
                                 f"reserved for 'unset': use None)")
         if name in _POSITIVE and value <= 0:
             raise ArgumentError(f"Config.{name}: expected a positive int, got {value}")
+        if name in _NON_NEGATIVE and value < 0:
+            raise ArgumentError(f"Config.{name}: expected an int >= 0, got {value}")
+        if name == "graph_usage_mode" and value not in _GRAPH_USAGE_MODES:
+            raise ArgumentError(f"Config.graph_usage_mode: expected 0, 1 or 2, got {value}")
         if name == "cga_cluster_size" and not 0 <= value <= MAX_CGA_CLUSTER_SIZE:
             raise ArgumentError(f"Config.cga_cluster_size: expected 0..{MAX_CGA_CLUSTER_SIZE} "
                                 f"(NCCL clamps a larger value to {MAX_CGA_CLUSTER_SIZE} with only "
@@ -222,7 +292,7 @@ class Config:
         if nccl_version is not None:
             self.check_version(nccl_version)
         s = NcclConfigStruct()
-        s.size = ctypes.sizeof(NcclConfigStruct)
+        s.size = struct_size(nccl_version)
         s.magic = CONFIG_MAGIC
         s.version = CONFIG_VERSION
         for name, (cname, kind, _need) in CONFIG_FIELDS.items():
@@ -239,6 +309,34 @@ class Config:
                     and nccl_version < MAX_CTAS_64_FROM else MAX_CTAS_FILL)
             s.maxCTAs = max(fill, self.min_ctas)
         return s
+
+
+def _named_mode(name: str, value: Any) -> int:
+    """``host_cft_mode`` / ``nvls_host_mode``: a name of NCCL's enum or its value."""
+    table = HOST_CFT_MODES if name == "host_cft_mode" else NVLS_HOST_MODES
+    allowed = set(table.values())
+    if name == "nvls_host_mode":
+        allowed |= {1 | 2}
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key not in table:
+            raise ArgumentError(f"Config.{name}: {value!r} is not a mode; expected one of "
+                                f"{', '.join(table)} or its value")
+        return table[key]
+    if _is_bool(value):
+        raise ArgumentTypeError(f"Config.{name}: expected a mode name or int, got "
+                                f"{type(value).__name__} {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"Config.{name}: expected a mode name or int, got "
+                                f"{type(value).__name__} {value!r}") from None
+    if v not in allowed:
+        names = ", ".join(f"{k} ({n})" for k, n in table.items())
+        raise ArgumentError(f"Config.{name}: {v} is not a mode; expected one of {names}"
+                            + (" or 3 (both component flags)" if name == "nvls_host_mode"
+                               else ""))
+    return v
 
 
 #: First NCCL that reads ``NCCL_COMM_BLOCKING`` (with ncclCommInitRankConfig)

@@ -11,14 +11,14 @@ whose call returned ncclInProgress.  Group start/end always go through ctypes.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError, as_int
 from ..plan.types import NCCL_FUNCTIONS
 from .lib import NCCL_IN_PROGRESS, CudaUnavailableError
 
 __all__ = ["CUPY_METHODS", "CUPY_UNREPRESENTABLE", "build_dispatch", "lib_group", "int_arg",
-           "uid_bytes", "require_device", "cupy_init", "cupy_stream_for", "cupy_status",
+           "uid_bytes", "uid_list", "require_device", "cupy_init", "cupy_stream_for", "cupy_status",
            "call_cupy"]
 
 #: NCCL function (plan name) -> CuPy NcclCommunicator method with the same C-order arguments
@@ -41,6 +41,8 @@ def _ctypes_call(comm: Any, lib: Any, handle: int, name: str) -> Callable[..., N
         def unavailable(*args: Any, stream: int) -> None:
             raise VersionError(msg)
         return unavailable
+    if name.endswith("Config"):     # nccl<Coll>Config(..., comm, stream, config)
+        return _config_call(comm, lib, handle, name, f)
 
     def call(*args: Any, stream: int) -> None:
         code = f(*args, handle, stream)
@@ -48,6 +50,20 @@ def _ctypes_call(comm: Any, lib: Any, handle: int, name: str) -> Callable[..., N
             if code != NCCL_IN_PROGRESS:
                 raise lib.error(code, name, handle)
             if _depth() == 0:          # nonblocking communicator: wait before the next call
+                comm._wait_ready(name)
+    return call
+
+
+def _config_call(comm: Any, lib: Any, handle: int, name: str,
+                 f: Callable[..., int]) -> Callable[..., None]:
+    """A per-collective-config call: the plan's last argument (the ``ncclCollConfig_t``
+    address) goes after comm and stream, where NCCL takes it."""
+    def call(*args: Any, stream: int) -> None:
+        code = f(*args[:-1], handle, stream, args[-1])
+        if code:
+            if code != NCCL_IN_PROGRESS:
+                raise lib.error(code, name, handle)
+            if _depth() == 0:
                 comm._wait_ready(name)
     return call
 
@@ -130,6 +146,15 @@ def build_dispatch(comm: Any, lib: Any, handle: int, nc: Any) -> Dict[str, Calla
 def int_arg(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int >= ``minimum`` (ArgumentTypeError / ArgumentError otherwise)."""
     return as_int(name, value, minimum)
+
+
+def uid_list(uid: Any) -> List[bytes]:
+    """One uid (bytes, CuPy's forms), or several for ncclCommInitRankScalable: a list or
+    tuple of 128-byte ids (the same ids in the same order on every rank)."""
+    if isinstance(uid, (list, tuple)) and uid and all(
+            isinstance(u, (bytes, bytearray, memoryview)) for u in uid):
+        return [uid_bytes(u) for u in uid]
+    return [uid_bytes(uid)]
 
 
 def uid_bytes(uid: Any) -> bytes:

@@ -7,10 +7,33 @@ none open.  :mod:`ncclpy.comm.execute` drives it.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any, Callable, List, Optional
 
-__all__ = ["GroupState", "group_state", "group_depth"]
+__all__ = ["GroupState", "group_state", "group_depth", "SimInfoStruct", "SIM_INFO_MAGIC",
+           "SIM_INFO_VERSION", "sim_info"]
+
+SIM_INFO_MAGIC = 0x74685283        # NCCL_SIM_INFO_INITIALIZER's magic
+SIM_INFO_VERSION = 22200           # ncclSimInfo_v22200
+UNDEF_FLOAT = -1.0                 # NCCL_UNDEF_FLOAT
+
+
+class SimInfoStruct(ctypes.Structure):
+    """``ncclSimInfo_t`` (NCCL 2.22): what ``ncclGroupSimulateEnd`` fills in."""
+
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint),
+                ("version", ctypes.c_uint), ("estimatedTime", ctypes.c_float)]
+
+
+def sim_info() -> SimInfoStruct:
+    """A fresh ``ncclSimInfo_t`` as ``NCCL_SIM_INFO_INITIALIZER`` makes it."""
+    s = SimInfoStruct()
+    s.size = ctypes.sizeof(SimInfoStruct)
+    s.magic = SIM_INFO_MAGIC
+    s.version = SIM_INFO_VERSION
+    s.estimatedTime = UNDEF_FLOAT
+    return s
 
 _tls = threading.local()
 

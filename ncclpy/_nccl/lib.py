@@ -25,6 +25,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from ..errors import (CudaUnavailableError, MissingDependencyError, NcclError, NcclpyError,
                       VersionError, nccl_error_from_code)
 from ..ops import format_version
+from .functions import FUNCTIONS, UniqueId, nccl_version_code
 
 __all__ = ["NcclLib", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
            "UniqueId", "require_version", "CudaUnavailableError", "INSTALL_HINT",
@@ -37,77 +38,9 @@ NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7
 NCCL_SPLIT_NOCOLOR = -1
 SCALAR_HOST_IMMEDIATE = 1  # ncclScalarHostImmediate
-UNIQUE_ID_BYTES = 128
 
 INSTALL_HINT = ("install the CUDA extra that matches your driver: pip install 'ncclpy[cu13]' "
                 "(CUDA 13) or pip install 'ncclpy[cu12]' (CUDA 12)")
-
-
-def nccl_version_code(major: int, minor: int, patch: int = 0) -> int:
-    """NCCL's ``NCCL_VERSION(X, Y, Z)`` macro (the encoding changed after 2.8)."""
-    if major <= 2 and minor <= 8:
-        return major * 1000 + minor * 100 + patch
-    return major * 10000 + minor * 100 + patch
-
-
-class UniqueId(ctypes.Structure):
-    """``ncclUniqueId``: 128 opaque bytes, passed to ncclCommInitRankConfig by value."""
-
-    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "UniqueId":
-        uid = cls()
-        ctypes.memmove(ctypes.addressof(uid), bytes(data), UNIQUE_ID_BYTES)
-        return uid
-
-    def to_bytes(self) -> bytes:
-        return ctypes.string_at(ctypes.addressof(self), UNIQUE_ID_BYTES)
-
-
-_R = ctypes.c_int            # ncclResult_t
-_I = ctypes.c_int
-_P = ctypes.c_void_p         # pointers, ncclComm_t, cudaStream_t
-_Z = ctypes.c_size_t
-_PI = ctypes.POINTER(ctypes.c_int)
-_PP = ctypes.POINTER(ctypes.c_void_p)
-_V = nccl_version_code
-
-#: name -> (restype, argtypes, first NCCL version code that has it)
-FUNCTIONS: Dict[str, Tuple[object, Tuple, int]] = {
-    "ncclGetVersion": (_R, (_PI,), _V(2, 3, 4)),
-    "ncclGetUniqueId": (_R, (ctypes.POINTER(UniqueId),), 0),
-    "ncclGetErrorString": (ctypes.c_char_p, (_I,), 0),
-    "ncclGetLastError": (ctypes.c_char_p, (_P,), _V(2, 13, 0)),
-    "ncclCommInitRankConfig": (_R, (_PP, _I, UniqueId, _I, _P), _V(2, 14, 0)),
-    "ncclCommFinalize": (_R, (_P,), _V(2, 14, 0)),
-    "ncclCommDestroy": (_R, (_P,), 0),
-    "ncclCommAbort": (_R, (_P,), _V(2, 4, 0)),
-    "ncclCommGetAsyncError": (_R, (_P, _PI), _V(2, 4, 0)),
-    "ncclCommCount": (_R, (_P, _PI), 0),
-    "ncclCommCuDevice": (_R, (_P, _PI), 0),
-    "ncclCommUserRank": (_R, (_P, _PI), 0),
-    "ncclCommSplit": (_R, (_P, _I, _I, _PP, _P), _V(2, 18, 0)),
-    "ncclRedOpCreatePreMulSum": (_R, (_PI, _P, _I, _I, _P), _V(2, 11, 0)),
-    "ncclRedOpDestroy": (_R, (_I, _P), _V(2, 11, 0)),
-    "ncclCommRegister": (_R, (_P, _P, _Z, _PP), _V(2, 19, 0)),
-    "ncclCommDeregister": (_R, (_P, _P), _V(2, 19, 0)),
-    "ncclMemAlloc": (_R, (_PP, _Z), _V(2, 19, 0)),
-    "ncclMemFree": (_R, (_P,), _V(2, 19, 0)),
-    "ncclGroupStart": (_R, (), _V(2, 0, 0)),
-    "ncclGroupEnd": (_R, (), _V(2, 0, 0)),
-    # collectives: (C-order args..., comm, stream)
-    "ncclAllReduce": (_R, (_P, _P, _Z, _I, _I, _P, _P), 0),
-    "ncclReduce": (_R, (_P, _P, _Z, _I, _I, _I, _P, _P), 0),
-    "ncclBroadcast": (_R, (_P, _P, _Z, _I, _I, _P, _P), _V(2, 2, 0)),
-    "ncclReduceScatter": (_R, (_P, _P, _Z, _I, _I, _P, _P), 0),
-    "ncclAllGather": (_R, (_P, _P, _Z, _I, _P, _P), 0),
-    "ncclSend": (_R, (_P, _Z, _I, _I, _P, _P), _V(2, 7, 0)),
-    "ncclRecv": (_R, (_P, _Z, _I, _I, _P, _P), _V(2, 7, 0)),
-    "ncclAlltoAll": (_R, (_P, _P, _Z, _I, _P, _P), _V(2, 28, 0)),
-    "ncclGather": (_R, (_P, _P, _Z, _I, _I, _P, _P), _V(2, 28, 0)),
-    "ncclScatter": (_R, (_P, _P, _Z, _I, _I, _P, _P), _V(2, 28, 0)),
-}
 
 
 def require_version(name: str, loaded: int, path: str = "") -> None:
@@ -381,6 +314,20 @@ class NcclLib:
                                                 UniqueId.from_bytes(uid), int(rank), cfg)
         if res not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
             err = self.error(res, "ncclCommInitRankConfig", h.value)
+            self.repair_group_depth()
+            raise err
+        return h.value or 0, res
+
+    def comm_init_rank_scalable(self, nranks: int, uids: List[bytes], rank: int,
+                                config_struct) -> Tuple[int, int]:
+        """ncclCommInitRankScalable with ``len(uids)`` ids (NCCL 2.23) -> (handle, result)."""
+        h = ctypes.c_void_p(0)
+        ids = (UniqueId * len(uids))(*[UniqueId.from_bytes(u) for u in uids])
+        cfg = ctypes.addressof(config_struct) if config_struct is not None else None
+        res = self.fn("ncclCommInitRankScalable")(ctypes.byref(h), int(nranks), int(rank),
+                                                  len(uids), ctypes.addressof(ids), cfg)
+        if res not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            err = self.error(res, "ncclCommInitRankScalable", h.value)
             self.repair_group_depth()
             raise err
         return h.value or 0, res

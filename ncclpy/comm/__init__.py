@@ -9,7 +9,10 @@ top of :mod:`ncclpy`.
 from __future__ import annotations
 
 from ..debug.watchdog import default_timeout, env_flag
-from .communicator import Communicator, Config, Registration, group, init
+from .._nccl.collconfig import CollConfig
+from .communicator import Communicator, Config, Registration, group
+from .simulate import SimulatedGroup
+from .startup import init
 
-__all__ = ["Communicator", "Config", "Registration", "init", "group", "default_timeout",
-           "env_flag"]
+__all__ = ["Communicator", "Config", "CollConfig", "Registration", "init", "group",
+           "SimulatedGroup", "default_timeout", "env_flag"]

@@ -30,8 +30,8 @@ from typing import Any, Dict, List, Optional
 from .._nccl.config import Config, effective_nonblocking, init_struct
 from .._nccl.cuda import cuda
 from .._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, int_arg,
-                             lib_group, require_device, uid_bytes)
-from .._nccl.lib import (NCCL_IN_PROGRESS, CudaUnavailableError, get_lib, require_version)
+                             lib_group, require_device, uid_list)
+from .._nccl.lib import NCCL_IN_PROGRESS, get_lib, require_version
 from ..errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError
 from .extras import CommExtras, Registration
 from .lifecycle import USABLE, CommLifecycle, Lifecycle
@@ -39,13 +39,14 @@ from .execute import group_scope, issue
 from ..plan.types import PlanContext
 from .prepared import Prepared
 from .resolver import Resolver
+from .simulate import check_simulate, simulated_group
 from ..debug.nvtx import enabled as nvtx_enabled
 from ..debug.nvtx import ranges as nvtx_ranges
 from ..debug.recorder import trace_signal, buffer_size, for_comm
 from ..debug.watchdog import default_timeout, env_flag
 from .work import Work
 
-__all__ = ["Communicator", "Config", "Registration", "init", "group"]
+__all__ = ["Communicator", "Config", "Registration", "group"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class Communicator(CommExtras, CommLifecycle):
             raise ArgumentError(f"rank: {rank} is out of range for world_size {world_size}; "
                                 f"expected 0 <= rank < {world_size}")
         device = int_arg("device", device, 0)
-        uid = uid_bytes(uid)
+        uids = uid_list(uid)         # several: ncclCommInitRankScalable (NCCL >= 2.23)
+        uid = uids[0]
         if config is not None and not isinstance(config, Config):
             raise ArgumentTypeError(f"config: expected ncclpy.Config or None, got "
                                     f"{type(config).__name__}")
@@ -74,13 +76,21 @@ class Communicator(CommExtras, CommLifecycle):
         # returns ncclInProgress, which CuPy cannot represent, so it is made through ctypes.
         nonblocking = effective_nonblocking(config, lib.version)
         cfg_struct = init_struct(config, lib.version)
-        if cfg_struct is not None:
-            require_version("ncclCommInitRankConfig", lib.version, lib.path)
+        how = "ncclCommInitRank" if cfg_struct is None else "ncclCommInitRankConfig"
+        if len(uids) > 1:
+            how = "ncclCommInitRankScalable"
+            if len(uids) > world_size:
+                raise ArgumentError(f"uid: {len(uids)} unique ids for {world_size} ranks; "
+                                    f"NCCL takes at most one per rank")
+        if cfg_struct is not None or len(uids) > 1:
+            require_version(how, lib.version, lib.path)
         require_device(device)
         nc = None
         code = 0
         with cuda().device(device):
-            if cfg_struct is None:
+            if len(uids) > 1:
+                handle, code = lib.comm_init_rank_scalable(world_size, uids, rank, cfg_struct)
+            elif cfg_struct is None:
                 try:
                     code, nc = call_cupy(lib, "ncclCommInitRank", None, cupy_init,
                                          lib.cupy_nccl, world_size, uid, rank)
@@ -100,8 +110,7 @@ class Communicator(CommExtras, CommLifecycle):
                     cfg_struct, nonblocking)
         if nonblocking or code == NCCL_IN_PROGRESS:
             try:
-                self._wait_ready("ncclCommInitRank" if config is None
-                                 else "ncclCommInitRankConfig")
+                self._wait_ready(how)
             except BaseException:
                 self.abort()
                 raise
@@ -130,7 +139,8 @@ class Communicator(CommExtras, CommLifecycle):
                             f"ncclpy/{getattr(bs, 'name', 'default')}/"
                             f"{getattr(bs, 'generation', 0)}/agree",
                             default_timeout(timeout), config)
-        comm = cls(bs.world_size, bs.rank, bs.uid, bs.device, config, timeout=timeout)
+        comm = cls(bs.world_size, bs.rank, getattr(bs, "uids", None) or bs.uid, bs.device,
+                   config, timeout=timeout)
         comm.bootstrap = bs
         comm.name = getattr(bs, "name", "default")
         if checked:
@@ -306,78 +316,81 @@ class Communicator(CommExtras, CommLifecycle):
     # -- calls ----------------------------------------------------------------------------
     # Each method: refuse if closed, resolve (the resolver's cache: a repeated call is not
     # parsed or planned again; a new one is, with every check), issue the C calls, record.
+    # ``config``: an ncclpy.CollConfig makes each NCCL call its nccl<Coll>Config variant
+    # (NCCL >= 2.31; same on every rank: checked mode compares it).
     def all_reduce(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
-                   stream: Any = None) -> Work:
+                   stream: Any = None, config: Any = None) -> Work:
         """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclAllReduce`` (premul_sum: with ``ncclRedOpCreatePreMulSum``)."""
         if self._life.state is not USABLE:
             self._check_usable("all_reduce")
-        return issue(self, self._resolver.resolve("all_reduce", stream, sendbuf, recvbuf, (op,)),
-                     (sendbuf, recvbuf))
+        r = self._resolver.resolve("all_reduce", stream, sendbuf, recvbuf, (op,), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def reduce(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, op: Any = "sum", *,
-               stream: Any = None) -> Work:
+               stream: Any = None, config: Any = None) -> Work:
         """``root`` gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclReduce``."""
         if self._life.state is not USABLE:
             self._check_usable("reduce")
-        return issue(self, self._resolver.resolve("reduce", stream, sendbuf, recvbuf,
-                                                  (root, op)), (sendbuf, recvbuf))
+        r = self._resolver.resolve("reduce", stream, sendbuf, recvbuf, (root, op), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def broadcast(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
-                  stream: Any = None) -> Work:
+                  stream: Any = None, config: Any = None) -> Work:
         """Every rank gets ``root``'s ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclBroadcast``."""
         if self._life.state is not USABLE:
             self._check_usable("broadcast")
-        return issue(self, self._resolver.resolve("broadcast", stream, sendbuf, recvbuf, (root,)),
-                     (sendbuf, recvbuf))
+        r = self._resolver.resolve("broadcast", stream, sendbuf, recvbuf, (root,), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
-    def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> Work:
+    def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None,
+                   config: Any = None) -> Work:
         """``recvbuf`` (N*count, or a list of N) gets every rank's ``sendbuf`` in rank order;
         ``sendbuf`` None: in place (this rank's block of recvbuf is its input).
         NCCL: ``ncclAllGather`` (a list adds copies from a scratch buffer)."""
         if self._life.state is not USABLE:
             self._check_usable("all_gather")
-        return issue(self, self._resolver.resolve("all_gather", stream, sendbuf, recvbuf),
-                     (sendbuf, recvbuf))
+        r = self._resolver.resolve("all_gather", stream, sendbuf, recvbuf, (), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any = None, op: Any = "sum", *,
-                       stream: Any = None) -> Work:
+                       stream: Any = None, config: Any = None) -> Work:
         """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list).
         NCCL: ``ncclReduceScatter``."""
         if self._life.state is not USABLE:
             self._check_usable("reduce_scatter")
-        return issue(self, self._resolver.resolve("reduce_scatter", stream, sendbuf, recvbuf,
-                                                  (op,)), (sendbuf, recvbuf))
+        r = self._resolver.resolve("reduce_scatter", stream, sendbuf, recvbuf, (op,), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def all_to_all(self, sendbuf: Any, recvbuf: Any = None, send_counts: Any = None,
-                   recv_counts: Any = None, *, stream: Any = None) -> Work:
+                   recv_counts: Any = None, *, stream: Any = None, config: Any = None) -> Work:
         """Block d of this rank's ``sendbuf`` goes to rank d (even, uneven counts, lists).
         NCCL: ``ncclAlltoAll`` (NCCL >= 2.28, even counts), else grouped ncclSend/ncclRecv."""
         if self._life.state is not USABLE:
             self._check_usable("all_to_all")
-        return issue(self, self._resolver.resolve("all_to_all", stream, sendbuf, recvbuf,
-                                                  (send_counts, recv_counts)),
-                     (sendbuf, recvbuf))
+        r = self._resolver.resolve("all_to_all", stream, sendbuf, recvbuf,
+                                   (send_counts, recv_counts), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
-               stream: Any = None) -> Work:
+               stream: Any = None, config: Any = None) -> Work:
         """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order (None off the
         root).  NCCL: ``ncclGather`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
         if self._life.state is not USABLE:
             self._check_usable("gather")
-        return issue(self, self._resolver.resolve("gather", stream, sendbuf, recvbuf, (root,)),
-                     (sendbuf, recvbuf))
+        r = self._resolver.resolve("gather", stream, sendbuf, recvbuf, (root,), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def scatter(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, *,
-                stream: Any = None) -> Work:
+                stream: Any = None, config: Any = None) -> Work:
         """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf`` (None off the root).
         NCCL: ``ncclScatter`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
         if self._life.state is not USABLE:
             self._check_usable("scatter")
-        return issue(self, self._resolver.resolve("scatter", stream, sendbuf, recvbuf, (root,)),
-                     (sendbuf, recvbuf))
+        r = self._resolver.resolve("scatter", stream, sendbuf, recvbuf, (root,), config)
+        return issue(self, r, (sendbuf, recvbuf, config))
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Send ``buf`` to ``peer`` (which must post a matching recv).  NCCL: ``ncclSend``."""
@@ -450,10 +463,14 @@ class Communicator(CommExtras, CommLifecycle):
         self._check_usable("prepare")
         return Prepared(self, name, args, kwargs, stream)
 
-    def group(self):
+    def group(self, simulate: bool = False):
         """``with comm.group():`` fuse the calls inside into one NCCL group
-        (``ncclGroupStart``/``ncclGroupEnd``); Works are recorded at the outermost end."""
+        (``ncclGroupStart``/``ncclGroupEnd``); Works are recorded at the outermost end.
+        ``simulate=True``: end with ``ncclGroupSimulateEnd`` (NCCL >= 2.22), launch nothing,
+        ``g.estimated_time`` is NCCL's estimate (:mod:`ncclpy.comm.simulate`)."""
         self._check_usable("group")
+        if check_simulate(simulate):
+            return simulated_group(self._lib, self._dispatch["GroupStart"], self)
         return group_scope(self._dispatch["GroupStart"], self._dispatch["GroupEnd"], self)
 
     def __repr__(self) -> str:
@@ -484,115 +501,10 @@ def _trace_settings() -> tuple:
     return buffer_size(), (nvtx_ranges() if nvtx_enabled() else None)
 
 
-def group():
-    """``with ncclpy.group():`` an NCCL group across every communicator of this thread."""
+def group(simulate: bool = False):
+    """``with ncclpy.group():`` an NCCL group across every communicator of this thread
+    (``simulate=True``: see :meth:`Communicator.group`)."""
     lib = get_lib()
+    if check_simulate(simulate):
+        return simulated_group(lib, lib_group(lib, "ncclGroupStart"))
     return group_scope(lib_group(lib, "ncclGroupStart"), lib_group(lib, "ncclGroupEnd"))
-
-
-def init(name: str = "default", config: Optional[Config] = None,
-         timeout: Optional[float] = None, *, checked: Optional[bool] = None,
-         watchdog: Optional[bool] = None, from_torch: Any = None,
-         **resolve_kwargs: Any) -> Communicator:
-    """Bootstrap (rendezvous + uid exchange) and create the communicator; makes its device
-    CuPy's current device.
-
-    * ``name``: the communicator's name (its keys in the store; several per job may coexist).
-    * ``config``: an :class:`ncclpy.Config` (NCCL's options), None for NCCL's defaults.
-    * ``timeout`` (default ``$NCCLPY_TIMEOUT``, else 300 s) bounds the rendezvous,
-      ``Work.wait()``, ``barrier()``, checked-mode checks and the watchdog.
-    * ``checked`` / ``watchdog``: see :meth:`Communicator.from_bootstrap`.
-    * ``from_torch``: a torch.distributed ProcessGroup (True: the default group): the ranks
-      of that group, rank r of it rank r here, the uid through torch's own store, no port
-      of ncclpy's (:mod:`ncclpy.rendezvous.torch_group`).  Rank, world size and store then
-      come from torch: only ``device`` and ``generation`` may be given besides.
-    * ``store``: any object with ncclpy's or torch's store methods (a ``TCPStore`` of either)
-      instead of connecting to ncclpy's store at the rendezvous address; ``token``: that
-      store's shared secret (default ``$NCCLPY_STORE_TOKEN``); ``uid_exchange``: "store"
-      (default), "mpi" (``MPI_Bcast`` under mpirun, no store) or "auto".
-    * ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr``,
-      ``master_port``, ``env``, ``device``, ``generation``: override what the environment says
-      (:func:`ncclpy.resolve`).
-
-    Raises, before any rendezvous: ArgumentError / ArgumentTypeError for its own arguments,
-    MissingDependencyError (no CuPy/libnccl), CudaUnavailableError (no GPU); then
-    RendezvousError, or the NcclError of ``ncclCommInitRank``."""
-    timeout = default_timeout(timeout)
-    checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
-    watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
-    from ..bootstrap import _check_device_arg, bootstrap
-    _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
-    if from_torch is not None:
-        extra = sorted(set(resolve_kwargs) - {"device", "generation"})
-        if extra:
-            raise ArgumentError(f"ncclpy.init: from_torch takes rank, world size and store from "
-                                f"the torch group; drop {', '.join(extra)}")
-        from ..rendezvous.torch_group import torch_group
-        torch_group(from_torch)         # not a group, not initialised, not a member: say so now
-    _check_device_arg(resolve_kwargs.get("device"))
-    get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
-    _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
-    if from_torch is not None:
-        from ..rendezvous.torch_group import bootstrap_from_torch
-        bs = bootstrap_from_torch(from_torch, name, timeout=timeout, **resolve_kwargs)
-    else:
-        bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
-    comm = Communicator.from_bootstrap(bs, config, timeout=timeout, checked=checked,
-                                       watchdog=watchdog)
-    cuda().use_device(comm.device)
-    return comm
-
-
-#: the keyword arguments init() passes on to bootstrap() and rendezvous.resolve()
-INIT_KEYWORDS = ("store", "token", "generation", "uid_exchange", "rank", "world_size",
-                 "local_rank", "master_addr", "master_port", "env", "local_world_size", "device")
-
-
-def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
-    """init()'s own argument errors, before anything looks for a GPU or a peer."""
-    import difflib
-    if not isinstance(name, str) or not name:
-        raise ArgumentTypeError(f"ncclpy.init: name must be a non-empty str, got {name!r}")
-    if config is not None and not isinstance(config, Config):
-        raise ArgumentTypeError(f"ncclpy.init: config must be an ncclpy.Config or None, got "
-                                f"{config!r} ({type(config).__name__})")
-    for key in kwargs:
-        if key not in INIT_KEYWORDS:
-            near = difflib.get_close_matches(key, INIT_KEYWORDS + (
-                "timeout", "checked", "watchdog", "config", "name", "from_torch"), n=1)
-            raise ArgumentTypeError(f"ncclpy.init() got an unexpected keyword argument {key!r}"
-                                    + (f"; did you mean {near[0]!r}?" if near else "")
-                                    + f" (expected one of name, config, timeout, checked, "
-                                      f"watchdog, from_torch, {', '.join(INIT_KEYWORDS)})")
-    from ..bootstrap import UID_EXCHANGES
-    env = kwargs.get("env")
-    env = os.environ if env is None else env
-    choice = kwargs.get("uid_exchange")
-    src = "uid_exchange"
-    if choice is None and env.get("NCCLPY_UID_EXCHANGE", "").strip():
-        choice, src = env["NCCLPY_UID_EXCHANGE"].strip(), "NCCLPY_UID_EXCHANGE"
-    if choice is not None and (not isinstance(choice, str)
-                               or choice.lower() not in UID_EXCHANGES):
-        raise ArgumentError(f"ncclpy.init: {src}: expected one of {', '.join(UID_EXCHANGES)}, "
-                            f"got {choice!r}")
-
-
-def _require_gpu(name: str) -> None:
-    """Raise CudaUnavailableError, before the rendezvous, when this process sees no device
-    (the reason in the words of ``ncclpy info``)."""
-    try:
-        n = cuda().device_count()
-        why = "" if n > 0 else "the CUDA runtime reports 0 devices"
-    except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
-        why = f"{type(e).__name__}: {e}"
-    if why:                 # say it as ncclpy info does ("no CUDA driver", not "insufficient")
-        from ..info import gpu_device_reason
-        try:
-            why = gpu_device_reason() or why
-        except Exception:  # noqa: BLE001 - keep the CUDA error
-            pass
-    if why:
-        raise CudaUnavailableError(
-            f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "
-            f"NVIDIA GPU with a working driver, so this rank did not join the rendezvous")
-

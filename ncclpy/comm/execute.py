@@ -35,7 +35,7 @@ __all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "seg
 log = logging.getLogger(__name__)
 
 def _group_exit(st: GroupState, end: Callable[[], int],
-                raising: bool = False) -> None:
+                raising: bool = False, sim: Any = None) -> None:
     err: Optional[BaseException] = None
     if st.depth == 1 and st.checks:      # checked mode: compare, then issue, before the end
         if raising:                      # the block raised: its deferred calls never run
@@ -56,6 +56,8 @@ def _group_exit(st: GroupState, end: Callable[[], int],
         return
     comms, st.comms = list(st.comms.values()), {}
     pending, st.pending = st.pending, []
+    # a simulated group launched nothing: its Works fail, its late copies are skipped
+    told = sim.not_launched() if sim is not None and err is None else None
     try:
         if err is None:
             for c in comms:
@@ -66,7 +68,7 @@ def _group_exit(st: GroupState, end: Callable[[], int],
                         err = err or e
         for fn in pending:
             try:
-                fn(err)
+                fn(err or told)
             except BaseException as e:  # noqa: B902
                 log.warning("deferred group step failed: %s", e)
                 err = err or e
@@ -87,9 +89,16 @@ def _join(st: GroupState, comm: Any) -> None:
 
 @contextmanager
 def group_scope(start: Callable[[], int], end: Callable[[], int],
-                comm: Any = None) -> Iterator[GroupState]:
-    """``ncclGroupStart`` ... ``ncclGroupEnd`` with ncclpy's deferral (see module docstring)."""
+                comm: Any = None, sim: Any = None) -> Iterator[Any]:
+    """``ncclGroupStart`` ... ``ncclGroupEnd`` with ncclpy's deferral (see module docstring);
+    ``sim``: a :class:`~ncclpy.comm.simulate.SimulatedGroup` whose ``end`` is
+    ``ncclGroupSimulateEnd`` (yielded instead of the group state)."""
     st = group_state()
+    if sim is not None and st.depth:
+        from ..errors import UnsupportedError
+        raise UnsupportedError("group(simulate=True) inside an open group: NCCL simulates "
+                               "only at the outermost group end; open the simulated group "
+                               "first, plain groups may nest inside it")
     if comm is not None and id(comm) not in st.comms:
         comm._life.enter("group")
         try:
@@ -102,15 +111,15 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
         start()
     st.depth += 1
     try:
-        yield st
+        yield st if sim is None else sim
     except BaseException:
         try:
-            _group_exit(st, end, raising=True)
+            _group_exit(st, end, raising=True, sim=sim)
         except Exception:
             log.warning("ncclGroupEnd failed while the group's block was raising; the block's "
                         "exception is re-raised", exc_info=True)
         raise
-    _group_exit(st, end)
+    _group_exit(st, end, sim=sim)
 
 
 def segments(steps: Sequence[Any]) -> List[Tuple[bool, Tuple[Any, ...]]]:

@@ -13,7 +13,7 @@ import ctypes
 import dataclasses
 import itertools
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .._nccl.config import effective_nonblocking
 from .._nccl.cuda import cuda
@@ -66,6 +66,16 @@ class CommExtras:
     _check_usable: Any
     _nccl: Any
     _wait_ready: Any
+
+    def nccl_params(self, keys: Optional[List[str]] = None) -> Dict[str, str]:
+        """NCCL's effective parameters ``{name: value}`` as NCCL resolved them, read after
+        this communicator's init (NCCL registers most while it makes the first one; the values
+        are process-wide).  ``keys``: only these (ArgumentError naming an unknown one).  NCCL
+        >= 2.30.4: ``ncclParamGetAllParameterKeys`` / ``ncclParamGetParameter``."""
+        self._check_usable("nccl_params")
+        from .._nccl.params import nccl_params
+        require_version("ncclParamGetAllParameterKeys", self._lib.version, self._lib.path)
+        return nccl_params(keys, lib=self._lib)
 
     def split(self, color: int, key: int) -> Optional[Any]:
         """ncclCommSplit: ranks with the same ``color`` form a new communicator, ordered by

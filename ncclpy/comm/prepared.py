@@ -84,6 +84,10 @@ def bind_call(name: Any, args: Tuple[Any, ...],
                                 f"({', '.join(names)}), got {len(args)}")
     got: Dict[str, Any] = dict(zip(names, args))
     for k, v in kwargs.items():
+        if k == "config":
+            raise ArgumentTypeError(f"prepare({name!r}): a prepared call takes no config=; "
+                                    f"call comm.{name}(..., config=...) directly (its resolver "
+                                    f"cache plans a repeated configured call once)")
         if k not in names:
             raise ArgumentTypeError(f"prepare({name!r}): unexpected argument {k!r}; expected "
                                     f"{', '.join(names)} (and stream=)")

@@ -39,6 +39,7 @@ from ..bufkey import _KEYERS, Uncacheable, _cai, cai_key, keyer
 from .execute import group_depth
 from ..ops import RedOp
 from ..plan import collectives as _c
+from ..plan.collconfig import check_config_arg, with_config
 from ..plan.types import NcclCall, Plan, PlanContext
 from .streams import cai_stream, cupy_stream, default_stream_of, stream_handle
 
@@ -162,6 +163,7 @@ class Resolver:
             raise TypeError(f"ctx: expected a PlanContext, got {type(ctx).__name__}")
         self._maxsize = max(int(maxsize), 1)
         self._cache: Dict[Hashable, Resolved] = {}
+        self._configured: Dict[Hashable, Resolved] = {}   # (plain Resolved, CollConfig)
         self._generation = 0
         self._ctx = ctx
         self._ctx_group = dataclasses.replace(ctx, in_group=True)
@@ -199,16 +201,19 @@ class Resolver:
         """Drop every cached call (close, abort, finalize, split, a new context)."""
         self._generation += 1
         self._cache.clear()
+        self._configured.clear()
 
     def __len__(self) -> int:
         return len(self._cache)
 
     # -- resolving ----------------------------------------------------------------------------
     def resolve(self, name: str, stream: Any, a: Any, b: Any = None,
-                params: Tuple[Any, ...] = ()) -> Resolved:
+                params: Tuple[Any, ...] = (), config: Any = None) -> Resolved:
         """Resolve call ``name`` on buffers ``a``, ``b`` (None where absent) with the other
         arguments ``params`` in the planner's order, on ``stream`` (None: the default stream
-        of the first buffer's framework)."""
+        of the first buffer's framework); ``config``: a CollConfig (the nccl*Config calls)."""
+        if config is not None:
+            return self._resolve_config(name, stream, a, b, params, config)
         in_group = group_depth() > 0
         get = _KEYERS.get
         key_a = get(type(a)) or keyer(type(a))
@@ -233,6 +238,25 @@ class Resolver:
         if r is None:
             r = self._full(key, name, stream, a, b, params, in_group, s)
         return r
+
+    def _resolve_config(self, name: str, stream: Any, a: Any, b: Any, params: Tuple[Any, ...],
+                        config: Any) -> Resolved:
+        """:meth:`resolve` with a per-collective config: planned as without, then each call
+        made its config variant (:func:`ncclpy.plan.collconfig.with_config`); cached under the
+        plain call's key plus the config."""
+        check_config_arg(config, name)
+        misses = self.misses
+        r = self.resolve(name, stream, a, b, params)
+        key = (r, config)
+        got = self._configured.get(key)
+        if got is None:
+            got = Resolved(with_config(r.plan, config, self._ctx.nccl_version), r.stream,
+                           r.in_group)
+            if self.misses == misses:     # the plain call was a cache hit: r is kept
+                if len(self._configured) >= self._maxsize:
+                    self._configured.clear()
+                self._configured[key] = got
+        return got
 
     def _resolve_cai(self, name: str, stream: Any, a: Any, b: Any, params: Tuple[Any, ...],
                      in_group: bool) -> Resolved:

@@ -16,7 +16,9 @@ At init in checked mode (before NCCL creates the communicator) and in ``ncclpy i
 Traffic: two VOTEs per rank (one round trip each, the hashes of both parts) when the ranks
 agree, which is the common case; only on a difference does each rank publish its facts, rank 0
 read them (N gets) and publish the comparison, which every rank reads: O(N) in total.
-NCCL's effective parameters (its parameter API) join the behaviour part once ncclpy binds it.
+NCCL's effective parameters (its parameter API, NCCL >= 2.30.4: what NCCL resolved from the
+environment, ``nccl.conf`` files and its defaults) join the two parts as ``param NCCL_*``,
+split by the same rule as the variables.
 """
 from __future__ import annotations
 
@@ -81,6 +83,13 @@ def facts(config: Any = None, env: Optional[Mapping[str, str]] = None) -> Dict[s
         lib = get_lib()
         beh["nccl_version"] = int(lib.version)
         noted["libnccl"] = getattr(lib, "path", None)
+        try:
+            from .._nccl.params import has_param_api, nccl_params
+            if has_param_api(lib):
+                for k, v in nccl_params(lib=lib).items():
+                    (beh if behaviour_var(k) else noted)[f"param {k}"] = v
+        except Exception as e:  # noqa: BLE001 - said as the value
+            noted["nccl_params"] = f"unavailable ({type(e).__name__}: {e})"
     except Exception as e:  # noqa: BLE001 - said as the value
         beh["nccl_version"] = f"unavailable ({type(e).__name__})"
     for key, fn in (("cuda_driver", "driverGetVersion"), ("cuda_runtime", "runtimeGetVersion")):

@@ -52,9 +52,10 @@ log = logging.getLogger(__name__)
 #: user calls that are point-to-point only: checked by pairing, not compared across ranks
 P2P_CALLS = frozenset(("send", "recv", "send_recv"))
 #: the fields of one collective call, in the order the table shows them
-FIELDS = ("seq", "coll", "nccl", "count", "dtype", "op", "root", "in_place")
+FIELDS = ("seq", "coll", "nccl", "count", "dtype", "op", "root", "in_place", "config")
 _COUNT_ARG = {"AllReduce": 2, "Reduce": 2, "Broadcast": 2, "ReduceScatter": 2, "AllGather": 2,
               "AlltoAll": 2, "Gather": 2, "Scatter": 2}
+_COUNT_ARG.update({fn + "Config": i for fn, i in _COUNT_ARG.items()})   # + the config ptr
 _OP_NAMES = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
 
 
@@ -62,7 +63,8 @@ def _op_text(plan: Any, call: Any) -> Optional[str]:
     op = plan.meta.get("op")
     if op is not None:
         return str(op)                      # RedOp: "SUM", "premul_sum(0.5)" (scalar included)
-    if call is not None and call.fn in ("AllReduce", "Reduce", "ReduceScatter"):
+    if call is not None and call.fn.replace("Config", "") in ("AllReduce", "Reduce",
+                                                                "ReduceScatter"):
         v = call.args[4]
         return _OP_NAMES.get(v, str(v)) if type(v) is int else "premul_sum"
     return None
@@ -84,7 +86,9 @@ def _call_entry(plan: Any, seq: int) -> Dict[str, Any]:
     root = plan.meta.get("root")
     return {"seq": seq, "coll": plan.collective, "nccl": nccl, "count": count,
             "dtype": dtype, "op": _op_text(plan, first), "root": root,
-            "in_place": bool(plan.meta.get("in_place", False))}
+            "in_place": bool(plan.meta.get("in_place", False)),
+            "config": plan.meta.get("config")}       # CollConfig.describe(): NCCL checks it
+                                                      # only locally
 
 
 def fingerprint(plans: Sequence[Any], seq: int, names: Optional[Sequence[str]] = None

@@ -26,6 +26,11 @@ NCCL_FUNCTIONS = {
     "Send": ("sendbuff", "count", "datatype", "peer"),
     "Recv": ("recvbuff", "count", "datatype", "peer"),
 }
+#: each collective's per-call-config variant (NCCL 2.31): the same arguments, then the
+#: ``const ncclCollConfig_t*`` (which NCCL takes after comm and stream)
+NCCL_FUNCTIONS.update({fn + "Config": NCCL_FUNCTIONS[fn] + ("config",) for fn in (
+    "AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather", "AlltoAll", "Gather",
+    "Scatter")})
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,24 @@ def test_overhead_benchmark_runs(tmp_path):
     assert modes == {(b, m) for b in ("ncclpy", "cupy") for m in ("eager", "capture", "graph")}
     assert all(r["median_us"] > 0 for r in doc["results"])
     assert {d["size"] for d in doc["derived"]} == {8, 4096}
+
+
+@requires_gpu
+def test_predicted_time_column_and_a_forced_algorithm(tmp_path):
+    """--predict: NCCL's estimate (ncclGroupSimulateEnd) beside each measured out-of-place
+    time; --algo ring: every call through ncclAllReduceConfig (NCCL >= 2.31)."""
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cuda", "--backend", "ncclpy",
+              "-b", "1K", "-e", "16M", "-f", "16", "-n", "5", "--predict", "--algo", "ring",
+              "-q", "-J", str(js))
+    if "needs NCCL >= 2.31" in cp.stdout + cp.stderr:
+        pytest.skip("--algo needs NCCL >= 2.31: " + cp.stdout[-300:])
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = _results(js)
+    _all_right(doc, cp)
+    pred = doc["ncclpy"]["predicted"]
+    assert len(pred) == len(doc["results"]) and doc["ncclpy"]["algorithm"] == "ring"
+    assert all(p["predicted_us"] is not None and p["predicted_us"] > 0 for p in pred), pred
+    big = pred[-1]                                  # 16 MiB: the model is meant for this
+    assert big["predicted_us"] / 20 < big["measured_us"] < big["predicted_us"] * 20, big
+    assert "predict" in cp.stdout
