@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 from .errors import ArgumentTypeError, UnsupportedError
 
 __all__ = ["DType", "DTYPES", "LOGICAL", "Logical", "NCCL_DTYPE_NAMES", "dtype_name",
-           "logical", "nccl_dtype", "ALL_DTYPE_NAMES"]
+           "logical", "nccl_dtype", "ALL_DTYPE_NAMES", "C_NAMES"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ DTYPES: Dict[str, DType] = {d.name: d for d in (
 )}
 
 NCCL_DTYPE_NAMES: Dict[int, str] = {d.nccl: d.name for d in DTYPES.values()}
+#: each type's ``ncclDataType_t`` enumerator in nccl.h (the binding gate proves the values)
+C_NAMES: Dict[str, str] = {"int8": "ncclInt8", "uint8": "ncclUint8", "int32": "ncclInt32",
+                           "uint32": "ncclUint32", "int64": "ncclInt64", "uint64": "ncclUint64",
+                           "float16": "ncclFloat16", "float32": "ncclFloat32",
+                           "float64": "ncclFloat64", "bfloat16": "ncclBfloat16",
+                           "float8_e4m3": "ncclFloat8e4m3", "float8_e5m2": "ncclFloat8e5m2"}
 
 
 @dataclass(frozen=True)

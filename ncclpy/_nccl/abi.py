@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
-from ..dtypes import DTYPES
+from ..dtypes import C_NAMES, DTYPES
 from ..errors import NCCL_RESULT_NAMES
 from ..ops import NCCL_OPS
 from . import collconfig, config, encryption, group, lib
@@ -47,11 +47,6 @@ STRUCTS: Dict[str, StructEntry] = {
 }
 
 _NAMED_RESULTS = {name: code for code, name in NCCL_RESULT_NAMES.items()}
-_DTYPE_C = {"int8": "ncclInt8", "uint8": "ncclUint8", "int32": "ncclInt32",
-            "uint32": "ncclUint32", "int64": "ncclInt64", "uint64": "ncclUint64",
-            "float16": "ncclFloat16", "float32": "ncclFloat32", "float64": "ncclFloat64",
-            "bfloat16": "ncclBfloat16", "float8_e4m3": "ncclFloat8e4m3",
-            "float8_e5m2": "ncclFloat8e5m2"}
 
 #: C expression -> the value ncclpy writes or compares with
 CONSTANTS: Dict[str, int] = {
@@ -80,5 +75,5 @@ CONSTANTS: Dict[str, int] = {
     "ncclNumTypes": len(DTYPES),
     **_NAMED_RESULTS,
     **{f"nccl{name.capitalize()}": code for name, code in NCCL_OPS.items()},
-    **{_DTYPE_C[name]: d.nccl for name, d in DTYPES.items()},
+    **{C_NAMES[name]: d.nccl for name, d in DTYPES.items()},
 }

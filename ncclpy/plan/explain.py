@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..buffers import Buffer
-from ..dtypes import LOGICAL, NCCL_DTYPE_NAMES, dtype_name
+from ..dtypes import C_NAMES, LOGICAL, NCCL_DTYPE_NAMES, dtype_name
 from ..errors import ArgumentError, NcclpyError, as_int
 from ..ops import NCCL_OPS, format_version, premul_sum
 from .types import PREMUL_OP, Copy, NcclCall, Plan, PlanContext, Scratch
@@ -30,12 +30,7 @@ RECV_BASE = 0x7F80_0000_0000
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send_recv", "barrier")
 _OP_NAMES = {v: k for k, v in NCCL_OPS.items()}
-#: ncclDataType_t enumerator names (nccl.h)
-_C_TYPES = {"int8": "ncclInt8", "uint8": "ncclUint8", "int32": "ncclInt32",
-            "uint32": "ncclUint32", "int64": "ncclInt64", "uint64": "ncclUint64",
-            "float16": "ncclFloat16", "float32": "ncclFloat32", "float64": "ncclFloat64",
-            "bfloat16": "ncclBfloat16", "float8_e4m3": "ncclFloat8e4m3",
-            "float8_e5m2": "ncclFloat8e5m2"}
+_C_TYPES = C_NAMES       # ncclDataType_t enumerator names (nccl.h)
 
 
 def _ctype(v: Any) -> str:
