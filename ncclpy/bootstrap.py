@@ -307,13 +307,9 @@ def _await_acks(store: Any, name: str, generation: int, world_size: int,
             raise RendezvousError(f"{e}. {seen} other ranks read the id;{who} are all "
                                   f"{world_size} ranks running, with the same communicator "
                                   f"names in the same order?") from e.__cause__
-    delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
-    if delete is not None:  # every rank has the uid: the keys are garbage now
-        for k in (uid_key(name, generation), akey, akey + "/all"):
-            try:
-                delete(k)
-            except Exception as e:  # cleanup only
-                log.debug("bootstrap: could not delete %s: %s", k, e)
+    from ncclpy.store.sync import delete_key
+    for k in (uid_key(name, generation), akey, akey + "/all"):   # every rank has the uid:
+        delete_key(store, k)                                      # the keys are garbage now
     log.debug("bootstrap: all %d ranks read the uid of %r generation %d",
               world_size, name, generation)
 

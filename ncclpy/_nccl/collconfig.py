@@ -16,7 +16,8 @@ from typing import Any, Dict, Optional
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError
 from ..ops import format_version
-from .config import CONFIG_MAGIC, CONFIG_UNDEF_INT, MAX_CGA_CLUSTER_SIZE, _is_bool
+from .config import (CONFIG_MAGIC, CONFIG_UNDEF_INT, MAX_CGA_CLUSTER_SIZE, _is_bool, as_index,
+                     cta_policy_value)
 
 __all__ = ["CollConfig", "CollConfigStruct", "COLL_CONFIG_VERSION", "COLL_CONFIG_FROM",
            "LAUNCH_EVENT_FROM", "ALGORITHMS", "coll_struct_size"]
@@ -27,7 +28,6 @@ LAUNCH_EVENT_FROM = 23200          # launchCompletionEvent
 #: NCCL's algorithm names (NCCL_ALGO's vocabulary), case-insensitive
 ALGORITHMS = ("Tree", "Ring", "CollNetDirect", "CollNetChain", "NVLS", "NVLSTree", "PAT")
 _ALGO_LOWER = {a.lower(): a for a in ALGORITHMS}
-_CTA_POLICIES = {"default": 0, "efficiency": 1, "zero": 2}
 
 
 class CollConfigStruct(ctypes.Structure):
@@ -105,13 +105,7 @@ def _event_handle(ev: Any) -> int:
 def _int(name: str, v: Any, lo: int, hi: int) -> Optional[int]:
     if v is None:
         return None
-    if _is_bool(v):
-        raise ArgumentTypeError(f"CollConfig.{name}: expected an int or None, got bool {v!r}")
-    try:
-        v = operator.index(v)
-    except TypeError:
-        raise ArgumentTypeError(f"CollConfig.{name}: expected an int or None, got "
-                                f"{type(v).__name__} {v!r}") from None
+    v = as_index(f"CollConfig.{name}", v, "an int or None")
     if not lo <= v <= hi:
         raise ArgumentError(f"CollConfig.{name}: expected {lo}..{hi}, got {v}")
     return v
@@ -155,12 +149,7 @@ class CollConfig:
                                 f"max_ctas={self.max_ctas}; expected min_ctas <= max_ctas")
         put(self, "cga_cluster_size", _int("cga_cluster_size", self.cga_cluster_size, 0,
                                            MAX_CGA_CLUSTER_SIZE))
-        pol = self.cta_policy
-        if isinstance(pol, str):
-            if pol.strip().lower() not in _CTA_POLICIES:
-                raise ArgumentError(f"CollConfig.cta_policy: {pol!r} is not a CTA policy; "
-                                    f"expected one of {', '.join(_CTA_POLICIES)} or 0/1/2")
-            pol = _CTA_POLICIES[pol.strip().lower()]
+        pol = cta_policy_value("CollConfig.cta_policy", self.cta_policy)
         put(self, "cta_policy", _int("cta_policy", pol, 0, 2))
         put(self, "profiler_tag", _int("profiler_tag", self.profiler_tag, 0, 2 ** 63 - 1))
         ev = self.launch_completion_event

@@ -25,6 +25,7 @@ __all__ = ["Config", "NcclConfigStruct", "CONFIG_FIELDS", "CONFIG_MAGIC", "CONFI
            "CONFIG_UNDEF_INT", "BLOCKING_UNDEF_FROM", "MAX_CTAS_FILL", "COMM_BLOCKING_ENV_FROM",
            "nccl_env_int", "env_blocking", "effective_nonblocking", "init_struct",
            "CTA_POLICY_DEFAULT", "CTA_POLICY_EFFICIENCY", "CTA_POLICY_ZERO", "struct_size",
+           "as_index", "cta_policy_value",
            "HOST_CFT_MODES", "NVLS_HOST_MODES"]
 
 CONFIG_MAGIC = 0xCAFEBEEF          # NCCL_API_MAGIC
@@ -149,6 +150,30 @@ def _is_bool(value: Any) -> bool:
     return t is bool or (t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"))
 
 
+def as_index(label: str, value: Any, expected: str) -> int:
+    """``value`` as an int (Python or NumPy integer, never a bool), else ArgumentTypeError
+    "LABEL: expected EXPECTED, got TYPE VALUE" (Config's and CollConfig's one int rule)."""
+    if not _is_bool(value):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ArgumentTypeError(f"{label}: expected {expected}, got {type(value).__name__} "
+                            f"{value!r}")
+
+
+def cta_policy_value(label: str, value: Any) -> Any:
+    """A CTA policy name ("default", "efficiency", "zero") as NCCL's value; anything else is
+    returned for the int check."""
+    if not isinstance(value, str):
+        return value
+    key = value.strip().lower()
+    if key not in _CTA_POLICIES:
+        raise ArgumentError(f"{label}: {value!r} is not a CTA policy; expected one of "
+                            f"{', '.join(_CTA_POLICIES)} or 0/1/2")
+    return _CTA_POLICIES[key]
+
+
 @dataclass
 class Config:
     """NCCL communicator options; ``None`` keeps NCCL's default (and its NCCL_* env override).
@@ -215,11 +240,7 @@ class Config:
         if name in ("host_cft_mode", "nvls_host_mode"):
             return _named_mode(name, value)
         if name == "cta_policy" and isinstance(value, str):
-            key = value.strip().lower()
-            if key not in _CTA_POLICIES:
-                raise ArgumentError(f"Config.cta_policy: {value!r} is not a CTA policy; expected "
-                                    f"one of {', '.join(_CTA_POLICIES)} or 0/1/2")
-            return _CTA_POLICIES[key]
+            return cta_policy_value("Config.cta_policy", value)
         if kind == "str":
             if not isinstance(value, str):
                 raise ArgumentTypeError(f"Config.{name}: expected a str or None, got "
@@ -232,14 +253,7 @@ class Config:
                 return bool(value)
             raise ArgumentTypeError(f"Config.{name}: expected True, False or None, got "
                                     f"{type(value).__name__} {value!r}")
-        if _is_bool(value):
-            raise ArgumentTypeError(f"Config.{name}: expected an int or None, got "
-                                    f"{type(value).__name__} {value!r}")
-        try:
-            value = operator.index(value)      # int, numpy integers
-        except TypeError:
-            raise ArgumentTypeError(f"Config.{name}: expected an int or None, got "
-                                    f"{type(value).__name__} {value!r}") from None
+        value = as_index(f"Config.{name}", value, "an int or None")
         if not CONFIG_UNDEF_INT < value < 2 ** 31:
             raise ArgumentError(f"Config.{name}: {value} does not fit a C int (INT_MIN is "
                                 f"reserved for 'unset': use None)")
@@ -323,14 +337,7 @@ def _named_mode(name: str, value: Any) -> int:
             raise ArgumentError(f"Config.{name}: {value!r} is not a mode; expected one of "
                                 f"{', '.join(table)} or its value")
         return table[key]
-    if _is_bool(value):
-        raise ArgumentTypeError(f"Config.{name}: expected a mode name or int, got "
-                                f"{type(value).__name__} {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ArgumentTypeError(f"Config.{name}: expected a mode name or int, got "
-                                f"{type(value).__name__} {value!r}") from None
+    v = as_index(f"Config.{name}", value, "a mode name or int")
     if v not in allowed:
         names = ", ".join(f"{k} ({n})" for k, n in table.items())
         raise ArgumentError(f"Config.{name}: {v} is not a mode; expected one of {names}"

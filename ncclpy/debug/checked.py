@@ -43,6 +43,7 @@ from ..dtypes import NCCL_DTYPE_NAMES
 from ..errors import (CallCheckTimeout, CallMismatchError, StoreError, StoreTimeout,
                      UnsupportedError)
 from ..store import tablewire as _TW
+from ..store.sync import delete_key
 
 __all__ = ["Checker", "fingerprint", "compare", "format_table", "round_hashes", "P2P_CALLS",
            "FIELDS"]
@@ -484,15 +485,3 @@ class Checker:
 
     def _delete(self, key: str) -> None:
         delete_key(self.store, key)
-
-
-def delete_key(store: Any, key: str) -> None:
-    """Delete ``key`` from ncclpy's store or torch's (``delete`` / ``delete_key``); cleanup
-    only: a failure is logged, never raised."""
-    delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
-    if delete is None:
-        return
-    try:
-        delete(key)
-    except Exception:  # cleanup only
-        log.debug("deleting %s failed", key, exc_info=True)

@@ -12,14 +12,13 @@ under ``ncclpy/uids/{name}/{gen}/{i}``; rank 0 reads the ``k - 1`` others and pu
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, List
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..store.sync import delete_key
 
 __all__ = ["exchange_unique_ids", "check_unique_ids", "root_ranks", "uids_key"]
 
-log = logging.getLogger(__name__)
 SCALABLE_FROM = 22300
 
 
@@ -73,7 +72,7 @@ def exchange_unique_ids(bs: Any, k: int, timeout: float) -> List[bytes]:
             ids.append(_as_uid(raw, f"unique id read under {key!r}"))
         _store_call(store, rank, f"publish {what}", all_key, store.set, all_key, b"".join(ids))
         for i in range(1, k):
-            _delete(store, uids_key(bs.name, bs.generation, str(i)))
+            delete_key(store, uids_key(bs.name, bs.generation, str(i)))
         return ids
     raw = _store_call(store, rank, f"read {what}", all_key, _store_get, store, all_key,
                       timeout, wait=timeout)
@@ -85,16 +84,7 @@ def exchange_unique_ids(bs: Any, k: int, timeout: float) -> List[bytes]:
     read_key = uids_key(bs.name, bs.generation, "read")
     if int(_store_call(store, rank, f"count the readers of {what}", read_key, store.add,
                        read_key, 1)) == n - 1:
-        _delete(store, all_key)
-        _delete(store, read_key)
+        delete_key(store, all_key)
+        delete_key(store, read_key)
     return ids
 
-
-def _delete(store: Any, key: str) -> None:
-    delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
-    if delete is None:
-        return
-    try:
-        delete(key)
-    except Exception as e:  # noqa: BLE001 - cleanup only
-        log.debug("scalable init: could not delete %s: %s", key, e)

@@ -7,13 +7,16 @@ trip per rank. Any other store with the duck-typed methods (add, set, wait; e.g.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import ArgumentError, StoreError, StoreTimeout
 from .client import TCPStore
 
-__all__ = ["barrier", "count_out", "wait_counted_out"]
+__all__ = ["barrier", "count_out", "wait_counted_out", "delete_key"]
+
+log = logging.getLogger(__name__)
 
 
 def _wait(store, key: str, timeout: Optional[float]) -> None:
@@ -23,15 +26,21 @@ def _wait(store, key: str, timeout: Optional[float]) -> None:
         store.wait([key], datetime.timedelta(seconds=timeout))
 
 
-def _delete(store, *keys: str) -> None:
-    delete = getattr(store, "delete_key", None)
-    if delete is None:  # a store without delete still works, it just keeps old keys
+def delete_key(store: Any, key: str) -> None:
+    """Delete ``key`` from ncclpy's store or torch's (``delete_key`` / ``delete``); cleanup
+    only: a failure is logged, never raised, and a store without either keeps the key."""
+    delete = getattr(store, "delete_key", None) or getattr(store, "delete", None)
+    if delete is None:
         return
+    try:
+        delete(key)
+    except Exception:  # cleanup only
+        log.debug("deleting %s failed", key, exc_info=True)
+
+
+def _delete(store, *keys: str) -> None:
     for k in keys:
-        try:
-            delete(k)
-        except Exception:  # cleanup only
-            pass
+        delete_key(store, k)
 
 
 _SAME = ("every rank must call it with the same tag and world_size, on the same kind of store "
