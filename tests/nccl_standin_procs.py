@@ -8,11 +8,16 @@ of the communicator issued it, a send/recv once both sides did -- counted throug
 real store (one ``add`` per operation and rank, then polls).  No data moves between processes:
 results are not checked here (tests/test_call_path.py checks them on thread-ranks, tests/gpu on
 a GPU).  It never makes a GPU test pass.
+
+As NCCL does, the first send/recv between two ranks connects the pair on the host, inside the
+launch: the call blocks until the peer posted its side (or the communicator is aborted, then
+it fails) -- what a real GPU run of a send without its recv showed (docs/gpu-runs.md).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from typing import Any, Iterator, List, Tuple
 
 import nccl_standin as S
@@ -30,6 +35,27 @@ class ProcStandIn(S.StandIn):
         self.store = store
         self.announced: set = set()
         self.nccl._wait_world = lambda c, timeout=30.0: S.SUCCESS   # peers join elsewhere
+        submit = self.nccl._submit
+
+        def connect_then_submit(ops: List[Any]) -> int:
+            for c, _stream, op in ops:
+                if op.kind == "p2p" and op.key[4] == 0 and not self._connect(c, op):
+                    return S.INTERNAL
+            return submit(ops)
+        self.nccl._submit = connect_then_submit
+
+    def _connect(self, c: Any, op: S._Op) -> bool:
+        """The pair's first send/recv: post this side, wait for the peer's (False: aborted)."""
+        _w, _p2p, src, dst = op.key[:4]
+        base = self._key(op.key[:4] + ("connect", 2), op)
+        mine = "send" if c.rank == src else "recv"
+        self.store.add(f"{base}/{mine}", 1)
+        other = f"{base}/{'recv' if mine == 'send' else 'send'}"
+        while int(self.store.add(other, 0)) < 1:
+            if c.abort_flag:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _key(self, key: Tuple[Any, ...], op: S._Op) -> str:
         """The operation's name across processes: the communicator (its uid), the operation's

@@ -47,6 +47,11 @@ def test_a_send_without_its_recv_is_an_unmatched_pair(tmp_path):
     d = str(tmp_path / "dumps")
     rc, _, err = run_job("unmatched", d, FAST)
     assert rc == 1, err
+    # the pair's first send connects on the host and never returns (as on a GPU): the
+    # watchdog times the blocked launch itself, and the send raises the abort's reason
+    assert ("send (sequence 2) was still blocked inside its NCCL call on the host" in err
+            and "suspected: rank(s) 1, 2, which never issued it" in err), err
+    assert "CommAbortedError: ncclpy watchdog" in err, err
     code, doc, _ = trace(d)
     assert code == 1
     p2p = [f for f in findings(doc) if f["kind"] == "unmatched_p2p"]

@@ -56,6 +56,51 @@ def test_timeout_with_every_peer_past_the_call_suspects_every_peer():
     assert d.suspects == (1, 2) and "every peer (1, 2)" in d.message
 
 
+def test_a_call_blocked_inside_its_launch_times_out_like_a_pending_one():
+    # seen inside NCCL since 101 (the launch never returned): no event, still timed
+    blk = (2, "send", 101.0)
+    assert _state().step(110.0, [], _peers(i1=2, i2=2, s1=109.0, s2=109.0), blocked=blk) is None
+    d = _state().step(112.0, [], _peers(i1=2, i2=2, s1=111.0, s2=111.0), blocked=blk)
+    assert (d.reason, d.collective, d.seq, d.suspects) == ("timeout", "send", 2, (1, 2))
+    assert ("send (sequence 2) was still blocked inside its NCCL call on the host" in d.message
+            and "timeout of 10 s; suspected: rank(s) 1, 2, which never issued it" in d.message)
+    # an older pending call comes first; a younger blocked one waits its turn
+    fresh = _peers(s1=111.0, s2=111.0)
+    d = _state().step(112.0, [(1, "all_reduce", 100.5)], fresh, blocked=blk)
+    assert d.collective == "all_reduce" and "did not complete within" in d.message
+    assert _state().step(112.0, [(1, "all_reduce", 103.0)], fresh,
+                         blocked=(2, "send", 104.0)) is None
+    # a peer's death while a call is blocked says which call
+    d = _state().step(105.0, [], _peers(), dead=[1], blocked=blk)
+    assert "while send (sequence 2, blocked inside NCCL for 4.0 s)" in d.message
+
+
+def test_the_thread_samples_the_lifecycle_for_a_call_inside_nccl():
+    """Watchdog.blocked: the same entry seen again is the same call, timed from the first tick
+    that saw it; a new entry restarts the clock; none inside: nothing."""
+    from ncclpy.comm.lifecycle import Lifecycle
+    comm = _Comm(0, 2, timeout=10.0)
+    comm._life = Lifecycle("rank 0 of 'live'")
+    wd = Watchdog(comm, None)
+    assert wd.blocked(1.0) is None
+    comm._life.enter("send")
+    assert wd.blocked(2.0) == (0, "send", 2.0)
+    assert wd.blocked(9.0) == (0, "send", 2.0)          # still the same call
+    assert wd.decide(11.0) is None and wd.decide(12.5).reason == "timeout"
+    comm._life.leave()
+    assert wd.blocked(13.0) is None
+    comm._life.hold()                                   # an open group is not a call ...
+    assert wd.blocked(14.0) is None
+    comm._life.mark_call("ncclGroupEnd")                # ... its group end is
+    assert wd.blocked(15.0) == (0, "ncclGroupEnd", 15.0)
+    comm._life.unmark_call()
+    comm._life.enter("all_reduce")                      # a new call: a new clock
+    assert wd.blocked(16.0) == (0, "all_reduce", 16.0)
+    comm._life.leave()
+    comm._life.release()
+    assert (comm._life.inflight, comm._life.calls) == (0, 0)
+
+
 def test_silent_peer_is_suspected_dead_before_the_timeout():
     d = _state().step(108.0, [(3, "all_reduce", 107.0)], _peers(s1=107.0, s2=104.5))
     assert (d.reason, d.seq, d.suspects) == ("peer_silent", 3, (2,))

@@ -14,6 +14,10 @@ at the outermost ``ncclGroupEnd``, so everything that must follow the launch (co
 scratch, destroying PreMulSum ops, recording Work events, polling nonblocking communicators)
 is deferred until then.  The group end is called even when the block raises; the block's
 exception is the one that propagates.
+
+A call the watchdog aborted while it was blocked inside NCCL (NCCL's abort makes it return an
+error) raises the abort's :class:`~ncclpy.errors.CommAbortedError`, which says why, with
+NCCL's own error as its cause.
 """
 from __future__ import annotations
 
@@ -46,10 +50,18 @@ def _group_exit(st: GroupState, end: Callable[[], int],
         else:
             err = _run_checks(st)
     st.depth -= 1
+    held = list(st.comms.values()) if st.depth == 0 else ()
+    for c in held:                       # the launch: timed by each watchdog while inside
+        c._life.mark_call("ncclGroupEnd")
     try:
         end()
+    except Exception as e:  # noqa: BLE001 - re-raised below after the bookkeeping
+        err = err or _aborted(held, e)
     except BaseException as e:  # noqa: B902 - re-raised below after the bookkeeping
         err = err or e
+    finally:
+        for c in held:
+            c._life.unmark_call()
     if st.depth > 0:
         if err is not None:
             raise err
@@ -74,16 +86,27 @@ def _group_exit(st: GroupState, end: Callable[[], int],
                 err = err or e
     finally:
         for c in comms:                 # each held its handle from its first call in the group
-            c._life.leave()
+            c._life.release()
     if err is not None:
         raise err
+
+
+def _aborted(comms: Sequence[Any], e: Exception) -> Exception:
+    """The abort's CommAbortedError (``e`` as its cause) when one of ``comms`` was aborted
+    while the failed call was inside NCCL; else ``e``."""
+    for c in comms:
+        ab = c._life.abort_error
+        if ab is not None and ab is not e:
+            ab.__cause__ = e
+            return ab
+    return e
 
 
 def _join(st: GroupState, comm: Any) -> None:
     """``comm`` takes part in this thread's open group: it stays entered in its lifecycle
     (an abort waits for it) until the outermost group end."""
     if id(comm) not in st.comms:
-        comm._life.enter("group")
+        comm._life.hold()
         st.comms[id(comm)] = comm
 
 
@@ -100,11 +123,11 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
                                "only at the outermost group end; open the simulated group "
                                "first, plain groups may nest inside it")
     if comm is not None and id(comm) not in st.comms:
-        comm._life.enter("group")
+        comm._life.hold()
         try:
             start()
         except BaseException:
-            comm._life.leave()
+            comm._life.release()
             raise
         st.comms[id(comm)] = comm
     else:
@@ -285,6 +308,11 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
                 table[fn](*args, stream=s)
             work = Work(comm, comm._device, s, r.plan, keep)
             work._record()
+    except Exception as e:  # noqa: BLE001 - aborted while inside NCCL: say why
+        ab = _aborted((comm,), e)
+        if ab is e:
+            raise
+        raise ab from e
     finally:
         life.leave()
     watch = comm._watch

@@ -11,8 +11,15 @@ A thread that is about to call NCCL with the handle (a collective, a group end, 
 ``ncclCommGetAsyncError``, a registration, a split, finalize ...) *enters* (:meth:`enter`: the
 state must allow it, else the precise refusal is raised: the watchdog's
 :class:`~ncclpy.errors.CommAbortedError` with its reason, or "closed") and *leaves* right
-after the C call returns.  A nonblocking communicator's poll loop enters for every poll, so
-an abort from another thread ends the loop at its next poll, with the abort's error.
+after the C call returns.  A thread's open group *holds* the handle (:meth:`hold`, counted in
+``inflight`` like a call, so an abort waits for it) from its first call to the group end,
+whose ``ncclGroupEnd`` is marked as a call (:meth:`mark_call`).  ``calls`` (the calls
+:meth:`enter` and :meth:`mark_call` let in, still inside NCCL) and ``entered`` (how many
+were let in so far) are what the watchdog samples to time a call blocked inside NCCL on the
+host -- a send/recv whose first use connects to a peer that never makes its side, a split
+a peer never joins -- which no CUDA event can show.  A nonblocking communicator's poll loop
+enters for every poll, so an abort from another thread ends the loop at its next poll, with the
+abort's error.
 :meth:`begin_abort` moves to ``aborting`` under the lock -- so no new call enters
 and a second abort is a no-op: exactly one ``ncclCommAbort`` per handle -- then waits for the
 calls in flight to leave, at most ``grace`` seconds: a call still inside NCCL after that is
@@ -48,7 +55,8 @@ ABORT_JOIN = 5.0
 class Lifecycle:
     """The state, the lock and the count of threads inside NCCL with this handle."""
 
-    __slots__ = ("lock", "cond", "state", "inflight", "waiters", "abort_error", "owner", "_what")
+    __slots__ = ("lock", "cond", "state", "inflight", "waiters", "abort_error", "owner", "_what",
+                 "calls", "entered")
 
     def __init__(self, owner: str) -> None:
         self.lock = threading.Lock()
@@ -59,6 +67,8 @@ class Lifecycle:
         self.abort_error: Optional[CommAbortedError] = None
         self.owner = owner           # "rank 0 of 'job'": for the messages
         self._what = ""              # the call last entered (for an abort's warning)
+        self.calls = 0               # calls let in by enter/mark_call, still inside NCCL
+        self.entered = 0             # calls let in by enter/mark_call so far
 
     # -- calls (the hot path: a plain lock, two acquisitions per call) --------------------------
     def enter(self, what: str) -> None:
@@ -67,15 +77,44 @@ class Lifecycle:
         lock.acquire()
         if self.state is USABLE:
             self.inflight += 1
+            self.calls += 1
+            self.entered += 1
             self._what = what
             lock.release()
             return
         lock.release()
         raise self.refusal(what)
 
+    def hold(self, what: str = "group") -> None:
+        """A thread's open group takes the handle (usable state), or raises why not; ended
+        by :meth:`release` at the group end."""
+        with self.lock:
+            if self.state is USABLE:
+                self.inflight += 1
+                return
+        raise self.refusal(what)
+
+    def release(self) -> None:
+        with self.lock:
+            self.inflight -= 1
+            if self.waiters and not self.inflight:
+                self.cond.notify_all()
+
+    def mark_call(self, what: str) -> None:
+        """A call made under a :meth:`hold` (the group end): timed like an entered call."""
+        with self.lock:
+            self.calls += 1
+            self.entered += 1
+            self._what = what
+
+    def unmark_call(self) -> None:
+        with self.lock:
+            self.calls -= 1
+
     def enter_as(self, what: str, *states: str) -> None:
         """:meth:`enter` for steps allowed in other states too (``finalized``: close's own
-        steps; ``closing``: what close does after it took the communicator)."""
+        steps; ``closing``: what close does after it took the communicator) and for the short
+        queries of a Work's check; not timed by the watchdog; ended by :meth:`release`."""
         with self.lock:
             if self.state is USABLE or self.state in states:
                 self.inflight += 1
@@ -87,6 +126,7 @@ class Lifecycle:
         lock = self.lock
         lock.acquire()
         self.inflight -= 1
+        self.calls -= 1
         if self.waiters and not self.inflight:
             self.cond.notify_all()
         lock.release()
@@ -241,8 +281,11 @@ class CommLifecycle:
         life = self._life
         if states:
             life.enter_as(what, *states)
-        else:
-            life.enter(what)
+            try:
+                return fn(*args)
+            finally:
+                life.release()
+        life.enter(what)
         try:
             return fn(*args)
         finally:
@@ -284,7 +327,7 @@ class CommLifecycle:
         try:
             st = self._lib.async_error(self._handle)
         finally:
-            life.leave()
+            life.release()
         if st not in (0, NCCL_IN_PROGRESS):
             err = self._lib.error(st, "ncclCommGetAsyncError", self._handle)
             wd = self._watchdog

@@ -9,9 +9,11 @@ Two parts:
   beat gets ``never_grace``, the start-up allowance, instead); an error NCCL reported
   (``ncclCommGetAsyncError``, e.g. a peer's socket closed), once the heartbeats had
   ``dead_after`` + ``interval`` seconds to name the peer behind it; the oldest unfinished call
-  older than ``timeout``.  Suspects of a timeout are the peers that have not issued that call
-  yet (their heartbeat carries how many calls they issued), else every peer.  The decisions
-  after an NCCL error say its text too.
+  older than ``timeout`` -- a call whose launch is still blocked inside NCCL on the host (a
+  send/recv's first use connecting to a peer that never makes its side) counts as unfinished
+  from the tick that first saw it inside.  Suspects of a timeout are the peers that have not
+  issued that call yet (their heartbeat carries how many calls they issued), else every peer.
+  The decisions after an NCCL error say its text too.
 * :class:`Watchdog` -- a daemon thread per communicator: every ``tick`` it drains the deque the
   executor appends each Work to (``comm._watch``: the only per-call cost), drops completed
   Works from the front, and every ``interval`` sends one heartbeat (``"<beat>:<issued>"``) to
@@ -98,14 +100,23 @@ class WatchState:
     def step(self, now: float, pending: Sequence[Tuple[int, str, float]],
              peers: Mapping[int, Peer], dead: Iterable[int] = (),
              nccl_error: Optional[Tuple[str, float]] = None,
-             interval: float = 1.0) -> Optional[Decision]:
+             interval: float = 1.0,
+             blocked: Optional[Tuple[int, str, float]] = None) -> Optional[Decision]:
         """``pending``: unfinished calls oldest first as (seq, collective, first seen);
         ``peers``: rank -> :class:`Peer`; ``dead``: ranks the launcher published as dead;
         ``nccl_error``: (its text, when it was reported) when NCCL reported an async error;
-        ``interval``: the heartbeat period (how long a fresh heartbeat may take to change)."""
-        seq, coll, since = pending[0] if pending else (-1, "", now)
-        what = (f"{coll} (sequence {seq}, in flight for {now - since:.1f} s)" if pending
-                else "no call in flight")
+        ``interval``: the heartbeat period (how long a fresh heartbeat may take to change);
+        ``blocked``: (seq, call, first seen) of a call still inside NCCL on the host (its
+        launch never returned: no event to wait on), timed like a pending call."""
+        in_call = False
+        if blocked is not None and (not pending or blocked[2] < pending[0][2]):
+            in_call = True
+            seq, coll, since = blocked
+            what = f"{coll} (sequence {seq}, blocked inside NCCL for {now - since:.1f} s)"
+        else:
+            seq, coll, since = pending[0] if pending else (-1, "", now)
+            what = (f"{coll} (sequence {seq}, in flight for {now - since:.1f} s)" if pending
+                    else "no call in flight")
         if nccl_error is not None:
             what += f", after NCCL reported: {nccl_error[0]}"
         tail = "; the communicator was aborted (ncclCommAbort)"
@@ -138,7 +149,7 @@ class WatchState:
                             f"{self._head()}: {what}; every peer's heartbeat is still fresh, so "
                             f"none is singled out; suspected: every peer ({_ranks(others)})"
                             f"{tail}")
-        if pending and now - since > self.timeout:
+        if (pending or in_call) and now - since > self.timeout:
             behind = sorted(r for r, p in peers.items() if r != self.rank and p.issued <= seq)
             others = [r for r in range(self.world_size) if r != self.rank]
             if behind:
@@ -147,10 +158,13 @@ class WatchState:
             else:
                 behind = others
                 sus = f"every peer ({_ranks(others)}): all issued it, none is known dead"
+            how = ("was still blocked inside its NCCL call on the host (the launch never "
+                   "returned: a peer never made the matching call, e.g. a send/recv's first "
+                   "use, which connects the pair) after" if in_call
+                   else "did not complete within")
             return Decision("timeout", coll, seq, tuple(behind),
-                            f"{self._head()}: {coll} (sequence {seq}) did not complete within "
-                            f"the communicator's timeout of {self.timeout:g} s; suspected: "
-                            f"{sus}{tail}")
+                            f"{self._head()}: {coll} (sequence {seq}) {how} the communicator's "
+                            f"timeout of {self.timeout:g} s; suspected: {sus}{tail}")
         return None
 
 
@@ -234,6 +248,7 @@ class Watchdog:
         self.nccl_error: Optional[Tuple[str, float]] = None
         self._decided = threading.Event()     # set when the thread aborted, or ended
         self._next_beat = 0.0
+        self._in_call: Optional[Tuple[int, float]] = None   # (life.entered, first seen)
         comm._watch = self.queue
 
     def start(self) -> "Watchdog":
@@ -410,14 +425,29 @@ class Watchdog:
         """Ranks the launcher published as dead."""
         return [r for r in self._dead if r != self.comm.rank and 0 <= r < self.comm.world_size]
 
+    def blocked(self, now: float) -> Optional[Tuple[int, str, float]]:
+        """(seq, call, first seen) of a call inside NCCL on the host: the lifecycle's
+        ``calls``/``entered`` sampled once per tick (the same entry seen again is the same
+        call, still inside); None when no call is inside."""
+        life = getattr(self.comm, "_life", None)
+        if life is None or life.calls <= 0:
+            self._in_call = None
+            return None
+        e = life.entered
+        if self._in_call is None or self._in_call[0] != e:
+            self._in_call = (e, now)
+        return (self.issued, life._what or "?", self._in_call[1])
+
     def decide(self, now: float, dead: Iterable[int] = ()) -> Optional[Decision]:
         pend = [(s, getattr(w.plan, "collective", "?"), t) for s, w, t in self.pending
                 if t is not None]
-        if pend and now - pend[0][2] > self.state.timeout and self._heart is not None \
+        blk = self.blocked(now)
+        oldest = min([p[2] for p in pend[:1]] + ([blk[2]] if blk else []), default=now)
+        if now - oldest > self.state.timeout and self._heart is not None \
                 and len(self.peers) < self.comm.world_size - 1:
             self.read_all(now)       # who issued the call: every peer's count
         return self.state.step(now, pend, self.peers if self._client is not None else {},
-                               dead, self.nccl_error, self.interval)
+                               dead, self.nccl_error, self.interval, blk)
 
     def _run(self) -> None:
         try:
