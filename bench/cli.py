@@ -10,7 +10,7 @@ import argparse
 import os
 import re
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ncclpy import registry
 from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path, run_main,
@@ -195,6 +195,18 @@ def build_parser() -> OneLineParser:
                    help="force NCCL's algorithm for every call of the sweep, in NCCL_ALGO's "
                         "syntax (ring, tree, ^nvls, ...): ncclpy's config=CollConfig(algorithm=) "
                         "(NCCL >= 2.31, --backend ncclpy)")
+    g.add_argument("-R", "--local_register", type=_int, default=0, metavar="0|1|2",
+                   help="register the buffers: 0 none, 1 ncclCommRegister, 2 symmetric windows "
+                        "(ncclMemAlloc + ncclCommWindowRegister, NCCL >= 2.27); ncclpy backend "
+                        "(default 0)")
+    g.add_argument("-M", "--memory_report", type=_int, default=0, metavar="0|1",
+                   help="report NCCL's memory of each communicator after the sweep "
+                        "(ncclCommMemStats, NCCL >= 2.29.7); ncclpy backend (default 0)")
+    x.add_argument("--cta-policy", "--cta_policy", dest="cta_policy", default=None,
+                   metavar="POLICY",
+                   help="the communicator's CTA policy: default, efficiency or zero "
+                        "(Config(cta_policy=); zero with -R 2 runs the copy-engine "
+                        "collectives); ncclpy backend")
     x.add_argument("--predict", action="store_true",
                    help="add NCCL's predicted time of each out-of-place call "
                         "(ncclGroupSimulateEnd, NCCL >= 2.22) beside the measured one "
@@ -354,6 +366,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         if "send_recv" in collectives:
             raise ArgumentError(f"{p.flag('algo')}: send_recv is ncclSend/ncclRecv, which "
                                 f"take no algorithm (no ncclCollConfig_t); drop it or --algo")
+    register, memory_report, cta_policy = _ncclpy_flags(p, a, backends, collectives)
     for dest, path, check in (("output_file", a.output_file, check_output_path),
                               ("csv", a.csv, check_output_path), ("plot", a.plot, _plot_problem)):
         why = check(path) if path else ""
@@ -366,7 +379,51 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         root=root, cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
         nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
         plot=a.plot, timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
-        algo=algo, predict=a.predict, argv=["python -m bench", *argv])
+        algo=algo, predict=a.predict, register=register, memory_report=memory_report,
+        cta_policy=cta_policy, argv=["python -m bench", *argv])
+
+
+def _ncclpy_flags(p: Any, a: Any, backends: Sequence[str], collectives: Sequence[str]) -> tuple:
+    """-R, -M and --cta-policy checked: (register, memory_report, cta_policy)."""
+    if a.local_register not in (0, 1, 2):
+        raise ArgumentError(f"{p.flag('local_register')}: expected 0 (none), 1 "
+                            f"(ncclCommRegister) or 2 (symmetric windows), got "
+                            f"{a.local_register}")
+    if a.memory_report not in (0, 1):
+        raise ArgumentError(f"{p.flag('memory_report')}: expected 0 or 1, got "
+                            f"{a.memory_report}")
+    flags = [("local_register", a.local_register, 0), ("memory_report", a.memory_report, 0),
+             ("cta_policy", a.cta_policy, None)]
+    for dest, val, off in flags:
+        if val != off and [b for b in backends if b != "ncclpy"]:
+            raise ArgumentError(f"{p.flag(dest)}: needs --backend ncclpy only (ncclpy's "
+                                f"register, windows, Config and mem_stats); "
+                                f"{', '.join(b for b in backends if b != 'ncclpy')} cannot")
+    uneven = [c for c in collectives if c in ("gather", "scatter")]
+    if a.local_register == 2 and uneven:
+        raise ArgumentError(f"{p.flag('local_register')} 2: {', '.join(uneven)} has buffers "
+                            f"only on the root, and a window is registered by every rank; "
+                            f"drop it or use -R 1")
+    policy = None
+    if a.cta_policy is not None:
+        from ncclpy._nccl.config import cta_policy_value
+        cta_policy_value(p.flag("cta_policy"), a.cta_policy)     # ArgumentError, as typed
+        policy = a.cta_policy.strip().lower()
+    need = {2: ("ncclCommWindowRegister", "local_register")}.get(a.local_register)
+    checks = [need] if need else []
+    if a.memory_report:
+        checks.append(("ncclCommMemStats", "memory_report"))
+    for fn, dest in checks:
+        try:
+            from ncclpy._nccl.lib import get_lib, require_version
+            lib = get_lib()
+        except NcclpyError:
+            continue                   # no libnccl here: the ranks say so when they start
+        try:
+            require_version(fn, lib.version, lib.path)
+        except NcclpyError as e:
+            raise ArgumentError(f"{p.flag(dest)}: {e}") from None
+    return a.local_register, bool(a.memory_report), policy
 
 
 def _no_gpu_reason() -> str:

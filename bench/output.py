@@ -191,6 +191,19 @@ def _div(a: float, b: float) -> Optional[float]:
     return a / b if b else None
 
 
+def memory_lines(memory: Dict[str, object]) -> List[str]:
+    """-M: one comment line per backend with NCCL's memory of rank 0's communicator."""
+    out = []
+    for name, st in memory.items():
+        if not isinstance(st, dict):
+            out.append(f"# {name}: NCCL memory: not reported by this backend")
+            continue
+        out.append(f"# {name}: NCCL memory of rank 0's communicator (ncclCommMemStats): "
+                   f"total {st['total_bytes']} B, persistent {st['persistent_bytes']} B, "
+                   f"suspendable {st['suspendable_bytes']} B")
+    return out
+
+
 def ratio_lines(ratios: List[Dict[str, object]]) -> List[str]:
     """The ratio tables printed after the main table, one per backend pair."""
     if not ratios:

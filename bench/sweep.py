@@ -68,6 +68,10 @@ class SweepConfig:
     #: --algo: NCCL's algorithm for every call (CollConfig); --predict: NCCL's estimate column
     algo: Optional[str] = None
     predict: bool = False
+    #: -R (0 none, 1 ncclCommRegister, 2 windows), -M, --cta-policy: the ncclpy backend's
+    register: int = 0
+    memory_report: bool = False
+    cta_policy: Optional[str] = None
     argv: List[str] = field(default_factory=list)
     #: where spawned ranks leave their (agreed) exit status, so that a verdict the footer
     #: already explained is not reported as a crashed rank
@@ -232,6 +236,7 @@ class _Rank:
                  backends: List[Backend]) -> None:
         self.cfg, self.rank, self.world, self.coord = cfg, rank, world, coord
         self.backends = backends
+        self.memory: Dict[str, Any] = {}       # -M: backend -> ncclCommMemStats of rank 0
         self.coll = registry.get(collective)
         self.rows: Dict[str, List[Row]] = {b.name: [] for b in backends}
         self.skipped: List[str] = []
@@ -349,6 +354,7 @@ class _Rank:
                 for _ in range(self.cfg.warmup_iters):
                     b.run(self.coll.name, bufs, op, root, False)
                 b.sync()
+                b.free(bufs)
         except Exception as e:  # e.g. a dtype/op the library refuses: same on every rank
             err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
         reason = self.coord.any(err)
@@ -392,6 +398,7 @@ class _Rank:
                             self.progress(f"{b.label} {_TYPE_NAMES[dtype]} {op} root {root} "
                                           f"size {size} B ({i + 1}/{len(cfg.sizes)}) "
                                           f"{time.perf_counter() - t0:.2f} s")
+                            b.free(bufs)
                             del bufs
 
 
@@ -411,7 +418,7 @@ def run_rank(cfg: SweepConfig) -> int:
     try:
         for name in cfg.backends:
             b = get_backend(name)
-            b.algorithm = cfg.algo
+            b.algorithm, b.register, b.cta_policy = cfg.algo, cfg.register, cfg.cta_policy
             b.setup(rank, world, device, store,
                     master_addr=info.master_addr if info is not None else "127.0.0.1",
                     timeout=cfg.timeout)
@@ -441,6 +448,17 @@ def run_rank(cfg: SweepConfig) -> int:
                 for line in output.table_header(state.multi, cfg.predict):
                     print(line, flush=True)
             state.sweep()
+            if cfg.register == 2 and rank == 0:
+                for b in backends:
+                    got, asked = getattr(b, "windows_seen", (0, 0))
+                    print(f"# {b.label}: -R 2: NCCL registered {got} of the {asked} windows on "
+                          f"rank 0" + ("" if got == asked else "; where it registered none "
+                                       "(no symmetric support) the regular kernels ran"))
+            if cfg.memory_report:
+                state.memory = {b.name: b.mem_stats() for b in backends}
+                if rank == 0:
+                    for line in output.memory_lines(state.memory):
+                        print(line)
             if rank == 0:
                 code = max(code, _finish(cfg, state, program, nccl_version, devices, start,
                                          backends, world, first=(n == 0)))
@@ -508,7 +526,12 @@ def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
                "backends": [{"name": b.name, "label": b.label,
                              "nccl_version": b.nccl_version()} for b in backends],
                "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
-               "algorithm": cfg.algo}
+               "algorithm": cfg.algo, "registration": cfg.register,
+               "cta_policy": cfg.cta_policy}
+        if cfg.register == 2:
+            ext["windows_registered"] = list(getattr(backends[0], "windows_seen", [0, 0]))
+        if cfg.memory_report:
+            ext["memory"] = state.memory
         doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,
                                 nccl_version=nccl_version, config=config, devices=devices,
                                 start_time=start, extension=ext, min_bw=min_bw,

@@ -75,9 +75,9 @@ class DevArray:
 class _Mem:
     """A pool allocation: keeps its bytes alive while referenced."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.buf = ctypes.create_string_buffer(max(int(nbytes), 1))
-        self.ptr = ctypes.addressof(self.buf)
+    def __init__(self, nbytes: int) -> None:   # page-aligned, as cuMem memory is
+        self.buf = ctypes.create_string_buffer(max(int(nbytes), 1) + 4096)
+        self.ptr = (ctypes.addressof(self.buf) + 4095) & ~4095
 
 
 # -- streams and work items -------------------------------------------------------------------
@@ -169,7 +169,7 @@ class StandIn:
     def tls(self) -> Any:
         t = self._tls
         if not hasattr(t, "device"):
-            t.device, t.group_depth, t.group = 0, 0, []
+            t.device, t.group_depth, t.group, t.rma = 0, 0, [], []
             t.stream = 0
         return t
 

@@ -19,6 +19,8 @@ from ncclpy._nccl.config import NcclConfigStruct
 from nccl_standin import (_BY_ENUM, INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
                           SYSTEM, StandIn, _Comm, _Item, _Mem, _Op, _World)
 
+from nccl_standin_part2 import StandInPart2, PART2_HANDLE_FIRST, PART2_HANDLE_LAST  # noqa: E402
+
 __all__ = ["StandInNccl"]
 
 
@@ -30,7 +32,7 @@ class _NcclError(Exception):
         self.status = status
 
 
-class StandInNccl(_lib.NcclLib):
+class StandInNccl(StandInPart2, _lib.NcclLib):
     """:class:`ncclpy._nccl.lib.NcclLib` with its C functions replaced by the engine's.
     Everything NcclLib builds on top of them (errors, checks, async_error, init through
     ``ncclCommInitRankConfig``, repair of the group depth) is NcclLib's own code."""
@@ -72,6 +74,10 @@ class StandInNccl(_lib.NcclLib):
             c = e.comms.get(h) if h else None
             if c is not None:
                 c.busy[me] = name
+                if getattr(c, "suspended", False) and name not in (
+                        "ncclCommResume", "ncclCommMemStats", "ncclCommAbort",
+                        "ncclCommGetAsyncError"):
+                    e.violations.append(f"{name} on a suspended communicator (rank {c.rank})")
         try:
             slow = e.slow.get(name)
             if slow:
@@ -184,6 +190,8 @@ class StandInNccl(_lib.NcclLib):
             return INVALID_ARG
         if c.finalized:
             e.violations.append(f"ncclCommFinalize twice (rank {c.rank})")
+        if getattr(c, "revoked", False):      # nccl.h: finalize after revoke is invalid
+            e.violations.append(f"ncclCommFinalize after ncclCommRevoke (rank {c.rank})")
         c.finalized = True
         if e.graph_refs.get(h, 0) > 0:   # NCCL >= 2.26 polls until every graph died
             if c.nonblocking:
@@ -199,6 +207,8 @@ class StandInNccl(_lib.NcclLib):
         c = e.comm(h, "ncclCommDestroy")
         if c is None:
             return INVALID_ARG
+        if getattr(c, "revoked", False):      # its barrier may wait for dead ranks
+            e.violations.append(f"ncclCommDestroy of a revoked communicator (rank {c.rank})")
         c.freed = "destroyed"
         return SUCCESS
 
@@ -321,7 +331,11 @@ class StandInNccl(_lib.NcclLib):
         if t.group_depth:
             return SUCCESS
         ops, t.group = t.group, []
-        return self._submit(ops)
+        code = self._submit(ops)
+        rma, t.rma = t.rma, []
+        for thunk in rma:             # one-sided calls of the group (nccl_standin_part2)
+            thunk()
+        return code
 
     def _ncclGroupSimulateEnd(self, info: Any) -> int:
         """Like ncclGroupEnd, but the outermost end launches nothing and writes a stand-in
@@ -502,6 +516,10 @@ def _handle_of(name: str, args: Tuple[Any, ...]) -> int:
         return int(args[0] or 0)
     if name in ("ncclRedOpCreatePreMulSum", "ncclRedOpDestroy"):
         return int(args[-1] or 0)
+    if name in PART2_HANDLE_FIRST:
+        return int(args[0] or 0)
+    if name in PART2_HANDLE_LAST:
+        return int(args[-2] or 0)
     if name.startswith("nccl") and name[4:] in ("AllReduce", "Reduce", "Broadcast",
                                                 "ReduceScatter", "AllGather", "AlltoAll",
                                                 "Gather", "Scatter", "Send", "Recv"):

@@ -24,6 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PROG = [sys.executable, "-m", "ncclpy.selftest"]
 
 
+
+def _file(stage: str, ext: str) -> str:
+    """The stage's numbered file name, as the runner makes it (its place in the table)."""
+    return f"{S.NAMES.index(stage) + 1:02d}-{stage}.{ext}"
+
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -60,7 +65,7 @@ def test_list_shows_every_stage_in_order_with_bounds_and_commands():
     assert "info          60 s" in p.stdout and "budget 540 s" in p.stdout
     assert "gpu2: NCCLPY_GPU_ARTIFACTS=WORK python -m pytest tests/gpu --gpu-worlds 1,2" in p.stdout
     assert ("bench: python -m bench all_reduce -b 8 -e 256M -f 2 --nproc 2 --device cuda "
-            "--backend ncclpy,cupy,torch -J WORK/06-bench.json") in p.stdout
+            f"--backend ncclpy,cupy,torch -J WORK/{_file('bench', 'json')}") in p.stdout
     assert "overhead: python -m bench.overhead --nproc 2 --backend ncclpy,cupy,torch" in p.stdout
 
 
@@ -434,8 +439,8 @@ def _work_with_samples(tmp_path: Path) -> S.Ctx:
     w = Path(ctx.work)
     (w / "03-check2.xml").write_text(_JUNIT.replace("tests.gpu.test_comm_gpu", "tests.gpu.x"))
     CR.write_json(str(w / "check-n2.json"), _check_doc())
-    (w / "06-bench.json").write_text(json.dumps(_bench_doc()))
-    (w / "07-overhead.json").write_text(json.dumps(_overhead_doc()))
+    (w / _file("bench", "json")).write_text(json.dumps(_bench_doc()))
+    (w / _file("overhead", "json")).write_text(json.dumps(_overhead_doc()))
     (w / "01-info.json").write_text(json.dumps(_INFO))
     return ctx
 
@@ -507,7 +512,7 @@ def test_a_machine_without_pytest_is_said_in_info_and_in_each_pytest_stage(tmp_p
 
 def test_analyse_bench_with_wrong_elements_fails(tmp_path):
     ctx = _ctx(tmp_path)
-    (Path(ctx.work) / "06-bench.json").write_text(json.dumps(_bench_doc(wrong=2)))
+    (Path(ctx.work) / _file("bench", "json")).write_text(json.dumps(_bench_doc(wrong=2)))
     r = R.StageResult("bench", "b", commands=[_cmd(0)])
     RN.analyse(S.by_name("bench"), r, ctx)
     assert r.status == "failed" and r.reason == "1 results with wrong elements"

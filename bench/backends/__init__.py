@@ -183,6 +183,16 @@ class Backend:
     # ---- running ------------------------------------------------------------------------
     #: --algo: NCCL's algorithm for every call (backends that can force one)
     algorithm: Optional[str] = None
+    #: -R: 0 none, 1 ncclCommRegister, 2 symmetric windows; --cta-policy (ncclpy backend)
+    register: int = 0
+    cta_policy: Optional[str] = None
+
+    def free(self, bufs: Buffers) -> None:
+        """Release what ``alloc`` registered for ``bufs`` (before their memory goes)."""
+
+    def mem_stats(self) -> Optional[Dict[str, int]]:
+        """-M: NCCL's memory statistics of this rank's communicator (None: cannot tell)."""
+        return None
 
     def predict(self, collective: str, bufs: Buffers, op: str, root: int) -> Optional[float]:
         """NCCL's estimate of the out-of-place call in microseconds (None: cannot tell)."""

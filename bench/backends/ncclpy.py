@@ -22,12 +22,17 @@ class NcclpyBackend(CupyStreamBackend):
 
     _coll_config: Any = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.windows_seen = [0, 0]          # -R 2: [windows NCCL registered, asked for]
+
     def open_comm(self, uid: bytes) -> Any:
         import ncclpy
         self.ncclpy = ncclpy
         if self.algorithm is not None:
             self._coll_config = ncclpy.CollConfig(algorithm=self.algorithm)
-        return ncclpy.Communicator(self.world, self.rank, uid, self.device)
+        config = None if self.cta_policy is None else ncclpy.Config(cta_policy=self.cta_policy)
+        return ncclpy.Communicator(self.world, self.rank, uid, self.device, config)
 
     def close_comm(self, comm: Any) -> None:
         comm.close()
@@ -41,7 +46,22 @@ class NcclpyBackend(CupyStreamBackend):
         return collective != "send_recv"
 
     def alloc(self, collective: str, total: int, dtype: str) -> Buffers:
-        bufs = super().alloc(collective, total, dtype)
+        if self.register == 2:            # -R 2: NCCL memory, each buffer a window
+            with self.cp.cuda.using_allocator(self.ncclpy.nccl_allocator(self.device)):
+                bufs = super().alloc(collective, total, dtype)
+        else:
+            bufs = super().alloc(collective, total, dtype)
+        regs = []
+        if self.register:                 # the same buffers in the same order on every rank
+            for k in ("send", "recv", "whole"):
+                arr = getattr(bufs, k)
+                if int(arr.size):
+                    regs.append(self.comm.register_window(arr) if self.register == 2
+                                else self.comm.register(arr))
+                    if self.register == 2:  # what NCCL registered, for the report
+                        self.windows_seen[0] += int(regs[-1].registered)
+                        self.windows_seen[1] += 1
+        bufs.extra["regs"] = regs
         keys = ("send", "recv", "whole", "ip_send", "ip_recv")
         if DTYPES[dtype].numpy is None:  # bfloat16 / float8: hand ncclpy raw typed buffers
             B = self.ncclpy.Buffer
@@ -50,6 +70,18 @@ class NcclpyBackend(CupyStreamBackend):
         else:
             bufs.extra["args"] = {k: getattr(bufs, k) for k in keys}
         return bufs
+
+    def free(self, bufs: Buffers) -> None:
+        """-R: deregister the buffers' windows / registrations, newest first."""
+        self.sync()
+        for reg in reversed(bufs.extra.pop("regs", [])):
+            if self.register == 2:
+                reg.close()
+            else:
+                self.comm.deregister(reg)
+
+    def mem_stats(self) -> Optional[Dict[str, int]]:
+        return self.comm.mem_stats()
 
     def predict(self, collective: str, bufs: Buffers, op: str, root: int) -> Optional[float]:
         """The out-of-place call inside ``group(simulate=True)``: NCCL's estimate, nothing

@@ -15,8 +15,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 from ..dtypes import C_NAMES, DTYPES
 from ..errors import NCCL_RESULT_NAMES
 from ..ops import NCCL_OPS
-from . import collconfig, config, encryption, group, lib
-from .functions import UNIQUE_ID_BYTES, UniqueId
+from . import collconfig, config, encryption, flags, group, lib
+from .functions import UNIQUE_ID_BYTES, UniqueId, WaitSignalDescStruct
 
 __all__ = ["StructEntry", "STRUCTS", "CONSTANTS"]
 
@@ -44,6 +44,7 @@ STRUCTS: Dict[str, StructEntry] = {
                                           lambda: encryption.encryption_struct(None),
                                           ("size", "version")),
     "ncclUniqueId": StructEntry(UniqueId, None, None),
+    "ncclWaitSignalDesc_t": StructEntry(WaitSignalDescStruct, None, None),
 }
 
 _NAMED_RESULTS = {name: code for code, name in NCCL_RESULT_NAMES.items()}
@@ -70,6 +71,19 @@ CONSTANTS: Dict[str, int] = {
     "ncclNvlsHostModeDisable": config.NVLS_HOST_MODES["disable"],
     "NCCL_ENCRYPTION_MODE_NONE": encryption.ENCRYPTION_MODE_NONE,
     "NCCL_ENCRYPTION_MODE_PSK": encryption.ENCRYPTION_MODE_PSK,
+    "NCCL_WIN_DEFAULT": flags.WIN_DEFAULT,
+    "NCCL_WIN_COLL_SYMMETRIC": flags.WIN_COLL_SYMMETRIC,
+    "NCCL_WIN_STRICT_ORDERING": flags.WIN_STRICT_ORDERING,
+    "NCCL_WIN_GIN_ONLY": flags.WIN_GIN_ONLY,
+    "NCCL_WIN_REQUIRED_ALIGNMENT": flags.WIN_REQUIRED_ALIGNMENT,
+    "NCCL_SHRINK_DEFAULT": flags.SHRINK_DEFAULT,
+    "NCCL_SHRINK_ABORT": flags.SHRINK_ABORT,
+    "NCCL_REVOKE_DEFAULT": flags.REVOKE_DEFAULT,
+    "NCCL_SUSPEND_MEM": flags.SUSPEND_MEM,
+    "ncclStatGpuMemSuspend": flags.MEM_STATS["suspendable_bytes"],
+    "ncclStatGpuMemSuspended": flags.MEM_STATS["suspended"],
+    "ncclStatGpuMemPersist": flags.MEM_STATS["persistent_bytes"],
+    "ncclStatGpuMemTotal": flags.MEM_STATS["total_bytes"],
     "ncclNumResults": max(NCCL_RESULT_NAMES) + 1,
     "ncclNumOps": len(NCCL_OPS),
     "ncclNumTypes": len(DTYPES),

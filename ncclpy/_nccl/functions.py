@@ -12,8 +12,8 @@ from __future__ import annotations
 import ctypes
 from typing import Dict, Tuple
 
-__all__ = ["FUNCTIONS", "UniqueId", "nccl_version_code", "COLL_CONFIG_FUNCTIONS",
-           "PARAM_GETTERS", "UNIQUE_ID_BYTES"]
+__all__ = ["FUNCTIONS", "UniqueId", "WaitSignalDescStruct", "nccl_version_code",
+           "COLL_CONFIG_FUNCTIONS", "PARAM_GETTERS", "UNIQUE_ID_BYTES"]
 
 UNIQUE_ID_BYTES = 128
 
@@ -38,6 +38,14 @@ class UniqueId(ctypes.Structure):
 
     def to_bytes(self) -> bytes:
         return ctypes.string_at(ctypes.addressof(self), UNIQUE_ID_BYTES)
+
+
+class WaitSignalDescStruct(ctypes.Structure):
+    """``ncclWaitSignalDesc_t`` (2.29): wait for ``opCnt`` signals from ``peer`` on signal
+    index ``sigIdx`` of context ``ctx``."""
+
+    _fields_ = [("opCnt", ctypes.c_int), ("peer", ctypes.c_int), ("sigIdx", ctypes.c_int),
+                ("ctx", ctypes.c_int)]
 
 
 _R = ctypes.c_int            # ncclResult_t
@@ -86,6 +94,22 @@ FUNCTIONS: Dict[str, Tuple[object, Tuple, int]] = {
     "ncclGroupEnd": (_R, (), _V(2, 0, 0)),
     "ncclGroupSimulateEnd": (_R, (_P,), _V(2, 22, 0)),
     "ncclSetEncryption": (_R, (_P,), _V(2, 32, 0)),
+    # symmetric windows, membership, memory (ncclpy.comm.window / membership / memory)
+    "ncclCommWindowRegister": (_R, (_P, _P, _Z, _PP, _I), _V(2, 27, 3)),
+    "ncclCommWindowDeregister": (_R, (_P, _P), _V(2, 27, 3)),
+    "ncclWinGetUserPtr": (_R, (_P, _P, _PP), _V(2, 29, 2)),
+    "ncclCommShrink": (_R, (_P, _PI, _I, _PP, _P, _I), _V(2, 27, 3)),
+    "ncclCommRevoke": (_R, (_P, _I), _V(2, 28, 7)),
+    "ncclCommGetUniqueId": (_R, (_P, ctypes.POINTER(UniqueId)), _V(2, 29, 2)),
+    "ncclCommGrow": (_R, (_P, _I, ctypes.POINTER(UniqueId), _I, _PP, _P), _V(2, 29, 2)),
+    "ncclCommSuspend": (_R, (_P, _I), _V(2, 29, 7)),
+    "ncclCommResume": (_R, (_P,), _V(2, 29, 7)),
+    "ncclCommMemStats": (_R, (_P, _I, ctypes.POINTER(ctypes.c_uint64)), _V(2, 29, 7)),
+    # one-sided RMA (2.29): (C-order args..., comm, stream)
+    "ncclPutSignal": (_R, (_P, _Z, _I, _I, _P, _Z, _I, _I, ctypes.c_uint, _P, _P),
+                      _V(2, 29, 2)),
+    "ncclSignal": (_R, (_I, _I, _I, ctypes.c_uint, _P, _P), _V(2, 29, 2)),
+    "ncclWaitSignal": (_R, (_I, ctypes.POINTER(WaitSignalDescStruct), _P, _P), _V(2, 29, 2)),
     # collectives: (C-order args..., comm, stream)
     "ncclAllReduce": (_R, (_P, _P, _Z, _I, _I, _P, _P), 0),
     "ncclReduce": (_R, (_P, _P, _Z, _I, _I, _I, _P, _P), 0),

@@ -102,6 +102,11 @@ def build_parser() -> OneLineParser:
                    help="fail (exit 1) unless ncclpy itself ran every case: without it a machine "
                         "with no GPU checks only torch (gloo) against the reference, and says so")
     p.add_argument("--nvls", action="store_true", help="allow NVLS (do not pin NCCL_NVLS_ENABLE=0)")
+    p.add_argument("--window", action="store_true",
+                   help="run ncclpy's side of all_reduce, reduce, broadcast, all_gather, "
+                        "reduce_scatter and all_to_all on symmetric windows (NCCL memory, "
+                        "ncclCommWindowRegister; NCCL >= 2.27): its symmetric kernels bit for "
+                        "bit against torch and the reference (--backend nccl)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no matrix: only what did not pass and the summary (with -v: only the "
                         "rows of cases that did not pass)")
@@ -209,7 +214,12 @@ def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
         "json": os.path.abspath(ns.json) if ns.json and ns.json != "-" else ns.json,
         "quiet": ns.quiet, "timeout": ns.timeout, "verbose": ns.verbose,
         "run_timeout": ns.run_timeout, "require_ncclpy": ns.require_ncclpy,
-        "no_gpu_reason": no_gpu, "env": {}, "pinned": [], "kept": []}
+        "no_gpu_reason": no_gpu, "env": {}, "pinned": [], "kept": [],
+        "window": bool(getattr(ns, "window", False))}
+    if cfg["window"] and backend != "nccl":
+        parser.error(f"{parser.flag('window')}: needs --backend nccl (windows are NCCL "
+                     f"memory on a GPU); this run's backend is {backend}"
+                     + (f" ({no_gpu})" if no_gpu else ""))
     if backend == "nccl":
         cfg["env"], cfg["pinned"], cfg["kept"] = fairness_env(ns.nvls)
     return cfg

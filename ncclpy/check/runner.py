@@ -32,8 +32,9 @@ from . import cases as C
 from . import divergences as D
 from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt
 
-__all__ = ["run_case_torch", "to_torch", "from_torch", "case_inputs", "reference_outputs",
-           "INJECT_ENV", "parse_inject", "run_case", "run_case_ncclpy"]
+__all__ = ["run_case_torch", "windowed", "WINDOW_COLLECTIVES", "to_torch", "from_torch",
+           "case_inputs", "reference_outputs", "INJECT_ENV", "parse_inject", "run_case",
+           "run_case_ncclpy"]
 
 
 # -- numpy <-> torch ------------------------------------------------------------------------
@@ -218,19 +219,60 @@ def run_case_torch(torch: Any, dist: Any, case: C.Case, inp: np.ndarray, rank: i
 
 
 # -- the ncclpy side (GPU) ------------------------------------------------------------------
+#: ``--window``: the collectives whose buffers every rank holds alike, run on symmetric
+#: windows (NCCL memory registered with NCCL_WIN_COLL_SYMMETRIC); gather, scatter and
+#: send/recv (buffers on some ranks only) and uneven all_to_all run as without it
+WINDOW_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
+                      "all_to_all")
+
+
+def windowed(case: C.Case) -> bool:
+    """Whether ``--window`` runs ``case``'s ncclpy side on windows."""
+    return case.collective in WINDOW_COLLECTIVES and case.variant != "uneven" and case.count > 0
+
+
 def run_case_ncclpy(torch: Any, comm: Any, case: C.Case, inp: np.ndarray, rank: int, n: int,
-                    device: Any, timeout: float = 300.0) -> Optional[np.ndarray]:
+                    device: Any, timeout: float = 300.0, window: bool = False,
+                    seen: Optional[List[bool]] = None) -> Optional[np.ndarray]:
     """Run ``case`` through the ncclpy communicator on copies of the same input (torch CUDA
-    tensors; in-place variants as NCCL defines them); the wait is bounded by ``timeout``."""
-    name, c = case.dtype, case.count
+    tensors; in-place variants as NCCL defines them); the wait is bounded by ``timeout``.
+    ``window``: where :func:`windowed`, every buffer is NCCL memory registered as a window
+    (every rank the same ones, in the same order), deregistered after the call; ``seen``
+    gets, per window, whether NCCL registered it (False: no symmetric support here)."""
+    name = case.dtype
     t = to_torch(torch, inp, name, device)
     lg = LOGICAL[name]
+    wins: List[Any] = []
+    if window and windowed(case):
+        from .._nccl.memory import nccl_empty
+
+        def raw(k: int) -> Any:            # k elements of t's dtype in NCCL memory, a window
+            b = nccl_empty(k * t.element_size(), "uint8", framework="torch").zero_()
+            wins.append(comm.register_window(b))
+            return b.view(t.dtype)
+        t = raw(t.numel()).copy_(t)
+    else:
+        raw = None
 
     def empty(k: int) -> Any:   # zero-filled (an untouched buffer stays recognisable)
         if k == 0:
             return torch.empty(0, dtype=t.dtype, device=t.device)
+        if raw is not None:
+            return raw(k)
         z = torch.zeros(k * lg.factor, dtype=_int_view(torch, lg.wire.itemsize), device=t.device)
         return z.view(t.dtype)
+    try:
+        return _ncclpy_call(torch, comm, case, t, empty, rank, n, timeout)
+    finally:
+        if seen is not None:
+            seen.extend(w.registered for w in wins)
+        for w in reversed(wins):
+            w.close()
+
+
+def _ncclpy_call(torch: Any, comm: Any, case: C.Case, t: Any, empty: Any, rank: int, n: int,
+                 timeout: float) -> Optional[np.ndarray]:
+    name, c = case.dtype, case.count
     coll, ip, op = case.collective, case.in_place, case.op_obj()
     out = None
     if coll == "all_reduce":
@@ -354,7 +396,8 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
     if ctx.get("comm") is not None:
         try:
             n_out = run_case_ncclpy(torch, ctx["comm"], case, ins[rank], rank, n, ctx["device"],
-                                    tmo)
+                                    tmo, bool(ctx.get("window")),
+                                    ctx.setdefault("window_seen", []))
         except Exception as e:  # noqa: BLE001
             res["ncclpy_exc"], res["ncclpy_typed"] = _short(e), _typed_refusal(e)
             if ctx.get("verbose"):

@@ -84,7 +84,8 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     header: Dict[str, Any] = {"world_size": n, "backend": backend, "torch": torch.__version__,
                               "seed": ctx["seed"], "pinned": cfg.get("pinned", []),
                               "kept": cfg.get("kept", []), "timeout_s": tmo,
-                              "placement": cfg.get("placement")}
+                              "placement": cfg.get("placement"),
+                              "window": bool(cfg.get("window"))}
     ctx["header"] = header
     if backend != "nccl":
         dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timeout)
@@ -112,6 +113,10 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         from ..ops import format_version
         ctx["comm"] = ncclpy.init(timeout=tmo)
         npath, nver = get_lib().path, format_version(ctx["comm"].nccl_version)
+        if cfg.get("window"):         # --window: a precise refusal, not a column of errors
+            from .._nccl.lib import require_version
+            require_version("ncclCommWindowRegister", ctx["comm"].nccl_version, npath)
+            ctx["window"] = True
     except Exception as e:  # noqa: BLE001 - reported in the header; the run then fails
         ok = False
         header["ncclpy_error"] = _short(e)
@@ -155,6 +160,11 @@ def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases:
             out.lines(_wrapped(f"  kept from your environment: {', '.join(h['kept'])}"))
         out.lines(_wrapped("  NCCL env: " + (
             " ".join(f"{k}={v}" for k, v in h.get("nccl_env", {}).items()) or "(none)")))
+        if h.get("window"):
+            from .runner import WINDOW_COLLECTIVES
+            out.lines(_wrapped(f"  --window: ncclpy's {', '.join(WINDOW_COLLECTIVES)} run on "
+                               f"symmetric windows (NCCL memory, ncclCommWindowRegister); "
+                               f"the other cases as without it"))
     if h.get("ncclpy_error"):
         out.lines(_wrapped(f"  ncclpy column: needs GPU ({h['ncclpy_error']})"))
     if cfg.get("verbose"):
@@ -271,6 +281,13 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
                                          h.get("ncclpy_error") or ""))
         for p in problems:
             out.lines(_wrapped(f"ncclpy check: FAILED: {p}"))
+        if h.get("window"):            # what NCCL actually registered, never more
+            seen = ctx.get("window_seen") or []
+            h["windows_registered"] = [sum(seen), len(seen)]
+            out.lines(_wrapped(
+                f"--window: NCCL registered {sum(seen)} of the {len(seen)} windows on rank 0"
+                + ("" if all(seen) else "; where it registered none (no symmetric support, "
+                                        "e.g. ranks sharing a GPU) the regular kernels ran")))
         doc = {"header": h, "summary": counts, "exit_code": rc, "problems": problems,
                "compared": _compared(counts, ctx["backend"]),
                "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped}

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 from hashlib import blake2b
 import os
+import threading
 from typing import Any, Dict, List, Optional
 
 from .._nccl.config import Config, effective_nonblocking, init_struct
@@ -35,6 +36,10 @@ from .._nccl.lib import NCCL_IN_PROGRESS, get_lib, require_version
 from ..errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError
 from .extras import CommExtras, Registration
 from .lifecycle import USABLE, CommLifecycle, Lifecycle
+from .membership import CommMembership, check_on_failure
+from .memory import CommMemory
+from .rma import CommRMA
+from .window import CommWindows
 from .execute import group_scope, issue
 from ..plan.types import PlanContext
 from .prepared import Prepared
@@ -50,7 +55,8 @@ __all__ = ["Communicator", "Config", "Registration", "group"]
 
 log = logging.getLogger(__name__)
 
-class Communicator(CommExtras, CommLifecycle):
+class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
+                   CommLifecycle):
     """An NCCL communicator of ``world_size`` ranks; this process is ``rank`` on ``device``.
     Each call checks its arguments before NCCL (Argument*Error), enqueues on ``stream``
     (default: see :mod:`ncclpy.comm.streams`; CUDA-graph capture allowed) and returns a Work;
@@ -159,13 +165,14 @@ class Communicator(CommExtras, CommLifecycle):
 
     @classmethod
     def _wrap(cls, lib: Any, handle: int, nc: Any, device: int, config: Optional[Config],
-              nonblocking: bool, timeout: float, name: str) -> "Communicator":
-        """A Communicator around an existing handle (split children)."""
+              nonblocking: bool, timeout: float, name: str, call: str = "ncclCommSplit",
+              cfg_struct: Any = None) -> "Communicator":
+        """A Communicator around an existing handle (split, shrink and grow children)."""
         obj = cls.__new__(cls)
-        obj._setup(lib, handle, nc, 0, 1, device, config, timeout, None, nonblocking)
+        obj._setup(lib, handle, nc, 0, 1, device, config, timeout, cfg_struct, nonblocking)
         if nonblocking:
             try:
-                obj._wait_ready("ncclCommSplit")
+                obj._wait_ready(call)
             except BaseException:
                 obj.abort()
                 raise
@@ -202,6 +209,12 @@ class Communicator(CommExtras, CommLifecycle):
         self._captured_calls = 0             # calls issued while their stream captured
         self._premul_ops: set = set()
         self._registrations: Dict[int, Registration] = {}   # by Registration.id
+        self._windows: Dict[int, Any] = {}   # open ncclpy.Window by id (comm/window.py)
+        self._member_lock = threading.Lock()  # a revoke until quiescent (comm/membership.py)
+        self._on_failure = check_on_failure(os.environ.get("NCCLPY_ON_FAILURE") or "abort",
+                                            "NCCLPY_ON_FAILURE")
+        if self._on_failure == "revoke":
+            require_version("ncclCommRevoke", lib.version, lib.path)
         self._allocations: Dict[int, int] = {}
         self._barrier_buf: Any = None
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)

@@ -66,6 +66,8 @@ class CommExtras:
     _check_usable: Any
     _nccl: Any
     _wait_ready: Any
+    _life: Any
+    _settled: Any
 
     def nccl_params(self, keys: Optional[List[str]] = None) -> Dict[str, str]:
         """NCCL's effective parameters ``{name: value}`` as NCCL resolved them, read after
@@ -84,8 +86,13 @@ class CommExtras:
         communicator; NCCL >= 2.18 (VersionError otherwise).  The child is an independent
         Communicator (no checked mode, no watchdog) that must be closed on its own; NCCL's
         nccl.h states no destruction order, and ncclpy recommends closing children before the
-        parent (the safe order also with ``Config(split_share=True)``)."""
-        self._check_usable("split")
+        parent (the safe order also with ``Config(split_share=True)``).  Allowed on a revoked
+        communicator too (NCCL: management operations proceed once it is quiescent)."""
+        states = ("revoked",) if self._life.state == "revoked" else ()
+        if states:
+            self._settled("split")
+        else:
+            self._check_usable("split")
         self._resolver.clear()
         color = int_arg("color", color, -(2 ** 31) + 1)
         key = int_arg("key", key, -(2 ** 31) + 1)
@@ -97,7 +104,8 @@ class CommExtras:
         with cuda().device(self._device):
             if self._nc is not None and hasattr(self._nc, "commSplit"):
                 code, child = self._nccl("ncclCommSplit", call_cupy, lib, "ncclCommSplit",
-                                         self._handle, self._nc.commSplit, color, key)
+                                         self._handle, self._nc.commSplit, color, key,
+                                         states=states)
                 if code:  # pragma: no cover - a CuPy-made communicator is blocking
                     raise NcclpyError("ncclCommSplit (through CuPy) returned ncclInProgress on "
                                       "a blocking communicator")
@@ -106,9 +114,10 @@ class CommExtras:
                 child_nb = effective_nonblocking(None, lib.version)
                 return type(self)._wrap(lib, int(child.comm), child, self._device, None,
                                           child_nb, self._timeout, name)
-            return self._split_ctypes(color, key, name)
+            return self._split_ctypes(color, key, name, states)
 
-    def _split_ctypes(self, color: int, key: int, name: str) -> Optional[Any]:
+    def _split_ctypes(self, color: int, key: int, name: str,
+                      states: tuple = ()) -> Optional[Any]:
         """ncclCommSplit through ctypes.  A nonblocking split returns ncclInProgress and NCCL
         writes ``*newcomm`` only when the child's init completes, so the handle is read after
         the parent is ready, and its storage outlives any wait that gives up (NCCL may still
@@ -117,7 +126,7 @@ class CommExtras:
         slot = ctypes.c_void_p(0)
         _SPLIT_SLOTS.append(slot)
         code = self._nccl("ncclCommSplit", lib.ncclCommSplit, self._handle, color, key,
-                          ctypes.byref(slot), None)
+                          ctypes.byref(slot), None, states=states)
         try:
             lib.check(code, "ncclCommSplit", self._handle, in_progress_ok=True)
         except BaseException:
@@ -126,7 +135,7 @@ class CommExtras:
         nonblocking = self._nonblocking or code == NCCL_IN_PROGRESS
         if nonblocking:
             try:
-                self._wait_ready("ncclCommSplit")
+                self._wait_ready("ncclCommSplit", *states)
             except BaseException as e:
                 if slot.value:          # the child exists: abort it rather than leak it
                     _SPLIT_SLOTS.remove(slot)

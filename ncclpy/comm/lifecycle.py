@@ -5,7 +5,10 @@ States::
     usable --finalize()--> finalized --close()--> closing --> closed
        |                                  ^
        +------------------close()---------+
-    any of usable, finalized, closing --abort()--> aborting --> aborted
+    usable --suspend()--> suspended --resume()--> usable     (close() resumes first)
+    usable --revoke(), shrink(abort=True), a revoking watchdog--> revoked
+    any of usable, finalized, closing, suspended, revoked --abort()--> aborting --> aborted
+                                               (close() of a revoked one aborts it)
 
 A thread that is about to call NCCL with the handle (a collective, a group end, a poll of
 ``ncclCommGetAsyncError``, a registration, a split, finalize ...) *enters* (:meth:`enter`: the
@@ -39,10 +42,13 @@ from .._nccl.lib import NCCL_IN_PROGRESS
 from ..errors import CommAbortedError, NcclpyError, NcclTimeoutError
 
 __all__ = ["Lifecycle", "CommLifecycle", "USABLE", "FINALIZED", "CLOSING", "CLOSED",
-           "ABORTING", "ABORTED", "ABORT_GRACE", "ABORT_JOIN"]
+           "ABORTING", "ABORTED", "REVOKED", "SUSPENDED", "ABORT_GRACE", "ABORT_JOIN"]
 
 USABLE, FINALIZED, CLOSING, CLOSED, ABORTING, ABORTED = (
     "usable", "finalized", "closing", "closed", "aborting", "aborted")
+#: revoked (ncclCommRevoke, or a shrink with NCCL_SHRINK_ABORT): only shrink, split, close and
+#: abort; suspended (ncclCommSuspend): only resume, mem_stats, close and abort
+REVOKED, SUSPENDED = "revoked", "suspended"
 
 log = logging.getLogger("ncclpy.comm")
 
@@ -139,6 +145,13 @@ class Lifecycle:
         if st is FINALIZED:
             return NcclpyError(f"{what}: the communicator ({self.owner}) is finalized; only "
                                f"close() is allowed")
+        if st is SUSPENDED:
+            return NcclpyError(f"{what}: the communicator ({self.owner}) is suspended "
+                               f"(ncclCommSuspend); call resume() first")
+        if st is REVOKED:
+            return NcclpyError(f"{what}: the communicator ({self.owner}) is revoked "
+                               f"(ncclCommRevoke); only shrink(), split(), close() and abort() "
+                               f"are allowed")
         how = {CLOSING: "being closed", CLOSED: "closed", ABORTING: "being aborted",
                ABORTED: "aborted"}.get(st, st)
         return NcclpyError(f"{what}: the communicator ({self.owner}) is {how}")
@@ -169,16 +182,35 @@ class Lifecycle:
             self.state = CLOSED
             return True
 
+    def move(self, frm: tuple, to: str) -> bool:
+        """``frm`` -> ``to`` under the lock; False (nothing changed) from another state."""
+        with self.cond:
+            if self.state not in frm:
+                return False
+            self.state = to
+            return True
+
+    def begin_revoke(self, error: CommAbortedError,
+                     grace: Optional[float] = None) -> Optional[str]:
+        """usable -> revoked, once, like :meth:`begin_abort` (None: not usable, nothing to
+        do); the handle stays valid for shrink, split and abort."""
+        return self._quiesce((USABLE,), REVOKED, error, grace)
+
     def begin_abort(self, error: Optional[CommAbortedError] = None,
                     grace: Optional[float] = None) -> Optional[str]:
         """-> aborting, once.  Returns None when an abort already happened or the handle is
         already destroyed (nothing to do), else the name of a call still in flight after
         ``grace`` seconds ("" when none was).  ``error``, if given and none is set yet, is what
         every later call raises."""
+        return self._quiesce((USABLE, FINALIZED, CLOSING, SUSPENDED, REVOKED), ABORTING, error,
+                             grace)
+
+    def _quiesce(self, frm: tuple, to: str, error: Optional[CommAbortedError],
+                 grace: Optional[float]) -> Optional[str]:
         with self.cond:
-            if self.state in (ABORTING, ABORTED, CLOSED):
+            if self.state not in frm:
                 return None
-            self.state = ABORTING
+            self.state = to
             if error is not None and self.abort_error is None:
                 self.abort_error = error
             deadline = time.monotonic() + (ABORT_GRACE if grace is None else grace)
@@ -421,6 +453,7 @@ class CommLifecycle:
             rec = getattr(self, "_recorder", None)
             if rec is not None:
                 rec.mark_aborted()
+            self._lose_windows()          # type: ignore[attr-defined]
             self._registrations.clear()
             self._premul_ops.clear()
             self._free_owned()
@@ -429,8 +462,20 @@ class CommLifecycle:
         """Free what the communicator owns, finalize and destroy it.  Idempotent, and never
         hangs: a finalize that cannot finish within the timeout (a peer gone, a live CUDA
         graph that captured its calls) aborts the communicator and raises CommAbortedError
-        saying which.  Every rank should call it; after an abort it does nothing."""
+        saying which.  Every rank should call it; after an abort it does nothing.  Its
+        windows are deregistered first; a suspended communicator is resumed first; a revoked
+        one (or the parent of a shrink with ``abort=True``) is aborted instead: NCCL forbids
+        finalizing it, and its destroy's barrier can wait forever for the ranks that are
+        gone."""
         life = self._life
+        if life.state is SUSPENDED:
+            self.resume()                 # type: ignore[attr-defined]
+        if life.state is REVOKED:
+            try:
+                self._settled("close")    # type: ignore[attr-defined]
+            finally:
+                self._abort_now(None)
+            return
         if not life.begin_close():
             return
         self._stop_watchdog(closed=True)
@@ -443,6 +488,7 @@ class CommLifecycle:
                                    f"(ncclCommAbort)", reason="close_timeout")
             self._abort_now(err)
             raise err
+        self._close_windows()             # type: ignore[attr-defined]
         for reg in list(self._registrations.values()):
             try:
                 self._deregister(reg, (CLOSING,))
@@ -487,14 +533,24 @@ class CommLifecycle:
         """The watchdog's verdict: every blocked or later call raises CommAbortedError (its
         message names the flight-recorder dump written first)."""
         msg = decision.message
+        revoke = getattr(self, "_on_failure", "abort") == "revoke"
+        if revoke:       # comm.on_failure = "revoke": the handle stays for shrink
+            msg = msg.replace("was aborted (ncclCommAbort)",
+                              "was revoked (ncclCommRevoke; on_failure='revoke'): shrink it "
+                              "to the survivors (comm.shrink(exclude=err.suspects)), or close "
+                              "it")
         rec = getattr(self, "_recorder", None)
         if rec is not None:
-            path = rec.try_dump(f"watchdog abort ({decision.reason})")
+            path = rec.try_dump(f"watchdog {'revoke' if revoke else 'abort'} "
+                                f"({decision.reason})")
             if path:
                 msg += f"; flight-recorder dump: {path}"
-        self._abort_now(CommAbortedError(msg, collective=decision.collective,
-                                         seq=decision.seq, suspects=decision.suspects,
-                                         reason=decision.reason))
+        err = CommAbortedError(msg, collective=decision.collective, seq=decision.seq,
+                               suspects=decision.suspects, reason=decision.reason)
+        if revoke:
+            self._revoke_now(err)         # type: ignore[attr-defined]
+        else:
+            self._abort_now(err)
 
     def _free_owned(self) -> None:
         from .._nccl.cuda import cuda

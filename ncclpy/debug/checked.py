@@ -51,7 +51,8 @@ __all__ = ["Checker", "fingerprint", "compare", "format_table", "round_hashes", 
 log = logging.getLogger(__name__)
 
 #: user calls that are point-to-point only: checked by pairing, not compared across ranks
-P2P_CALLS = frozenset(("send", "recv", "send_recv"))
+#: (the one-sided RMA calls have no partner call at all: neither compared nor paired)
+P2P_CALLS = frozenset(("send", "recv", "send_recv", "put_signal", "signal", "wait_signal"))
 #: the fields of one collective call, in the order the table shows them
 FIELDS = ("seq", "coll", "nccl", "count", "dtype", "op", "root", "in_place", "config")
 _COUNT_ARG = {"AllReduce": 2, "Reduce": 2, "Broadcast": 2, "ReduceScatter": 2, "AllGather": 2,

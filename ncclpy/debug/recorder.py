@@ -45,7 +45,7 @@ ISSUED, COMPLETED, FAILED, ABORTED = "issued", "completed", "failed", "aborted"
 # an entry is a list: [seq, resolved call, code, lasti, t_issue, t_done, state, err, cseq];
 # cseq: the call's number among the communicator's collectives (-1: send/recv)
 SEQ, CALL, CODE, LASTI, T_ISSUE, T_DONE, STATE, ERR, CSEQ = range(9)
-_P2P = frozenset(("send", "recv", "send_recv"))
+_P2P = frozenset(("send", "recv", "send_recv", "put_signal", "signal", "wait_signal"))
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: the call path: frames in these files are ncclpy's, never a user's call site

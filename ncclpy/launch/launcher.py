@@ -11,7 +11,10 @@
   the first forwarded signal get SIGKILL; the launcher then exits with ``128 + signum``.
 * Fail-fast: when a rank exits non-zero or dies by a signal, the others get SIGTERM, then SIGKILL
   after ``grace`` seconds; the exit code is the first failure's (signal death -> 128 + signum) and
-  one summary line goes to stderr.  Rank 0 gets the launcher's stdin, the others /dev/null.
+  one summary line goes to stderr.  ``--keep-going``: the others run on (each failure is still
+  published for their watchdogs: the recovery recipe, docs/reference/concepts/recovery.rst);
+  the exit code is still the first failure's, and the summary names how every rank ended.
+  Rank 0 gets the launcher's stdin, the others /dev/null.
 * A rank's own children go with it: every signal goes to the rank's process group, and when a
   rank exits its group is signalled too (SIGTERM; SIGKILL to every group when the job ends), so a
   subprocess a rank started does not outlive it.
@@ -234,7 +237,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
            grace: float = DEFAULT_GRACE, env: Optional[Mapping[str, str]] = None,
            stdout: Any = None, stderr: Any = None, mps: Optional[str] = None,
            timeout: Optional[float] = None, checked: bool = False,
-           _flags: Optional[Mapping[str, str]] = None) -> int:
+           keep_going: bool = False, _flags: Optional[Mapping[str, str]] = None) -> int:
     """Start ``nproc`` local ranks of ``command`` and supervise them; returns the exit code.
 
     ``env`` (default ``os.environ``) is the base environment of every rank.  Multi-node runs
@@ -245,7 +248,8 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     (``"auto"``, ``"on"``, ``"off"``; None: ``NCCLPY_MPS`` in ``env``, else ``"auto"``) says whether
     to run a CUDA MPS daemon while ranks share a GPU (:mod:`ncclpy.launch.mps`).  ``timeout``
     (seconds, None: none) stops ranks still running after it (exit :data:`EXIT_TIMEOUT`);
-    ``checked`` sets ``NCCLPY_CHECKED=1`` for every rank.  Errors name the keyword arguments
+    ``checked`` sets ``NCCLPY_CHECKED=1`` for every rank; ``keep_going``: a failed rank does not
+    stop the others (see the module docstring).  Errors name the keyword arguments
     (``_flags``: the CLI's spellings instead).
     """
     fl = dict(_flags or {})
@@ -326,7 +330,7 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
         err.line(summary_line("ncclpy run", placement, where))
         rc = _start_and_supervise(command, base, placement, out, err, prefix, grace, master_addr,
                                   master_port, token, node_rank, nproc, world, timeout,
-                                  forensics)
+                                  forensics, keep_going)
         failed = rc != 0
         if failed:
             said = forensics.summary()
@@ -346,7 +350,7 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
                          out: _Sink, err: _Sink, prefix: bool, grace: float, master_addr: str,
                          master_port: int, token: str, node_rank: int, nproc: int,
                          world: int, timeout: Optional[float] = None,
-                         forensics: Optional[Forensics] = None) -> int:
+                         forensics: Optional[Forensics] = None, keep_going: bool = False) -> int:
     """Start the ranks with their environment and supervise them; the exit code."""
     preexec = _pdeathsig_fn()
     procs: list[subprocess.Popen] = []
@@ -389,7 +393,7 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
         try:
             rc = _supervise(procs, ranks[:len(procs)], out, err, prefix, float(grace), pending,
                             timeout, notify, watch, outcome, unstarted=len(ranks) - len(procs),
-                            forensics=forensics)
+                            forensics=forensics, keep_going=keep_going)
         finally:
             if watch is not None:
                 watch.finish(outcome[0] if outcome else None)
@@ -412,7 +416,7 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
                prefix: bool, grace: float, pending: list[int], timeout: Optional[float] = None,
                notify: Optional[Callable[[int, int], bool]] = None, watch: Any = None,
                outcome: Optional[list] = None, unstarted: int = 0,
-               forensics: Any = None) -> int:
+               forensics: Any = None, keep_going: bool = False) -> int:
     """Pump output, forward queued signals, stop everyone on the first failure, at ``timeout``
     or when ``watch.failure`` (another node) is set; the exit code. ``notify(rank, rc)``
     publishes the first failure first; ``outcome`` gets a line about a failure here.
@@ -447,6 +451,7 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
     job_end = None if timeout is None else time.monotonic() + timeout
 
     remote: Optional[str] = None                   # another node failed (multi-node)
+    kept: list[tuple[int, int]] = []               # failures the others ran on after
     pipe_closed = False                            # stdout's reader went away (| head)
 
     def decided() -> bool:   # the first event (signal, failure, timeout) decides the outcome
@@ -486,7 +491,11 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
             codes[i] = rc
             # the rank is gone: so are the processes it started (its group)
             _signal_group(procs[i], signal.SIGTERM if rc == 0 else signal.SIGKILL)
-            if rc != 0 and not decided():
+            if rc != 0 and keep_going and not decided():
+                kept.append((i, rc))                # published; the others run on
+                if alive and notify is not None:
+                    notify(ranks[i], rc)
+            elif rc != 0 and not decided():
                 failure = (i, rc)
                 stopped = len(alive)
                 if alive and notify is not None:    # the store is the launcher's: also rank 0
@@ -548,6 +557,14 @@ def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err:
                  f"{'s' if stopped != 1 else ''}" + (f" ({killed} with SIGKILL after {grace:g} s)"
                                                     if killed else "") + "; exit code 1")
         return 1
+    if kept:
+        i, rc = kept[0]
+        ends = ", ".join(f"rank {ranks[j]} " + (_how(codes[j]) if codes[j] else "exit 0")
+                         for j in sorted(codes))
+        err.line(f"ncclpy run: {len(kept)} rank{'s' if len(kept) != 1 else ''} failed; "
+                 f"--keep-going: the others ran to their end ({ends}); exit code of the first "
+                 f"failure")
+        return rc if rc > 0 else 128 + (-rc)
     if failure is not None:
         i, rc = failure
         if outcome is not None:

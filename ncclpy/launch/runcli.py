@@ -48,6 +48,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         f"the summary names them; exit code {EXIT_TIMEOUT} (default: no limit)")
     p.add_argument("--checked", action="store_true",
                    help="checked mode in every rank (sets NCCLPY_CHECKED=1)")
+    p.add_argument("--keep-going", "--keep_going", dest="keep_going", action="store_true",
+                   help="a failed rank does not stop the others (its death is still published "
+                        "for their watchdogs: recover with comm.shrink); the exit code is still "
+                        "the first failure's")
     p.add_argument("-m", "--module", action="store_true",
                    help="PROGRAM is a Python module, run as 'python -m PROGRAM'")
     p.add_argument("program", nargs=argparse.REMAINDER, metavar="PROGRAM [ARGS...]",
@@ -88,7 +92,8 @@ def run_from_args(ns: argparse.Namespace, parser: Optional[argparse.ArgumentPars
                       master_addr=ns.master_addr, master_port=ns.master_port,
                       ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace,
                       mps=getattr(ns, "mps", None), timeout=getattr(ns, "timeout", None),
-                      checked=bool(getattr(ns, "checked", False)), _flags=flags)
+                      checked=bool(getattr(ns, "checked", False)),
+                      keep_going=bool(getattr(ns, "keep_going", False)), _flags=flags)
     except (ArgumentError, LaunchError) as e:
         text = " ".join(str(e).split())   # one line, as argparse's own errors
         sys.stderr.write(f"ncclpy run: error: {text}\n")

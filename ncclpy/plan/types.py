@@ -25,6 +25,11 @@ NCCL_FUNCTIONS = {
     "Scatter": ("sendbuff", "recvbuff", "count", "datatype", "root"),
     "Send": ("sendbuff", "count", "datatype", "peer"),
     "Recv": ("recvbuff", "count", "datatype", "peer"),
+    # one-sided RMA (NCCL 2.29; ncclpy.comm.rma)
+    "PutSignal": ("localbuff", "count", "datatype", "peer", "peerWin", "peerWinOffset",
+                  "sigIdx", "ctx", "flags"),
+    "Signal": ("peer", "sigIdx", "ctx", "flags"),
+    "WaitSignal": ("nDesc", "signalDescs"),
 }
 #: each collective's per-call-config variant (NCCL 2.31): the same arguments, then the
 #: ``const ncclCollConfig_t*`` (which NCCL takes after comm and stream)

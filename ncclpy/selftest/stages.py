@@ -65,8 +65,9 @@ class Stage:
 _GPU = "tests/gpu"
 _CHECK = "tests/gpu/test_check_gpu.py"
 _FORENSICS = "tests/gpu/test_forensics_gpu.py"
+_PART2 = "tests/gpu/test_part2_gpu.py"
 _NOT_COMM = ("--ignore=tests/gpu/test_examples_gpu.py", "--ignore=tests/gpu/test_bench_gpu.py",
-             f"--ignore={_FORENSICS}")
+             f"--ignore={_FORENSICS}", f"--ignore={_PART2}")
 _NOT_CHECK = f"--ignore={_CHECK}"
 
 STAGES: Tuple[Stage, ...] = (
@@ -83,6 +84,11 @@ STAGES: Tuple[Stage, ...] = (
     Stage("worlds34", "GPU tests at world sizes 3-4", "pytest", 240, 90,
           args=(_GPU, "--gpu-worlds", "3,4", *_NOT_COMM, _NOT_CHECK),
           notes="collective matrix at 3 and 4 ranks, split, nonblocking split"),
+    Stage("part2", "NCCL 2.27-2.32 part 2: windows, RMA, shrink, grow, suspend", "pytest",
+          300, 90, args=(_PART2,),
+          notes="window collectives vs the reference, put/signal/wait, suspend/resume with "
+                "memory statistics, revoke+shrink; 3-rank jobs: shrink after a SIGKILLed rank, "
+                "grow 2 -> 3"),
     Stage("check4", "ncclpy check -n 4 --backend nccl, bit for bit against torch", "pytest",
           420, 120, args=(_CHECK, "--gpu-worlds", "4"), checks=(4,),
           notes="4 ranks on one GPU"),

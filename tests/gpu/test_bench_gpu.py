@@ -140,3 +140,30 @@ def test_predicted_time_column_and_a_forced_algorithm(tmp_path):
     big = pred[-1]                                  # 16 MiB: the model is meant for this
     assert big["predicted_us"] / 20 < big["measured_us"] < big["predicted_us"] * 20, big
     assert "predict" in cp.stdout
+
+
+@requires_gpu
+def test_registered_buffers_windows_cta_policy_and_the_memory_report(tmp_path):
+    """-R 1 (ncclCommRegister) and -R 2 (symmetric windows on NCCL memory) give checked,
+    correct results; --cta-policy zero with -R 2 runs; -M reports ncclCommMemStats (2.29.7)."""
+    for flags in (["-R", "1"], ["-R", "2", "--cta-policy", "zero"], ["-M", "1"]):
+        js = tmp_path / f"r{len(flags)}{flags[1]}.json"
+        cp = _run("bench", "all_reduce,all_gather", "--nproc", "2", "--device", "cuda",
+                  "--backend", "ncclpy", "-b", "4K", "-e", "1M", "-f", "16", "-n", "3", "-q",
+                  *flags, "-J", str(js))
+        if "needs NCCL >=" in cp.stderr:
+            pytest.skip(cp.stderr.strip().splitlines()[-1])
+        assert cp.returncode == 0, (flags, cp.stdout + cp.stderr)
+        for coll in ("all_reduce", "all_gather"):
+            doc = _results(tmp_path / f"{js.stem}.{coll}.json")
+            _all_right(doc, cp)
+            ext = doc["ncclpy"]
+            assert ext["registration"] == (int(flags[1]) if flags[0] == "-R" else 0), ext
+            if flags[0] == "-M":
+                mem = ext["memory"]["ncclpy"]
+                assert mem["total_bytes"] >= mem["persistent_bytes"] > 0, mem
+        if flags[0] == "-M":
+            assert "NCCL memory of rank 0's communicator (ncclCommMemStats)" in cp.stdout
+        if flags[:2] == ["-R", "2"]:
+            got, asked = doc["ncclpy"]["windows_registered"]
+            assert asked > 0 and f"NCCL registered {got} of the {asked} windows" in cp.stdout

@@ -145,3 +145,30 @@ def test_injected_corruption_fails_on_gpu(spec, column, tmp_path):
     bad = [c for c in doc["cases"] if c["status"] == "fail"]
     assert bad and all(c[column] is False and c.get("injected") for c in bad), bad
 
+
+@requires_gpu
+@pytest.mark.timeout(SMALL_TEST_S)
+@pytest.mark.gpu_world(2)
+def test_check_on_symmetric_windows_is_bitwise(tmp_path):
+    """--window: ncclpy's symmetric collectives on NCCL memory registered as windows, bit for
+    bit against torch and the reference (NCCL >= 2.27)."""
+    why = _torch_cuda_reason()
+    if why:
+        pytest.skip(why)
+    p, doc = _check(2, tmp_path, "--window", "--collectives",
+                    "all_reduce,all_gather,reduce_scatter,broadcast,gather",
+                    "--dtypes", "float32,bfloat16,int32", "--sizes", "0,8,4100",
+                    timeout=SMALL_SUBPROCESS_S, run_timeout=SMALL_RUN_S)
+    out = p.stdout[-4000:] + p.stderr[-2000:]
+    assert doc is not None, out
+    h = doc["header"]
+    if "needs NCCL >= 2.27" in h.get("ncclpy_error", ""):
+        pytest.skip(h["ncclpy_error"])
+    assert h["window"] is True and "ncclpy_error" not in h, out
+    assert p.returncode == 0 and doc["summary"]["failed"] == 0, out
+    assert "--window: ncclpy's all_reduce" in p.stdout, out
+    done, asked = h["windows_registered"]
+    assert asked > 0 and 0 <= done <= asked and f"NCCL registered {done} of the {asked}" \
+        in p.stdout, out
+    ran = {c["case"]["collective"] for c in doc["cases"] if c["status"] == "pass"}
+    assert ran >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather"}, ran

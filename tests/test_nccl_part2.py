@@ -1,0 +1,481 @@
+"""NCCL 2.27-2.32's host API, part 2, on CPU: symmetric windows, one-sided RMA, revoke /
+shrink / grow, suspend / resume / memory statistics -- ncclpy's own logic (arguments, version
+gates, ordering, lifecycle: window before communicator, revoke then shrink, double close, no
+finalize or destroy of a revoked communicator) through the call path over the STAND-IN for
+libnccl and CUDA (tests/nccl_standin.py, tests/nccl_standin_part2.py) on thread-ranks.  What
+needs a GPU is in tests/gpu/test_part2_gpu.py."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ncclpy
+from ncclpy import errors
+from ncclpy._nccl.config import Config
+from ncclpy.comm import Communicator
+from ncclpy.comm.membership import exclude_list
+from ncclpy.plan.types import NCCL_FUNCTIONS
+
+from nccl_standin import DevArray, run_ranks, standin
+
+UID = bytes(range(128))
+NEW = 23203                      # the stand-in's NCCL version: every part-2 call exists
+
+
+def _comm(n: int, r: int, **kw) -> Communicator:
+    return Communicator(n, r, UID, r, Config(blocking=True), **kw)
+
+
+def _fill(buf, values) -> None:
+    """Write host ``values`` into a stand-in device Buffer (its memory is host memory)."""
+    import ctypes
+    a = np.ascontiguousarray(values)
+    ctypes.memmove(buf.ptr, a.ctypes.data, a.nbytes)
+
+
+def _read(buf, count: int, dtype=np.float32) -> np.ndarray:
+    import ctypes
+    return np.frombuffer(ctypes.string_at(buf.ptr, count * np.dtype(dtype).itemsize),
+                         dtype=dtype).copy()
+
+
+def _calls(eng, name: str) -> list:
+    return [c for c in eng.calls if c[0] == name]
+
+
+# -- windows -----------------------------------------------------------------------------------
+
+def test_a_window_is_registered_used_and_closed_once_before_its_communicator():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        buf = c.mem_alloc(16, "float32")
+        _fill(buf, np.full(16, r + 1, np.float32))
+        with c.register_window(buf) as win:
+            assert win.registered and win.symmetric and win.state == "open"
+            assert win.user_ptr() == buf.ptr and win.nbytes == 64
+            c.all_reduce(buf).wait()                   # a collective on window memory
+            got = _read(buf, 16)
+        assert win.state == "closed" and win.closed
+        win.close()                                    # idempotent: no second deregister
+        keep = c.register_window(buf, symmetric=False)  # left open: close() deregisters it
+        assert keep.flags == 0 and c.windows() == [keep]
+        c.close()
+        assert keep.state == "closed"
+        with pytest.raises(errors.NcclpyError, match="the window is closed"):
+            keep.user_ptr()
+        return got
+    with standin(version=NEW) as eng:
+        got = run_ranks(2, one, 2)
+    assert all(np.array_equal(g, np.full(16, 3, np.float32)) for g in got)
+    assert eng.violations == []
+    assert len(_calls(eng, "ncclCommWindowDeregister")) == 4
+    for r_handle in {h for (nm, h, _) in _calls(eng, "ncclCommDestroy")}:
+        names = [nm for nm, h, _ in eng.calls if h == r_handle]
+        last_dereg = max(i for i, nm in enumerate(names) if nm == "ncclCommWindowDeregister")
+        assert last_dereg < names.index("ncclCommFinalize") < names.index("ncclCommDestroy")
+
+
+def test_an_abort_loses_the_windows_and_nothing_touches_them_again():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        win = c.register_window(c.mem_alloc(1024, "uint8"))
+        c.abort()
+        assert win.state == "lost" and c.windows() == []
+        win.close()                                     # no NCCL call on a freed handle
+        with pytest.raises(errors.NcclpyError, match="aborted"):
+            win.user_ptr()
+    with standin(version=NEW) as eng:
+        run_ranks(2, one, 2)
+    assert eng.violations == [] and _calls(eng, "ncclCommWindowDeregister") == []
+
+
+def test_window_arguments_and_versions_are_refused_precisely():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            with pytest.raises(errors.ArgumentError, match="aligned to 4096 bytes"):
+                c.register_window(ncclpy.Buffer(c.mem_alloc(64).ptr + 8, 8, "uint8", r))
+            with pytest.raises(errors.ArgumentTypeError, match="symmetric: expected True or"):
+                c.register_window(c.mem_alloc(64), symmetric=1)
+            with pytest.raises(errors.VersionError, match=r"gin_only=True needs NCCL >= 2\.32"):
+                c.register_window(c.mem_alloc(64), gin_only=True)
+            with pytest.raises(errors.ArgumentError, match="non-empty"):
+                c.register_window(ncclpy.Buffer(c.mem_alloc(64).ptr, 0, "uint8", r))
+        finally:
+            c.close()
+    with standin(version=23100) as eng:
+        run_ranks(2, one, 2)
+    assert _calls(eng, "ncclCommWindowRegister") == []
+
+    def old(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            with pytest.raises(errors.VersionError, match=r"ncclCommWindowRegister needs NCCL "
+                                                         r">= 2\.27\.3"):
+                c.register_window(c.mem_alloc(64))
+        finally:
+            c.close()
+    with standin(version=22608):
+        run_ranks(2, old, 2)
+
+
+def test_no_symmetric_support_is_said_not_hidden():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            win = c.register_window(c.mem_alloc(64))
+            assert not win.registered and win.handle == 0 and "not registered" in repr(win)
+            with pytest.raises(errors.ArgumentError, match="NCCL registered no window"):
+                c.put_signal(c.mem_alloc(4), 1 - r, win)
+            win.close()
+        finally:
+            c.close()
+    with standin(version=NEW) as eng:
+        eng.nccl._p2()
+        eng.symmetric = False
+        run_ranks(2, one, 2)
+    assert eng.violations == [] and _calls(eng, "ncclCommWindowDeregister") == []
+
+
+# -- one-sided RMA ------------------------------------------------------------------------------
+
+def test_put_signal_lands_in_the_peers_window_and_wait_signal_waits_for_it():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            win = c.register_window(c.mem_alloc(8, "float32"))
+            wbuf = ncclpy.Buffer(win.ptr, 8, "float32", r)
+            _fill(wbuf, np.zeros(8, np.float32))
+            if r == 0:
+                src = DevArray(np.arange(4, dtype=np.float32) + 10, device=r)
+                w = c.put_signal(src, 1, win, offset=16)       # signal 0
+                with c.group():                       # inside a group: run at its end
+                    c.signal(1, signal=5)
+                    c.signal(1, signal=5)
+                w.wait()
+                c.wait_signal([(1, 1, 7)]).wait()
+            else:
+                c.wait_signal({0: 1}).wait()                   # one signal 0 from rank 0
+                c.wait_signal([(0, 2, 5)]).wait()
+                c.signal(0, signal=7).wait()
+            c.barrier().wait()
+            got = _read(wbuf, 8)
+            win.close()
+            return got
+        finally:
+            c.close()
+    with standin(version=NEW) as eng:
+        got = run_ranks(2, one, 2)
+    assert np.array_equal(got[1], np.array([0, 0, 0, 0, 10, 11, 12, 13], np.float32))
+    assert np.array_equal(got[0], np.zeros(8, np.float32))
+    assert eng.violations == [] and not any(eng.signals.values())
+
+
+def test_rma_arguments_are_checked_before_nccl():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            win = c.register_window(c.mem_alloc(64))
+            x = DevArray(np.ones(4, np.float32), device=r)
+            bad = [(lambda: c.put_signal(x, 2, win), errors.ArgumentError, "peer 2 is out of"),
+                   (lambda: c.put_signal(x, 1 - r, win, offset=-8), errors.ArgumentError,
+                    "offset"),
+                   (lambda: c.put_signal(x, 1 - r, win.handle), errors.ArgumentTypeError,
+                    "expected an ncclpy.Window"),
+                   (lambda: c.signal(1 - r, signal=-1), errors.ArgumentError, "signal"),
+                   (lambda: c.signal(1 - r, ctx=2 ** 31), errors.ArgumentError, "ctx"),
+                   (lambda: c.wait_signal({}), errors.ArgumentError, "at least one"),
+                   (lambda: c.wait_signal([(0,)]), errors.ArgumentTypeError,
+                    r"waits\[0\]: expected \(peer, count"),
+                   (lambda: c.wait_signal({1 - r: 0}), errors.ArgumentError, "count"),
+                   (lambda: c.wait_signal("0:1"), errors.ArgumentTypeError, "waits")]
+            for call, exc, text in bad:
+                with pytest.raises(exc, match=text):
+                    call()
+            win.close()
+            with pytest.raises(errors.NcclpyError, match="the window is closed"):
+                c.put_signal(x, 1 - r, win)
+        finally:
+            c.close()
+    with standin(version=NEW) as eng:
+        run_ranks(2, one, 2)
+    assert _calls(eng, "ncclPutSignal") == [] and _calls(eng, "ncclSignal") == []
+
+    def old(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            with pytest.raises(errors.VersionError, match=r"ncclSignal needs NCCL >= 2\.29\.2"):
+                c.signal(1 - r)
+        finally:
+            c.close()
+    with standin(version=22809):
+        run_ranks(2, old, 2)
+
+
+def test_rma_calls_are_one_sided_for_checked_mode_and_the_recorder():
+    from ncclpy.checked import P2P_CALLS
+    from ncclpy.debug.recorder import _P2P
+    assert {"put_signal", "signal", "wait_signal"} <= P2P_CALLS & _P2P
+    assert NCCL_FUNCTIONS["PutSignal"][4] == "peerWin" and NCCL_FUNCTIONS["WaitSignal"] == (
+        "nDesc", "signalDescs")
+
+
+# -- revoke, shrink, grow ----------------------------------------------------------------------
+
+def test_revoke_then_shrink_to_the_survivors_and_carry_on():
+    """Rank 2 is gone; the survivors revoke, shrink it out, reduce on the child, and close the
+    parent by aborting it (no finalize, no destroy of a revoked communicator)."""
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        if r == 2:
+            c.abort()
+            return None
+        c.revoke()
+        c.revoke()                                      # idempotent
+        assert c.state == "revoked"
+        with pytest.raises(errors.CommAbortedError, match="revoked by comm.revoke"):
+            c.all_reduce(DevArray(np.ones(2, np.float32), device=r))
+        child = c.shrink([2])
+        assert (child.rank, child.world_size) == (r, 2)
+        x = DevArray(np.full(3, r + 1, np.float32), device=r)
+        child.all_reduce(x).wait()
+        child.close()
+        c.close()
+        c.close()
+        assert c.state == "aborted"
+        return x.a.tolist()
+    with standin(version=NEW) as eng:
+        got = run_ranks(3, one, 3)
+    assert got[:2] == [[3.0] * 3, [3.0] * 3] and eng.violations == []
+    assert len(_calls(eng, "ncclCommRevoke")) == 2
+    assert [c[0] for c in eng.calls if c[0].startswith("ncclCommShrink:")] == \
+        ["ncclCommShrink:2"] * 2
+
+
+def test_shrink_with_abort_revokes_the_parent():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        child = c.shrink([], abort=True)
+        assert c.state == "revoked" and child.world_size == n
+        half = c.split(0, -r)                           # split runs on a revoked parent too
+        assert (half.rank, half.world_size) == (n - 1 - r, n)
+        half.close()
+        child.close()
+        c.close()
+        return c.state
+    with standin(version=NEW) as eng:
+        assert run_ranks(2, one, 2) == ["aborted", "aborted"]
+    assert eng.violations == [] and {c[2] for c in eng.calls
+                                     if c[0].startswith("ncclCommShrink:")} == {1}
+
+
+def test_shrink_arguments_are_refused_precisely():
+    assert exclude_list([3, 1], 0, 4) == [1, 3]
+    for bad, exc, text in [([0], errors.ArgumentError, "lists this rank"),
+                           ([1, 1], errors.ArgumentError, "listed twice"),
+                           ([4], errors.ArgumentError, "expected an int <= 3"),
+                           ("1", errors.ArgumentTypeError, "expected a list of ranks"),
+                           ([True], errors.ArgumentTypeError, "must be an int")]:
+        with pytest.raises(exc, match=text):
+            exclude_list(bad, 0, 4)
+
+    def old(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            with pytest.raises(errors.VersionError, match=r"ncclCommRevoke needs NCCL >= 2\.28\.7"):
+                c.revoke()
+            with pytest.raises(errors.VersionError, match="ncclCommRevoke"):
+                c.on_failure = "revoke"
+            with pytest.raises(errors.ArgumentError, match="expected 'abort' or 'revoke'"):
+                c.on_failure = "retry"
+        finally:
+            c.close()
+    with standin(version=22803):
+        run_ranks(2, old, 2)
+
+
+def test_a_revoking_watchdog_names_the_suspects_and_leaves_the_handle_for_shrink():
+    from ncclpy.debug.watchdog import Watchdog
+
+    def one(r: int, n: int):
+        c = _comm(n, r, timeout=1.0)
+        if r == 1:
+            time.sleep(2.5)                             # never makes the all_reduce
+            c.abort()
+            return None
+        c.on_failure = "revoke"
+        c._watchdog = Watchdog(c, None, interval=0.2, tick=0.05).start()
+        w = c.all_reduce(DevArray(np.ones(2, np.float32), device=r))
+        with pytest.raises(errors.CommAbortedError) as ei:
+            w.wait(timeout=30)
+        c.close()
+        return ei.value
+    with standin(version=NEW) as eng:
+        err = run_ranks(2, one, 2)[0]
+    assert err.reason == "timeout" and list(err.suspects) == [1]
+    assert "was revoked (ncclCommRevoke; on_failure='revoke')" in str(err)
+    assert len(_calls(eng, "ncclCommRevoke")) == 1 and eng.violations == []
+
+
+def test_grow_two_ranks_to_three():
+    box: dict = {}
+    ready = threading.Event()
+
+    def one(r: int, n: int):
+        if r == 2:                                      # the new rank
+            ready.wait(30)
+            g = ncclpy.grow_join(3, 2, box["uid"], device=2)
+        else:
+            c = _comm(2, r)
+            if r == 0:
+                box["uid"] = c.grow_unique_id()
+                ready.set()
+                g = c.grow(3, box["uid"])
+            else:
+                with pytest.raises(errors.ArgumentError, match="grow: world_size"):
+                    c.grow(2)
+                g = c.grow(3)
+        x = DevArray(np.full(2, r + 1, np.float32), device=r)
+        g.all_reduce(x).wait()
+        g.close()
+        if r != 2:
+            c.close()
+        return (g.rank, g.world_size, x.a.tolist())
+    with standin(version=NEW) as eng:
+        got = run_ranks(3, one, 3)
+    assert got == [(r, 3, [6.0, 6.0]) for r in range(3)] and eng.violations == []
+
+
+# -- suspend, resume, memory statistics ---------------------------------------------------------
+
+def test_suspend_resume_and_the_memory_statistics():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        x = DevArray(np.ones(2, np.float32), device=r)
+        before = c.mem_stats()
+        c.suspend()
+        during = c.mem_stats()
+        with pytest.raises(errors.NcclpyError, match=r"suspended \(ncclCommSuspend\); call "
+                                                     r"resume\(\) first"):
+            c.all_reduce(x)
+        with pytest.raises(errors.NcclpyError, match="suspended"):
+            c.suspend()
+        c.resume()
+        c.resume()                                      # not suspended: a no-op
+        c.all_reduce(x).wait()
+        c.suspend()
+        c.close()                                       # resumes first, then closes
+        return before, during, x.a.tolist()
+    with standin(version=NEW) as eng:
+        got = run_ranks(2, one, 2)
+    for before, during, x in got:
+        assert before == {"suspendable_bytes": 1 << 20, "suspended": 0,
+                          "persistent_bytes": 1 << 16, "total_bytes": (1 << 16) + (1 << 20)}
+        assert during["suspended"] == 1 and during["suspendable_bytes"] == 0 and x == [2.0, 2.0]
+    assert eng.violations == []
+
+
+def test_memory_calls_need_nccl_2_29_7():
+    def old(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            for call in (c.suspend, c.mem_stats):
+                with pytest.raises(errors.VersionError, match=r"needs NCCL >= 2\.29\.7"):
+                    call()
+        finally:
+            c.close()
+    with standin(version=22903):
+        run_ranks(2, old, 2)
+
+
+def test_nccl_empty_refuses_a_bad_framework_before_any_allocation():
+    with pytest.raises(errors.ArgumentError, match="framework: expected 'cupy' or 'torch'"):
+        ncclpy.nccl_empty(4, framework="jax")
+    with pytest.raises(errors.ArgumentError, match=r"shape\[0\]"):
+        ncclpy.nccl_empty([-1])
+
+
+# -- the bench: -R, -M, --cta-policy ------------------------------------------------------------
+
+def test_bench_parses_and_refuses_registration_memory_and_cta_policy(monkeypatch):
+    import bench.cli as cli
+    from ncclpy._nccl import lib as L
+    monkeypatch.setattr(cli, "_no_gpu_reason", lambda: "")     # parse as on a GPU machine
+    cfg = cli.parse_args(["all_reduce", "--device", "cuda", "-R", "1", "--cta-policy", "zero"])
+    assert (cfg.register, cfg.memory_report, cfg.cta_policy) == (1, False, "zero")
+    bad = [(["all_reduce", "--device", "cuda", "-R", "3"], "-R: expected 0 .none., 1"),
+           (["all_reduce", "--device", "cuda", "--local_register", "-1"],
+            "--local_register: expected 0"),
+           (["all_reduce", "--device", "cuda", "-M", "2"], "-M: expected 0 or 1"),
+           (["all_reduce", "--device", "cuda", "--backend", "ncclpy,cupy", "-R", "1"],
+            "-R: needs --backend ncclpy only .* cupy cannot"),
+           (["all_reduce", "--device", "cuda", "--cta-policy", "fastest"],
+            "--cta-policy: .*fastest"),
+           (["gather", "--device", "cuda", "-R", "2"],
+            "-R 2: gather has buffers only on the root")]
+    for argv, words in bad:
+        with pytest.raises(errors.ArgumentError, match=words):
+            cli.parse_args(argv)
+    try:
+        version = L.get_lib().version
+    except errors.NcclpyError:
+        pytest.skip("no libnccl here to gate -R 2 / -M on")
+    if version >= 22907:          # the real libnccl is new enough: both parse
+        cfg = cli.parse_args(["all_reduce", "--device", "cuda", "-R", "2", "-M", "1"])
+        assert cfg.register == 2 and cfg.memory_report
+    monkeypatch.setattr(L.get_lib(), "version", 22608)
+    with pytest.raises(errors.ArgumentError, match=r"-R: ncclCommWindowRegister needs NCCL >= "
+                                                   r"2\.27\.3"):
+        cli.parse_args(["all_reduce", "--device", "cuda", "-R", "2"])
+    with pytest.raises(errors.ArgumentError, match=r"-M: ncclCommMemStats needs NCCL >= 2\.29"):
+        cli.parse_args(["all_reduce", "--device", "cuda", "-M", "1"])
+
+
+def test_bench_memory_report_lines_and_schema():
+    import json
+    import os
+    import jsonschema
+    from bench import output
+    lines = output.memory_lines({"ncclpy": {"suspendable_bytes": 5, "suspended": 0,
+                                            "persistent_bytes": 7, "total_bytes": 12},
+                                 "cupy": None})
+    assert lines == ["# ncclpy: NCCL memory of rank 0's communicator (ncclCommMemStats): "
+                     "total 12 B, persistent 7 B, suspendable 5 B",
+                     "# cupy: NCCL memory: not reported by this backend"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    schema = json.load(open(os.path.join(root, "bench", "schema.json")))
+    sub = schema["properties"]["ncclpy"]["properties"]
+    jsonschema.validate({"ncclpy": {"suspendable_bytes": 5, "suspended": 0,
+                                    "persistent_bytes": 7, "total_bytes": 12}, "x": None},
+                        sub["memory"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"ncclpy": {"total_bytes": -1}}, sub["memory"])
+    assert sub["registration"]["enum"] == [0, 1, 2]
+
+
+def test_check_window_runs_the_symmetric_collectives_only():
+    from ncclpy.check import cases as C
+    from ncclpy.check.runner import WINDOW_COLLECTIVES, windowed
+    mk = lambda coll, count=8, variant="": C.Case(coll, "float32", None, None, count, "8", 0,
+                                                  False, variant)
+    assert windowed(mk("all_reduce")) and windowed(mk("all_to_all"))
+    assert not windowed(mk("gather")) and not windowed(mk("send_recv"))
+    assert not windowed(mk("all_to_all", variant="uneven")) and not windowed(mk("all_reduce", 0))
+    assert "scatter" not in WINDOW_COLLECTIVES
+
+
+def test_a_window_block_on_a_revoked_communicator_keeps_the_revoke_error():
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        with pytest.raises(errors.CommAbortedError, match="revoked by comm.revoke"):
+            with c.register_window(c.mem_alloc(64)) as win:
+                c.revoke()
+                c.all_reduce(DevArray(np.ones(2, np.float32), device=r))
+        assert win.state == "closed"
+        c.close()
+    with standin(version=NEW) as eng:
+        run_ranks(2, one, 2)
+    assert eng.violations == [] and len(_calls(eng, "ncclCommWindowDeregister")) == 2
