@@ -118,39 +118,48 @@ class CommExtras:
 
     def _split_ctypes(self, color: int, key: int, name: str,
                       states: tuple = ()) -> Optional[Any]:
-        """ncclCommSplit through ctypes.  A nonblocking split returns ncclInProgress and NCCL
-        writes ``*newcomm`` only when the child's init completes, so the handle is read after
-        the parent is ready, and its storage outlives any wait that gives up (NCCL may still
-        write it): it stays in ``_SPLIT_SLOTS`` until read."""
+        """ncclCommSplit through ctypes (see :meth:`_new_child`)."""
+        lib = self._lib
+        handle, nonblocking = self._new_child(
+            "ncclCommSplit", lambda slot: lib.ncclCommSplit(self._handle, color, key,
+                                                            ctypes.byref(slot), None), states)
+        if not handle:
+            return None
+        return type(self)._wrap(lib, handle, None, self._device, self._config,
+                                  nonblocking, self._timeout, name)
+
+    def _new_child(self, call: str, fn: Any, states: tuple = ()) -> Tuple[int, bool]:
+        """``fn(slot)``, an NCCL call that writes a new communicator into ``*slot`` (split,
+        shrink, grow), made while entered in the parent's lifecycle: (the child's handle, 0
+        for none; whether it is nonblocking).  A nonblocking call returns ncclInProgress and
+        NCCL writes ``*newcomm`` only when the child's init completes, so the handle is read
+        after the parent is ready, and the slot outlives any wait that gives up (NCCL may
+        still write it): it stays in ``_SPLIT_SLOTS`` until read."""
         lib = self._lib
         slot = ctypes.c_void_p(0)
         _SPLIT_SLOTS.append(slot)
-        code = self._nccl("ncclCommSplit", lib.ncclCommSplit, self._handle, color, key,
-                          ctypes.byref(slot), None, states=states)
+        code = self._nccl(call, fn, slot, states=states)
         try:
-            lib.check(code, "ncclCommSplit", self._handle, in_progress_ok=True)
+            lib.check(code, call, self._handle, in_progress_ok=True)
         except BaseException:
             _SPLIT_SLOTS.remove(slot)   # failed outright: NCCL will not write it
             raise
         nonblocking = self._nonblocking or code == NCCL_IN_PROGRESS
         if nonblocking:
             try:
-                self._wait_ready("ncclCommSplit", *states)
+                self._wait_ready(call, *states)
             except BaseException as e:
                 if slot.value:          # the child exists: abort it rather than leak it
                     _SPLIT_SLOTS.remove(slot)
                     child_code = lib.ncclCommAbort(slot.value)
-                    log.warning("split: aborted the child communicator after %s (ncclCommAbort "
-                                "-> %s)", type(e).__name__, child_code)
+                    log.warning("%s: aborted the child communicator after %s (ncclCommAbort "
+                                "-> %s)", call, type(e).__name__, child_code)
                 if isinstance(e, NcclTimeoutError):
-                    raise NcclTimeoutError(e.code, "ncclCommSplit", f"{e.last_error}; the parent "
+                    raise NcclTimeoutError(e.code, call, f"{e.last_error}; the parent "
                                            f"should be aborted (comm.abort())") from None
                 raise
         _SPLIT_SLOTS.remove(slot)
-        if not slot.value:
-            return None
-        return type(self)._wrap(lib, slot.value, None, self._device, self._config,
-                                  nonblocking, self._timeout, name)
+        return int(slot.value or 0), nonblocking
 
     def register(self, buf: Any) -> Registration:
         """ncclCommRegister ``buf`` (freed by ``deregister`` or ``close``); one Registration

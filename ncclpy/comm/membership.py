@@ -37,7 +37,6 @@ from .._nccl.functions import UniqueId
 from .._nccl.lib import NCCL_IN_PROGRESS, require_version
 from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclpyError,
                       NcclTimeoutError, as_int)
-from .extras import _SPLIT_SLOTS
 from .lifecycle import REVOKED, USABLE
 
 __all__ = ["CommMembership", "ON_FAILURE", "check_on_failure", "exclude_list"]
@@ -91,6 +90,7 @@ class CommMembership:
     _check_usable: Any
     _stop_watchdog: Any
     _wait_ready: Any
+    _new_child: Any
 
     @property
     def on_failure(self) -> str:
@@ -243,35 +243,16 @@ class CommMembership:
         return config.to_struct(self._lib.version)
 
     def _make_child(self, call: str, name: str, config: Any, struct: Any, fn: Any) -> Any:
-        """Call ``fn(slot)`` (an NCCL call writing ``*newcomm``), then wrap the child; the
-        slot outlives a wait that gives up (see CommExtras._split_ctypes)."""
+        """``fn(slot)`` (an NCCL call writing ``*newcomm``) through ``_new_child``, then the
+        child wrapped (its config kept alive with it)."""
         from .._nccl.cuda import cuda
-        lib = self._lib
-        slot = ctypes.c_void_p(0)
-        _SPLIT_SLOTS.append(slot)
         with cuda().device(self._device):
-            code = self._nccl(call, fn, slot, states=(REVOKED,))
-        try:
-            lib.check(code, call, self._handle, in_progress_ok=True)
-        except BaseException:
-            _SPLIT_SLOTS.remove(slot)
-            raise
-        nonblocking = self._nonblocking or code == NCCL_IN_PROGRESS
-        if nonblocking:
-            try:
-                self._wait_ready(call, REVOKED)
-            except BaseException:
-                if slot.value:
-                    _SPLIT_SLOTS.remove(slot)
-                    lib.ncclCommAbort(slot.value)
-                raise
-        _SPLIT_SLOTS.remove(slot)
-        if not slot.value:
+            handle, nonblocking = self._new_child(call, fn, (REVOKED,))
+        if not handle:
             raise NcclpyError(f"{call} returned no communicator for this rank")
         child_cfg = config if config is not None else self._config
-        return type(self)._wrap(lib, slot.value, None, self._device, child_cfg,  # type: ignore
-                                nonblocking, self._timeout, name, call, struct)
-
+        return type(self)._wrap(self._lib, handle, None, self._device,  # type: ignore
+                                child_cfg, nonblocking, self._timeout, name, call, struct)
 
 def grow_join(world_size: int, rank: int, uid: bytes, *, device: Optional[int] = None,
               config: Any = None, timeout: Optional[float] = None,
