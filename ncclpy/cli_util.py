@@ -22,6 +22,7 @@ import os
 import re
 import select
 import sys
+import tempfile
 from typing import Callable, List, NoReturn, Optional, Sequence, TextIO
 
 __all__ = ["OneLineParser", "run_cli", "run_main", "typed_flag", "silence_stdout",
@@ -198,14 +199,20 @@ def check_output_path(path: str) -> str:
     parent = os.path.dirname(full) or "."
     if not os.path.isdir(parent):
         return f"cannot write {path!r}: directory {parent!r} does not exist"
+    # Never the path itself for a new file: ranks of one launch check the same path at once,
+    # and one rank's probe file made another's creation fail (EEXIST) or its open recreate it.
     try:
-        if os.path.exists(full):
-            with open(full, "a"):
-                pass
-        else:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.close(fd)
-            os.unlink(full)
+        fd = os.open(full, os.O_WRONLY | os.O_APPEND)   # an existing file; never creates one
+        os.close(fd)
+        return ""
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return f"cannot write {path!r}: {e.strerror or e}"
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".ncclpy-write-check-")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         return f"cannot write {path!r}: {e.strerror or e}"
     return ""
