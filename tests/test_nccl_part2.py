@@ -479,3 +479,21 @@ def test_a_window_block_on_a_revoked_communicator_keeps_the_revoke_error():
     with standin(version=NEW) as eng:
         run_ranks(2, one, 2)
     assert eng.violations == [] and len(_calls(eng, "ncclCommWindowDeregister")) == 2
+
+
+def test_the_on_failure_variable_is_checked_before_nccl_makes_a_communicator(monkeypatch):
+    monkeypatch.setenv("NCCLPY_ON_FAILURE", "revoke")
+    with standin(version=22803) as eng:
+        with pytest.raises(errors.VersionError, match=r"ncclCommRevoke needs NCCL >= 2\.28\.7"):
+            Communicator(1, 0, UID, 0, Config(blocking=True))
+    assert not [c for c in eng.calls if c[0].startswith("ncclCommInitRank")]
+    monkeypatch.setenv("NCCLPY_ON_FAILURE", "retry")
+    with standin(version=NEW) as eng:
+        with pytest.raises(errors.ArgumentError, match="NCCLPY_ON_FAILURE: expected 'abort' or "
+                                                       "'revoke', got 'retry'"):
+            Communicator(1, 0, UID, 0, Config(blocking=True))
+    monkeypatch.setenv("NCCLPY_ON_FAILURE", "revoke")
+    with standin(version=NEW):
+        c = Communicator(1, 0, UID, 0, Config(blocking=True))
+        assert c.on_failure == "revoke"
+        c.close()

@@ -36,6 +36,7 @@ from .._nccl.lib import NCCL_IN_PROGRESS, get_lib, require_version
 from ..errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError
 from .extras import CommExtras, Registration
 from .lifecycle import USABLE, CommLifecycle, Lifecycle
+from .._nccl.functions import FUNCTIONS
 from .membership import CommMembership, check_on_failure
 from .memory import CommMemory
 from .rma import CommRMA
@@ -54,6 +55,8 @@ from .work import Work
 __all__ = ["Communicator", "Config", "Registration", "group"]
 
 log = logging.getLogger(__name__)
+REVOKE_VERSION = FUNCTIONS["ncclCommRevoke"][2]
+
 
 class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                    CommLifecycle):
@@ -78,6 +81,8 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
         timeout = default_timeout(timeout)
         trace = _trace_settings()      # bad settings, or NVTX asked for and missing: before NCCL
         lib = get_lib()
+        if _on_failure_env() == "revoke":   # refused before NCCL makes a handle to leak
+            require_version("ncclCommRevoke", lib.version, lib.path)
         # NCCL_COMM_BLOCKING=0 makes even a config-less communicator nonblocking: its init then
         # returns ncclInProgress, which CuPy cannot represent, so it is made through ctypes.
         nonblocking = effective_nonblocking(config, lib.version)
@@ -211,10 +216,9 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
         self._registrations: Dict[int, Registration] = {}   # by Registration.id
         self._windows: Dict[int, Any] = {}   # open ncclpy.Window by id (comm/window.py)
         self._member_lock = threading.Lock()  # a revoke until quiescent (comm/membership.py)
-        self._on_failure = check_on_failure(os.environ.get("NCCLPY_ON_FAILURE") or "abort",
-                                            "NCCLPY_ON_FAILURE")
-        if self._on_failure == "revoke":
-            require_version("ncclCommRevoke", lib.version, lib.path)
+        self._on_failure = _on_failure_env()
+        if self._on_failure == "revoke" and lib.version < REVOKE_VERSION:
+            self._on_failure = "abort"       # a child of an older NCCL (the parent was refused)
         self._allocations: Dict[int, int] = {}
         self._barrier_buf: Any = None
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
@@ -505,6 +509,11 @@ def _parse(obj: Any, name: str) -> Any:
 def _itemsize(dtype: Any) -> int:
     from ..dtypes import logical
     return logical(dtype).itemsize
+
+
+def _on_failure_env() -> str:
+    """``$NCCLPY_ON_FAILURE`` checked (``abort`` when unset)."""
+    return check_on_failure(os.environ.get("NCCLPY_ON_FAILURE") or "abort", "NCCLPY_ON_FAILURE")
 
 
 def _trace_settings() -> tuple:
