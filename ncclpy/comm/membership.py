@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 from typing import Any, Optional, Sequence
 
 from .._nccl.flags import REVOKE_DEFAULT, SHRINK_ABORT, SHRINK_DEFAULT
 from .._nccl.functions import UniqueId
 from .._nccl.lib import NCCL_IN_PROGRESS, require_version
-from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclpyError,
-                      NcclTimeoutError, as_int)
+from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError,
+                      NcclpyError, NcclTimeoutError, as_int)
 from .lifecycle import REVOKED, USABLE
 
 __all__ = ["CommMembership", "ON_FAILURE", "check_on_failure", "exclude_list"]
@@ -153,22 +152,15 @@ class CommMembership:
         self._member_lock.release()
 
     def _quiescent(self, call: str) -> None:
-        """Poll ncclCommGetAsyncError until not in progress, within the timeout; an error it
-        then reports (a dead peer's) is logged: the revoke itself is what was asked."""
-        deadline = time.monotonic() + self._timeout
-        lib, h = self._lib, self._handle
-        delay = 1e-4
-        while True:
-            st = self._nccl(call, lib.async_error, h, states=(REVOKED,))
-            if st != NCCL_IN_PROGRESS:
-                break
-            if time.monotonic() > deadline:
-                raise NcclTimeoutError(8, call, f"not quiescent after {self._timeout:g} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 5e-3)
-        if st:
-            log.info("%s: the communicator reports %s after the revoke", call,
-                     lib.error_string(st))
+        """Wait (``_wait_ready``: within the timeout) until NCCL says the revoked communicator
+        is quiescent; an error it then reports (a dead peer's) is logged: the revoke itself
+        is what was asked."""
+        try:
+            self._wait_ready(call, REVOKED)
+        except NcclTimeoutError:
+            raise
+        except NcclError as e:
+            log.info("%s: the communicator reports %s after the revoke", call, e)
 
     # -- shrink -------------------------------------------------------------------------------
     def shrink(self, exclude: Sequence[int], *, abort: bool = False,

@@ -36,6 +36,12 @@ class Skip(Exception):
     """A check that does not apply here (recorded as ok with the reason)."""
 
 
+def need_nccl(s: Any, code: int, what: str) -> None:
+    """Skip the check (with the versions) where the session's NCCL predates ``code``."""
+    if s.comm.nccl_version < code:
+        raise Skip(f"{what} needs NCCL >= {code}; this is {s.comm.nccl_version}")
+
+
 # -- recording ----------------------------------------------------------------------------
 
 class Recorder:

@@ -10,12 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from _gpu_common import WAIT_S, Session, Skip
-
-
-def _need(s: Session, code: int, what: str) -> None:
-    if s.comm.nccl_version < code:
-        raise Skip(f"{what} needs NCCL >= {code}; this is {s.comm.nccl_version}")
+from _gpu_common import WAIT_S, Session, Skip, need_nccl
 
 
 def chk_config_fields(s: Session) -> None:
@@ -40,7 +35,7 @@ def chk_config_fields(s: Session) -> None:
 
 
 def chk_simulate_vs_measured(s: Session) -> None:
-    _need(s, 22200, "ncclGroupSimulateEnd")
+    need_nccl(s, 22200, "ncclGroupSimulateEnd")
     import cupy
     x = cupy.ones(1 << 24, cupy.float32)          # 64 MiB: far above launch latency
     before = x.copy()
@@ -65,7 +60,7 @@ def chk_simulate_vs_measured(s: Session) -> None:
 
 
 def chk_coll_config(s: Session) -> None:
-    _need(s, 23100, "ncclCollConfig_t")
+    need_nccl(s, 23100, "ncclCollConfig_t")
     import cupy
     C = s.ncclpy.CollConfig
     n, r = s.n, s.rank
@@ -88,7 +83,7 @@ def chk_coll_config(s: Session) -> None:
 
 
 def chk_coll_config_refused(s: Session) -> None:
-    _need(s, 23100, "ncclCollConfig_t")
+    need_nccl(s, 23100, "ncclCollConfig_t")
     import cupy
     x = cupy.ones(64, cupy.float32)
     try:      # CollNet is absent on one node: a forced, unsatisfiable selection is an error
@@ -109,7 +104,7 @@ def chk_coll_config_refused(s: Session) -> None:
 
 
 def chk_scalable_init(s: Session) -> None:
-    _need(s, 22300, "ncclCommInitRankScalable")
+    need_nccl(s, 22300, "ncclCommInitRankScalable")
     import cupy
     comm = s.ncclpy.init(name=f"scal{s.gen}", unique_ids=2, timeout=WAIT_S)
     try:
@@ -121,7 +116,7 @@ def chk_scalable_init(s: Session) -> None:
 
 
 def chk_params_after_init(s: Session) -> None:
-    _need(s, 23004, "the parameter API")
+    need_nccl(s, 23004, "the parameter API")
     p = s.comm.nccl_params()
     assert len(p) > 7 and "NCCL_DEBUG" in p, sorted(p)[:20]
 

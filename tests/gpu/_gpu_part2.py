@@ -11,18 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from _gpu_common import Session, Skip
+from _gpu_common import Session, Skip, need_nccl
 
 N = 1 << 12                       # elements per rank: 16 KiB of float32, 4 pages
 
 
-def _need(s: Session, code: int, what: str) -> None:
-    if s.comm.nccl_version < code:
-        raise Skip(f"{what} needs NCCL >= {code}; this is {s.comm.nccl_version}")
-
-
 def chk_window_collectives(s: Session) -> None:
-    _need(s, 22703, "ncclCommWindowRegister")
+    need_nccl(s, 22703, "ncclCommWindowRegister")
     import cupy
     n, r = s.n, s.rank
     x = s.ncclpy.nccl_empty(N, "float32")
@@ -46,7 +41,7 @@ def chk_window_collectives(s: Session) -> None:
 
 
 def chk_window_zero_cta(s: Session) -> None:
-    _need(s, 22803, "Config(cta_policy='zero') with windows (copy-engine collectives)")
+    need_nccl(s, 22803, "Config(cta_policy='zero') with windows (copy-engine collectives)")
     import cupy
     comm = s.ncclpy.init(name=f"zero{s.gen}", config=s.ncclpy.Config(cta_policy="zero"))
     try:
@@ -62,7 +57,7 @@ def chk_window_zero_cta(s: Session) -> None:
 
 
 def chk_put_signal(s: Session) -> None:
-    _need(s, 22902, "ncclPutSignal")
+    need_nccl(s, 22902, "ncclPutSignal")
     import cupy
     n, r = s.n, s.rank
     w = s.ncclpy.nccl_empty(N, "int32")
@@ -86,7 +81,7 @@ def chk_put_signal(s: Session) -> None:
 
 
 def chk_suspend_resume(s: Session) -> None:
-    _need(s, 22907, "ncclCommSuspend")
+    need_nccl(s, 22907, "ncclCommSuspend")
     import cupy
     x = cupy.ones(1 << 20, cupy.float32)
     s.comm.all_reduce(x).wait()
@@ -109,7 +104,7 @@ def chk_suspend_resume(s: Session) -> None:
 
 
 def chk_revoke_shrink(s: Session) -> None:
-    _need(s, 22807, "ncclCommRevoke")
+    need_nccl(s, 22807, "ncclCommRevoke")
     import cupy
     comm = s.ncclpy.init(name=f"rev{s.gen}")
     try:
