@@ -448,12 +448,13 @@ def run_rank(cfg: SweepConfig) -> int:
                 for line in output.table_header(state.multi, cfg.predict):
                     print(line, flush=True)
             state.sweep()
-            if cfg.register == 2 and rank == 0:
+            if cfg.register and rank == 0:
+                what = "windows" if cfg.register == 2 else "buffers (ncclCommRegister)"
                 for b in backends:
-                    got, asked = getattr(b, "windows_seen", (0, 0))
-                    print(f"# {b.label}: -R 2: NCCL registered {got} of the {asked} windows on "
-                          f"rank 0" + ("" if got == asked else "; where it registered none "
-                                       "(no symmetric support) the regular kernels ran"))
+                    got, asked = getattr(b, "registered_seen", (0, 0))
+                    print(f"# {b.label}: -R {cfg.register}: NCCL registered {got} of the {asked} "
+                          f"{what} on rank 0" + ("" if got == asked else
+                                                 "; the others ran unregistered"))
             if cfg.memory_report:
                 state.memory = {b.name: b.mem_stats() for b in backends}
                 if rank == 0:
@@ -528,8 +529,8 @@ def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
                "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
                "algorithm": cfg.algo, "registration": cfg.register,
                "cta_policy": cfg.cta_policy}
-        if cfg.register == 2:
-            ext["windows_registered"] = list(getattr(backends[0], "windows_seen", [0, 0]))
+        if cfg.register:
+            ext["registered"] = list(getattr(backends[0], "registered_seen", [0, 0]))
         if cfg.memory_report:
             ext["memory"] = state.memory
         doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,

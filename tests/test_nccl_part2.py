@@ -454,6 +454,9 @@ def test_bench_memory_report_lines_and_schema():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"ncclpy": {"total_bytes": -1}}, sub["memory"])
     assert sub["registration"]["enum"] == [0, 1, 2]
+    jsonschema.validate([3, 4], sub["registered"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([3], sub["registered"])
 
 
 def test_check_window_runs_the_symmetric_collectives_only():

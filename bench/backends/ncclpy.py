@@ -24,7 +24,7 @@ class NcclpyBackend(CupyStreamBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.windows_seen = [0, 0]          # -R 2: [windows NCCL registered, asked for]
+        self.registered_seen = [0, 0]       # -R 1/2: [buffers NCCL registered, asked for]
 
     def open_comm(self, uid: bytes) -> Any:
         import ncclpy
@@ -58,9 +58,10 @@ class NcclpyBackend(CupyStreamBackend):
                 if int(arr.size):
                     regs.append(self.comm.register_window(arr) if self.register == 2
                                 else self.comm.register(arr))
-                    if self.register == 2:  # what NCCL registered, for the report
-                        self.windows_seen[0] += int(regs[-1].registered)
-                        self.windows_seen[1] += 1
+                    r = regs[-1]            # what NCCL registered (NULL: nothing), reported
+                    self.registered_seen[0] += int(bool(r.registered if self.register == 2
+                                                        else r.handle))
+                    self.registered_seen[1] += 1
         bufs.extra["regs"] = regs
         keys = ("send", "recv", "whole", "ip_send", "ip_recv")
         if DTYPES[dtype].numpy is None:  # bfloat16 / float8: hand ncclpy raw typed buffers
