@@ -20,7 +20,7 @@ several ranks on one GPU (the launcher and spawn set what NCCL needs for that).
 Every example needs an NVIDIA GPU with a working CUDA driver, CuPy and NCCL.  Without one the
 script says so in one line on stderr (the reason is :func:`ncclpy.info.no_gpu_reason`'s, the
 words of ``ncclpy info``) and exits with status 1 before starting any rank; under a launcher only
-local rank 0 prints it.
+local rank 0 prints it (the other ranks wait for the launcher to stop them, so rank 0 ends first).
 """
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ import json
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["Section", "emit", "emit_input", "emit_error", "parse", "collect", "LINE_RE",
            "launched_by_launcher", "main", "load_example", "to_json", "sync", "column_views",
-           "require_gpu", "EXIT_NO_GPU"]
+           "require_gpu", "EXIT_NO_GPU", "QUIET_RANK_WAIT"]
 
 #: ``E3 rank=2 result=[...]`` anywhere in a line (after an optional launcher prefix).
 LINE_RE = re.compile(
@@ -202,9 +203,18 @@ def run_rank(sections: Sequence[Section], script: str) -> None:
                           f"--only {s.eid}", flush=True)
 
 
-def require_gpu(prog: str, env: Optional[Dict[str, str]] = None) -> None:
+#: Seconds a silent rank (a launched rank other than local rank 0) waits before its no-GPU exit:
+#: a launcher stops every rank when the first one fails, so a silent rank exiting first would get
+#: local rank 0 stopped before it said why (seen in CI); waiting lets rank 0's exit come first.
+QUIET_RANK_WAIT = 15.0
+
+
+def require_gpu(prog: str, env: Optional[Dict[str, str]] = None,
+                quiet_wait: float = QUIET_RANK_WAIT) -> None:
     """Exit (status :data:`EXIT_NO_GPU`) with one line on stderr when no CUDA GPU with NCCL is
-    usable here; under a launcher only local rank 0 prints the line."""
+    usable here; under a launcher only local rank 0 prints the line, and the other ranks exit
+    after ``quiet_wait`` seconds unless the launcher stops them first (it does once rank 0 has
+    exited), so the job's first failure is always the rank that said why."""
     from ncclpy.info import no_gpu_reason
     why = no_gpu_reason()
     if not why:
@@ -214,6 +224,8 @@ def require_gpu(prog: str, env: Optional[Dict[str, str]] = None) -> None:
     if not launched_by_launcher(env) or local.strip() == "0":
         print(f"{prog}: needs an NVIDIA GPU with a working CUDA driver, CuPy and NCCL; here: "
               f"{why}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(quiet_wait)
     raise SystemExit(EXIT_NO_GPU)
 
 

@@ -504,6 +504,48 @@ def test_under_a_launcher_without_a_gpu_only_local_rank_0_says_so():
     assert line.startswith("[rank 0] ")
 
 
+@_GPU_LESS
+def test_without_a_gpu_a_silent_rank_never_ends_the_job_before_rank_0_said_why(tmp_path):
+    """Rank 0 slow to find out (here: 3 s of extra start-up) must still get its line out: the
+    launcher stops every rank at the first failure, so a silent rank 1 exiting first used to get
+    rank 0 stopped before it printed (seen in CI).  The job's first failure is rank 0's."""
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "import _common\n"
+        "if os.environ.get('NCCLPY_LOCAL_RANK') == '0':\n"
+        "    time.sleep(3)\n"
+        "_common.require_gpu('slow')\n")
+    res = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable,
+                          str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert [ln for ln in out.splitlines() if "needs an NVIDIA GPU" in ln] == [
+        f"[rank 0] slow: needs an NVIDIA GPU with a working CUDA driver, CuPy and NCCL; here: "
+        f"{no_gpu_reason()}"], out
+    assert "rank 0 exited with code 1" in out and "rank 1 exited" not in out, out
+    assert "Traceback" not in out, out
+
+
+def test_a_silent_rank_waits_then_exits_quietly_when_no_launcher_stops_it(monkeypatch, capsys):
+    """Without a launcher to stop it (srun without --kill-on-bad-exit), a rank other than local
+    rank 0 still ends: after ``quiet_wait`` seconds, status 1, nothing printed."""
+    monkeypatch.setattr("ncclpy.info.no_gpu_reason", lambda: "no CUDA driver")
+    slept = []
+    monkeypatch.setattr(_common.time, "sleep", slept.append)
+    env = {"NCCLPY_RANK": "1", "NCCLPY_LOCAL_RANK": "1"}
+    with pytest.raises(SystemExit) as exc:
+        _common.require_gpu("p", env, quiet_wait=0.5)
+    assert exc.value.code == _common.EXIT_NO_GPU and slept == [0.5]
+    assert capsys.readouterr().err == ""
+    slept.clear()
+    with pytest.raises(SystemExit):                      # local rank 0 prints and does not wait
+        _common.require_gpu("p", {"NCCLPY_RANK": "1", "NCCLPY_LOCAL_RANK": "0"})
+    assert slept == [] and "p: needs an NVIDIA GPU" in capsys.readouterr().err
+
+
 def test_help_lists_each_scripts_examples():
     for p in SCRIPTS:
         res = subprocess.run([sys.executable, str(p), "--help"], cwd=ROOT, env=_env(),
