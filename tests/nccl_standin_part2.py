@@ -21,8 +21,15 @@ from collections import defaultdict
 from typing import Any, Callable, Dict, Tuple
 
 from nccl_standin import _BY_ENUM, INTERNAL, INVALID_ARG, IN_PROGRESS, SUCCESS, SYSTEM, _Item
+from ncclpy._nccl.config import NcclConfigStruct
 
 __all__ = ["StandInPart2", "PART2_HANDLE_FIRST", "PART2_HANDLE_LAST"]
+
+
+def _config(cfg: Any) -> NcclConfigStruct:
+    """The ncclConfig_t a call was given as ncclpy passes it (the struct, which the real
+    binding's POINTER argtype turns into its address; or an address)."""
+    return cfg if isinstance(cfg, NcclConfigStruct) else NcclConfigStruct.from_address(int(cfg))
 
 #: calls whose ncclComm_t is the first / the second to last argument
 PART2_HANDLE_FIRST = ("ncclCommWindowRegister", "ncclCommWindowDeregister", "ncclWinGetUserPtr",
@@ -223,13 +230,22 @@ class StandInPart2:
             uid, me = ctypes.string_at(ctypes.addressof(uid_p._obj), 128), int(rank)
             if uid not in e.grows or not e.grows[uid].nranks <= me < int(n):
                 return INVALID_ARG
-        child = self._join(int(n), b"grow" + uid, me, False)
-        out._obj.value = child
-        code = self._wait_world(e.comms[child])
+        # nonblocking as NCCL decides it: the given config, else (existing rank) the parent's
+        nb = (cfg is not None and _config(cfg).blocking == 0) or (
+            bool(h) and cfg is None and c.nonblocking)
+        child = self._join(int(n), b"grow" + uid, me, nb)
+        out._obj.value = child               # NCCL writes *newcomm before the async init
         with e.lock:
-            if h and e.grows.pop(uid, None) is not None:
-                c.world.grow_uid = None      # consumed
-        return code
+            if h:                            # every existing rank read the id: consumed
+                c.world.grow_reads = getattr(c.world, "grow_reads", 0) + 1
+                if c.world.grow_reads == c.world.nranks:
+                    c.world.grow_uid, c.world.grow_reads = None, 0
+            if len(e.comms[child].world.joined) == int(n):
+                e.grows.pop(uid, None)       # the last rank joined: a reuse is refused
+        if nb:                               # in progress for e.polls polls once all joined
+            e.comms[child].polls_left = e.polls
+            return IN_PROGRESS
+        return self._wait_world(e.comms[child])
 
     # -- suspend, resume, memory statistics -------------------------------------------------------
     def _ncclCommSuspend(self, h: int, flags: int) -> int:

@@ -349,6 +349,42 @@ def test_grow_two_ranks_to_three():
     assert got == [(r, 3, [6.0, 6.0]) for r in range(3)] and eng.violations == []
 
 
+def test_a_nonblocking_grow_waits_for_the_grown_communicator_on_every_rank():
+    """Nonblocking parents (their config copied by NCCL) and a nonblocking new rank: ncclCommGrow
+    returns ncclInProgress and the child is polled ready before it is used; NCCL writes the new
+    rank's handle before its async init, and grow_join reads it then."""
+    box: dict = {}
+    ready = threading.Event()
+    nb = Config(blocking=False)
+
+    def one(r: int, n: int):
+        if r == 2:
+            ready.wait(30)
+            g = ncclpy.grow_join(3, 2, box["uid"], device=2, config=nb)
+        else:
+            c = Communicator(2, r, UID, r, nb)
+            if r == 0:
+                box["uid"] = c.grow_unique_id()
+                ready.set()
+            g = c.grow(3, box.get("uid") if r == 0 else None)
+        x = DevArray(np.full(2, r + 1, np.float32), device=r)
+        g.all_reduce(x).wait()
+        out = (g.rank, g.world_size, g.nonblocking, x.a.tolist())
+        box[r] = g._handle
+        g.close()
+        if r != 2:
+            c.close()
+        return out
+    with standin(version=NEW, polls=3) as eng:
+        got = run_ranks(3, one, 3)
+        calls = [(c[0], c[1]) for c in eng.calls]
+    assert got == [(r, 3, True, [6.0, 6.0]) for r in range(3)] and eng.violations == []
+    assert len([c for c in calls if c[0] == "ncclCommGrow"]) == 3
+    for r in range(3):                  # polled in progress, then ready, before its first query
+        first_query = calls.index(("ncclCommUserRank", box[r]))
+        assert calls[:first_query].count(("ncclCommGetAsyncError", box[r])) >= 4, (r, calls)
+
+
 # -- suspend, resume, memory statistics ---------------------------------------------------------
 
 def test_suspend_resume_and_the_memory_statistics():
