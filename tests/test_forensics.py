@@ -205,3 +205,17 @@ def test_checked_mode_compares_the_configs_before_nccl_is_called():
     for m in msgs:
         assert "the ranks differ in what changes NCCL's behaviour (1):" in m, m
         assert "config: rank 0: (unset); rank 1: " in m and "cga_cluster_size" in m, m
+
+
+def test_status_says_which_rank_is_blocked_inside_a_send_and_where(tmp_path):
+    """A send whose recv never comes blocks inside its NCCL launch (the pair connects there): the
+    table run by ``ncclpy run --timeout`` shows rank 0's send as BLOCKED, with its line."""
+    d = str(tmp_path / "dumps")
+    rc, _, err = run_job("unmatched", d, {"NCCLPY_TIMEOUT": "60", "JOB_IDLE": "60"},
+                         run_args=("--timeout", "8"))
+    assert rc == 124, err
+    row = next((ln for ln in err.splitlines() if ln.split()[:1] == ["0"]), "")
+    issued, done, waiting = row.split()[1:4]
+    assert (issued, done) == ("2", "2") and float(waiting.rstrip("s")) > 1.0, row
+    assert "  #2 send BLOCKED inside NCCL on the host at " in row, err
+    assert row.endswith("/" + _site("lonely-send")), row

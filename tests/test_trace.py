@@ -238,6 +238,21 @@ def test_status_values_round_trip_and_laggards_come_first():
         lines[3] and "closed" in lines[5]
 
 
+
+def test_a_rank_blocked_inside_nccl_is_shown_blocked_with_its_call_and_line():
+    """A call still inside its NCCL launch (a send whose recv never came) has no Work yet: the
+    table shows it as the next call, BLOCKED, with how long; the value round-trips."""
+    p = S.Progress(4, 2, 2, 6.5, 0, "send", "job.py:57:play", blocked=True)
+    assert S.encode(p).split(b":")[5] == b"!send" and S.decode(S.encode(p)) == p
+    assert S.decode(S.encode(S.Progress(call="send"))).blocked is False
+    rows = [S.RankRow(0, 0.2, False, p), S.RankRow(1, 0.2, False, S.Progress(4, 2, 2))]
+    line = S.format_rows({"comm": "c", "world": 2}, rows)[2:]
+    blocked = next(ln for ln in line if ln.split()[0] == "0")
+    assert blocked.split()[1:4] == ["2", "2", "6.5s"], blocked
+    assert blocked.endswith("#2 send BLOCKED inside NCCL on the host at job.py:57:play"), blocked
+    assert S.RankRow(0, 0.2, False, p).to_json()["blocked"] is True
+
+
 AGREE = r"""
 import json, os, sys
 from ncclpy.store import TCPStore

@@ -101,6 +101,24 @@ def test_the_thread_samples_the_lifecycle_for_a_call_inside_nccl():
     assert (comm._life.inflight, comm._life.calls) == (0, 0)
 
 
+def test_the_heartbeat_says_a_call_is_blocked_once_seen_inside_at_two_ticks():
+    """Watchdog.progress: a call inside NCCL at one sample only is a call in flight, not shown;
+    seen again at a later tick it is blocked, timed from the first sighting (what ncclpy status
+    prints); once it returned, the mark is gone."""
+    from ncclpy.comm.lifecycle import Lifecycle
+    from ncclpy.debug.status import decode
+    comm = _Comm(0, 2, timeout=10.0)
+    comm._life = Lifecycle("rank 0 of 'live'")
+    wd = Watchdog(comm, None)
+    comm._life.enter("send")
+    first = decode(wd.progress(5.0))
+    assert first.blocked is False and first.wait == 0.0
+    p = decode(wd.progress(8.5))
+    assert (p.blocked, p.call, p.wait, p.issued) == (True, "send", 3.5, 0), p
+    comm._life.leave()
+    assert decode(wd.progress(9.0)).blocked is False
+
+
 def test_silent_peer_is_suspected_dead_before_the_timeout():
     d = _state().step(108.0, [(3, "all_reduce", 107.0)], _peers(s1=107.0, s2=104.5))
     assert (d.reason, d.seq, d.suspects) == ("peer_silent", 3, (2,))

@@ -8,10 +8,12 @@ progress in its value -- no extra request::
 ``issued``: calls handed to NCCL; ``done``: of those, how many completed (as the watchdog saw);
 ``wait_ms``: how long the oldest unfinished one has been in flight; ``signal``: the signal that
 makes the rank dump its flight recorder (0: none); ``call`` and ``site``: its last call and the
-user's line that made it.  Rank 0 of each communicator registers its table once
-(``ncclpy/status/n``, ``ncclpy/status/<i>``: one add and one set per communicator), so
-``ncclpy status`` and ``ncclpy run`` find every table with 1 + C reads and one FULL peek per
-table (C communicators): O(C + N) bytes, never per-pair traffic.
+user's line that made it; a ``call`` starting with ``!`` is still blocked inside its NCCL call on
+the host (a send whose peer never connects: the launch itself waits), ``wait_ms`` then how
+long.  Rank 0 of each communicator registers its table once (``ncclpy/status/n``,
+``ncclpy/status/<i>``: one add and one set per communicator), so ``ncclpy status`` and
+``ncclpy run`` find every table with 1 + C reads and one FULL peek per table (C communicators):
+O(C + N) bytes, never per-pair traffic.
 """
 from __future__ import annotations
 
@@ -40,13 +42,14 @@ class Progress:
     signal: int = 0
     call: str = ""
     site: str = ""
+    blocked: bool = False
 
 
 def encode(p: Progress) -> bytes:
     """The heartbeat value of ``p`` (the site shortened from the left to its last 160 chars)."""
     site = p.site if len(p.site) <= _SITE_MAX else "..." + p.site[-_SITE_MAX + 3:]
     return (f"{p.beat}:{p.issued}:{p.done}:{int(p.wait * 1000)}:{p.signal}:"
-            f"{p.call.replace(':', '_')}:{site}").encode()
+            f"{'!' if p.blocked else ''}{p.call.replace(':', '_')}:{site}").encode()
 
 
 def decode(raw: bytes) -> Progress:
@@ -58,6 +61,8 @@ def decode(raw: bytes) -> Progress:
         if len(parts) >= 7:
             p.done, p.wait, p.signal = int(parts[2]), int(parts[3]) / 1000.0, int(parts[4])
             p.call, p.site = parts[5], parts[6]
+            if p.call.startswith("!"):
+                p.call, p.blocked = p.call[1:], True
     except (IndexError, ValueError):
         pass
     return p
@@ -124,9 +129,12 @@ def format_rows(comm: Dict[str, Any], rows: Sequence[RankRow], most: int = 64) -
         p = row.progress
         beat = ("never" if row.age is None else "closed" if row.closed
                 else f"{row.age:.1f}s")
-        wait = f"{p.wait:.1f}s" if p.issued > p.done else "-"
-        last = (f"#{p.issued - 1} {p.call}" if p.issued else "(no call yet)") + \
-            (f" at {p.site}" if p.site else "")
+        wait = f"{p.wait:.1f}s" if p.issued > p.done or p.blocked else "-"
+        if p.blocked:               # not issued yet: its launch has not returned
+            last = f"#{p.issued} {p.call} BLOCKED inside NCCL on the host"
+        else:
+            last = f"#{p.issued - 1} {p.call}" if p.issued else "(no call yet)"
+        last += f" at {p.site}" if p.site else ""
         lines.append(f"  {row.rank:>5}  {p.issued:>7}  {p.done:>7}  {wait:>8}  {beat:>6}  "
                      f"{last}")
     if len(rows) > most:

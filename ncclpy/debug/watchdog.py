@@ -364,6 +364,11 @@ class Watchdog:
             p.call, p.site = e[1].plan.collective, site_text(e[2], e[3]) or ""
         elif self._last is not None:
             p.call = getattr(self._last, "collective", "?")
+        blk = self.blocked(now)
+        if blk is not None and now > blk[2]:  # inside since an earlier tick: blocked there
+            p.blocked, p.wait = True, max(p.wait, now - blk[2])
+            if e is None or e[1].plan.collective != blk[1]:  # no recorder entry for it
+                p.call, p.site = blk[1], ""
         return encode(p)
 
     def read_all(self, now: float) -> bool:

@@ -102,9 +102,10 @@ STAGES: Tuple[Stage, ...] = (
     Stage("benchtests", "bench GPU tests (every collective, dtypes, graphs, torch)", "pytest",
           480, 120, args=("tests/gpu/test_bench_gpu.py",)),
     Stage("forensics", "hang forensics: flight recorder, ncclpy trace, ncclpy status", "pytest",
-          300, 90, args=(_FORENSICS,),
-          notes="3-rank jobs on one GPU: a skipped collective, a send without its recv, a "
-                "SIGSTOPped rank, the status table while a job hangs"),
+          360, 90, args=(_FORENSICS,),
+          notes="3-rank jobs on one GPU: a skipped collective, a send without its recv (and "
+                "the status table showing it blocked), a SIGSTOPped rank, the status table "
+                "while a job hangs"),
 )
 NAMES: Tuple[str, ...] = tuple(s.name for s in STAGES)
 

@@ -48,6 +48,18 @@ def test_gpu_a_send_without_its_recv_is_unmatched(tmp_path):
     assert any(_site("lonely-send") in t for t in p2p[0]["text"]), p2p
 
 
+def test_gpu_status_says_the_send_is_blocked_inside_nccl(tmp_path):
+    """The same send, the watchdog's timeout out of reach (120 s): ``ncclpy run --timeout 40``
+    prints the table, where rank 0's send is BLOCKED inside NCCL at the send's line."""
+    d = str(tmp_path / "dumps")
+    rc, _, err = run_job("unmatched", d, {"NCCLPY_TIMEOUT": "120", "JOB_IDLE": "120"},
+                         real=True, timeout=150, run_args=("--timeout", "40"))
+    assert rc == 124, err
+    row = next((ln for ln in err.splitlines() if ln.split()[:1] == ["0"]), "")
+    assert "  #2 send BLOCKED inside NCCL on the host at " in row, err
+    assert row.endswith("/" + _site("lonely-send")), row
+
+
 def test_gpu_a_stopped_rank_is_suspected_and_its_dump_missing(tmp_path):
     d = str(tmp_path / "dumps")
     rc, _, err = run_job("stop", d, HANG, real=True, timeout=150)
