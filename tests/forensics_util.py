@@ -26,7 +26,8 @@ def line_of(marker: str) -> int:
 
 
 def _env(trace_dir: str, extra: Optional[Dict[str, str]]) -> Dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT, NCCLPY_TRACE_DIR=trace_dir)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, NCCLPY_TRACE_DIR=trace_dir)
     for k in ("NCCLPY_STORE_TOKEN", "NCCLPY_MASTER_PORT", "MASTER_PORT", "NCCLPY_CHECKED"):
         env.pop(k, None)
     env.update(extra or {})

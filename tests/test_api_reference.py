@@ -27,6 +27,8 @@ INTERNAL_EXCEPTIONS = {
     "ncclpy.bufkey.Uncacheable": "control flow inside the call cache, always caught",
     "ncclpy.check.session.OutputClosed": "the check report's EPIPE signal, always caught",
     "ncclpy.store.protocol.KeyCountError": "store server request parsing, always caught",
+    "ncclpy.selftest.debt.CollectError": "the GPU tests could not be collected: always caught "
+                                         "by the selftest (exit 2, or the fixed stage order)",
 }
 
 #: classes whose public members (methods, properties) must each be documented

@@ -155,7 +155,12 @@ def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
                              for c in a["cases"])
     assert a["cases"] == b["cases"] and a["summary"] == b["summary"] and \
         set(a) == set(b) == {"header", "summary", "exit_code", "problems", "compared", "seconds",
-                             "cases", "skipped"}
+                             "cases", "skipped", "timing"}
+    t = a["timing"]                    # where the time went, in the JSON and with -v
+    assert t["cases"] == len(a["cases"]) and t["walk_s"] > 0 and t["verdict_batch"] >= 1
+    assert set(t["phases_s"]) == {"inputs", "reference", "torch", "ncclpy", "compare", "sync"}
+    assert sum(t["phases_s"].values()) <= t["walk_s"] + 0.01
+    assert "ms per case on rank 0 (inputs" in " ".join(v.stdout.split())
 
 
 def test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix():

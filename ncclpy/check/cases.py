@@ -16,6 +16,7 @@ send_recv move ``count`` elements per rank, all_gather and gather send ``count``
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -69,6 +70,12 @@ class Case:
         return (f"{self.collective}/{self.dtype or '-'}/{op}/{self.count}/"
                 f"{'-' if self.root is None else self.root}/{'ip' if self.in_place else 'oop'}"
                 f"{'/' + self.variant if self.variant else ''}")
+
+    @property
+    def input_key(self) -> str:
+        """The seed tag of the inputs: the key without in/out of place, so the two variants of
+        a cell run on the same inputs (built once, :func:`ncclpy.check.runner.run_case`)."""
+        return dataclasses.replace(self, in_place=False).key
 
     def op_obj(self):
         """The ncclpy RedOp of this case (None for data movement)."""

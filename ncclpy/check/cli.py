@@ -194,6 +194,7 @@ def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
     """The run's configuration, every list argument checked (one-line errors)."""
     from .. import registry
     from ..dtypes import dtype_name
+    from .session import verdict_batch
     ops = _names(parser, "ops", ns.ops, "op", lambda s: s.lower(), C.REDUCING_OPS)
     sizes = ns.sizes
     if sizes is not None:
@@ -215,7 +216,7 @@ def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
         "quiet": ns.quiet, "timeout": ns.timeout, "verbose": ns.verbose,
         "run_timeout": ns.run_timeout, "require_ncclpy": ns.require_ncclpy,
         "no_gpu_reason": no_gpu, "env": {}, "pinned": [], "kept": [],
-        "window": bool(getattr(ns, "window", False))}
+        "window": bool(getattr(ns, "window", False)), "verdict_batch": verdict_batch()}
     if cfg["window"] and backend != "nccl":
         parser.error(f"{parser.flag('window')}: needs --backend nccl (windows are NCCL "
                      f"memory on a GPU); this run's backend is {backend}"

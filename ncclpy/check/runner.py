@@ -34,7 +34,7 @@ from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt
 
 __all__ = ["run_case_torch", "windowed", "WINDOW_COLLECTIVES", "to_torch", "from_torch",
            "case_inputs", "reference_outputs", "INJECT_ENV", "parse_inject", "run_case",
-           "run_case_ncclpy"]
+           "run_case_ncclpy", "PHASES"]
 
 
 # -- numpy <-> torch ------------------------------------------------------------------------
@@ -109,7 +109,8 @@ def _needed(case: C.Case, n: int, me: Optional[int], s: int, b: int) -> bool:
 
 
 def case_inputs(case: C.Case, n: int, seed: int, rank: Optional[int] = None) -> List[np.ndarray]:
-    """Every rank's input for ``case``, deterministic in (seed, case, rank, block).
+    """Every rank's input for ``case``, deterministic in (seed, case, rank, block); a case's
+    in-place and out-of-place variants have the same inputs (:attr:`Case.input_key`).
 
     With ``rank`` given, only the blocks that rank needs (its own input, and what its reference
     output depends on) are generated; the rest are zeros, which cannot change that rank's
@@ -123,7 +124,7 @@ def case_inputs(case: C.Case, n: int, seed: int, rank: Optional[int] = None) -> 
         for b, k in enumerate(_blocks(case, n, s)):
             if _needed(case, n, rank, s, b):
                 parts.append(nm.verifiable_input(case.dtype, k, op=case.op, world_size=n,
-                                                 seed=seed, rank=s, tag=f"{case.key}|{b}",
+                                                 seed=seed, rank=s, tag=f"{case.input_key}|{b}",
                                                  random_bits=movement, scalar=case.scalar))
             else:
                 shape = (k, 2) if case.dtype == "complex32" else (k,)
@@ -367,15 +368,44 @@ def _typed_refusal(e: BaseException) -> bool:
     return isinstance(e, (UnsupportedError, VersionError))
 
 
+def _shared_inputs(ctx: Dict[str, Any], case: C.Case, n: int, rank: int) -> List[np.ndarray]:
+    """The case's inputs, built once for its in-place and out-of-place variants (the last few
+    cells are kept: variants and roots interleave); read-only, so no case can change them for
+    the next."""
+    cache = ctx.setdefault("_inputs", {})
+    ins = cache.get(case.input_key)
+    if ins is None:
+        ins = case_inputs(case, n, ctx["seed"], rank)
+        for a in ins:
+            a.setflags(write=False)
+        if len(cache) >= 8:
+            cache.pop(next(iter(cache)))
+        cache[case.input_key] = ins
+    return ins
+
+
+#: the phases of a case whose seconds a run adds up (``ctx["phases"]``, the JSON's ``phases_s``):
+#: building the inputs, the reference, the torch side, the ncclpy side, the comparisons; the
+#: session adds "sync" (gathering the verdicts at rank 0)
+PHASES = ("inputs", "reference", "torch", "ncclpy", "compare", "sync")
+
+
 def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
-    """This rank's verdicts for ``case`` (a small dict that rank 0 gathers)."""
+    """This rank's verdicts for ``case`` (a small dict that rank 0 gathers).  The seconds of
+    each phase are added to ``ctx["phases"]`` (see :data:`PHASES`)."""
     torch, dist = ctx["torch"], ctx["dist"]
     n, rank, tmo = ctx["n"], ctx["rank"], float(ctx.get("timeout", 300.0))
+    ph = ctx.setdefault("phases", dict.fromkeys(PHASES, 0.0))
+    clock = time.perf_counter
     res: Dict[str, Any] = {"rank": rank}
     if case.collective == "barrier":
         return _run_barrier(ctx)
-    ins = case_inputs(case, n, ctx["seed"], rank)
+    t = clock()
+    ins = _shared_inputs(ctx, case, n, rank)
+    t1 = clock()
     ref = reference_outputs(case, ins, n)[rank]
+    ph["inputs"] += t1 - t
+    ph["reference"] += clock() - t1
     torch_ref = ref
     if case.collective == "reduce" and rank != case.root:
         # torch's reduce is in place by nature; NCCL leaves non-roots untouched, gloo uses
@@ -384,6 +414,7 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
     true_torch_ref = torch_ref          # kept from the reference-side corruption below
     t_out = n_out = None
     skip = D.not_called(ctx["backend"], case)
+    t = clock()
     if skip is not None:
         res["torch_not_called"] = skip
     else:
@@ -393,6 +424,8 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             res["torch_exc"] = _short(e)
             if ctx.get("verbose"):
                 traceback.print_exc()
+    t1 = clock()
+    ph["torch"] += t1 - t
     if ctx.get("comm") is not None:
         try:
             n_out = run_case_ncclpy(torch, ctx["comm"], case, ins[rank], rank, n, ctx["device"],
@@ -402,6 +435,8 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             res["ncclpy_exc"], res["ncclpy_typed"] = _short(e), _typed_refusal(e)
             if ctx.get("verbose"):
                 traceback.print_exc()
+    t = clock()
+    ph["ncclpy"] += t - t1
     for coll, rk, side, how in ctx["inject"]:
         if coll != case.collective or rk not in (None, rank):
             continue
@@ -430,6 +465,7 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
         # non-root buffer, which NCCL never writes)
         both = ref is not None and torch_ref is not None
         res["n_t"] = compare(n_out if both else None, t_out, name).as_dict()
+    ph["compare"] += clock() - t
     return res
 
 

@@ -25,9 +25,23 @@ from . import cases as C
 from . import overview as O
 from . import report as R
 from .compare import INJECT_ENV, merge
-from .runner import _short, parse_inject, run_case
+from .runner import PHASES, _short, parse_inject, run_case
 
-__all__ = ["worker", "spawn_entry", "OutputClosed", "Output"]
+__all__ = ["worker", "spawn_entry", "OutputClosed", "Output", "VERDICT_BATCH", "BATCH_ENV",
+           "verdict_batch"]
+
+#: cases whose verdicts each rank sends rank 0 in one gather: a gather per case was a third of
+#: a case's time at 2 ranks (docs/performance.md, "ncclpy check: where a case's time goes");
+#: ``NCCLPY_CHECK_VERDICT_BATCH`` sets another (1: a gather per case, as before; bench.check_cost)
+VERDICT_BATCH = 32
+BATCH_ENV = "NCCLPY_CHECK_VERDICT_BATCH"
+
+
+def verdict_batch() -> int:
+    """The run's verdict batch: :data:`VERDICT_BATCH`, or ``NCCLPY_CHECK_VERDICT_BATCH`` (an int
+    >= 1; anything else is ignored, with the default)."""
+    text = os.environ.get(BATCH_ENV, "").strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else VERDICT_BATCH
 
 
 class OutputClosed(Exception):
@@ -254,19 +268,31 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
         out.progress = O.Progress(len(cases))
     records: List[Dict[str, Any]] = []
     failed = 0
+    t_walk = time.time()
+    phases = ctx.setdefault("phases", dict.fromkeys(PHASES, 0.0))
+    batch = int(cfg.get("verdict_batch") or verdict_batch())   # rank 0's, for every rank
+    pending: List[Dict[str, Any]] = []
     for i, case in enumerate(cases):
-        part = run_case(ctx, case)
+        pending.append(run_case(ctx, case))
+        if len(pending) < batch and i + 1 < len(cases):
+            continue
+        t = time.perf_counter()
         parts: Optional[List[Any]] = [None] * ctx["n"] if rank == 0 else None
-        dist.gather_object(part, parts, dst=0, group=ctx["ctrl"])
+        dist.gather_object(pending, parts, dst=0, group=ctx["ctrl"])
+        phases["sync"] += time.perf_counter() - t
         if out is not None:
-            rec = merge(case, parts, ctx)
-            records.append(rec)
-            failed += O.symbol_of(rec["status"]) == "X"
-            if verbose and (not quiet or rec["status"] != "pass"):
-                out.line(R.format_row(rec))
-            assert out.progress is not None
-            out.progress.update(i + 1, failed, case.collective)
+            assert parts is not None and out.progress is not None
+            first = i + 1 - len(pending)
+            for j, c in enumerate(cases[first:i + 1]):
+                rec = merge(c, [p[j] for p in parts], ctx)
+                records.append(rec)
+                failed += O.symbol_of(rec["status"]) == "X"
+                if verbose and (not quiet or rec["status"] != "pass"):
+                    out.line(R.format_row(rec))
+                out.progress.update(first + j + 1, failed, c.collective)
             out.check_reader()
+        pending = []
+    walk_s = time.time() - t_walk
     rc = 0
     if out is not None:
         assert out.progress is not None
@@ -290,7 +316,10 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
                                         "e.g. ranks sharing a GPU) the regular kernels ran")))
         doc = {"header": h, "summary": counts, "exit_code": rc, "problems": problems,
                "compared": _compared(counts, ctx["backend"]),
-               "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped}
+               "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped,
+               "timing": _timing(t_walk - t0, walk_s, len(cases), phases, batch)}
+        if verbose:
+            out.lines(_wrapped(_timing_line(doc["timing"])))
         if cfg.get("json"):
             try:
                 R.write_json(cfg["json"], doc)
@@ -306,6 +335,24 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
     dist.broadcast_object_list(box, src=0, group=ctx["ctrl"])
     _close(ctx)
     return int(box[0])
+
+
+def _timing(setup_s: float, walk_s: float, ncases: int, phases: Dict[str, float],
+            batch: int) -> Dict[str, Any]:
+    """Where rank 0's time went (the JSON's ``timing``): start-up (torch, ncclpy, the first
+    communicators), the walk over the cases, and the walk's phases (:data:`PHASES`)."""
+    per = 1000.0 / max(ncases, 1)
+    return {"setup_s": round(setup_s, 3), "walk_s": round(walk_s, 3), "cases": ncases,
+            "per_case_ms": round(walk_s * per, 3), "verdict_batch": batch,
+            "phases_s": {k: round(v, 3) for k, v in phases.items()},
+            "phases_per_case_ms": {k: round(v * per, 3) for k, v in phases.items()}}
+
+
+def _timing_line(t: Dict[str, Any]) -> str:
+    """``-v``: the timing in one line."""
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in t["phases_per_case_ms"].items())
+    return (f"time: start-up {t['setup_s']:.1f} s, {t['per_case_ms']:.2f} ms per case on rank 0 "
+            f"({parts}; the rest: rank 0's report)")
 
 
 def _output_closed(cfg: Dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any, Dict, List, Optional
 
-__all__ = ["junit_counts", "pytest_log_counts", "check_summary", "bench_figures",
+__all__ = ["junit_counts", "merge_counts", "pytest_log_counts", "check_summary", "bench_figures",
            "overhead_figures", "load_json", "BIG_BYTES", "MiB"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,23 @@ def junit_counts(path: str) -> Optional[Dict[str, Any]]:
         if kind in ("failed", "errors") and len(out["failures"]) < _MAX_FAILURES:
             out["failures"].append({"id": tid, "kind": "error" if kind == "errors" else "failed",
                                     "message": msg.strip()[:_MAX_MESSAGE]})
+    return out
+
+
+def merge_counts(parts: List[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """The counts of a sharded stage: its shards' counts added up (None when none has any)."""
+    have = [c for c in parts if c]
+    if not have:
+        return None
+    out: Dict[str, Any] = {k: 0 for k in ("passed", "failed", "errors", "skipped", "total")}
+    out.update(failures=[], skipped_checks=[])
+    for c in have:
+        for k in ("passed", "failed", "errors", "skipped", "total"):
+            out[k] += int(c.get(k, 0))
+        out["failures"] += c.get("failures", [])
+        out["skipped_checks"] += c.get("skipped_checks", [])
+    out["failures"] = out["failures"][:_MAX_FAILURES]
+    out["skipped_checks"] = out["skipped_checks"][:_MAX_FAILURES]
     return out
 
 

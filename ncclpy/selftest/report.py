@@ -34,6 +34,7 @@ class StageResult:
     figures: Dict[str, Any] = field(default_factory=dict)
     files: List[str] = field(default_factory=list)
     log_tail: str = ""
+    start_s: float = 0.0            # when it started, seconds after the run did
 
 
 @dataclass
@@ -48,6 +49,8 @@ class RunRecord:
     info: Dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
     outdir: str = ""
+    setup: Dict[str, Any] = field(default_factory=dict)   # jobs, capacity, MPS, CTA limit
+    debt: Dict[str, Any] = field(default_factory=dict)    # the GPU debt after the run
 
 
 def exit_code(rec: RunRecord) -> int:
@@ -227,14 +230,20 @@ def paste_block(rec: RunRecord) -> str:
              f"- NCCL {v['nccl']}; CuPy {v['cupy']}; torch {v['torch']}; Python {v['python']}; "
              f"ncclpy {v['ncclpy']}",
              f"- Command: `{rec.command}` (budget {rec.budget_s:.0f} s, took "
-             f"{rec.elapsed_s:.0f} s)" + ("; INTERRUPTED" if rec.interrupted else ""),
-             "", "| stage | result | passed | failed | errors | skipped | time |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"{rec.elapsed_s:.0f} s)" + ("; INTERRUPTED" if rec.interrupted else "")]
+    if rec.setup:
+        st = rec.setup
+        lines.append(f"- Side by side: {st.get('jobs', 1)} commands at once, at most "
+                     f"{st.get('capacity', 0)} ranks; NCCL_MAX_CTAS {st.get('max_ctas', '?')}; "
+                     f"MPS {st.get('mps', '?')}")
+    lines += ["", "| stage | result | passed | failed | errors | skipped | time | start |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in rec.stages:
         t = "" if s.status == "not run" else f"{s.seconds:.0f} s"
+        at = "" if s.status == "not run" else f"{s.start_s:.0f} s"
         lines.append(f"| {s.name} | {_result(s)} | {_count(s, 'passed')} | "
                      f"{_count(s, 'failed')} | {_count(s, 'errors')} | {_count(s, 'skipped')} "
-                     f"| {t} |")
+                     f"| {t} | {at} |")
     lines.append("")
     lines += _figure_lines(rec.stages)
     failed = [f["id"] for s in rec.stages for f in (s.counts or {}).get("failures", [])]
@@ -253,7 +262,28 @@ def paste_block(rec: RunRecord) -> str:
         lines.append(f"- Not run: {', '.join(not_run)}")
     if unfinished or not_run:
         lines.append(f"- To finish: {_rerun(rec, unfinished + not_run)}")
+    lines += _debt_lines(rec.debt)
     return "\n".join(lines) + "\n"
+
+
+def _debt_lines(d: Dict[str, Any]) -> List[str]:
+    """The ledger and the GPU debt after the run (docs/gpu-ledger.json, issue 34)."""
+    if not d:
+        return []
+    if d.get("error"):
+        return [f"- GPU ledger: {d['error']}"]
+    out = [f"- GPU ledger: {d.get('ledger', '?')} updated with {d.get('recorded', 0)} results "
+           f"(commit it with this block)"]
+    if "debt" in d:
+        by = ", ".join(f"{k or 'no stage'} {v}" for k, v in (d.get("by_stage") or {}).items())
+        out.append(f"- GPU debt after this run: {d['debt']} of {d.get('items', '?')} items "
+                   f"({d.get('proven', 0)} proven, {d.get('version_skipped', 0)} skipped for "
+                   f"their NCCL version)" + (f"; by stage: {by}" if by else ""))
+        for item in (d.get("open") or [])[:12]:
+            out.append(f"  - {item}")
+        if len(d.get("open") or []) > 12 or d["debt"] > len(d.get("open") or []):
+            out.append("  - ... (python -m ncclpy.selftest --debt lists all)")
+    return out
 
 
 def report_md(rec: RunRecord) -> str:

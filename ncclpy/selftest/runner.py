@@ -1,28 +1,24 @@
-"""Run the stages: each command as a subprocess in its own process group, its output in the
-stage's log, bounded by the stage's timeout and by the run's global deadline.
-
-A command that reaches its bound gets SIGINT (pytest then still writes its junit file with what
-finished), ``grace_s`` seconds later SIGKILL for whatever is left of its process group; the
-stage is "did not finish" and the next stage runs.  Ctrl-C (KeyboardInterrupt) stops the running
-command the same way and ends the run: the stage is "interrupted", the rest "not run".  Every
-child dies with this process (``PR_SET_PDEATHSIG``), so none outlives a killed selftest.
+"""What the stages' commands run in and what they leave: each command's environment (the
+repository first on ``PYTHONPATH``, no inherited rank variables), its own process group, dying
+with this process (``PR_SET_PDEATHSIG``, so none outlives a killed selftest); reading a stage's
+files into its result (:func:`analyse`); packing them (:func:`pack`).  Running them, side by
+side and bounded, is :mod:`ncclpy.selftest.schedule`.
 """
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
 import os
 import signal
-import subprocess
 import tarfile
-import time
-from typing import Any, Callable, Dict, IO, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from . import parse as P
-from .report import StageResult, stage_line
-from .stages import RESERVE_S, Cmd, Ctx, Stage, commands, decide, prefix
+from .report import StageResult
+from .stages import Ctx, Stage, prefix, shard_prefix
 
-__all__ = ["run_stages", "run_command", "analyse", "pack", "child_env", "GRACE_S"]
+__all__ = ["analyse", "pack", "child_env", "GRACE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -69,64 +65,19 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def _stop(proc: "subprocess.Popen[bytes]", grace_s: float) -> None:
-    """SIGINT to the command's process group, then SIGKILL to what is left of it."""
-    _killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    except KeyboardInterrupt:      # a second Ctrl-C: no more grace
-        pass
-    _killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def run_command(cmd: Cmd, log_file: IO[bytes], timeout_s: float, cwd: str,
-                env: Dict[str, str], record: Dict[str, Any],
-                grace_s: float = GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
-    """Run ``cmd`` with its output appended to ``log_file``; fill ``record`` (rc, seconds,
-    timed_out).  KeyboardInterrupt stops the command, is recorded, and is raised again."""
-    record.update(argv=list(cmd.argv), shell=cmd.shell(), rc=None, seconds=0.0,
-                  timed_out=False)
-    log_file.write(f"$ {cmd.shell()}\n# bound {timeout_s:.0f} s\n".encode())
-    log_file.flush()
-    t0 = clock()
-    try:
-        proc = subprocess.Popen(list(cmd.argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log_file, stderr=subprocess.STDOUT,
-                                preexec_fn=_child_setup)
-    except OSError as e:
-        record.update(rc=127, error=f"{type(e).__name__}: {e}")
-        log_file.write(f"# could not start: {e}\n".encode())
-        return
-    try:
-        try:
-            record["rc"] = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            record["timed_out"] = True
-            _stop(proc, grace_s)
-            record["rc"] = proc.returncode
-        _killpg(proc.pid, signal.SIGKILL)     # ranks or helpers it left behind
-    except KeyboardInterrupt:
-        _stop(proc, grace_s)
-        record.update(rc=proc.returncode, interrupted=True)
-        raise
-    finally:
-        record["seconds"] = round(clock() - t0, 2)
-        how = ("stopped at its bound" if record["timed_out"] else
-               "interrupted" if record.get("interrupted") else "exited")
-        log_file.write(f"\n# {how}: exit status {record['rc']} after "
-                       f"{record['seconds']:.1f} s\n\n".encode())
-        log_file.flush()
-
-
 def _read(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read()
     except OSError:
         return ""
+
+
+def _logs(work: str, p: str) -> str:
+    """A stage's log, its shards' logs one after another."""
+    paths = sorted(glob.glob(os.path.join(glob.escape(work), f"{glob.escape(p)}.log")) +
+                   glob.glob(os.path.join(glob.escape(work), f"{glob.escape(p)}.s*.log")))
+    return "".join(_read(path) for path in paths)
 
 
 def _tail(text: str, lines: int = 25, chars: int = 3000) -> str:
@@ -148,14 +99,17 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
     reason = ""
     ok = bool(rcs) and all(rc == 0 for rc in rcs)
     if stage.kind == "pytest":
-        res.counts = (P.junit_counts(os.path.join(work, f"{p}.xml"))
-                      or P.pytest_log_counts(_read(os.path.join(work, f"{p}.log"))))
+        shards = [shard_prefix(stage, k) for k in range(1, max(1, stage.shards) + 1)]
+        res.counts = P.merge_counts([P.junit_counts(os.path.join(work, f"{sp}.xml"))
+                                     or P.pytest_log_counts(_read(os.path.join(work,
+                                                                                f"{sp}.log")))
+                                     for sp in shards])
         for n in stage.checks:
             c = P.check_summary(os.path.join(work, f"check-n{n}.json"))
             if c is not None:
                 res.figures[f"check_n{n}"] = c
         c = res.counts or {}
-        if not c and "No module named pytest" in _read(os.path.join(work, f"{p}.log")):
+        if not c and "No module named pytest" in _logs(work, p):
             ok, reason = False, "pytest is not installed here (pip install pytest pytest-timeout)"
         elif ok and c.get("passed", 0) == 0:
             ok = False
@@ -202,68 +156,21 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
             reason = f"exit status {bad[0]}" if bad and stage.kind != "pytest" else ""
     res.reason = reason if res.status == "failed" else ""
     if res.status != "passed" and not (res.counts or {}).get("failures"):
-        res.log_tail = _tail(_read(os.path.join(work, f"{p}.log")))
+        res.log_tail = _tail(_logs(work, p))
 
 
 def pack(work: str, outdir: str, name: str = "stages.tar.gz") -> str:
-    """Every file in ``work`` into ``outdir/name`` (as ``stages/<file>``), atomically."""
+    """Every file in ``work``, its folders' too (the ledger's ``trace/``), into ``outdir/name``
+    (as ``stages/<path>``), atomically."""
     dest = os.path.join(outdir, name)
     tmp = dest + ".part"
     with tarfile.open(tmp, "w:gz") as tar:
-        for f in sorted(os.listdir(work)):
-            path = os.path.join(work, f)
-            if os.path.isfile(path):
-                tar.add(path, arcname=f"stages/{f}")
+        for dirpath, dirnames, files in os.walk(work):
+            dirnames.sort()
+            for f in sorted(files):
+                path = os.path.join(dirpath, f)
+                if os.path.isfile(path) and not f.endswith(".part"):
+                    rel = os.path.relpath(path, work).replace(os.sep, "/")
+                    tar.add(path, arcname=f"stages/{rel}")
     os.replace(tmp, dest)
     return dest
-
-
-def run_stages(stages: Sequence[Stage], ctx: Ctx, root: str, budget_s: float, *,
-               say: Callable[[str], None] = print,
-               after_stage: Optional[Callable[[List[StageResult]], None]] = None,
-               grace_s: float = GRACE_S, clock: Callable[[], float] = time.monotonic,
-               ) -> Tuple[List[StageResult], bool]:
-    """Run ``stages`` in order within ``budget_s``; (one result per stage, interrupted?)."""
-    deadline = clock() + budget_s
-    results = [StageResult(s.name, s.title) for s in stages]
-    interrupted = False
-    for s, res in zip(stages, results):
-        if interrupted:
-            res.reason = "the run was interrupted first"
-            continue
-        run, timeout, why = decide(s, deadline - clock() - RESERVE_S)
-        if not run:
-            res.reason = why
-            say(f"[selftest] {s.name}: not run: {why}")
-            continue
-        res.timeout_s = timeout
-        say(f"[selftest] {s.name}: {s.title} (bound {timeout:.0f} s)")
-        t0 = clock()
-        try:
-            with open(os.path.join(ctx.work, f"{prefix(s)}.log"), "ab") as lf:
-                for cmd in commands(s, ctx):
-                    left = t0 + timeout - clock()
-                    rec: Dict[str, Any] = {}
-                    res.commands.append(rec)
-                    if left <= 1:
-                        rec.update(argv=list(cmd.argv), shell=cmd.shell(), rc=None,
-                                   seconds=0.0, timed_out=True)
-                        break
-                    run_command(cmd, lf, left, root, child_env(root, cmd.env), rec,
-                                grace_s=grace_s, clock=clock)
-                    if rec.get("timed_out"):
-                        break
-        except KeyboardInterrupt:
-            interrupted = True
-        res.seconds = round(clock() - t0, 2)
-        try:
-            analyse(s, res, ctx)
-            if interrupted:
-                res.status = "interrupted"
-            say(f"[selftest] {stage_line(res)}")
-            if after_stage is not None:
-                after_stage(results)
-        except KeyboardInterrupt:
-            interrupted = True
-            res.status = "interrupted"
-    return results, interrupted

@@ -1,9 +1,16 @@
-"""The selftest's stages: what each runs, its time bound, and which of them a run does.
+"""The selftest's stages: what each runs, its time bound, how many ranks it runs at once, and
+which of them a run does.
 
 Pure data and arithmetic, no GPU and no subprocess: :func:`select` turns ``--stage`` names into
-the ordered list to run, :func:`decide` says whether a stage still fits the time left and with
-which timeout, and :func:`commands` gives a stage's exact command lines for a context (the
-Python to use, the folder its files go to).
+the list to run, :func:`decide` says whether a stage still fits the time left and with which
+timeout, :func:`shard_commands` gives a stage's exact command lines for a context (the Python to
+use, the folder its files go to; a sharded pytest stage is several pytest processes that run at
+once), and :func:`stage_of` says which stage runs a given GPU test (the same selection the
+commands make: files, ignored files, world sizes).
+
+Concurrency (:mod:`ncclpy.selftest.schedule`): the stages that time nothing run side by side on
+the one GPU, within a budget of ranks at once (``ranks`` is a stage's weight, per shard); the
+ones that time something (``exclusive``: bench, overhead) run alone.
 """
 from __future__ import annotations
 
@@ -12,12 +19,14 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Cmd", "Ctx", "Stage", "STAGES", "NAMES", "DEFAULT_BUDGET_S", "RESERVE_S",
-           "ARTIFACTS_ENV", "select", "decide", "commands", "prefix", "by_name"]
+           "ARTIFACTS_ENV", "select", "decide", "commands", "shard_commands", "prefix",
+           "by_name", "stage_of", "TIMED"]
 
-#: default global deadline (seconds): the device tool stops a command at 600 s
-DEFAULT_BUDGET_S = 540.0
+#: default global deadline (seconds): the whole proof in one device call, leaving time in a
+#: session's 15 minutes of device time for a second call that reruns what failed
+DEFAULT_BUDGET_S = 480.0
 #: seconds kept back from the budget: a stopped command's grace (runner.GRACE_S, 15 s), then
-#: packing the logs and writing the report
+#: packing the logs, the ledger and the report
 RESERVE_S = 25.0
 #: environment variable through which GPU tests leave artifacts (check JSON) for the report
 ARTIFACTS_ENV = "NCCLPY_GPU_ARTIFACTS"
@@ -50,64 +59,81 @@ class Ctx:
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage: ``timeout_s`` bounds it; it is not started with less than ``min_s`` left."""
+    """A stage: ``timeout_s`` bounds it; it is not started with less than ``min_s`` left.
+
+    ``ranks``: the most ranks it runs at once (per shard); ``exclusive``: it times something
+    and runs alone; ``shards``: a pytest stage's tests split over this many pytest processes
+    that run at once (``--gpu-shard K/N``).  A pytest stage selects ``paths`` minus ``ignore``,
+    keeping the tests whose largest world size is in ``worlds`` (all when empty)."""
 
     name: str
     title: str
     kind: str                       # info | pytest | bench | overhead | cmd
     timeout_s: float
     min_s: float
-    args: Tuple[str, ...] = ()      # what the stage runs (kind-specific, see commands())
+    args: Tuple[str, ...] = ()      # bench/overhead/cmd: their arguments
     checks: Tuple[int, ...] = ()    # world sizes whose ``ncclpy check`` JSON the stage leaves
     notes: str = ""
+    ranks: int = 1
+    exclusive: bool = False
+    shards: int = 1
+    paths: Tuple[str, ...] = ()
+    ignore: Tuple[str, ...] = ()
+    worlds: Tuple[int, ...] = ()
 
 
 _GPU = "tests/gpu"
 _CHECK = "tests/gpu/test_check_gpu.py"
 _FORENSICS = "tests/gpu/test_forensics_gpu.py"
 _PART2 = "tests/gpu/test_part2_gpu.py"
-_NOT_COMM = ("--ignore=tests/gpu/test_examples_gpu.py", "--ignore=tests/gpu/test_bench_gpu.py",
-             f"--ignore={_FORENSICS}", f"--ignore={_PART2}")
-_NOT_CHECK = f"--ignore={_CHECK}"
+_EXAMPLES = "tests/gpu/test_examples_gpu.py"
+_BENCH = "tests/gpu/test_bench_gpu.py"
+#: the GPU test files with a stage of their own; the rest are the communicator's tests
+_OWN = (_CHECK, _FORENSICS, _PART2, _EXAMPLES, _BENCH)
 
 STAGES: Tuple[Stage, ...] = (
-    Stage("info", "versions and ncclpy info", "info", 60, 20,
+    Stage("info", "versions and ncclpy info", "info", 60, 20, ranks=0,
           notes="Python, GPU, driver, NCCL, CuPy, torch (+CUDA, NCCL), MPS; `ncclpy info`"),
-    Stage("gpu2", "GPU tests at world sizes 1-2", "pytest", 240, 90,
-          args=(_GPU, "--gpu-worlds", "1,2", *_NOT_COMM, _NOT_CHECK),
+    Stage("gpu2", "GPU tests at world sizes 1-2", "pytest", 300, 90, ranks=2, shards=2,
+          paths=(_GPU,), ignore=_OWN, worlds=(1, 2),
           notes="collective matrix at 1 and 2 ranks, streams, graphs, registration, "
-                "nonblocking, split, NCCL_COMM_BLOCKING=0, torch tensors"),
+                "nonblocking, split, NCCL_COMM_BLOCKING=0, torch tensors, lifecycle, host "
+                "API, torch interop, prepared calls"),
     Stage("check2", "ncclpy check -n 2 --backend nccl, bit for bit against torch", "pytest",
-          360, 120, args=(_CHECK, "--gpu-worlds", "2"), checks=(2,),
+          300, 90, ranks=2, shards=2, paths=(_CHECK,), worlds=(2,), checks=(2,),
           notes="CUDA_VISIBLE_DEVICES=0 (both ranks on one GPU), JSON kept; injected "
-                "corruption must fail"),
-    Stage("worlds34", "GPU tests at world sizes 3-4", "pytest", 240, 90,
-          args=(_GPU, "--gpu-worlds", "3,4", *_NOT_COMM, _NOT_CHECK),
-          notes="collective matrix at 3 and 4 ranks, split, nonblocking split"),
+                "corruption must fail; --window"),
+    Stage("worlds34", "GPU tests at world sizes 3-4", "pytest", 240, 60, ranks=4,
+          paths=(_GPU,), ignore=_OWN, worlds=(3, 4),
+          notes="collective matrix at 3 and 4 ranks, split, nonblocking split, the "
+                "watchdog's aborts (3-rank jobs)"),
     Stage("part2", "NCCL 2.27-2.32 part 2: windows, RMA, shrink, grow, suspend", "pytest",
-          300, 90, args=(_PART2,),
+          300, 60, ranks=3, paths=(_PART2,),
           notes="window collectives vs the reference, put/signal/wait, suspend/resume with "
                 "memory statistics, revoke+shrink; 3-rank jobs: shrink after a SIGKILLed rank, "
                 "grow 2 -> 3"),
     Stage("check4", "ncclpy check -n 4 --backend nccl, bit for bit against torch", "pytest",
-          420, 120, args=(_CHECK, "--gpu-worlds", "4"), checks=(4,),
+          360, 90, ranks=4, paths=(_CHECK,), worlds=(4,), checks=(4,),
           notes="4 ranks on one GPU"),
-    Stage("bench", "bench sweep all_reduce 8 B - 256 MiB, n=2, ncclpy/cupy/torch", "bench",
-          240, 60, args=("all_reduce", "-b", "8", "-e", "256M", "-f", "2", "--nproc", "2",
-                         "--device", "cuda", "--backend", "ncclpy,cupy,torch")),
-    Stage("overhead", "host overhead per call, n=2, ncclpy/cupy/torch", "overhead", 150, 45,
-          args=("--nproc", "2", "--backend", "ncclpy,cupy,torch")),
-    Stage("examples", "every example, spawned and under ncclpy run", "pytest", 480, 120,
-          args=("tests/gpu/test_examples_gpu.py",)),
+    Stage("examples", "every example, spawned and under ncclpy run", "pytest", 360, 90,
+          ranks=6, shards=2, paths=(_EXAMPLES,)),
     Stage("benchtests", "bench GPU tests (every collective, dtypes, graphs, torch)", "pytest",
-          480, 120, args=("tests/gpu/test_bench_gpu.py",)),
+          360, 90, ranks=2, shards=2, paths=(_BENCH,)),
     Stage("forensics", "hang forensics: flight recorder, ncclpy trace, ncclpy status", "pytest",
-          360, 90, args=(_FORENSICS,),
+          300, 90, ranks=3, shards=2, paths=(_FORENSICS,),
           notes="3-rank jobs on one GPU: a skipped collective, a send without its recv (and "
                 "the status table showing it blocked), a SIGSTOPped rank, the status table "
                 "while a job hangs"),
+    Stage("bench", "bench sweep all_reduce 8 B - 256 MiB, n=2, ncclpy/cupy/torch", "bench",
+          150, 45, ranks=2, exclusive=True,
+          args=("all_reduce", "-b", "8", "-e", "256M", "-f", "2", "--nproc", "2",
+                "--device", "cuda", "--backend", "ncclpy,cupy,torch")),
+    Stage("overhead", "host overhead per call, n=2, ncclpy/cupy/torch", "overhead", 120, 30,
+          ranks=2, exclusive=True, args=("--nproc", "2", "--backend", "ncclpy,cupy,torch")),
 )
 NAMES: Tuple[str, ...] = tuple(s.name for s in STAGES)
+#: the stages whose result is a stage, not tests (the GPU ledger records them as items)
+TIMED: Tuple[str, ...] = tuple(s.name for s in STAGES if s.kind in ("bench", "overhead"))
 
 
 def by_name(name: str) -> Stage:
@@ -119,7 +145,7 @@ def by_name(name: str) -> Stage:
 
 
 def select(names: Optional[Sequence[str]] = None) -> List[Stage]:
-    """The stages to run, in the fixed order (most valuable first), each once.
+    """The stages to run, in the fixed order, each once.
 
     ``None`` or empty: all of them.  Otherwise the named ones, plus ``info`` (always first: the
     record of a run needs its versions).  Unknown names raise ValueError listing the names.
@@ -151,24 +177,69 @@ def prefix(stage: Stage) -> str:
     return f"{number:02d}-{stage.name}"
 
 
-def commands(stage: Stage, ctx: Ctx) -> List[Cmd]:
-    """The exact command lines of ``stage`` (run from the repository root)."""
-    p, work = prefix(stage), ctx.work
-    py = ctx.python
+def shard_prefix(stage: Stage, k: int) -> str:
+    """File-name prefix of shard ``k`` (1-based): the stage's own when it has one shard."""
+    return prefix(stage) if stage.shards <= 1 else f"{prefix(stage)}.s{k}"
+
+
+def _pytest_args(stage: Stage) -> List[str]:
+    args = list(stage.paths or stage.args)
+    args += [f"--ignore={p}" for p in stage.ignore]
+    if stage.worlds:
+        args += ["--gpu-worlds", ",".join(str(w) for w in stage.worlds)]
+    return args
+
+
+def shard_commands(stage: Stage, ctx: Ctx) -> List[List[Cmd]]:
+    """The exact command lines of ``stage`` (run from the repository root): one list per shard;
+    the shards run at once, the commands of a shard one after another."""
+    work, py = ctx.work, ctx.python
+    p = prefix(stage)
     if stage.kind == "info":
-        return [Cmd((py, "-m", "ncclpy.selftest.probe", os.path.join(work, f"{p}.json"))),
-                Cmd((py, "-m", "ncclpy", "info", "--torch"))]
+        return [[Cmd((py, "-m", "ncclpy.selftest.probe", os.path.join(work, f"{p}.json"))),
+                 Cmd((py, "-m", "ncclpy", "info", "--torch"))]]
     if stage.kind == "pytest":
-        return [Cmd((py, "-m", "pytest", *stage.args, "-m", "gpu", "-q", "-rfEs",
-                     "-p", "no:cacheprovider", f"--junitxml={os.path.join(work, p + '.xml')}",
-                     f"--basetemp={os.path.join(ctx.tmp, p)}"),
-                    env=((ARTIFACTS_ENV, work),))]
+        out = []
+        for k in range(1, max(1, stage.shards) + 1):
+            sp = shard_prefix(stage, k)
+            shard = ["--gpu-shard", f"{k}/{stage.shards}"] if stage.shards > 1 else []
+            out.append([Cmd((py, "-m", "pytest", *_pytest_args(stage), *shard, "-m", "gpu", "-q",
+                             "-rfEs", "-p", "no:cacheprovider",
+                             "-p", "ncclpy.selftest.ledger_plugin",
+                             f"--junitxml={os.path.join(work, sp + '.xml')}",
+                             f"--basetemp={os.path.join(ctx.tmp, sp)}"),
+                            env=((ARTIFACTS_ENV, work),))])
+        return out
     if stage.kind == "bench":
-        return [Cmd((py, "-m", "bench", *stage.args, "-J", os.path.join(work, f"{p}.json")))]
+        return [[Cmd((py, "-m", "bench", *stage.args, "-J", os.path.join(work, f"{p}.json")))]]
     if stage.kind == "overhead":
-        return [Cmd((py, "-m", "bench.overhead", *stage.args,
-                     "-J", os.path.join(work, f"{p}.json")))]
+        return [[Cmd((py, "-m", "bench.overhead", *stage.args,
+                      "-J", os.path.join(work, f"{p}.json")))]]
     if stage.kind == "cmd":           # ``python ARGS``: for stages made outside STAGES
-        return [Cmd((py, *stage.args))]
+        return [[Cmd((py, *stage.args))]]
     raise ValueError(f"stage {stage.name}: unknown kind {stage.kind!r}")
 
+
+def commands(stage: Stage, ctx: Ctx) -> List[Cmd]:
+    """Every command line of ``stage``, shard after shard (what ``--list`` shows)."""
+    return [c for shard in shard_commands(stage, ctx) for c in shard]
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def stage_of(test_id: str, worlds: Sequence[int]) -> Optional[str]:
+    """The stage that runs GPU test ``test_id`` (a pytest node id from the repository root)
+    whose ``gpu_world`` marks say ``worlds``; None when no stage selects it."""
+    path = test_id.split("::", 1)[0]
+    top = max(worlds) if worlds else None
+    for s in STAGES:
+        if s.kind != "pytest" or not any(_under(path, p) for p in s.paths):
+            continue
+        if any(_under(path, p) for p in s.ignore):
+            continue
+        if s.worlds and (top is None or top not in s.worlds):
+            continue
+        return s.name
+    return None

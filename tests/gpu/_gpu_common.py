@@ -37,21 +37,33 @@ class Skip(Exception):
 
 
 def need_nccl(s: Any, code: int, what: str) -> None:
-    """Skip the check (with the versions) where the session's NCCL predates ``code``."""
+    """Skip the check where the session's NCCL predates ``code``, in the words the GPU ledger
+    reads as "skipped for its NCCL version" (``NCCL 2.28.9 < 2.29.2: ...``)."""
     if s.comm.nccl_version < code:
-        raise Skip(f"{what} needs NCCL >= {code}; this is {s.comm.nccl_version}")
+        from ncclpy.ops import format_version as fmt
+        raise Skip(f"NCCL {fmt(s.comm.nccl_version)} < {fmt(code)}: {what} needs it")
 
 
 # -- recording ----------------------------------------------------------------------------
 
 class Recorder:
+    """One JSON line per check in ``<outdir>/rank<r>.jsonl``, and a watchdog thread that ends
+    the rank when a check makes no progress for ``hang_s``.  :meth:`close` ends both: a pooled
+    rank (tests/rank_pool.py) runs many workers, one after another."""
+
     def __init__(self, outdir: str, rank: int, hang_s: float = HANG_S) -> None:
         self._f = open(os.path.join(outdir, f"rank{rank}.jsonl"), "a", buffering=1)
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self.current: Optional[str] = None
         self.started = 0.0
         self.hang_s = hang_s
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._f.close()
 
     def write(self, rec: Dict[str, Any]) -> None:
         with self._lock:
@@ -59,8 +71,7 @@ class Recorder:
             self._f.flush()
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(1.0)
+        while not self._stop.wait(1.0):
             cur, t0 = self.current, self.started
             if cur is not None and time.monotonic() - t0 > self.hang_s:
                 self.write({"name": cur, "ok": False,
@@ -131,6 +142,23 @@ class Session:
             self.comm.close()
         except Exception as e:
             self.rec.write({"name": "_close", "ok": False, "error": repr(e)})
+        self.rec.close()
+
+
+def warm_up(rank: int) -> None:
+    """A pooled rank's one-time start-up (tests/rank_pool.py): the imports and the CUDA context
+    every worker would otherwise pay for.  Best effort: without a GPU it warms what it can."""
+    import ncclpy.comm  # noqa: F401 - the communicator's modules
+    try:
+        import torch  # noqa: F401 - several workers use it; importing it takes seconds
+    except Exception:  # noqa: BLE001 - not installed: the workers that need it say so
+        pass
+    try:
+        import cupy
+        cupy.cuda.Device(int(os.environ.get("NCCLPY_DEVICE", "0"))).use()
+        cupy.zeros(1)                   # creates the context on this rank's device
+    except Exception:  # noqa: BLE001 - no CUDA here: the workers skip or fail with the reason
+        pass
 
 
 # -- dtypes: host encoding, device placement, expected values -----------------------------

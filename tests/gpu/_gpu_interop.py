@@ -70,3 +70,4 @@ def torch_interop(rank: int, outdir: str) -> None:
         comm.close()
     dist.barrier()
     dist.destroy_process_group()
+    rec.close()

@@ -66,7 +66,7 @@ def test_revoke_then_shrink_without_a_failure(part2_run):
 def _job(scenario: str) -> Dict[int, dict]:
     """``ncclpy run -n 3 --keep-going`` of the scenario: {rank: its RESULT}, and the run."""
     env = {k: v for k, v in os.environ.items() if k != "NCCLPY_STORE_TOKEN"}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env.setdefault("NCCLPY_TIMEOUT", "60")
     p = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "3", "--keep-going",
                         "--grace", "5", "--timeout", str(JOB_S - 20),

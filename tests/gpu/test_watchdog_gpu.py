@@ -45,7 +45,8 @@ def _run(mode: str, n: int, outdir: str) -> list:
             env.update(plan.env(r), NCCLPY_RANK=str(r), NCCLPY_WORLD_SIZE=str(n),
                        NCCLPY_LOCAL_RANK=str(r), NCCLPY_LOCAL_WORLD_SIZE=str(n),
                        NCCLPY_MASTER_ADDR="127.0.0.1", NCCLPY_MASTER_PORT=str(port),
-                       NCCLPY_TIMEOUT=str(TIMEOUT), PYTHONPATH=ROOT)
+                       NCCLPY_TIMEOUT=str(TIMEOUT), PYTHONPATH=os.pathsep.join(
+                           p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
             ps.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_gpu_watchdog.py"),
                                         mode, outdir], env=env))
         for p in ps:
