@@ -178,7 +178,9 @@ class StandIn:
 
     # -- streams --------------------------------------------------------------------------------
     def skey(self, stream: int, device: Optional[int] = None) -> Tuple[int, int]:
-        """Legacy/per-thread default streams are per device; others are global handles."""
+        """Legacy/per-thread default streams are per device; others are global handles
+        (``stream``: as C passed it, None for a NULL ``cudaStream_t``)."""
+        stream = int(stream or 0)
         if stream in (0, 1, 2):
             return (self.tls().device if device is None else device, stream)
         return (-1, stream)
@@ -328,6 +330,8 @@ class StandInCuda:
     def __init__(self, eng: StandIn) -> None:
         self.e = eng
         self.local_capture_threads: List[int] = []
+        self.modes: Dict[int, int] = {}            # thread -> CUstreamCaptureMode (0 global)
+        self.captures: Dict[Tuple[int, int], Dict[str, Any]] = {}   # stream key -> capture
 
     def device_count(self) -> int:
         return self.e.ndev
@@ -361,11 +365,43 @@ class StandInCuda:
     def stream_is_capturing(self, stream: int) -> bool:
         return self.e.skey(stream) in self.e.capturing
 
-    def begin_capture(self, stream: int) -> None:
-        self.e.capturing[self.e.skey(stream)] = []
+    def begin_capture(self, stream: int, mode: int = 0) -> None:
+        """cudaStreamBeginCapture in ``mode`` (0 global: torch.cuda.graph's default)."""
+        key = self.e.skey(stream)
+        self.e.capturing[key] = []
+        self.captures[key] = {"thread": threading.get_ident(), "mode": mode, "invalid": ""}
 
     def end_capture(self, stream: int) -> Graph:
-        return Graph(self.e.capturing.pop(self.e.skey(stream)))
+        key = self.e.skey(stream)
+        info = self.captures.pop(key, None)
+        makers = self.e.capturing.pop(key)
+        if info is not None and info["invalid"]:
+            raise StandInCudaError(f"cudaErrorStreamCaptureInvalidated: {info['invalid']}")
+        return Graph(makers)
+
+    # CUDA's stream-capture interaction modes (cudaThreadExchangeStreamCaptureMode): a thread
+    # in the global mode is prohibited from potentially unsafe calls (cudaEventQuery among
+    # them) while any thread captures in the global mode, or while it captures itself; the
+    # thread-local mode only while it captures itself; the relaxed mode never.  A prohibited
+    # call fails with cudaErrorStreamCaptureUnsupported and invalidates the capture.
+    def exchange_capture_mode(self, mode: int) -> int:
+        t = threading.get_ident()
+        prev = self.modes.get(t, 0)
+        self.modes[t] = int(mode)
+        return prev
+
+    def _prohibited(self, call: str) -> None:
+        me = threading.get_ident()
+        mode = self.modes.get(me, 0)
+        if mode == 2:
+            return
+        hit = [info for info in self.captures.values() if info["mode"] != 2 and (
+            info["thread"] == me or (mode == 0 and info["mode"] == 0))]
+        for info in hit:
+            info["invalid"] = info["invalid"] or f"{call} from a thread in the global mode"
+        if hit:
+            raise StandInCudaError(f"cudaErrorStreamCaptureUnsupported: {call} during a "
+                                   f"stream capture")
 
     def launch(self, graph: Graph, stream: int) -> None:
         for make in graph.makers:
@@ -387,6 +423,7 @@ class StandInCuda:
 
     def event_query(self, event: int) -> bool:
         e = self.e
+        self._prohibited("cudaEventQuery")
         with e.lock:
             deps = e.events.get(event)
             if deps is None:
@@ -426,6 +463,7 @@ class StandInCuda:
 
     def thread_capture_mode_local(self) -> bool:
         self.local_capture_threads.append(threading.get_ident())
+        self.exchange_capture_mode(1)
         return True
 
     def synchronize(self, stream: int, timeout: float = 10.0) -> None:
@@ -454,6 +492,7 @@ def standin(**kw: Any) -> Iterator[StandIn]:
     try:
         with _lib.use_lib(eng.nccl), _cuda.use(eng.cuda):
             yield eng
+        eng.nccl.cdll.raise_pending()      # a stand-in function raised inside a C call
     finally:
         work._pools.clear()
         work._pools.update(pools)

@@ -5,21 +5,23 @@ never makes a GPU test pass.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import threading
 import time
-from collections import defaultdict
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Tuple
 
 from ncclpy._nccl import lib as _lib
 from ncclpy._nccl.config import NcclConfigStruct
+from ncclpy._nccl.group import SimInfoStruct
 
-from nccl_standin import (_BY_ENUM, INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
-                          SYSTEM, StandIn, _Comm, _Item, _Mem, _Op, _World)
+from nccl_standin_abi import StandInCDLL
+
+from nccl_standin import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM,
+                          UNHANDLED_CUDA, StandIn, _Comm, _Mem, _World)
 
 from nccl_standin_part2 import StandInPart2, PART2_HANDLE_FIRST, PART2_HANDLE_LAST  # noqa: E402
+from nccl_standin_colls import StandInColls, live_ops  # noqa: E402
 
 __all__ = ["StandInNccl"]
 
@@ -32,9 +34,11 @@ class _NcclError(Exception):
         self.status = status
 
 
-class StandInNccl(StandInPart2, _lib.NcclLib):
-    """:class:`ncclpy._nccl.lib.NcclLib` with its C functions replaced by the engine's.
-    Everything NcclLib builds on top of them (errors, checks, async_error, init through
+class StandInNccl(StandInColls, StandInPart2, _lib.NcclLib):
+    """:class:`ncclpy._nccl.lib.NcclLib` with its C library replaced by the engine's
+    (:class:`nccl_standin_abi.StandInCDLL`: C function pointers bound with ncclpy's own
+    declarations, so every argument goes through ctypes as for the real call).  Everything
+    NcclLib builds on top (``fn``, errors, checks, async_error, init through
     ``ncclCommInitRankConfig``, repair of the group depth) is NcclLib's own code."""
 
     def __init__(self, eng: StandIn) -> None:
@@ -45,20 +49,11 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
         self._fns = {}
         self._seen_error = ""
         self.last_text = b""
+        # NcclLib.fn binds these exactly as the real libnccl's exports (see nccl_standin_abi)
+        self.cdll = StandInCDLL(self, self._enter)
         self.cupy_nccl = SimpleNamespace(NcclError=_NcclError, NcclCommunicator=self._cupy_comm,
                                          get_version=lambda: eng.version,
                                          check_status=self._cupy_check)
-
-    def fn(self, name: str, check_version: bool = True) -> Callable:
-        if check_version:
-            _lib.require_version(name, self.version, self.path)
-        impl = getattr(self, "_" + name, None)
-        if impl is None:
-            raise AttributeError(f"stand-in has no {name}")
-
-        def call(*args: Any) -> Any:
-            return self._enter(name, impl, args)
-        return call
 
     # -- bookkeeping common to every call ----------------------------------------------------
     def _enter(self, name: str, impl: Callable, args: Tuple[Any, ...]) -> Any:
@@ -73,6 +68,13 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
                 return code
             c = e.comms.get(h) if h else None
             if c is not None:
+                others = [n for t, n in c.busy.items() if t != me]
+                if others and name != "ncclCommAbort":   # (abort: its own rule, below)
+                    # NCCL's calls are not thread-safe on one communicator (docs: Thread
+                    # Safety); ncclCommGetAsyncError of a nonblocking one completes and frees
+                    # its group job (init.cc ncclCommGetAsyncError -> ncclGroupJobComplete)
+                    e.violations.append(f"two threads inside NCCL on one communicator (rank "
+                                        f"{c.rank}): {name} while {','.join(others)}")
                 c.busy[me] = name
                 if getattr(c, "suspended", False) and name not in (
                         "ncclCommResume", "ncclCommMemStats", "ncclCommAbort",
@@ -94,19 +96,20 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
 
     # -- errors and versions --------------------------------------------------------------------
     def _ncclGetVersion(self, out: Any) -> int:
-        out._obj.value = self.version
+        out[0] = self.version
         return SUCCESS
 
     def _ncclGetErrorString(self, code: int) -> bytes:
-        return {0: b"no error", 4: b"invalid argument", 5: b"invalid usage",
-                6: b"remote process exited or there was a network error",
-                7: b"NCCL operation in progress"}.get(code, b"unhandled error")
+        """init.cc ncclGetErrorString (2.28.9-dev): NCCL's texts; 8 ("timeout") from 2.30."""
+        if code == 8 and self.version >= 23000:
+            return b"timeout"
+        return _ERROR_STRINGS.get(code, b"unknown result code")
 
     def _ncclGetLastError(self, comm: Any) -> bytes:
         return self.last_text
 
     def _ncclGetUniqueId(self, out: Any) -> int:
-        ctypes.memmove(ctypes.addressof(out._obj), os.urandom(128), 128)
+        ctypes.memmove(ctypes.addressof(out.contents), os.urandom(128), 128)
         return SUCCESS
 
     # -- communicators --------------------------------------------------------------------------
@@ -121,8 +124,8 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
             if rank in w.joined:
                 e.violations.append(f"rank {rank} joined twice")
             w.joined[rank] = h
-            if nonblocking:
-                c.async_state = IN_PROGRESS
+            if nonblocking:           # the init job takes a few polls, as NCCL's thread does
+                c.async_state, c.polls_left = IN_PROGRESS, e.polls
         return h
 
     def _wait_world(self, c: _Comm, timeout: float = 30.0) -> int:
@@ -137,9 +140,14 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
 
     def _ncclCommInitRankConfig(self, out: Any, nranks: int, uid: Any, rank: int,
                                 cfg: Any) -> int:
+        """init.cc ncclCommInitRankDev: a rank outside [0, nranks) -> 4, nothing written."""
+        if nranks < 1 or not 0 <= rank < nranks:
+            self.last_text = f"Invalid rank requested : {rank}/{nranks}".encode()
+            return INVALID_ARG
         nb = bool(cfg) and NcclConfigStruct.from_address(int(cfg)).blocking == 0
         h = self._join(int(nranks), uid.to_bytes(), int(rank), nb)
-        out._obj.value = h
+        self.e.comms[h].rma_cfg = _rma_cfg(cfg)
+        out[0] = h
         if nb:
             return IN_PROGRESS
         return self._wait_world(self.e.comms[h])
@@ -151,7 +159,7 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
         self.e.scalable_ids.append((int(rank), raw))
         nb = bool(cfg) and NcclConfigStruct.from_address(int(cfg)).blocking == 0
         h = self._join(int(nranks), raw[:128], int(rank), nb)
-        out._obj.value = h
+        out[0] = h
         if nb:
             return IN_PROGRESS
         return self._wait_world(self.e.comms[h])
@@ -164,17 +172,27 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
         with e.lock:
             e.progress()
             if h in e.async_fail:
-                out._obj.value = e.async_fail[h]
+                out[0] = e.async_fail[h]
                 return SUCCESS
+            pending = getattr(c, "pending", None)
+            if pending:                      # group tasks run asynchronously (windows)
+                codes = [task() for task in pending]
+                c.pending = [t for t, code in zip(pending, codes) if code == IN_PROGRESS]
+                bad = [code for code in codes if code not in (SUCCESS, IN_PROGRESS)]
+                if bad:
+                    c.async_state, c.pending = bad[0], []
+                elif c.pending:
+                    out[0] = IN_PROGRESS
+                    return SUCCESS
             if c.async_state == IN_PROGRESS:
                 if len(c.world.joined) < c.world.nranks:
-                    out._obj.value = IN_PROGRESS
+                    out[0] = IN_PROGRESS
                     return SUCCESS
                 if c.polls_left > 0:
                     c.polls_left -= 1
                 else:
                     c.async_state = SUCCESS
-            out._obj.value = c.async_state
+            out[0] = c.async_state
         return SUCCESS
 
     def _in_progress(self, c: _Comm) -> int:
@@ -183,19 +201,58 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
             return IN_PROGRESS
         return SUCCESS
 
+    def _ready(self, c: _Comm) -> int:
+        """init.cc ncclCommEnsureReady (2.28.9-dev): with the abort flag set -> 0 (the group
+        job is aborted); else the comm's async state, read by a poll: 7 -> **4** ("Attempt to
+        use communicator before the previous operation returned ncclSuccess"), any other
+        error as it is.  Collectives, p2p, queries, PreMulSum, finalize, destroy, split,
+        shrink, grow and ncclCommGetUniqueId call it."""
+        if c.abort_flag:
+            return SUCCESS
+        st = (ctypes.c_int * 1)()
+        self._ncclCommGetAsyncError(c.handle, st)
+        if st[0] == IN_PROGRESS:
+            self.last_text = (b"Attempt to use communicator before the previous operation "
+                              b"returned ncclSuccess")
+            return INVALID_ARG
+        return st[0]
+
+    def _group_err(self, code: int) -> int:
+        """group.h ncclGroupErrCheck: inside a group, a failure (not 0, not 7) is remembered
+        and returned by the outermost ncclGroupEnd, which then drops the group's work."""
+        t = self.e.tls()
+        if t.group_depth and code not in (SUCCESS, IN_PROGRESS):
+            t.group_error = code
+        return code
+
     def _ncclCommFinalize(self, h: int) -> int:
+        """init.cc ncclCommFinalize (2.28.9-dev): NULL -> 0; EnsureReady; a second finalize,
+        or one after ncclCommRevoke (which sets finalizeCalled) -> 4, and on a nonblocking
+        comm the async error becomes 4.  Both are also violations (ncclpy must never)."""
         e = self.e
+        if not h:
+            return SUCCESS
         c = e.comm(h, "ncclCommFinalize")
         if c is None:
             return INVALID_ARG
-        if c.finalized:
-            e.violations.append(f"ncclCommFinalize twice (rank {c.rank})")
-        if getattr(c, "revoked", False):      # nccl.h: finalize after revoke is invalid
-            e.violations.append(f"ncclCommFinalize after ncclCommRevoke (rank {c.rank})")
-        c.finalized = True
-        if e.graph_refs.get(h, 0) > 0:   # NCCL >= 2.26 polls until every graph died
+        code = self._ready(c)
+        if code == SUCCESS and c.finalized:
+            if getattr(c, "revoked", False):    # nccl.h: finalize after revoke is invalid
+                e.violations.append(f"ncclCommFinalize after ncclCommRevoke (rank {c.rank})")
+            else:
+                e.violations.append(f"ncclCommFinalize twice (rank {c.rank})")
+            code = INVALID_ARG
             if c.nonblocking:
-                c.async_state, c.polls_left = IN_PROGRESS, 10 ** 9
+                c.async_state = INVALID_ARG
+        if code:
+            return self._group_err(code)
+        c.finalized = True
+        if e.graph_refs.get(h, 0) > 0:   # commDestroySync polls until every graph died (2.24+)
+            if c.nonblocking:
+                def graphs_gone() -> int:
+                    return IN_PROGRESS if e.graph_refs.get(h, 0) > 0 else SUCCESS
+                c.pending = getattr(c, "pending", []) + [graphs_gone]
+                c.async_state, c.polls_left = IN_PROGRESS, 0
                 return IN_PROGRESS
             while e.graph_refs.get(h, 0) > 0 and not c.abort_flag:
                 time.sleep(0.005)
@@ -203,19 +260,39 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
         return self._in_progress(c)
 
     def _ncclCommDestroy(self, h: int) -> int:
+        """init.cc ncclCommDestroy (2.28.9-dev): NULL -> 0; always blocking; EnsureReady's
+        failure (4 while in progress, or the comm's async error) returns through NCCLCHECK
+        after ncclGroupStartInternal, so this thread's group depth stays one too high."""
         e = self.e
+        if not h:
+            return SUCCESS
         c = e.comm(h, "ncclCommDestroy")
         if c is None:
             return INVALID_ARG
-        if getattr(c, "revoked", False):      # its barrier may wait for dead ranks
+        code = self._ready(c)
+        if code:
+            e.tls().group_depth += 1             # NCCL's leak, modelled
+            return code
+        # NCCL allows destroying a revoked comm (nccl.h ncclCommRevoke); ncclpy's own rule
+        # (ncclpy/comm/membership.py) closes a revoked or shrink-aborted parent with abort
+        if getattr(c, "revoked", False) or getattr(c, "shrink_aborted", False):
             e.violations.append(f"ncclCommDestroy of a revoked communicator (rank {c.rank})")
         c.freed = "destroyed"
         return SUCCESS
 
     def _ncclCommAbort(self, h: int) -> int:
+        """init.cc ncclCommAbort (2.28.9): NULL -> ncclSuccess; sets the abort flags (what is
+        blocked on the device or in a host poll loop returns), joins the comm's own async
+        init job (ncclCommEnsureReady), then commReclaim -> commFree: the communicator is
+        freed at once.  It waits for no other thread: a thread still inside a call on the
+        handle runs on freed memory -- NCCL's docs require that "no thread is calling any
+        NCCL operations while calling ncclCommAbort" (usage/communicators.rst, Fault
+        Tolerance), so that is recorded as a violation ncclpy must never commit."""
         e = self.e
+        if not h:
+            return SUCCESS
         with e.lock:
-            c = e.comms.get(int(h or 0))
+            c = e.comms.get(int(h))
             if c is None or c.freed:
                 e.violations.append(f"ncclCommAbort on a {c.freed if c else 'unknown'} handle")
                 return INVALID_ARG
@@ -223,17 +300,21 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
             others = {t: n for t, n in c.busy.items() if t != threading.get_ident()}
             if others:
                 e.calls.append(("abort-while-busy:" + ",".join(others.values()), h, 0))
-        deadline = time.monotonic() + 5.0      # NCCL's abort waits for the blocked call to see
-        while any(t != threading.get_ident() for t in c.busy) and time.monotonic() < deadline:
-            time.sleep(0.002)                  # its abort flag
-        c.freed = "aborted"
+                e.violations.append(f"ncclCommAbort while another thread is inside "
+                                    f"{','.join(others.values())} on the handle (rank "
+                                    f"{c.rank}): NCCL frees the communicator under it")
+            c.freed = "aborted"
         return SUCCESS
 
     def _query(self, h: int, out: Any, what: str) -> int:
+        """init.cc ncclCommCount/UserRank/CuDevice: CommCheck, PtrCheck, EnsureReady."""
         c = self.e.comm(h, what)
         if c is None:
             return INVALID_ARG
-        out._obj.value = {"ncclCommCount": c.world.nranks, "ncclCommUserRank": c.rank,
+        code = self._ready(c)
+        if code:
+            return code
+        out[0] = {"ncclCommCount": c.world.nranks, "ncclCommUserRank": c.rank,
                           "ncclCommCuDevice": c.device}[what]
         return SUCCESS
 
@@ -246,76 +327,75 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
     def _ncclCommCuDevice(self, h: int, out: Any) -> int:
         return self._query(h, out, "ncclCommCuDevice")
 
-    def _ncclCommSplit(self, h: int, color: int, key: int, out: Any, cfg: Any) -> int:
-        e = self.e
-        c = e.comm(h, "ncclCommSplit")
-        if c is None:
-            return INVALID_ARG
-        with e.lock:
-            tag = (c.world.id, "split", c.coll_seq)
-            c.coll_seq += 1
-            sw = e.worlds.setdefault(repr(tag).encode(), _World(repr(tag).encode(), 0))
-            sw.joined.setdefault(-1 - c.rank, (color, key))    # negative slots: the votes
-        deadline = time.monotonic() + 30
-        while len([k for k in sw.joined if k < 0]) < c.world.nranks:
-            if time.monotonic() > deadline:
-                return SYSTEM
-            time.sleep(0.001)
-        with e.lock:
-            votes = sorted((v[1], -1 - k) for k, v in sw.joined.items() if k < 0
-                           and v[0] == color)
-            if color < 0:
-                out._obj.value = None
-                return self._in_progress(c)
-            mine = [r for _, r in votes].index(c.rank)
-            uid = repr((tag, color)).encode()
-            child = self._join(len(votes), uid, mine, c.nonblocking)
-            e.comms[child].device = c.device
-        out._obj.value = child
-        if c.nonblocking:
-            e.comms[child].async_state = IN_PROGRESS
-            return self._in_progress(c)
-        return self._wait_world(e.comms[child])
-
     # -- registration, memory, premul ------------------------------------------------------------
     def _ncclCommRegister(self, h: int, ptr: int, nbytes: int, out: Any) -> int:
         if self.e.comm(h, "ncclCommRegister") is None:
             return INVALID_ARG
         r = self.e.new_id()
         self.e.registrations[r] = int(ptr)
-        out._obj.value = r
+        out[0] = r
         return SUCCESS
 
     def _ncclCommDeregister(self, h: int, reg: int) -> int:
+        """register.cc commDeregister (all): CommCheck; NULL -> 0; unknown -> 5 ("Deregister:
+        Could not find handle"), also a violation (ncclpy must never)."""
         if self.e.comm(h, "ncclCommDeregister") is None:
             return INVALID_ARG
+        if not reg:
+            return SUCCESS
         if self.e.registrations.pop(int(reg), None) is None:
-            return INVALID_ARG
+            self.e.violations.append(f"ncclCommDeregister of an unknown handle {reg!r}")
+            self.last_text = b"Deregister: Could not find handle"
+            return INVALID_USAGE
         return SUCCESS
 
     def _ncclMemAlloc(self, out: Any, nbytes: int) -> int:
         m = _Mem(nbytes)
         self.e.mem[m.ptr] = m
-        out._obj.value = m.ptr
+        out[0] = m.ptr
         return SUCCESS
 
     def _ncclMemFree(self, ptr: int) -> int:
-        return SUCCESS if self.e.mem.pop(int(ptr), None) is not None else INVALID_ARG
+        """allocator.cc ncclMemFree: NULL -> 0 (cudaFree(NULL)); a pointer not from CUDA fails
+        cuPointerGetAttribute -> 1 (also a violation)."""
+        if not ptr:
+            return SUCCESS
+        if self.e.mem.pop(int(ptr), None) is None:
+            self.e.violations.append(f"ncclMemFree of unknown memory {ptr!r}")
+            return UNHANDLED_CUDA
+        return SUCCESS
 
     def _ncclRedOpCreatePreMulSum(self, out: Any, scalar: Any, dtype: int, residence: int,
                                   h: int) -> int:
         c = self.e.comm(h, "ncclRedOpCreatePreMulSum")
         if c is None:
             return INVALID_ARG
-        op = 5 + len(self.e.premul)
-        self.e.premul[op] = (bytes(scalar.raw if hasattr(scalar, "raw") else scalar), dtype)
-        out._obj.value = op
+        code = self._ready(c)                # enqueue.cc: EnsureReady
+        if code:
+            return code
+        op = 5 + len(self.e.premul)          # the scalar is kept for ops already enqueued
+        self.e.premul[op] = (ctypes.string_at(int(scalar), 8), dtype)
+        live_ops(self.e)[op] = int(h)
+        out[0] = op
         return SUCCESS
 
     def _ncclRedOpDestroy(self, op: int, h: int) -> int:
+        """enqueue.cc ncclRedOpDestroy (all): builtin (0-4) or garbage -> 4; comm NULL -> 4;
+        an op unknown to this comm or already destroyed -> 4; else the op is freed."""
+        if 0 <= op < 5:
+            self.last_text = b"ncclRedOpDestroy : operator is a NCCL builtin."
+            return INVALID_ARG
+        if op < 0:
+            self.last_text = b"ncclRedOpDestroy :  operator is garbage."
+            return INVALID_ARG
         if self.e.comm(h, "ncclRedOpDestroy") is None:
             return INVALID_ARG
-        return SUCCESS if op in self.e.premul else INVALID_ARG
+        live = live_ops(self.e)
+        if live.get(op) != int(h):
+            self.last_text = b"ncclRedOpDestroy : operator unknown to this communicator."
+            return INVALID_ARG
+        del live[op]
+        return SUCCESS
 
     # -- groups and the calls themselves -----------------------------------------------------------
     def _ncclGroupStart(self) -> int:
@@ -325,16 +405,29 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
     def _ncclGroupEnd(self) -> int:
         t = self.e.tls()
         if t.group_depth == 0:
-            self.last_text = b"ncclGroupEnd: not in a group call"
+            self.last_text = b"ncclGroupEnd: not in a group call."   # group.cc, all
             return INVALID_USAGE
         t.group_depth -= 1
         if t.group_depth:
             return SUCCESS
+        err, t.group_error = getattr(t, "group_error", SUCCESS), SUCCESS
+        if err:                       # group.cc: ncclGroupError -> groupCleanup drops the work
+            for c in {id(c): c for c, _s, _o in t.group}.values():
+                if c.nonblocking:     # and sets the nonblocking comms' async error
+                    c.async_state = err
+            t.group, t.rma, t.rma_comms = [], [], []
+            return err
         ops, t.group = t.group, []
         code = self._submit(ops)
         rma, t.rma = t.rma, []
-        for thunk in rma:             # one-sided calls of the group (nccl_standin_part2)
-            thunk()
+        for thunk in rma:             # one-sided calls, window tasks (nccl_standin_part2)
+            got = thunk()
+            if isinstance(got, int) and got != SUCCESS and code in (SUCCESS, IN_PROGRESS):
+                code = got            # a failed task fails the group end; else in progress
+        rma_comms, t.rma_comms = getattr(t, "rma_comms", []), []
+        for c in {id(c): c for c in rma_comms}.values():   # RMA work: as a collective's (O6)
+            if code in (SUCCESS, IN_PROGRESS):
+                code = max(code, self._in_progress(c))
         return code
 
     def _ncclGroupSimulateEnd(self, info: Any) -> int:
@@ -342,115 +435,14 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
         estimate: 1 us per call of the group (ncclpy's own logic is what is under test)."""
         t = self.e.tls()
         if t.group_depth == 0:
-            self.last_text = b"ncclGroupSimulateEnd: not in a group call"
+            self.last_text = b"ncclGroupEnd: not in a group call."   # the same function
             return INVALID_USAGE
         t.group_depth -= 1
         if t.group_depth:
             return SUCCESS
         ops, t.group = t.group, []
-        info._obj.estimatedTime = float(len(ops))
+        SimInfoStruct.from_address(int(info)).estimatedTime = float(len(ops))
         return SUCCESS
-
-    def _submit(self, ops: List[Tuple[_Comm, int, _Op]]) -> int:
-        """One stream item per (comm, stream) of the batch; nonblocking comms report
-        in progress."""
-        e = self.e
-        groups: Dict[Tuple[int, int], List[_Op]] = defaultdict(list)
-        for c, stream, op in ops:
-            groups[(c.handle, stream)].append(op)
-        code = SUCCESS
-        for (h, stream), batch in groups.items():
-            c = e.comms[h]
-            e.enqueue(stream, _maker(batch), device=c.device)
-            code = max(code, self._in_progress(c))
-        return code
-
-    def _call(self, fn: str, h: int, stream: int, **args: Any) -> int:
-        e = self.e
-        c = e.comm(h, "nccl" + fn)
-        if c is None:
-            return INVALID_ARG
-        if fn in ("Send", "Recv"):
-            peer = args["peer"]
-            src, dst = (c.rank, peer) if fn == "Send" else (peer, c.rank)
-            with e.lock:
-                seq = c.p2p_seq[(src, dst)]
-                c.p2p_seq[(src, dst)] += 1
-            op = _Op((c.world.id, "p2p", src, dst, seq, 2), c.rank, "p2p",
-                     {"dir": fn.lower(), "buf": args["buf"], "nbytes": args["nbytes"]})
-        else:
-            with e.lock:
-                seq = c.coll_seq
-                c.coll_seq += 1
-            op = _Op((c.world.id, "coll", seq, c.world.nranks), c.rank, "coll",
-                     {"fn": fn, **args})
-        t = e.tls()
-        if t.group_depth:
-            t.group.append((c, stream, op))
-            return SUCCESS
-        return self._submit([(c, stream, op)])
-
-    def _ncclAllReduce(self, s, r, n, dt, op, h, stream):
-        return self._call("AllReduce", h, stream, send=s, recv=r, count=n, dtype=dt, op=op)
-
-    def _ncclReduce(self, s, r, n, dt, op, root, h, stream):
-        return self._call("Reduce", h, stream, send=s, recv=r, count=n, dtype=dt, op=op,
-                          root=root)
-
-    def _ncclBroadcast(self, s, r, n, dt, root, h, stream):
-        return self._call("Broadcast", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
-
-    def _ncclReduceScatter(self, s, r, n, dt, op, h, stream):
-        return self._call("ReduceScatter", h, stream, send=s, recv=r, count=n, dtype=dt, op=op)
-
-    def _ncclAllGather(self, s, r, n, dt, h, stream):
-        return self._call("AllGather", h, stream, send=s, recv=r, count=n, dtype=dt)
-
-    def _ncclAlltoAll(self, s, r, n, dt, h, stream):
-        return self._call("AlltoAll", h, stream, send=s, recv=r, count=n, dtype=dt)
-
-    def _ncclGather(self, s, r, n, dt, root, h, stream):
-        return self._call("Gather", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
-
-    def _ncclScatter(self, s, r, n, dt, root, h, stream):
-        return self._call("Scatter", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
-
-    # per-collective config (NCCL 2.31): the plain call, the config's address noted
-    def _configured(self, fn: str, *args: Any) -> int:
-        self.e.configs.append((fn, args[-1]))
-        return getattr(self, "_nccl" + fn)(*args[:-1])
-
-    def _ncclAllReduceConfig(self, *a):
-        return self._configured("AllReduce", *a)
-
-    def _ncclReduceConfig(self, *a):
-        return self._configured("Reduce", *a)
-
-    def _ncclBroadcastConfig(self, *a):
-        return self._configured("Broadcast", *a)
-
-    def _ncclAllGatherConfig(self, *a):
-        return self._configured("AllGather", *a)
-
-    def _ncclReduceScatterConfig(self, *a):
-        return self._configured("ReduceScatter", *a)
-
-    def _ncclAlltoAllConfig(self, *a):
-        return self._configured("AlltoAll", *a)
-
-    def _ncclGatherConfig(self, *a):
-        return self._configured("Gather", *a)
-
-    def _ncclScatterConfig(self, *a):
-        return self._configured("Scatter", *a)
-
-    def _ncclSend(self, buf, n, dt, peer, h, stream):
-        return self._call("Send", h, stream, buf=buf, nbytes=n * _BY_ENUM[dt].itemsize,
-                          peer=peer)
-
-    def _ncclRecv(self, buf, n, dt, peer, h, stream):
-        return self._call("Recv", h, stream, buf=buf, nbytes=n * _BY_ENUM[dt].itemsize,
-                          peer=peer)
 
     # -- the CuPy route (cupy.cuda.nccl.NcclCommunicator's stand-in) -------------------------
     def _cupy_check(self, code: int) -> None:
@@ -492,20 +484,24 @@ class StandInNccl(StandInPart2, _lib.NcclLib):
         return ns
 
 
-def _maker(batch: List[_Op]) -> Callable[[], _Item]:
-    """The stream item of a submission; made again per replay of a captured graph, with keys
-    that tell the k-th replay apart (every rank replays its graph in the same order)."""
-    launches = [0]
+#: init.cc ncclGetErrorString (2.28.9-dev), codes 0-7
+_ERROR_STRINGS = {
+    0: b"no error",
+    1: b"unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+    2: b"unhandled system error (run with NCCL_DEBUG=INFO for details)",
+    3: b"internal error - please report this issue to the NCCL developers",
+    4: b"invalid argument (run with NCCL_DEBUG=WARN for details)",
+    5: b"invalid usage (run with NCCL_DEBUG=WARN for details)",
+    6: b"remote process exited or there was a network error",
+    7: b"NCCL operation in progress"}
 
-    def make() -> _Item:
-        k = launches[0]
-        launches[0] += 1
-        if k == 0:
-            return _Item("nccl", ops=batch)
-        return _Item("nccl", ops=[dataclasses.replace(o, key=o.key[:-1] + (("replay", k),)
-                                                      + o.key[-1:], done=False)
-                                  for o in batch])
-    return make
+
+def _rma_cfg(cfg: Any) -> Tuple[Any, Any]:
+    """(numRmaSig, numRmaCtx) a config set (None where unset: NCCL_CONFIG_UNDEF_INT)."""
+    if not cfg:
+        return (None, None)
+    s = NcclConfigStruct.from_address(int(cfg))
+    return tuple(None if v == -(2 ** 31) else v for v in (s.numRmaSig, s.numRmaCtx))
 
 
 def _handle_of(name: str, args: Tuple[Any, ...]) -> int:

@@ -85,3 +85,4 @@ def proc_standin(store: Any, **kw: Any) -> Iterator[ProcStandIn]:
     eng = ProcStandIn(store, **kw)
     with _lib.use_lib(eng.nccl), _cuda.use(eng.cuda):
         yield eng
+    eng.nccl.cdll.raise_pending()

@@ -165,7 +165,8 @@ def _cleanup_after_task(cwd: str, env: Dict[str, str], allocator: Any) -> List[s
 
 
 #: threads that mean a communicator of the task is still open or still inside NCCL
-_UNCLEAN_THREADS = ("ncclpy-finalize", "ncclpy-abort", "ncclpy-watchdog")
+_UNCLEAN_THREADS = ("ncclpy-finalize", "ncclpy-resume", "ncclpy-abort", "ncclpy-watchdog",
+                    "ncclpy-stuck")
 
 
 def _unclean() -> List[str]:

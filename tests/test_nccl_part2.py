@@ -1,9 +1,9 @@
-"""NCCL 2.27-2.32's host API, part 2, on CPU: symmetric windows, one-sided RMA, revoke /
+"""NCCL 2.27-2.32's host API, part 2, on CPU: symmetric windows, revoke /
 shrink / grow, suspend / resume / memory statistics -- ncclpy's own logic (arguments, version
 gates, ordering, lifecycle: window before communicator, revoke then shrink, double close, no
 finalize or destroy of a revoked communicator) through the call path over the STAND-IN for
 libnccl and CUDA (tests/nccl_standin.py, tests/nccl_standin_part2.py) on thread-ranks.  What
-needs a GPU is in tests/gpu/test_part2_gpu.py."""
+needs a GPU is in tests/gpu/test_part2_gpu.py; one-sided RMA is tests/test_nccl_rma.py."""
 from __future__ import annotations
 
 import threading
@@ -17,33 +17,11 @@ from ncclpy import errors
 from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator
 from ncclpy.comm.membership import exclude_list
-from ncclpy.plan.types import NCCL_FUNCTIONS
 
 from nccl_standin import DevArray, run_ranks, standin
 
-UID = bytes(range(128))
-NEW = 23203                      # the stand-in's NCCL version: every part-2 call exists
-
-
-def _comm(n: int, r: int, **kw) -> Communicator:
-    return Communicator(n, r, UID, r, Config(blocking=True), **kw)
-
-
-def _fill(buf, values) -> None:
-    """Write host ``values`` into a stand-in device Buffer (its memory is host memory)."""
-    import ctypes
-    a = np.ascontiguousarray(values)
-    ctypes.memmove(buf.ptr, a.ctypes.data, a.nbytes)
-
-
-def _read(buf, count: int, dtype=np.float32) -> np.ndarray:
-    import ctypes
-    return np.frombuffer(ctypes.string_at(buf.ptr, count * np.dtype(dtype).itemsize),
-                         dtype=dtype).copy()
-
-
-def _calls(eng, name: str) -> list:
-    return [c for c in eng.calls if c[0] == name]
+from part2_util import NEW, UID, calls as _calls, comm as _comm
+from part2_util import fill as _fill, read as _read
 
 
 # -- windows -----------------------------------------------------------------------------------
@@ -122,6 +100,44 @@ def test_window_arguments_and_versions_are_refused_precisely():
         run_ranks(2, old, 2)
 
 
+def test_a_nonblocking_communicators_window_is_read_only_once_nccl_wrote_it():
+    """dev_runtime.cc: on a nonblocking communicator ncclCommWindowRegister says ncclSuccess
+    while its task still runs, and writes *win later (issue 35's defect 3: ncclpy read 0 at
+    once and called the window unregistered)."""
+    def one(r: int, n: int):
+        c = _comm(n, r, config=Config(blocking=False))
+        try:
+            if r == 1:
+                time.sleep(0.2)                  # the registration's barrier waits for it
+            with c.register_window(c.mem_alloc(64)) as win:
+                assert win.registered and win.user_ptr() == win.ptr
+            return win.handle
+        finally:
+            c.close()
+    with standin(version=NEW) as eng:
+        handles = run_ranks(2, one, 2)
+    assert all(handles) and eng.violations == []
+
+
+def test_register_window_inside_a_group_is_refused_before_nccl():
+    """NCCL runs a registration made inside a group at the group's end and writes *win only
+    then (defect 3): ncclpy refuses it there, precisely, and registers nothing."""
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        try:
+            buf = c.mem_alloc(64)
+            with c.group():
+                with pytest.raises(errors.UnsupportedError, match="inside a group"):
+                    c.register_window(buf)
+            with c.register_window(buf) as win:       # after the group: registered
+                assert win.registered
+        finally:
+            c.close()
+    with standin(version=NEW) as eng:
+        run_ranks(2, one, 2)
+    assert len(_calls(eng, "ncclCommWindowRegister")) == 2 and eng.violations == []
+
+
 def test_no_symmetric_support_is_said_not_hidden():
     def one(r: int, n: int):
         c = _comm(n, r)
@@ -138,89 +154,6 @@ def test_no_symmetric_support_is_said_not_hidden():
         eng.symmetric = False
         run_ranks(2, one, 2)
     assert eng.violations == [] and _calls(eng, "ncclCommWindowDeregister") == []
-
-
-# -- one-sided RMA ------------------------------------------------------------------------------
-
-def test_put_signal_lands_in_the_peers_window_and_wait_signal_waits_for_it():
-    def one(r: int, n: int):
-        c = _comm(n, r)
-        try:
-            win = c.register_window(c.mem_alloc(8, "float32"))
-            wbuf = ncclpy.Buffer(win.ptr, 8, "float32", r)
-            _fill(wbuf, np.zeros(8, np.float32))
-            if r == 0:
-                src = DevArray(np.arange(4, dtype=np.float32) + 10, device=r)
-                w = c.put_signal(src, 1, win, offset=16)       # signal 0
-                with c.group():                       # inside a group: run at its end
-                    c.signal(1, signal=5)
-                    c.signal(1, signal=5)
-                w.wait()
-                c.wait_signal([(1, 1, 7)]).wait()
-            else:
-                c.wait_signal({0: 1}).wait()                   # one signal 0 from rank 0
-                c.wait_signal([(0, 2, 5)]).wait()
-                c.signal(0, signal=7).wait()
-            c.barrier().wait()
-            got = _read(wbuf, 8)
-            win.close()
-            return got
-        finally:
-            c.close()
-    with standin(version=NEW) as eng:
-        got = run_ranks(2, one, 2)
-    assert np.array_equal(got[1], np.array([0, 0, 0, 0, 10, 11, 12, 13], np.float32))
-    assert np.array_equal(got[0], np.zeros(8, np.float32))
-    assert eng.violations == [] and not any(eng.signals.values())
-
-
-def test_rma_arguments_are_checked_before_nccl():
-    def one(r: int, n: int):
-        c = _comm(n, r)
-        try:
-            win = c.register_window(c.mem_alloc(64))
-            x = DevArray(np.ones(4, np.float32), device=r)
-            bad = [(lambda: c.put_signal(x, 2, win), errors.ArgumentError, "peer 2 is out of"),
-                   (lambda: c.put_signal(x, 1 - r, win, offset=-8), errors.ArgumentError,
-                    "offset"),
-                   (lambda: c.put_signal(x, 1 - r, win.handle), errors.ArgumentTypeError,
-                    "expected an ncclpy.Window"),
-                   (lambda: c.signal(1 - r, signal=-1), errors.ArgumentError, "signal"),
-                   (lambda: c.signal(1 - r, ctx=2 ** 31), errors.ArgumentError, "ctx"),
-                   (lambda: c.wait_signal({}), errors.ArgumentError, "at least one"),
-                   (lambda: c.wait_signal([(0,)]), errors.ArgumentTypeError,
-                    r"waits\[0\]: expected \(peer, count"),
-                   (lambda: c.wait_signal({1 - r: 0}), errors.ArgumentError, "count"),
-                   (lambda: c.wait_signal("0:1"), errors.ArgumentTypeError, "waits")]
-            for call, exc, text in bad:
-                with pytest.raises(exc, match=text):
-                    call()
-            win.close()
-            with pytest.raises(errors.NcclpyError, match="the window is closed"):
-                c.put_signal(x, 1 - r, win)
-        finally:
-            c.close()
-    with standin(version=NEW) as eng:
-        run_ranks(2, one, 2)
-    assert _calls(eng, "ncclPutSignal") == [] and _calls(eng, "ncclSignal") == []
-
-    def old(r: int, n: int):
-        c = _comm(n, r)
-        try:
-            with pytest.raises(errors.VersionError, match=r"ncclSignal needs NCCL >= 2\.29\.2"):
-                c.signal(1 - r)
-        finally:
-            c.close()
-    with standin(version=22809):
-        run_ranks(2, old, 2)
-
-
-def test_rma_calls_are_one_sided_for_checked_mode_and_the_recorder():
-    from ncclpy.checked import P2P_CALLS
-    from ncclpy.debug.recorder import _P2P
-    assert {"put_signal", "signal", "wait_signal"} <= P2P_CALLS & _P2P
-    assert NCCL_FUNCTIONS["PutSignal"][4] == "peerWin" and NCCL_FUNCTIONS["WaitSignal"] == (
-        "nDesc", "signalDescs")
 
 
 # -- revoke, shrink, grow ----------------------------------------------------------------------
@@ -256,25 +189,46 @@ def test_revoke_then_shrink_to_the_survivors_and_carry_on():
 
 
 def test_shrink_with_abort_revokes_the_parent():
+    """Rank 2 leaves; the survivors shrink it out with abort=True (a config given: its
+    address reaches NCCL -- issue 35's defect 2 failed in ctypes here)."""
     def one(r: int, n: int):
         c = _comm(n, r)
-        child = c.shrink([], abort=True)
-        assert c.state == "revoked" and child.world_size == n
-        half = c.split(0, -r)                           # split runs on a revoked parent too
-        assert (half.rank, half.world_size) == (n - 1 - r, n)
+        if r == 2:
+            c.abort()
+            return c.state
+        child = c.shrink([2], abort=True, config=ncclpy.Config(blocking=True))
+        assert c.state == "revoked" and (child.rank, child.world_size) == (r, 2)
+        half = child.split(0, -r)
+        assert (half.rank, half.world_size) == (1 - r, 2)
         half.close()
         child.close()
         c.close()
         return c.state
     with standin(version=NEW) as eng:
-        assert run_ranks(2, one, 2) == ["aborted", "aborted"]
+        assert run_ranks(3, one, 3) == ["aborted"] * 3
     assert eng.violations == [] and {c[2] for c in eng.calls
                                      if c[0].startswith("ncclCommShrink:")} == {1}
+
+
+def test_shrink_refuses_an_empty_exclude_list_before_nccl_and_leaves_the_parent_usable():
+    """NCCL refuses excludeRanksCount == 0 (issue 35's defect 5): ncclpy says so first, and
+    with abort=True the parent is not revoked for a shrink that never happened."""
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        for abort in (False, True):
+            with pytest.raises(errors.ArgumentError, match="exclude: expected at least one"):
+                c.shrink([], abort=abort)
+        assert c.state == "usable"
+        c.close()
+    with standin(version=NEW) as eng:
+        run_ranks(2, one, 2)
+    assert _calls(eng, "ncclCommShrink") == [] and eng.violations == []
 
 
 def test_shrink_arguments_are_refused_precisely():
     assert exclude_list([3, 1], 0, 4) == [1, 3]
     for bad, exc, text in [([0], errors.ArgumentError, "lists this rank"),
+                           ([], errors.ArgumentError, "expected at least one rank"),
                            ([1, 1], errors.ArgumentError, "listed twice"),
                            ([4], errors.ArgumentError, "expected an int <= 3"),
                            ("1", errors.ArgumentTypeError, "expected a list of ranks"),
@@ -410,7 +364,9 @@ def test_suspend_resume_and_the_memory_statistics():
     for before, during, x in got:
         assert before == {"suspendable_bytes": 1 << 20, "suspended": 0,
                           "persistent_bytes": 1 << 16, "total_bytes": (1 << 16) + (1 << 20)}
-        assert during["suspended"] == 1 and during["suspendable_bytes"] == 0 and x == [2.0, 2.0]
+        # mem_manager.cc ncclCommMemStats: the suspendable bytes are what the communicator
+        # holds (totalScratch + ...), suspended or not; only "suspended" says it
+        assert during == dict(before, suspended=1) and x == [2.0, 2.0]
     assert eng.violations == []
 
 

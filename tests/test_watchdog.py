@@ -97,8 +97,18 @@ def test_the_thread_samples_the_lifecycle_for_a_call_inside_nccl():
     comm._life.enter("all_reduce")                      # a new call: a new clock
     assert wd.blocked(16.0) == (0, "all_reduce", 16.0)
     comm._life.leave()
-    comm._life.release()
+    comm._life.release_hold()
     assert (comm._life.inflight, comm._life.calls) == (0, 0)
+    # a nonblocking call's wait for completion (issue 35's defect 8): one call, whose polls
+    # (each entering the lifecycle and taking the API lock) never restart the clock
+    comm._life.mark_call("all_gather")
+    for t in (17.0, 18.0, 19.0):
+        comm._life.enter_poll("all_gather")
+        comm._life.release()
+        assert wd.blocked(t) == (0, "all_gather", 17.0)
+    assert wd.decide(27.5).reason == "timeout"
+    comm._life.unmark_call()
+    assert wd.blocked(28.0) is None and (comm._life.inflight, comm._life.calls) == (0, 0)
 
 
 def test_the_heartbeat_says_a_call_is_blocked_once_seen_inside_at_two_ticks():

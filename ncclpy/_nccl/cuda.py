@@ -17,12 +17,15 @@ import ctypes
 import logging
 from typing import Any, Iterator, Optional
 
-__all__ = ["CupyRuntime", "cuda", "use", "CAPTURE_MODE_THREAD_LOCAL"]
+__all__ = ["CupyRuntime", "cuda", "use", "CAPTURE_MODE_GLOBAL", "CAPTURE_MODE_THREAD_LOCAL",
+           "CAPTURE_MODE_RELAXED"]
 
 log = logging.getLogger(__name__)
 
 _NOT_READY = 600                  # cudaErrorNotReady
-CAPTURE_MODE_THREAD_LOCAL = 1     # CUstreamCaptureMode / cudaStreamCaptureModeThreadLocal
+CAPTURE_MODE_GLOBAL = 0           # CUstreamCaptureMode: CU_STREAM_CAPTURE_MODE_GLOBAL
+CAPTURE_MODE_THREAD_LOCAL = 1     # ... _THREAD_LOCAL
+CAPTURE_MODE_RELAXED = 2          # ... _RELAXED
 _MEMCPY_D2D = 3                   # cudaMemcpyDeviceToDevice
 
 
@@ -128,17 +131,29 @@ class CupyRuntime:
         (event queries) are then not prohibited by, and cannot invalidate, another thread's
         capture in the default global mode (torch.cuda.graph's).  False where the driver API
         cannot be reached."""
+        return self.exchange_capture_mode(CAPTURE_MODE_THREAD_LOCAL) is not None
+
+    def exchange_capture_mode(self, mode: int) -> Optional[int]:
+        """``cuThreadExchangeStreamCaptureMode``: this thread's capture interaction mode
+        becomes ``mode``; returns the previous one (None where the driver API cannot be
+        reached: nothing changed)."""
         drv = self._driver
         if drv is None:
             try:
-                drv = self._driver = ctypes.CDLL("libcuda.so.1")
+                drv = ctypes.CDLL("libcuda.so.1")
                 drv.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
                 drv.cuThreadExchangeStreamCaptureMode.restype = ctypes.c_int
             except (OSError, AttributeError) as e:
                 log.debug("no cuThreadExchangeStreamCaptureMode: %s", e)
-                return False
-        mode = ctypes.c_int(CAPTURE_MODE_THREAD_LOCAL)
-        return drv.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+                self._driver = False
+                return None
+            self._driver = drv
+        if drv is False:
+            return None
+        m = ctypes.c_int(int(mode))
+        if drv.cuThreadExchangeStreamCaptureMode(ctypes.byref(m)) != 0:
+            return None
+        return int(m.value)
 
 
 _backend: Optional[Any] = None

@@ -109,7 +109,8 @@ FUNCTIONS: Dict[str, Tuple[object, Tuple, int]] = {
     "ncclPutSignal": (_R, (_P, _Z, _I, _I, _P, _Z, _I, _I, ctypes.c_uint, _P, _P),
                       _V(2, 29, 2)),
     "ncclSignal": (_R, (_I, _I, _I, ctypes.c_uint, _P, _P), _V(2, 29, 2)),
-    "ncclWaitSignal": (_R, (_I, ctypes.POINTER(WaitSignalDescStruct), _P, _P), _V(2, 29, 2)),
+    # the ncclWaitSignalDesc_t array by address, as every struct pointer here (plans are data)
+    "ncclWaitSignal": (_R, (_I, _P, _P, _P), _V(2, 29, 2)),
     # collectives: (C-order args..., comm, stream)
     "ncclAllReduce": (_R, (_P, _P, _Z, _I, _I, _P, _P), 0),
     "ncclReduce": (_R, (_P, _P, _Z, _I, _I, _I, _P, _P), 0),

@@ -41,13 +41,14 @@ _tls = threading.local()
 class GroupState:
     """This thread's ncclpy group nesting and what waits for the outermost group end."""
 
-    __slots__ = ("depth", "pending", "comms", "checks")
+    __slots__ = ("depth", "pending", "comms", "checks", "sim")
 
     def __init__(self) -> None:
         self.depth = 0
         self.pending: List[Callable[[Optional[BaseException]], None]] = []
         self.comms: dict = {}
         self.checks: List[Any] = []     # checked mode: calls deferred to the outermost end
+        self.sim: Any = None            # the open group is simulated (ncclGroupSimulateEnd)
 
 
 def group_state() -> GroupState:

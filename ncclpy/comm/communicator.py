@@ -35,7 +35,8 @@ from .._nccl.dispatch import (build_dispatch, call_cupy, cupy_init, int_arg,
 from .._nccl.lib import NCCL_IN_PROGRESS, get_lib, require_version
 from ..errors import ArgumentError, ArgumentTypeError, NcclError, NcclpyError
 from .extras import CommExtras, Registration
-from .lifecycle import USABLE, CommLifecycle, Lifecycle
+from .lifecycle import USABLE, Lifecycle
+from .teardown import CommLifecycle
 from .._nccl.functions import FUNCTIONS
 from .membership import CommMembership, check_on_failure
 from .memory import CommMemory
@@ -215,6 +216,7 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
         self._premul_ops: set = set()
         self._registrations: Dict[int, Registration] = {}   # by Registration.id
         self._windows: Dict[int, Any] = {}   # open ncclpy.Window by id (comm/window.py)
+        self._slots: List[Any] = []           # *win slots NCCL may still write (window.py)
         self._member_lock = threading.Lock()  # a revoke until quiescent (comm/membership.py)
         self._on_failure = _on_failure_env()
         if self._on_failure == "revoke" and lib.version < REVOKE_VERSION:

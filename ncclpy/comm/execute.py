@@ -31,12 +31,15 @@ from .._nccl.group import GroupState, group_depth, group_state
 from ..debug.recorder import note_dump
 from ..errors import CallCheckTimeout, NcclpyError
 from ..plan.types import PREMUL_OP, Copy, NcclCall, Scratch
+from .lifecycle import ABORTED, ABORTING, USABLE
 from .work import Work
 
 __all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "segments",
            "Resources", "device_current"]
 
 log = logging.getLogger(__name__)
+
+_GONE_ABORT = (ABORTING, ABORTED)
 
 def _group_exit(st: GroupState, end: Callable[[], int],
                 raising: bool = False, sim: Any = None) -> None:
@@ -50,43 +53,59 @@ def _group_exit(st: GroupState, end: Callable[[], int],
         else:
             err = _run_checks(st)
     st.depth -= 1
-    held = list(st.comms.values()) if st.depth == 0 else ()
-    for c in held:                       # the launch: timed by each watchdog while inside
-        c._life.mark_call("ncclGroupEnd")
+    # the launch: timed by each watchdog while inside, each handle's API lock held (taken in
+    # one order, so two threads' groups over the same communicators cannot deadlock) until
+    # the nonblocking ones completed: no other thread's call meets NCCL's "in progress"
+    held = sorted(st.comms.values(), key=id) if st.depth == 0 else ()
+    locked: List[Any] = []
     try:
-        end()
-    except Exception as e:  # noqa: BLE001 - re-raised below after the bookkeeping
-        err = err or _aborted(held, e)
-    except BaseException as e:  # noqa: B902 - re-raised below after the bookkeeping
-        err = err or e
+        try:
+            for c in held:
+                c._life.mark_call("ncclGroupEnd")
+                locked.append(c)
+                c._life.api.acquire()
+            end()
+        except Exception as e:  # noqa: BLE001 - re-raised below after the bookkeeping
+            err = err or _aborted(held, e)
+        except BaseException as e:  # noqa: B902 - re-raised below after the bookkeeping
+            err = err or e
+        finally:
+            for c in locked:
+                c._life.unmark_call()
+        if st.depth > 0:
+            if err is not None:
+                raise err
+            return
+        comms, st.comms = list(st.comms.values()), {}
+        pending, st.pending = st.pending, []
+        try:
+            # a simulated group launched nothing: its Works fail, its late copies are skipped
+            told = sim.not_launched() if sim is not None and err is None else None
+            if err is None:
+                for c in comms:
+                    if getattr(c, "nonblocking", False) and not c.closed:
+                        try:
+                            c._wait_ready("ncclGroupEnd")
+                        except BaseException as e:  # noqa: B902
+                            err = err or e
+            for fn in pending:
+                try:
+                    fn(err or told)
+                except BaseException as e:  # noqa: B902
+                    log.warning("deferred group step failed: %s", e)
+                    err = err or e
+        finally:
+            for c in comms:             # each held its handle from its first call in the group
+                try:
+                    c._life.release_hold()
+                except Exception as e:  # noqa: BLE001 - the others are released all the same
+                    log.warning("releasing %s after its group failed: %s", c, e)
     finally:
-        for c in held:
-            c._life.unmark_call()
-    if st.depth > 0:
-        if err is not None:
-            raise err
-        return
-    comms, st.comms = list(st.comms.values()), {}
-    pending, st.pending = st.pending, []
-    # a simulated group launched nothing: its Works fail, its late copies are skipped
-    told = sim.not_launched() if sim is not None and err is None else None
-    try:
-        if err is None:
-            for c in comms:
-                if getattr(c, "nonblocking", False) and not c.closed:
-                    try:
-                        c._wait_ready("ncclGroupEnd")
-                    except BaseException as e:  # noqa: B902
-                        err = err or e
-        for fn in pending:
+        for c in reversed(locked):
             try:
-                fn(err or told)
-            except BaseException as e:  # noqa: B902
-                log.warning("deferred group step failed: %s", e)
-                err = err or e
-    finally:
-        for c in comms:                 # each held its handle from its first call in the group
-            c._life.release()
+                c._life.api.release()
+            except RuntimeError:        # pragma: no cover - taken by mark_call's failure
+                pass
     if err is not None:
         raise err
 
@@ -106,8 +125,20 @@ def _join(st: GroupState, comm: Any) -> None:
     """``comm`` takes part in this thread's open group: it stays entered in its lifecycle
     (an abort waits for it) until the outermost group end."""
     if id(comm) not in st.comms:
+        _refuse_simulated(st, comm)
         comm._life.hold()
         st.comms[id(comm)] = comm
+
+
+def _refuse_simulated(st: GroupState, comm: Any, sim: Any = None) -> None:
+    """A nonblocking communicator's calls in a simulated group would run: NCCL's nonblocking
+    group end launches them and ignores the simulation (group.cc ncclGroupEndInternal uses
+    simInfo only on its blocking path)."""
+    if (st.sim is not None or sim is not None) and getattr(comm, "_nonblocking", False):
+        from ..errors import UnsupportedError
+        raise UnsupportedError("group(simulate=True) with a nonblocking communicator: NCCL "
+                               "launches a nonblocking group's calls and simulates nothing; "
+                               "simulate on a blocking communicator (Config(blocking=True))")
 
 
 @contextmanager
@@ -123,16 +154,19 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
                                "only at the outermost group end; open the simulated group "
                                "first, plain groups may nest inside it")
     if comm is not None and id(comm) not in st.comms:
+        _refuse_simulated(st, comm, sim)     # this group's simulation, or an outer one's
         comm._life.hold()
         try:
             start()
         except BaseException:
-            comm._life.release()
+            comm._life.release_hold()
             raise
         st.comms[id(comm)] = comm
     else:
         start()
     st.depth += 1
+    if sim is not None:
+        st.sim = sim
     try:
         yield st if sim is None else sim
     except BaseException:
@@ -142,6 +176,9 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
             log.warning("ncclGroupEnd failed while the group's block was raising; the block's "
                         "exception is re-raised", exc_info=True)
         raise
+    finally:
+        if sim is not None:
+            st.sim = None
     _group_exit(st, end, sim=sim)
 
 
@@ -315,6 +352,13 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
         raise ab from e
     finally:
         life.leave()
+    if life.state is not USABLE and life.deferred and life.state in _GONE_ABORT:
+        err = life.refusal(r.plan.collective)   # the abort waited for this call: say so
+        if life.state is ABORTED:               # NCCL stopped its work: nothing kept
+            work._fail(err)
+        else:                                   # the abort has yet to run: the buffers
+            work._error = err                   # stay kept (a dropped Work's sweep)
+        raise err
     watch = comm._watch
     if watch is not None and _after != 2:
         watch.append(work)

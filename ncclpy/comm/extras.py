@@ -134,7 +134,13 @@ class CommExtras:
         for none; whether it is nonblocking).  A nonblocking call returns ncclInProgress and
         NCCL writes ``*newcomm`` only when the child's init completes, so the handle is read
         after the parent is ready, and the slot outlives any wait that gives up (NCCL may
-        still write it): it stays in ``_SPLIT_SLOTS`` until read."""
+        still write it): it stays in ``_SPLIT_SLOTS`` until read.  The parent's API lock is
+        held from the call to the end of its wait: no other thread's call meets NCCL's "in
+        progress" in between."""
+        with self._life.api:
+            return self._new_child_waited(call, fn, states)
+
+    def _new_child_waited(self, call: str, fn: Any, states: tuple) -> Tuple[int, bool]:
         lib = self._lib
         slot = ctypes.c_void_p(0)
         _SPLIT_SLOTS.append(slot)

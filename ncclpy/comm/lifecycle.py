@@ -5,7 +5,7 @@ States::
     usable --finalize()--> finalized --close()--> closing --> closed
        |                                  ^
        +------------------close()---------+
-    usable --suspend()--> suspended --resume()--> usable     (close() resumes first)
+    usable --suspend()--> suspended --resume()--> usable     (close() resumes first, bounded)
     usable --revoke(), shrink(abort=True), a revoking watchdog--> revoked
     any of usable, finalized, closing, suspended, revoked --abort()--> aborting --> aborted
                                                (close() of a revoked one aborts it)
@@ -13,35 +13,38 @@ States::
 A thread that is about to call NCCL with the handle (a collective, a group end, a poll of
 ``ncclCommGetAsyncError``, a registration, a split, finalize ...) *enters* (:meth:`enter`: the
 state must allow it, else the precise refusal is raised: the watchdog's
-:class:`~ncclpy.errors.CommAbortedError` with its reason, or "closed") and *leaves* right
-after the C call returns.  A thread's open group *holds* the handle (:meth:`hold`, counted in
-``inflight`` like a call, so an abort waits for it) from its first call to the group end,
-whose ``ncclGroupEnd`` is marked as a call (:meth:`mark_call`).  ``calls`` (the calls
-:meth:`enter` and :meth:`mark_call` let in, still inside NCCL) and ``entered`` (how many
-were let in so far) are what the watchdog samples to time a call blocked inside NCCL on the
-host -- a send/recv whose first use connects to a peer that never makes its side, a split
-a peer never joins -- which no CUDA event can show.  A nonblocking communicator's poll loop
-enters for every poll, so an abort from another thread ends the loop at its next poll, with the
-abort's error.
-:meth:`begin_abort` moves to ``aborting`` under the lock -- so no new call enters
-and a second abort is a no-op: exactly one ``ncclCommAbort`` per handle -- then waits for the
-calls in flight to leave, at most ``grace`` seconds: a call still inside NCCL after that is
-blocked there (a blocking communicator waiting on a dead peer), and NCCL's own abort is what
-ends it.  ``close`` moves to ``closing`` the same way, so finalize and destroy never run on a
-handle that an abort freed, and ``abort`` during a ``close`` still works (it is the escape
-from a finalize that cannot finish).
+:class:`~ncclpy.errors.CommAbortedError` with its reason, or "closed"), takes the handle's
+API lock (``api``: one thread at a time inside NCCL with a handle, as NCCL requires) and
+*leaves* right after the C call returns.  A thread's open group *holds* the handle
+(:meth:`hold`, counted in ``inflight`` like a call, so an abort waits for it) from its first
+call to the group end, whose ``ncclGroupEnd`` is marked as a call (:meth:`mark_call`).
+``calls`` (the calls :meth:`enter` and :meth:`mark_call` let in, still inside NCCL) and
+``entered`` (how many were let in so far) are what the watchdog samples to time a call
+blocked inside NCCL on the host -- a send/recv whose first use connects to a peer that never
+makes its side, a split a peer never joins -- which no CUDA event can show.  A nonblocking
+communicator's wait for completion is one marked call whose polls (:meth:`enter_poll`) take
+the API lock one by one without counting as new calls: the watchdog times the wait, and an
+abort from another thread ends it at its next poll, with the abort's error.
+
+:meth:`begin_abort` moves to ``aborting`` under the lock -- so no new call enters and a second
+abort is a no-op: exactly one ``ncclCommAbort`` per handle -- then waits for the calls in
+flight to leave, at most ``grace`` seconds.  ``ncclCommAbort`` frees the communicator, so it is
+never called while another thread is inside NCCL with the handle: a call still inside after
+the grace (a blocking communicator's call blocked on a peer) defers it
+(:meth:`defer_until_idle`) until that call leaves.  ``close`` moves to ``closing`` the same
+way, so finalize and destroy never run on a handle that an abort freed, and ``abort`` during
+a ``close`` still works (it is the escape from a finalize that cannot finish).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Optional
+from typing import Callable, Optional
 
-from .._nccl.lib import NCCL_IN_PROGRESS
-from ..errors import CommAbortedError, NcclpyError, NcclTimeoutError
+from ..errors import CommAbortedError, NcclpyError
 
-__all__ = ["Lifecycle", "CommLifecycle", "USABLE", "FINALIZED", "CLOSING", "CLOSED",
+__all__ = ["Lifecycle", "USABLE", "FINALIZED", "CLOSING", "CLOSED",
            "ABORTING", "ABORTED", "REVOKED", "SUSPENDED", "ABORT_GRACE", "ABORT_JOIN"]
 
 USABLE, FINALIZED, CLOSING, CLOSED, ABORTING, ABORTED = (
@@ -58,11 +61,18 @@ ABORT_GRACE = 2.0
 ABORT_JOIN = 5.0
 
 
+def _run_deferred(fn: Callable[[], None], owner: str) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the abort's error is already every call's
+        log.warning("the deferred abort of the communicator (%s) failed: %s", owner, e)
+
+
 class Lifecycle:
     """The state, the lock and the count of threads inside NCCL with this handle."""
 
     __slots__ = ("lock", "cond", "state", "inflight", "waiters", "abort_error", "owner", "_what",
-                 "calls", "entered")
+                 "calls", "entered", "api", "on_idle", "deferred")
 
     def __init__(self, owner: str) -> None:
         self.lock = threading.Lock()
@@ -75,10 +85,18 @@ class Lifecycle:
         self._what = ""              # the call last entered (for an abort's warning)
         self.calls = 0               # calls let in by enter/mark_call, still inside NCCL
         self.entered = 0             # calls let in by enter/mark_call so far
+        #: the API lock: one thread at a time inside NCCL with this handle (NCCL's rule; its
+        #: ncclCommGetAsyncError completes and frees a nonblocking job, init.cc), re-entrant
+        #: for a call that polls its own completion
+        self.api = threading.RLock()
+        #: an abort deferred until no call is inside NCCL (see :meth:`defer_until_idle`)
+        self.on_idle: Optional[Callable[[], None]] = None
+        self.deferred = False        # an abort waited for a call inside NCCL
 
-    # -- calls (the hot path: a plain lock, two acquisitions per call) --------------------------
+    # -- calls (the hot path: the state lock, then the API lock) ------------------------------
     def enter(self, what: str) -> None:
-        """A call may touch the handle (usable state), or raise why not."""
+        """A call may touch the handle (usable state), or raise why not; the caller holds the
+        API lock until :meth:`leave`."""
         lock = self.lock
         lock.acquire()
         if self.state is USABLE:
@@ -87,27 +105,77 @@ class Lifecycle:
             self.entered += 1
             self._what = what
             lock.release()
+            api = self.api            # (inlined _take_api: the hot path)
+            try:
+                api.acquire()
+            except BaseException:     # interrupted while waiting: nothing stays counted
+                self._leave_counts(True)
+                raise
+            if self.state is not USABLE:   # aborted or closed while it waited its turn
+                api.release()
+                self._leave_counts(True)
+                raise self.refusal(what)
             return
         lock.release()
         raise self.refusal(what)
 
+    def _take_api(self, what: str, states: tuple = (), timed: bool = True) -> None:
+        """The API lock, after another thread's call; refused (and left) if the state
+        changed meanwhile (an abort took the handle while this thread waited its turn).
+        ``timed``: the call was counted in ``calls`` too."""
+        try:
+            self.api.acquire()
+        except BaseException:        # interrupted while waiting: nothing stays counted
+            self._leave_counts(timed)
+            raise
+        st = self.state
+        if st is not USABLE and st not in states:
+            self.api.release()
+            self._leave_counts(timed)
+            raise self.refusal(what)
+
+    def enter_poll(self, what: str, *states: str) -> None:
+        """One poll of a wait for completion (``ncclCommGetAsyncError``): like :meth:`enter`
+        (refused once aborted; the API lock held until :meth:`release`) but not a new call
+        for the watchdog, whose timer runs from the wait's :meth:`mark_call`."""
+        with self.lock:
+            if self.state is not USABLE and self.state not in states:
+                raise self.refusal(what)
+            self.inflight += 1
+        self._take_api(what, states, timed=False)
+
+    def try_enter_poll(self, what: str, *states: str) -> bool:
+        """:meth:`enter_poll` without waiting: False when another thread is inside NCCL with
+        the handle (or the state refuses); then nothing is held."""
+        with self.lock:
+            if self.state is not USABLE and self.state not in states:
+                return False
+            if not self.api.acquire(blocking=False):
+                return False
+            self.inflight += 1
+            return True
+
     def hold(self, what: str = "group") -> None:
         """A thread's open group takes the handle (usable state), or raises why not; ended
-        by :meth:`release` at the group end."""
+        by :meth:`release_hold` at the group end."""
         with self.lock:
             if self.state is USABLE:
                 self.inflight += 1
                 return
         raise self.refusal(what)
 
+    def release_hold(self) -> None:
+        """End of a :meth:`hold` (no API lock taken)."""
+        self._leave_counts(timed=False)
+
     def release(self) -> None:
-        with self.lock:
-            self.inflight -= 1
-            if self.waiters and not self.inflight:
-                self.cond.notify_all()
+        """End of :meth:`enter_as` / :meth:`enter_poll`: the API lock, then the counts."""
+        self.api.release()
+        self._leave_counts(timed=False)
 
     def mark_call(self, what: str) -> None:
-        """A call made under a :meth:`hold` (the group end): timed like an entered call."""
+        """A call made under a :meth:`hold` (the group end), or a wait for a nonblocking
+        call's completion: timed like an entered call until :meth:`unmark_call`."""
         with self.lock:
             self.calls += 1
             self.entered += 1
@@ -117,25 +185,70 @@ class Lifecycle:
         with self.lock:
             self.calls -= 1
 
-    def enter_as(self, what: str, *states: str) -> None:
+    def enter_as(self, what: str, *states: str, timed: bool = False) -> None:
         """:meth:`enter` for steps allowed in other states too (``finalized``: close's own
         steps; ``closing``: what close does after it took the communicator) and for the short
-        queries of a Work's check; not timed by the watchdog; ended by :meth:`release`."""
+        queries of a Work's check; ended by :meth:`release` (or :meth:`leave` if ``timed``:
+        then the watchdog times it, as a collective step that can wait on peers)."""
         with self.lock:
             if self.state is USABLE or self.state in states:
                 self.inflight += 1
                 self._what = what
-                return
-        raise self.refusal(what)
+                if timed:
+                    self.calls += 1
+                    self.entered += 1
+            else:
+                raise self.refusal(what)
+        if timed:
+            self._take_api(what, (USABLE,) + states)
+        else:
+            self._take_api(what, states, timed=False)
 
     def leave(self) -> None:
-        lock = self.lock
+        """End of :meth:`enter` (or a timed :meth:`enter_as`)."""
+        self.api.release()
+        lock = self.lock              # (the hot path: _leave_counts inlined)
         lock.acquire()
         self.inflight -= 1
         self.calls -= 1
-        if self.waiters and not self.inflight:
-            self.cond.notify_all()
+        if self.inflight or (not self.waiters and self.on_idle is None):
+            lock.release()
+            return
+        self.inflight += 1            # the rare end: waiters or a deferred abort
+        self.calls += 1
         lock.release()
+        self._leave_counts(timed=True)
+
+    def _leave_counts(self, timed: bool) -> None:
+        lock = self.lock
+        lock.acquire()
+        self.inflight -= 1
+        if timed:
+            self.calls -= 1
+        if self.inflight:
+            lock.release()
+            return
+        if self.waiters:
+            self.cond.notify_all()
+        run, self.on_idle = self.on_idle, None
+        lock.release()
+        if run is not None:          # the deferred abort: the last call has left NCCL
+            threading.Thread(target=_run_deferred, args=(run, self.owner), daemon=True,
+                             name=f"ncclpy-abort ({self.owner})").start()
+
+    def defer_until_idle(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` once the last call in flight has left (True), or now if none is (False:
+        the caller runs it).  The abort of a handle a call is still inside: NCCL frees the
+        communicator in ncclCommAbort, and no other thread may be inside NCCL with it then
+        (docs/reference/concepts/lifecycle.rst).  It runs on a thread of its own: the thread
+        that leaves last may hold locks of its own (a window's) that the abort takes, and its
+        caller gets its own result or error, not the abort's."""
+        with self.lock:
+            if self.inflight:
+                self.on_idle = fn
+                self.deferred = True
+                return True
+        return False
 
     def refusal(self, what: str) -> NcclpyError:
         """The error a call gets in the current state."""
@@ -246,330 +359,3 @@ class Lifecycle:
 
     def __repr__(self) -> str:
         return f"<Lifecycle {self.owner} {self.state} inflight={self.inflight}>"
-
-
-
-_GONE = (CLOSING, CLOSED, ABORTING, ABORTED)
-
-
-class CommLifecycle:
-    """The communicator's side of :class:`Lifecycle`: guarded NCCL calls, the polls of a
-    nonblocking communicator, ``finalize``, ``abort`` and ``close`` (a mixin of
-    :class:`ncclpy.Communicator`; it uses ``_life``, ``_lib``, ``_handle``, ``_nc``,
-    ``_timeout``, ``_nonblocking``, ``_resolver``, ``_watchdog``, ``_registrations``,
-    ``_premul_ops``, ``_allocations``, ``_captured_calls``, ``_device``)."""
-
-    _life: Lifecycle
-    _lib: Any
-    _handle: int
-    _nc: Any
-    _timeout: float
-    _nonblocking: bool
-    _resolver: Any
-    _watchdog: Any
-    _watch: Any
-    _registrations: Any
-    _premul_ops: Any
-    _allocations: Any
-    _captured_calls: int
-    _did_finalize: bool
-    _device: int
-    _barrier_buf: Any
-
-    # -- state (read-only views of the Lifecycle) -------------------------------------------
-    @property
-    def state(self) -> str:
-        """``usable``, ``finalized``, ``closing``, ``closed``, ``aborting`` or ``aborted``."""
-        return self._life.state
-
-    @property
-    def closed(self) -> bool:
-        """True once closing, closed, aborting or aborted."""
-        return self._life.state in _GONE
-
-    @property
-    def _closed(self) -> bool:
-        return self._life.state in _GONE
-
-    @property
-    def _aborted(self) -> bool:
-        return self._life.state is ABORTING or self._life.state is ABORTED
-
-    @property
-    def _finalized(self) -> bool:
-        return self._life.state is FINALIZED
-
-    @property
-    def _abort_error(self) -> Optional[CommAbortedError]:
-        return self._life.abort_error
-
-    def _check_usable(self, what: str) -> None:
-        if self._life.state is not USABLE:
-            raise self._life.refusal(what)
-
-    def _nccl(self, what: str, fn: Any, *args: Any, states: tuple = ()) -> Any:
-        """``fn(*args)`` -- a C call with this communicator's handle -- while entered in the
-        lifecycle (refused with the precise error once aborted or closed)."""
-        life = self._life
-        if states:
-            life.enter_as(what, *states)
-            try:
-                return fn(*args)
-            finally:
-                life.release()
-        life.enter(what)
-        try:
-            return fn(*args)
-        finally:
-            life.leave()
-
-    # -- nonblocking communicators ------------------------------------------------------------
-    def _wait_ready(self, call: str, *states: str) -> None:
-        """Poll ncclCommGetAsyncError until not in progress (nonblocking communicators),
-        within the timeout.  Every poll enters the lifecycle: an abort from another thread
-        (the watchdog's) ends the wait at once with its error, and nothing polls a freed
-        handle."""
-        deadline = time.monotonic() + self._timeout
-        delay = 1e-5
-        lib, h = self._lib, self._handle
-        while True:
-            st = self._nccl(call, lib.async_error, h, states=states)
-            if st != NCCL_IN_PROGRESS:
-                break
-            if time.monotonic() > deadline:
-                raise NcclTimeoutError(8, call, f"communicator still in progress after "
-                                       f"{self._timeout:g} s (ncclCommGetAsyncError)")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        if st:
-            raise lib.error(st, call, h)
-
-    def _raise_async_error(self) -> None:
-        """A Work's check: the watchdog's error, or an async error NCCL reported (handed to
-        the watchdog for a named verdict first); nothing once closed."""
-        life = self._life
-        if life.abort_error is not None:
-            raise life.abort_error
-        try:
-            life.enter_as("ncclCommGetAsyncError", FINALIZED)
-        except NcclpyError:
-            if life.state is ABORTING or life.state is ABORTED:
-                raise
-            return                   # closing or closed: nothing left to check
-        try:
-            st = self._lib.async_error(self._handle)
-        finally:
-            life.release()
-        if st not in (0, NCCL_IN_PROGRESS):
-            err = self._lib.error(st, "ncclCommGetAsyncError", self._handle)
-            wd = self._watchdog
-            if wd is not None and wd.verdict_on(err) is not None and \
-                    life.abort_error is not None:
-                raise life.abort_error from err   # names the call and the peer behind it
-            raise err
-
-    # -- finalize, abort, close ---------------------------------------------------------------
-    def finalize(self) -> None:
-        """ncclCommFinalize: flush outstanding work (collective); then only close() is
-        allowed.  Bounded by the timeout: past it the communicator is aborted and the
-        CommAbortedError says why."""
-        self._check_usable("finalize")
-        self._finalize_bounded("finalize", ())
-        self._did_finalize = True
-        self._life.finalized()
-        self._resolver.clear()
-
-    def _finalize_bounded(self, who: str, states: tuple) -> None:
-        """ncclCommFinalize, then (nonblocking) its polls, on a thread of its own that the
-        caller waits for at most the timeout (+1 s).  A finalize that has not finished by then
-        is blocked -- on a peer that is gone or, since NCCL 2.26, on a CUDA graph that captured
-        calls of this communicator and is still alive -- so the communicator is aborted (from
-        yet another thread, waited for at most ABORT_JOIN seconds: an abort that blocks too
-        cannot hold the caller) and CommAbortedError says why.  The caller never hangs."""
-        t = self._timeout
-        box: dict = {}
-
-        def run() -> None:
-            try:
-                lib, h = self._lib, self._handle
-                code = self._nccl("ncclCommFinalize", lib.ncclCommFinalize, h, states=states)
-                lib.check(code, "ncclCommFinalize", h, in_progress_ok=True)
-                if code == NCCL_IN_PROGRESS or self._nonblocking:
-                    self._wait_ready("ncclCommFinalize", *states)
-            except BaseException as e:  # noqa: B902 - handed to the caller
-                box["error"] = e
-        worker = threading.Thread(target=run, daemon=True,
-                                  name=f"ncclpy-finalize ({self._life.owner})")
-        worker.start()
-        worker.join(t + 1.0)
-        e = box.get("error")
-        if worker.is_alive() or isinstance(e, NcclTimeoutError):
-            err = CommAbortedError(self._finalize_overdue(who, t), reason="finalize_timeout")
-            aborter = threading.Thread(target=self._abort_now, args=(err,), daemon=True,
-                                       name=f"ncclpy-abort ({self._life.owner})")
-            aborter.start()
-            aborter.join(ABORT_GRACE + ABORT_JOIN)
-            if aborter.is_alive():
-                log.warning("%s: ncclCommAbort of the communicator (%s) has not returned "
-                            "after %g s either; it is left to finish on its own", who,
-                            self._life.owner, ABORT_JOIN)
-            raise (self._life.abort_error or err) from e
-        if e is not None:
-            raise e
-
-    def _finalize_overdue(self, who: str, t: float) -> str:
-        n = self._captured_calls
-        why = (f"{n} call(s) of this communicator were captured into CUDA graphs, and NCCL's "
-               f"finalize waits until every graph holding them is destroyed: destroy the "
-               f"graphs (e.g. 'del graph') before {who}()" if n else
-               "a peer may be gone, or may not have called close()/finalize()")
-        return (f"{who}: ncclCommFinalize of the communicator ({self._life.owner}) did not "
-                f"finish within {t:g} s; {why}; the communicator was aborted (ncclCommAbort)")
-
-    def abort(self) -> None:
-        """ncclCommAbort: stop outstanding work and free the communicator (local; never hangs;
-        idempotent; from any thread, also while another thread is blocked in NCCL)."""
-        self._abort_now(None)
-
-    def _abort_now(self, error: Optional[CommAbortedError]) -> None:
-        life = self._life
-        busy = life.begin_abort(error)
-        if busy is None:
-            return                       # aborted already, or destroyed: one abort per handle
-        if busy:
-            log.warning("abort of the communicator (%s): %s is still inside NCCL on another "
-                        "thread after %g s; calling ncclCommAbort anyway, which is what ends a "
-                        "blocked NCCL call", life.owner, busy, ABORT_GRACE)
-        self._resolver.clear()
-        self._stop_watchdog(closed=False)
-        try:
-            if self._nc is not None:
-                from .._nccl.dispatch import call_cupy
-                call_cupy(self._lib, "ncclCommAbort", self._handle, self._nc.abort)
-            else:
-                self._lib.check(self._lib.ncclCommAbort(self._handle), "ncclCommAbort")
-        finally:
-            life.end_abort()
-            rec = getattr(self, "_recorder", None)
-            if rec is not None:
-                rec.mark_aborted()
-            self._lose_windows()          # type: ignore[attr-defined]
-            self._registrations.clear()
-            self._premul_ops.clear()
-            self._free_owned()
-
-    def close(self) -> None:
-        """Free what the communicator owns, finalize and destroy it.  Idempotent, and never
-        hangs: a finalize that cannot finish within the timeout (a peer gone, a live CUDA
-        graph that captured its calls) aborts the communicator and raises CommAbortedError
-        saying which.  Every rank should call it; after an abort it does nothing.  Its
-        windows are deregistered first; a suspended communicator is resumed first; a revoked
-        one (or the parent of a shrink with ``abort=True``) is aborted instead: NCCL forbids
-        finalizing it, and its destroy's barrier can wait forever for the ranks that are
-        gone."""
-        life = self._life
-        if life.state is SUSPENDED:
-            self.resume()                 # type: ignore[attr-defined]
-        if life.state is REVOKED:
-            try:
-                self._settled("close")    # type: ignore[attr-defined]
-            finally:
-                self._abort_now(None)
-            return
-        if not life.begin_close():
-            return
-        self._stop_watchdog(closed=True)
-        rec = getattr(self, "_recorder", None)
-        if rec is not None:
-            rec.retire()
-        if not life.wait_idle(self._timeout):
-            err = CommAbortedError(f"close: another thread's {life._what} was still inside NCCL "
-                                   f"after {self._timeout:g} s; the communicator was aborted "
-                                   f"(ncclCommAbort)", reason="close_timeout")
-            self._abort_now(err)
-            raise err
-        self._close_windows()             # type: ignore[attr-defined]
-        for reg in list(self._registrations.values()):
-            try:
-                self._deregister(reg, (CLOSING,))
-            except Exception as e:
-                log.warning("close: deregistering %s failed: %s", reg, e)
-        self._registrations.clear()
-        for op in list(self._premul_ops):
-            try:
-                self._premul_destroy(op, (CLOSING,))
-            except Exception as e:
-                log.warning("close: ncclRedOpDestroy(%s) failed: %s", op, e)
-        if not self._did_finalize:
-            try:
-                self._finalize_bounded("close", (CLOSING,))
-            except BaseException:
-                self._abort_now(None)
-                raise
-        self._resolver.clear()
-        if not life.end_close():         # an abort took over: never destroy after it
-            self._free_owned()
-            return
-        lib, h = self._lib, self._handle
-        try:
-            if self._nc is not None:
-                from .._nccl.dispatch import call_cupy
-                call_cupy(lib, "ncclCommDestroy", h, self._nc.destroy)
-            else:
-                lib.check(lib.ncclCommDestroy(h), "ncclCommDestroy", h)
-        finally:
-            self._free_owned()
-
-    def _stop_watchdog(self, closed: bool) -> None:
-        wd, self._watchdog = self._watchdog, None
-        self._watch = None
-        if wd is not None:
-            try:
-                wd.stop(closed=closed)
-            except Exception:
-                log.debug("stopping the watchdog failed", exc_info=True)
-
-    def _watchdog_abort(self, decision: Any) -> None:
-        """The watchdog's verdict: every blocked or later call raises CommAbortedError (its
-        message names the flight-recorder dump written first)."""
-        msg = decision.message
-        revoke = getattr(self, "_on_failure", "abort") == "revoke"
-        if revoke:       # comm.on_failure = "revoke": the handle stays for shrink
-            msg = msg.replace("was aborted (ncclCommAbort)",
-                              "was revoked (ncclCommRevoke; on_failure='revoke'): shrink it "
-                              "to the survivors (comm.shrink(exclude=err.suspects)), or close "
-                              "it")
-        rec = getattr(self, "_recorder", None)
-        if rec is not None:
-            path = rec.try_dump(f"watchdog {'revoke' if revoke else 'abort'} "
-                                f"({decision.reason})")
-            if path:
-                msg += f"; flight-recorder dump: {path}"
-        err = CommAbortedError(msg, collective=decision.collective, seq=decision.seq,
-                               suspects=decision.suspects, reason=decision.reason)
-        if revoke:
-            self._revoke_now(err)         # type: ignore[attr-defined]
-        else:
-            self._abort_now(err)
-
-    def _free_owned(self) -> None:
-        from .._nccl.cuda import cuda
-        allocations = list(self._allocations)
-        self._allocations.clear()
-        self._barrier_buf = None
-        if not allocations:
-            return
-        with cuda().device(self._device):
-            for ptr in allocations:
-                code = self._lib.ncclMemFree(ptr)
-                if code:
-                    log.warning("ncclMemFree(%#x) failed: %s", ptr, self._lib.error_string(code))
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # peers may be gone: a collective close() could hang
-            self.abort()

@@ -52,12 +52,23 @@ def check_on_failure(value: Any, what: str = "on_failure") -> str:
     return str(value)
 
 
+def _address(struct: Any) -> Optional[int]:
+    """The ``const ncclConfig_t*`` argument: the struct's address (declared ``c_void_p``, as
+    for ncclCommInitRankConfig), or NULL for the parent's config."""
+    return None if struct is None else ctypes.addressof(struct)
+
+
 def exclude_list(exclude: Any, rank: int, world_size: int) -> list:
-    """``exclude`` checked: distinct ranks of the communicator, not this one, not all."""
+    """``exclude`` checked: distinct ranks of the communicator, not this one, at least one
+    (NCCL refuses an empty list: init.cc ncclCommShrink, ``excludeRanksCount > 0``)."""
     if isinstance(exclude, (str, bytes)) or not hasattr(exclude, "__iter__"):
         raise ArgumentTypeError(f"shrink: exclude: expected a list of ranks, got "
                                 f"{type(exclude).__name__} {exclude!r}")
     ranks = [as_int("shrink: exclude[]", r, 0, world_size - 1) for r in exclude]
+    if not ranks:
+        raise ArgumentError("shrink: exclude: expected at least one rank to leave, got an "
+                            "empty list (NCCL refuses it: ncclInvalidArgument); to copy a "
+                            "communicator, use split()")
     dup = sorted({r for r in ranks if ranks.count(r) > 1})
     if dup:
         raise ArgumentError(f"shrink: exclude: rank(s) {dup} listed twice; expected distinct "
@@ -123,26 +134,48 @@ class CommMembership:
             if life.state is REVOKED:
                 return
             raise life.refusal("revoke")
-        if busy:
-            log.warning("revoke of the communicator (%s): %s is still inside NCCL on another "
-                        "thread; ncclCommRevoke stops it", life.owner, busy)
         self._resolver.clear()
         self._stop_watchdog(closed=False)
         rec = getattr(self, "_recorder", None)
         if rec is not None:
             rec.mark_aborted()
+        # a revoke waiting for a call inside NCCL holds the member lock from now: a shrink
+        # or close (``_settled``) waits for the revoke, never runs before it
+        locked = bool(busy) and self._member_lock.acquire(timeout=self._timeout)
+        if busy and life.defer_until_idle(lambda: self._revoke_call(locked)):
+            log.warning("revoke of the communicator (%s): %s is still inside NCCL on another "
+                        "thread; no two threads may be inside NCCL with one communicator, so "
+                        "ncclCommRevoke waits until that call returns (every call but "
+                        "shrink, split, close and abort is refused meanwhile)", life.owner,
+                        busy)
+            return
+        self._revoke_call(locked)
+
+    def _revoke_call(self, locked: bool = False) -> None:
+        """ncclCommRevoke and its wait for quiescence, with no other thread inside NCCL
+        (``locked``: the member lock was taken when the revoke was deferred)."""
+        life = self._life
+        if not locked:
+            self._member_lock.acquire()  # shrink and close wait until it is quiescent
+        try:
+            with life.api:                # the call and its wait: no other call between
+                self._revoke_steps()
+        finally:
+            self._member_lock.release()
+
+    def _revoke_steps(self) -> None:
+        life = self._life
         lib, h = self._lib, self._handle
-        with self._member_lock:          # shrink and close wait until it is quiescent
-            try:
-                code = self._nccl("ncclCommRevoke", lib.ncclCommRevoke, h, REVOKE_DEFAULT,
-                                  states=(REVOKED,))
-                lib.check(code, "ncclCommRevoke", h, in_progress_ok=True)
-                self._quiescent("ncclCommRevoke")
-            except BaseException:
-                if life.state is not REVOKED:
-                    return                # an abort took over (it is what ends the revoke)
-                self.abort()              # type: ignore[attr-defined]  # the only way left
-                raise
+        try:
+            code = self._nccl("ncclCommRevoke", lib.ncclCommRevoke, h, REVOKE_DEFAULT,
+                              states=(REVOKED,))
+            lib.check(code, "ncclCommRevoke", h, in_progress_ok=True)
+            self._quiescent("ncclCommRevoke")
+        except BaseException:
+            if life.state is not REVOKED:
+                return                    # an abort took over (it is what ends the revoke)
+            self.abort()                  # type: ignore[attr-defined]  # the only way left
+            raise
 
     def _settled(self, what: str) -> None:
         """Wait (within the timeout) for a revoke in progress on another thread."""
@@ -180,6 +213,7 @@ class CommMembership:
         require_version("ncclCommShrink", lib.version, lib.path)
         ranks = exclude_list(exclude, self.rank, self.world_size)
         struct = self._child_struct("shrink", config)
+        cfg = _address(struct)
         if abort and life.state is USABLE:
             life.begin_revoke(CommAbortedError(
                 f"the communicator ({life.owner}) was shrunk with abort=True: NCCL terminated "
@@ -192,7 +226,7 @@ class CommMembership:
         return self._make_child("ncclCommShrink", f"{self.name}/{tag}", config, struct,
                                 lambda slot: lib.ncclCommShrink(
                                     self._handle, arr, len(ranks), ctypes.byref(slot),
-                                    struct, flags))
+                                    cfg, flags))
 
     # -- grow ---------------------------------------------------------------------------------
     def grow_unique_id(self) -> bytes:
@@ -220,9 +254,10 @@ class CommMembership:
             holder = UniqueId.from_bytes(uid_bytes(uid))
             uid_p = ctypes.byref(holder)
         struct = self._child_struct("grow", config)
+        cfg = _address(struct)
         return self._make_child("ncclCommGrow", f"{self.name}/grow{n}", config, struct,
                                 lambda slot: lib.ncclCommGrow(self._handle, n, uid_p, -1,
-                                                              ctypes.byref(slot), struct))
+                                                              ctypes.byref(slot), cfg))
 
     # -- children -----------------------------------------------------------------------------
     def _child_struct(self, what: str, config: Any) -> Any:
@@ -272,7 +307,8 @@ def grow_join(world_size: int, rank: int, uid: bytes, *, device: Optional[int] =
     dev = cuda().get_device() if device is None else as_int("grow_join: device", device, 0)
     slot = ctypes.c_void_p(0)
     with cuda().device(dev):
-        code = lib.ncclCommGrow(None, n, ctypes.byref(holder), r, ctypes.byref(slot), struct)
+        code = lib.ncclCommGrow(None, n, ctypes.byref(holder), r, ctypes.byref(slot),
+                                _address(struct))
     lib.check(code, "ncclCommGrow", None, in_progress_ok=True)
     nonblocking = code == NCCL_IN_PROGRESS or effective_nonblocking(config, lib.version)
     if not slot.value:

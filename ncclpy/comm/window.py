@@ -26,8 +26,10 @@ from typing import Any, Dict, List
 from .._nccl.cuda import cuda
 from .._nccl.flags import (WIN_COLL_SYMMETRIC, WIN_FLAG_VERSIONS, WIN_REQUIRED_ALIGNMENT,
                            WIN_STRICT_ORDERING, WIN_GIN_ONLY)
-from .._nccl.lib import format_version, require_version
-from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, VersionError
+from .._nccl.group import group_depth
+from .._nccl.lib import NCCL_IN_PROGRESS, format_version, require_version
+from ..errors import (ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
+                      VersionError)
 from .lifecycle import CLOSING
 
 __all__ = ["Window", "CommWindows", "window_flags", "OPEN", "CLOSED", "LOST"]
@@ -139,14 +141,18 @@ class CommWindows:
     _handle: int
     _device: int
     _windows: Dict[int, Window]
+    _slots: List[Any]           # *win slots NCCL may still write (kept until it has)
     _life: Any
     _nccl: Any
+    _nonblocking: bool
+    _wait_ready: Any
     _check_usable: Any
 
     def register_window(self, buf: Any, *, symmetric: bool = True,
                         strict_ordering: bool = False, gin_only: bool = False) -> Window:
-        """``ncclCommWindowRegister`` ``buf`` (collective: every rank, same order) ->
-        :class:`Window`, a context manager.  ``symmetric``: NCCL_WIN_COLL_SYMMETRIC
+        """``ncclCommWindowRegister`` ``buf`` (collective: every rank, same order; never
+        inside a group, and on a nonblocking communicator it waits until NCCL registered it)
+        -> :class:`Window`, a context manager.  ``symmetric``: NCCL_WIN_COLL_SYMMETRIC
         (collectives on it may take the symmetric kernels); ``strict_ordering`` (2.29.7):
         NCCL_WIN_STRICT_ORDERING; ``gin_only`` (2.32): NCCL_WIN_GIN_ONLY.  NCCL >= 2.27."""
         self._check_usable("register_window")
@@ -173,16 +179,32 @@ class CommWindows:
                                 f"got {spec.ptr:#x} ({spec.ptr % WIN_REQUIRED_ALIGNMENT} past "
                                 f"a multiple); allocate it with comm.mem_alloc or "
                                 f"ncclpy.nccl_empty")
+        if group_depth():
+            raise UnsupportedError("register_window: called inside a group (comm.group() or "
+                                   "ncclGroupStart); NCCL registers a window at the group's "
+                                   "end and writes its handle only then: register it before "
+                                   "or after the group")
         win = ctypes.c_void_p(0)
-        with cuda().device(self._device):
-            code = self._nccl("ncclCommWindowRegister", lib.ncclCommWindowRegister,
-                              self._handle, spec.ptr, nbytes, ctypes.byref(win), flags)
-        if code:
-            err = lib.error(code, "ncclCommWindowRegister", self._handle)
-            raise type(err)(err.code, "ncclCommWindowRegister",
-                            f"{err.last_error}; a window needs cuMem memory NCCL can map "
-                            f"(comm.mem_alloc, ncclpy.nccl_empty), registered by every rank "
-                            f"in the same order") from None
+        # NCCL writes *win when its registration task has run: at once on a blocking
+        # communicator; on a nonblocking one later, while the call already said ncclSuccess
+        # (dev_runtime.cc: NCCLCHECK lets ncclGroupEndInternal's ncclInProgress through), so
+        # the slot lives with the communicator until then, and is read only after the wait
+        self._slots.append(win)
+        with self._life.api:      # the call and its wait: no other thread's call between
+            with cuda().device(self._device):
+                code = self._nccl("ncclCommWindowRegister", lib.ncclCommWindowRegister,
+                                  self._handle, spec.ptr, nbytes, ctypes.byref(win), flags)
+            if code not in (0, NCCL_IN_PROGRESS):
+                self._slots.remove(win)      # the task was refused before it was queued
+                err = lib.error(code, "ncclCommWindowRegister", self._handle)
+                raise type(err)(err.code, "ncclCommWindowRegister",
+                                f"{err.last_error}; a window needs cuMem memory NCCL can map "
+                                f"(comm.mem_alloc, ncclpy.nccl_empty), registered by every "
+                                f"rank in the same order") from None
+            if code == NCCL_IN_PROGRESS or self._nonblocking:
+                self._wait_ready("ncclCommWindowRegister")   # raises: the slot stays kept
+        if win.value:             # (0: NCCL may still write it -- a group opened outside
+            self._slots.remove(win)   # ncclpy, say -- so it is kept with the communicator)
         w = Window(self, win.value or 0, spec.ptr, nbytes, flags, buf)
         if not w.registered:
             log.info("register_window: NCCL registered no window on %s (no symmetric support "

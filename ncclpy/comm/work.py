@@ -22,14 +22,17 @@ edge).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from .._nccl.cuda import cuda
+from .._nccl.cuda import CAPTURE_MODE_RELAXED, cuda
 from ..errors import NcclpyError, NcclTimeoutError
 
 __all__ = ["Work", "EventPool", "event_pool", "sweep_dropped"]
+
+log = logging.getLogger(__name__)
 
 _POOL_MAX = 256             # free events kept per device; more are destroyed
 
@@ -92,29 +95,44 @@ _dropped: "collections.deque[tuple]" = collections.deque()
 
 def sweep_dropped(cu: Any = None, limit: int = 8) -> int:
     """Release what completed among the dropped Works (at most ``limit`` of them, oldest
-    first, stopping at the first still running); returns how many are left."""
+    first, stopping at the first still running); returns how many are left.
+
+    Its event queries run in the ``Relaxed`` stream-capture mode of the thread: another thread
+    (or this one, on another stream) may be capturing a CUDA graph in the global mode
+    (torch.cuda.graph's default), where a query from a thread in the global mode is prohibited
+    and invalidates that capture.  A query that fails anyway proves nothing about the call:
+    its buffers stay kept, and the sweep stops until a later one."""
     cu = cu or cuda()
     d = _dropped
-    for _ in range(limit):
-        try:
-            dev, ev, keep = d[0]
-        except IndexError:
-            return 0
-        try:
-            done = cu.event_query(ev)
-        except Exception:        # an error of its own: nothing left to wait for
-            done = True
-        if not done:
-            break
-        try:
-            d.popleft()
-        except IndexError:       # pragma: no cover - swept by another thread
-            return 0
-        rec = keep[1]                                    # its flight-recorder entry
-        if rec is not None and rec[6] == "issued":     # [5] t_done, [6] state (recorder.py)
-            rec[5], rec[6] = time.time(), "completed"
-        event_pool(dev).give(ev)
-    return len(d)
+    if not d:
+        return 0
+    prev = cu.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+    try:
+        for _ in range(limit):
+            try:
+                dev, ev, keep = d[0]
+            except IndexError:
+                return 0
+            try:
+                done = cu.event_query(ev)
+            except Exception as e:   # never "done": the GPU may still use the buffers
+                log.debug("sweep_dropped: event query failed (%s); kept for later", e)
+                d.rotate(-1)         # to the back: one bad entry never holds up the others
+                break
+            if not done:
+                break
+            try:
+                d.popleft()
+            except IndexError:       # pragma: no cover - swept by another thread
+                return 0
+            rec = keep[1]                                    # its flight-recorder entry
+            if rec is not None and rec[6] == "issued":     # [5] t_done, [6] state (recorder.py)
+                rec[5], rec[6] = time.time(), "completed"
+            event_pool(dev).give(ev)
+        return len(d)
+    finally:
+        if prev is not None:
+            cu.exchange_capture_mode(prev)
 
 
 class Work:

@@ -88,8 +88,9 @@ _FORENSICS = "tests/gpu/test_forensics_gpu.py"
 _PART2 = "tests/gpu/test_part2_gpu.py"
 _EXAMPLES = "tests/gpu/test_examples_gpu.py"
 _BENCH = "tests/gpu/test_bench_gpu.py"
+_DIFF = "tests/gpu/test_standin_differential.py"
 #: the GPU test files with a stage of their own; the rest are the communicator's tests
-_OWN = (_CHECK, _FORENSICS, _PART2, _EXAMPLES, _BENCH)
+_OWN = (_CHECK, _FORENSICS, _PART2, _EXAMPLES, _BENCH, _DIFF)
 
 STAGES: Tuple[Stage, ...] = (
     Stage("info", "versions and ncclpy info", "info", 60, 20, ranks=0,
@@ -112,6 +113,11 @@ STAGES: Tuple[Stage, ...] = (
           notes="window collectives vs the reference, put/signal/wait, suspend/resume with "
                 "memory statistics, revoke+shrink; 3-rank jobs: shrink after a SIGKILLed rank, "
                 "grow 2 -> 3"),
+    Stage("standin-diff", "real NCCL vs the CPU stand-in: the rules table's scenarios", "pytest",
+          240, 60, ranks=1, paths=(_DIFF,),
+          notes="tests/nccl_rules_scenarios.py on 1-rank communicators (one process): each "
+                "observation must equal NCCL's source (tests/nccl_standin_rules.md) and the "
+                "stand-in's"),
     Stage("check4", "ncclpy check -n 4 --backend nccl, bit for bit against torch", "pytest",
           360, 90, ranks=4, paths=(_CHECK,), worlds=(4,), checks=(4,),
           notes="4 ranks on one GPU"),

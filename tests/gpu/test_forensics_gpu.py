@@ -40,8 +40,11 @@ def test_gpu_a_send_without_its_recv_is_unmatched(tmp_path):
     d = str(tmp_path / "dumps")
     rc, _, err = run_job("unmatched", d, HANG, real=True, timeout=150)
     assert rc != 0, err
-    # NCCL connects the pair inside the send's launch: the watchdog times that blocked call
+    # NCCL connects the pair inside the send's launch: the watchdog times that blocked call;
+    # ncclCommAbort would free the communicator under it, so the abort waits for the call
+    # (then the rank exits with ncclpy.comm.teardown.STUCK_EXIT if it stays stuck)
     assert "send (sequence 2) was still blocked inside its NCCL call on the host" in err, err
+    assert "the abort waits until that call returns" in err, err
     code, doc, _ = trace(d)
     p2p = [f for f in findings(doc) if f["kind"] == "unmatched_p2p"]
     assert code == 1 and p2p and p2p[0]["ranks"] == [0], doc

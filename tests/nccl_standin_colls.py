@@ -1,0 +1,185 @@
+"""STAND-IN for libnccl's collectives and send/recv (a mixin of tests/nccl_standin_lib.py's
+StandInNccl; see tests/nccl_standin.py): ncclEnqueueCheck's refusals (revoked, EnsureReady,
+ArgsCheck), what joins the thread's group, and the stream items the engine runs.  CPU tests of
+ncclpy's own logic only; it never makes a GPU test pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Tuple
+
+from nccl_standin import (_BY_ENUM, INVALID_ARG, INVALID_USAGE, SUCCESS, _Comm, _Item, _Op)
+
+__all__ = ["StandInColls", "live_ops", "maker"]
+
+
+class StandInColls:
+    """The collective and p2p calls (``self.e``: the engine; ``_ready``, ``_group_err`` and
+    ``_in_progress`` come from StandInNccl)."""
+
+    e: Any
+
+    def _submit(self, ops: List[Tuple[_Comm, int, _Op]]) -> int:
+        """One stream item per (comm, stream) of the batch; nonblocking comms report
+        in progress."""
+        e = self.e
+        groups: Dict[Tuple[int, int], List[_Op]] = defaultdict(list)
+        for c, stream, op in ops:
+            groups[(c.handle, stream)].append(op)
+        code = SUCCESS
+        for (h, stream), batch in groups.items():
+            c = e.comms[h]
+            e.enqueue(stream, maker(batch), device=c.device)
+            code = max(code, self._in_progress(c))
+        return code
+
+    def _call(self, fn: str, h: int, stream: int, **args: Any) -> int:
+        """enqueue.cc ncclEnqueueCheck (2.28.9-dev): CommCheck; revoked -> 5 ("%s:
+        communicator was revoked"); EnsureReady; ArgsCheck; then taskAppend: an empty
+        collective is dropped and a 1-rank one launched at once (nothing joins the group, so
+        0 even on a nonblocking comm).  A failure inside a group fails its end (D4); on a
+        nonblocking comm it becomes the async error (``fail:``)."""
+        e = self.e
+        c = e.comm(h, "nccl" + fn)
+        if c is None:
+            return self._group_err(INVALID_ARG)
+        if getattr(c, "revoked", False):
+            self.last_text = f"{fn}: communicator was revoked".encode()
+            return self._group_err(INVALID_USAGE)
+        code = self._ready(c)
+        if code == SUCCESS:
+            code = self._args_check(c, fn, args)
+            if code and c.nonblocking:
+                c.async_state = code
+        if code:
+            return self._group_err(code)
+        if fn in ("Send", "Recv"):
+            args["nbytes"] = args.pop("count") * _BY_ENUM[args.pop("dtype")].itemsize
+        elif args["count"] == 0:
+            return SUCCESS                   # "Empty collectives can be discarded."
+        if fn in ("Send", "Recv"):
+            peer = args["peer"]
+            src, dst = (c.rank, peer) if fn == "Send" else (peer, c.rank)
+            with e.lock:
+                seq = c.p2p_seq[(src, dst)]
+                c.p2p_seq[(src, dst)] += 1
+            op = _Op((c.world.id, "p2p", src, dst, seq, 2), c.rank, "p2p",
+                     {"dir": fn.lower(), "buf": args["buf"], "nbytes": args["nbytes"]})
+        else:
+            with e.lock:
+                seq = c.coll_seq
+                c.coll_seq += 1
+            op = _Op((c.world.id, "coll", seq, c.world.nranks), c.rank, "coll",
+                     {"fn": fn, **args})
+            if c.world.nranks == 1:          # ncclLaunchOneRank: on the stream, no group work
+                e.enqueue(stream, maker([op]), device=c.device)
+                return SUCCESS
+        t = e.tls()
+        if t.group_depth:
+            t.group.append((c, stream, op))
+            return SUCCESS
+        return self._submit([(c, stream, op)])
+
+    def _args_check(self, c: _Comm, fn: str, args: Dict[str, Any]) -> int:
+        """argcheck.cc ArgsCheck (all): root (a p2p's peer) in [0, nranks), datatype known,
+        op in range and, for a PreMulSum op, alive on this comm (pointer checks are off by
+        default and not modelled)."""
+        root = args.get("peer", args.get("root", 0))
+        if not 0 <= root < c.world.nranks:
+            self.last_text = (f"{fn} : invalid root {root} (root should be in the "
+                              f"0..{c.world.nranks} range)").encode()
+            return INVALID_ARG
+        if args["dtype"] not in _BY_ENUM:
+            self.last_text = f"{fn} : invalid type {args['dtype']}".encode()
+            return INVALID_ARG
+        op = args.get("op", 0)
+        if op < 0 or (op >= 5 and live_ops(self.e).get(op) != c.handle):
+            self.last_text = (f"{fn} : reduction operation {op} unknown to this communicator"
+                              if op >= 5 else f"{fn} : invalid reduction operation {op}"
+                              ).encode()
+            return INVALID_ARG
+        return SUCCESS
+
+    def _ncclAllReduce(self, s, r, n, dt, op, h, stream):
+        return self._call("AllReduce", h, stream, send=s, recv=r, count=n, dtype=dt, op=op)
+
+    def _ncclReduce(self, s, r, n, dt, op, root, h, stream):
+        return self._call("Reduce", h, stream, send=s, recv=r, count=n, dtype=dt, op=op,
+                          root=root)
+
+    def _ncclBroadcast(self, s, r, n, dt, root, h, stream):
+        return self._call("Broadcast", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
+
+    def _ncclReduceScatter(self, s, r, n, dt, op, h, stream):
+        return self._call("ReduceScatter", h, stream, send=s, recv=r, count=n, dtype=dt, op=op)
+
+    def _ncclAllGather(self, s, r, n, dt, h, stream):
+        return self._call("AllGather", h, stream, send=s, recv=r, count=n, dtype=dt)
+
+    def _ncclAlltoAll(self, s, r, n, dt, h, stream):
+        return self._call("AlltoAll", h, stream, send=s, recv=r, count=n, dtype=dt)
+
+    def _ncclGather(self, s, r, n, dt, root, h, stream):
+        return self._call("Gather", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
+
+    def _ncclScatter(self, s, r, n, dt, root, h, stream):
+        return self._call("Scatter", h, stream, send=s, recv=r, count=n, dtype=dt, root=root)
+
+    # per-collective config (NCCL 2.31): the plain call, the config's address noted
+    def _configured(self, fn: str, *args: Any) -> int:
+        self.e.configs.append((fn, args[-1]))
+        return getattr(self, "_nccl" + fn)(*args[:-1])
+
+    def _ncclAllReduceConfig(self, *a):
+        return self._configured("AllReduce", *a)
+
+    def _ncclReduceConfig(self, *a):
+        return self._configured("Reduce", *a)
+
+    def _ncclBroadcastConfig(self, *a):
+        return self._configured("Broadcast", *a)
+
+    def _ncclAllGatherConfig(self, *a):
+        return self._configured("AllGather", *a)
+
+    def _ncclReduceScatterConfig(self, *a):
+        return self._configured("ReduceScatter", *a)
+
+    def _ncclAlltoAllConfig(self, *a):
+        return self._configured("AlltoAll", *a)
+
+    def _ncclGatherConfig(self, *a):
+        return self._configured("Gather", *a)
+
+    def _ncclScatterConfig(self, *a):
+        return self._configured("Scatter", *a)
+
+    def _ncclSend(self, buf, n, dt, peer, h, stream):
+        return self._call("Send", h, stream, buf=buf, count=n, dtype=dt, peer=peer)
+
+    def _ncclRecv(self, buf, n, dt, peer, h, stream):
+        return self._call("Recv", h, stream, buf=buf, count=n, dtype=dt, peer=peer)
+
+
+def live_ops(e: Any) -> Dict[int, int]:
+    """PreMulSum ops not destroyed: op -> the comm that made it (NCCL's per-comm table)."""
+    if not hasattr(e, "premul_live"):
+        e.premul_live = {}
+    return e.premul_live
+
+
+def maker(batch: List[_Op]) -> Callable[[], _Item]:
+    """The stream item of a submission; made again per replay of a captured graph, with keys
+    that tell the k-th replay apart (every rank replays its graph in the same order)."""
+    launches = [0]
+
+    def make() -> _Item:
+        k = launches[0]
+        launches[0] += 1
+        if k == 0:
+            return _Item("nccl", ops=batch)
+        return _Item("nccl", ops=[dataclasses.replace(o, key=o.key[:-1] + (("replay", k),)
+                                                      + o.key[-1:], done=False)
+                                  for o in batch])
+    return make
