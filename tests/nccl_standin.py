@@ -12,7 +12,11 @@ a CUDA graph that still holds a communicator (``graph_refs``).
 
 It records what a real library could not tell a test: every call (``calls``), and every
 violation of NCCL's rules that ncclpy must never commit (``violations``): a call on a freed or
-aborted handle, a second ``ncclCommAbort``, a finalize or destroy after an abort.
+aborted handle, a second ``ncclCommAbort``, a finalize or destroy after an abort, two threads
+inside NCCL on one communicator, an ``ncclCommAbort`` while another thread is inside a call.
+Its libnccl is entered through C function pointers bound with ncclpy's own ctypes declarations
+(tests/nccl_standin_abi.py), and each behaviour it models cites the NCCL source it follows in
+tests/nccl_standin_rules.md; its CUDA side models the stream-capture interaction modes.
 
 It never makes a GPU test pass: GPU tests stay in tests/gpu and run against the real library.
 """
