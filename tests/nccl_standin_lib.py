@@ -20,7 +20,8 @@ from nccl_standin_abi import StandInCDLL
 from nccl_standin import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM,
                           UNHANDLED_CUDA, StandIn, _Comm, _Mem, _World)
 
-from nccl_standin_part2 import StandInPart2, PART2_HANDLE_FIRST, PART2_HANDLE_LAST  # noqa: E402
+from nccl_standin_part2 import (StandInPart2, PART2_HANDLE_FIRST,  # noqa: E402
+                                 PART2_HANDLE_LAST, _rma_cfg_of)
 from nccl_standin_colls import StandInColls, live_ops  # noqa: E402
 
 __all__ = ["StandInNccl"]
@@ -146,7 +147,7 @@ class StandInNccl(StandInColls, StandInPart2, _lib.NcclLib):
             return INVALID_ARG
         nb = bool(cfg) and NcclConfigStruct.from_address(int(cfg)).blocking == 0
         h = self._join(int(nranks), uid.to_bytes(), int(rank), nb)
-        self.e.comms[h].rma_cfg = _rma_cfg(cfg)
+        self.e.comms[h].rma_cfg = _rma_cfg_of(cfg) if cfg else (None, None)
         out[0] = h
         if nb:
             return IN_PROGRESS
@@ -494,14 +495,6 @@ _ERROR_STRINGS = {
     5: b"invalid usage (run with NCCL_DEBUG=WARN for details)",
     6: b"remote process exited or there was a network error",
     7: b"NCCL operation in progress"}
-
-
-def _rma_cfg(cfg: Any) -> Tuple[Any, Any]:
-    """(numRmaSig, numRmaCtx) a config set (None where unset: NCCL_CONFIG_UNDEF_INT)."""
-    if not cfg:
-        return (None, None)
-    s = NcclConfigStruct.from_address(int(cfg))
-    return tuple(None if v == -(2 ** 31) else v for v in (s.numRmaSig, s.numRmaCtx))
 
 
 def _handle_of(name: str, args: Tuple[Any, ...]) -> int:

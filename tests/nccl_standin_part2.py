@@ -82,7 +82,7 @@ class StandInPart2(StandInWindows):
             e.win_handles: Dict[int, Tuple[int, int, int, int]] = {}
             e.signals: Dict[Tuple[int, int, int, int, int], int] = defaultdict(int)
             e.grows: Dict[bytes, Any] = {}
-            e.win_arrived: Dict[Tuple[int, int], set] = defaultdict(set)   # the barrier
+            e.arrived: Dict[Tuple[Any, ...], set] = defaultdict(set)   # barriers: ranks in
         return e
 
     def _comm2(self, h: int, call: str) -> Any:
@@ -331,8 +331,8 @@ class StandInPart2(StandInWindows):
 
         def step() -> int:
             with e.lock:
-                e.win_arrived[tag].add(c.rank)
-                if len(e.win_arrived[tag]) < c.world.nranks:
+                e.arrived[tag].add(c.rank)
+                if len(e.arrived[tag]) < c.world.nranks:
                     return IN_PROGRESS
                 c.suspended = suspend
                 return SUCCESS

@@ -86,8 +86,8 @@ class StandInWindows:
                     e.windows[(c.world.id, k, c.rank)] = (ptr, size, flags)
                     state["w"] = w = e.new_id()
                     e.win_handles[w] = (c.world.id, k, c.rank, h)
-                    e.win_arrived[(c.world.id, k)].add(c.rank)
-                if len(e.win_arrived[(c.world.id, k)]) < c.world.nranks:
+                    e.arrived[(c.world.id, k)].add(c.rank)
+                if len(e.arrived[(c.world.id, k)]) < c.world.nranks:
                     return IN_PROGRESS
                 ctypes.c_void_p.from_address(addr).value = state["w"]
                 state["code"] = SUCCESS
