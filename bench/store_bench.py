@@ -267,7 +267,8 @@ def rendezvous_time(kind: str, nranks: int, mode: str = "threads") -> float:
 
 # ---------------------------------------------------------------------------- ops/s
 _SERVER_SCRIPT = r"""
-import os, sys, datetime
+import os, signal, sys, datetime
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's; it ends us
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 kind = sys.argv[1]
 if kind == "ncclpy":
@@ -280,8 +281,11 @@ else:
     import torch.distributed as dist
     s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=60)); port = s.port
-print(port, flush=True)
-sys.stdin.read()   # serve until the parent closes our stdin
+try:
+    print(port, flush=True)
+except BrokenPipeError:   # the parent is gone already (interrupted while starting us)
+    os._exit(0)
+sys.stdin.read()   # serve until the parent closes our stdin (or exits)
 """
 
 
