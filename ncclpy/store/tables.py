@@ -173,10 +173,10 @@ class Tables:
                 age = (W.NEVER if r in t.never else 0 if at is None
                        else int((clock - at) * 1000))
                 full.append((age, 1 if r in t.closed else 0, t.values.get(r, b"")))
+        if len(t.closed) == t.world:       # everyone closed: the table is garbage (dropped
+            del self._tables[group]        # before the reply: whoever hears it sees it gone)
         self._reply(conn, Status.OK, W.pack_beat_reply(epoch, len(t.never), len(t.closed),
                                                        nstale, stale, never, full))
-        if len(t.closed) == t.world:       # everyone closed: the table is garbage
-            del self._tables[group]
 
     # ------------------------------------------------------------------ VOTE
     def _op_vote(self, conn: Conn, body: bytes) -> None:
