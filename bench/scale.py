@@ -1,34 +1,36 @@
 """``python -m bench.scale``: ncclpy's control plane at 64 .. 8,192 ranks on one machine (no GPU).
 
 What is real: the store server (its own process, ``StoreServer`` with the limits a job of N
-ranks gets), the wire protocol, the watchdog's decision logic (:class:`ncclpy.watchdog.WatchState`
-fed by :func:`ncclpy.watchdog.peers_from_beat` from real BEAT replies, judged only when on time:
-:func:`ncclpy.debug.heartbeat.is_late`), checked mode's fingerprints and hashes
+ranks gets), the wire protocol, the watchdog's decisions (:class:`ncclpy.watchdog.WatchState`
+fed by :func:`ncclpy.watchdog.peers_from_beat` from real BEAT replies, judged only when on time,
+at every 0.1 s tick, with a fresh read before a silence becomes a verdict, verdicts published
+in the table: :mod:`bench.scale_sim`), checked mode's fingerprints and hashes
 (:func:`ncclpy.checked.fingerprint` of real plans, :func:`ncclpy.checked.round_hashes`) and its
 one VOTE per rank, the launcher's death notice (:func:`ncclpy.debug.deaths.publish_deaths`), and
 one rank of every run: a process running the real :class:`ncclpy.watchdog.Watchdog` thread
-over a real ``TCPStore`` (the one SIGSTOPped or SIGKILLed).  What is simulated: the other N-1
+over a real ``TCPStore`` (the one paused, stalled or killed).  What is simulated: the other N-1
 ranks are clients of one event loop (this process), one connection each for heartbeats plus one
 each for checked-mode votes (as a rank's watchdog beats over a spare connection while its main
 thread's vote is parked), starting at random times over the start spread.
 
 Per run: store requests/s and CPU of the store process over a heartbeat-only window, beat latency
 p50/p99 (send to reply, as the event loop sees it), an unrelated client's ``get`` p99 (another
-process), false aborts (a decision naming a live rank: must be 0), checked-mode time per call
-(all N votes sent to all N verdicts back) and each rank's local cost, store keys after the run,
-connections held; with a fault: how long until every simulated rank named the stopped / killed
-rank, and whether anyone named another.  JSON with ``--json PATH`` (a ``results`` list).
+process), false aborts (a decision naming a live rank, or any decision in a run without a
+fault or with healthy pauses: must be 0), checked-mode time per call (all N votes sent to all N
+verdicts back) and each rank's local cost, store keys after the run, connections held; with a
+fault: "sigkill" (the launcher's notice) and "stall" (SIGSTOP while every rank waits on it):
+how long until every simulated rank named the rank (or followed a published verdict naming
+it), and whether anyone named another; "pause" (SIGSTOP 1.5 s, 2.5 s and ``--long-pause``
+while nobody waits, then 1.5 s while everyone waits): any verdict is a false abort.  JSON with
+``--json PATH`` (a ``results`` list).
 """
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
 import random
-import selectors
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,27 +42,21 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from ncclpy.checked import fingerprint, round_hashes  # noqa: E402
-from ncclpy.debug.heartbeat import is_late, on_time_limit  # noqa: E402
-from ncclpy.store import protocol as P  # noqa: E402
 from ncclpy.store import tablewire as W  # noqa: E402
 from ncclpy.store.poller import raise_nofile_limit  # noqa: E402
+from bench.scale_sim import (DEAD_AFTER, GRACE, NAME, Client, Loop, Sim)  # noqa: E402
 from bench.scale_table import markdown  # noqa: E402
-from ncclpy.watchdog import (INTERVAL, Peer, WatchState, peers_from_beat,  # noqa: E402
-                             report_after)
 
-NAME = "scale"
-GROUP = f"ncclpy/{NAME}/0/hb"           # the real Watchdog's group for this name, generation 0
-DEAD_AFTER = max(3.0 * INTERVAL, 3.0)   # the Watchdog's default silence limit
-REPORT = report_after(DEAD_AFTER, INTERVAL)   # the age past which the store lists a peer
-CONNECTING = 256                        # connections being set up at once
-GRACE = 300.0                           # never-seen grace: the default communicator timeout
-EPOCH = b"ncclpy/dead/epoch"
-RANKS = b"ncclpy/dead/ranks"
-QUICK = [(256, 0, None), (1024, 0, None), (1024, 10, None), (1024, 0, "sigstop"),
-         (1024, 0, "sigkill")]
+#: (world, start spread, fault); faults: "sigkill" (the launcher's notice), "stall" (SIGSTOP
+#: for good while every rank waits on it), "pause" (SIGSTOP 1.5 s, 2.5 s and --long-pause
+#: while nobody waits, then 1.5 s while every rank waits: no verdict may follow)
+QUICK = [(256, 0, None), (1024, 0, None), (1024, 10, None), (1024, 0, "stall"),
+         (1024, 0, "sigkill"), (256, 0, "pause")]
 DEFAULT = [(n, 0, None) for n in (64, 256, 1024, 4096, 8192)] + \
     [(n, s, None) for n in (1024, 8192) for s in (10, 60)] + \
-    [(n, 0, f) for n in (1024, 8192) for f in ("sigstop", "sigkill")]
+    [(n, 0, f) for n in (1024, 8192) for f in ("stall", "sigkill")] + \
+    [(n, 0, "pause") for n in (64, 1024, 8192)]
+PAUSES = (1.5, 2.5)             # then --long-pause (default 60 s)
 
 
 # -- helper processes ------------------------------------------------------------------------------
@@ -103,10 +99,23 @@ def _rank_main(port: int, rank: int, world: int) -> None:
 
         def _watchdog_abort(self, d: Any) -> None:
             print(json.dumps({"decision": d.reason, "suspects": list(d.suspects)}), flush=True)
-    Watchdog(Comm(), TCPStore("127.0.0.1", port, timeout=60)).start()
+    wd = Watchdog(Comm(), TCPStore("127.0.0.1", port, timeout=60)).start()
     print("up", flush=True)
+    for line in sys.stdin:                  # "wait": a call that waits (never completes)
+        if line.strip() == "wait" and wd.queue is not None:
+            wd.queue.append(_Waiting())
     while True:
         time.sleep(3600)
+
+
+class _Waiting:
+    """A Work whose call never completes (its event recorded: the watchdog times it)."""
+
+    _owned, _event, _error = False, object(), None
+    plan = type("Plan", (), {"collective": "all_reduce", "calls": ()})()
+
+    def is_completed(self) -> bool:
+        return False
 
 
 def _getter_main(port: int, seconds: float) -> None:
@@ -132,199 +141,6 @@ def _spawn(*args: str) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONPATH=ROOT))
 
 
-# -- the simulated ranks ---------------------------------------------------------------------------
-class Client:
-    """One connection of the event loop: greeting, then request/reply in order.  At most
-    :data:`CONNECTING` are being set up at a time (8,192 simultaneous connects from one
-    process overflow the listen queue; a real rank's client retries instead)."""
-
-    def __init__(self, loop: "Loop", port: int) -> None:
-        self.sock: Optional[socket.socket] = None
-        self.port = port
-        self.buf = bytearray()
-        self.greeted = False
-        self.expect: List[Any] = []       # (kind, sent at) per request in flight, in order
-        self.loop = loop
-        loop.connect_queue.append(self)
-        loop.pump_connects()
-
-    def open(self) -> None:
-        self.sock = socket.socket()
-        self.sock.setblocking(False)
-        self.sock.connect_ex(("127.0.0.1", self.port))
-        self.loop.connecting += 1
-        self.loop.sel.register(self.sock, selectors.EVENT_READ, self)
-
-    def send(self, op: int, body: bytes, kind: Any) -> None:
-        self.expect.append((kind, time.monotonic()))
-        self.sock.send(P.request(op, body))
-
-    def readable(self) -> None:
-        try:
-            data = self.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        if not data:
-            raise ConnectionError("the store closed a connection")
-        self.buf += data
-        if not self.greeted:
-            if len(self.buf) < P.HELLO_SIZE:
-                return
-            flags = P.parse_hello(self.buf)[2]
-            if flags & P.FLAG_REFUSED:
-                raise ConnectionError("the store refused a client: " + bytes(
-                    self.buf[P.HELLO_SIZE + 5:]).decode(errors="replace"))
-            del self.buf[:P.HELLO_SIZE]
-            self.greeted = True
-            self.loop.connecting -= 1
-            self.loop.pump_connects()
-        while len(self.buf) >= 5:
-            status, n = P.REP_HEADER.unpack_from(self.buf, 0)
-            if len(self.buf) < 5 + n:
-                return
-            body = bytes(self.buf[5:5 + n])
-            del self.buf[:5 + n]
-            kind, t0 = self.expect.pop(0)
-            self.loop.reply(self, kind, status, body, t0)
-
-
-class Sim:
-    """A simulated rank: its heartbeat connection and its watchdog's decisions."""
-
-    def __init__(self, rank: int, world: int, start: float) -> None:
-        self.rank, self.world, self.start = rank, world, start
-        self.state = WatchState(rank, world, NAME, GRACE, DEAD_AFTER, start, never_grace=GRACE)
-        self.beats = 0
-        self.peers: Dict[int, Peer] = {}
-        self.epoch = 0
-        self.dead: List[int] = []
-        self.decision: Optional[Any] = None
-        self.decided_at = 0.0
-        self.client: Optional[Client] = None
-        self.busy = False                  # a beat (and its follow-ups) in flight
-        self.late = 0
-
-
-class Loop:
-    """The event loop driving every simulated rank and the checked-mode voters."""
-
-    def __init__(self, port: int, world: int, sims: List[Sim]) -> None:
-        self.port, self.world, self.sims = port, world, sims
-        self.sel = selectors.DefaultSelector()
-        self.due: List[Any] = [(s.start, s.rank, "start") for s in sims]
-        heapq.heapify(self.due)
-        self.rtts: List[float] = []
-        self.record = False
-        self.votes_left = 0
-        self.vote_t0 = 0.0
-        self.vote_times: List[float] = []
-        self.vote_bad = 0
-        self.voters: List[Client] = []
-        self.connect_queue: List[Client] = []
-        self.connecting = 0
-
-    def close(self) -> None:
-        """Close every connection of this run (the next run needs the descriptors)."""
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()
-        self.sel.close()
-        self.connect_queue.clear()
-
-    def pump_connects(self) -> None:
-        while self.connect_queue and self.connecting < CONNECTING:
-            self.connect_queue.pop(0).open()
-
-    # heartbeats
-    def beat(self, s: Sim) -> None:
-        if s.busy or s.client is None or not s.client.greeted:
-            return                          # a real watchdog's call would still be blocked
-        s.beats += 1
-        body = W.pack_beat(GROUP.encode(), s.rank, self.world, REPORT,
-                           f"{s.beats}:0".encode(), EPOCH)
-        s.busy = True
-        s.client.send(P.Op.BEAT, body, ("beat", s))
-
-    def reply(self, c: Client, kind: Any, status: int, body: bytes, t0: float) -> None:
-        now = time.monotonic()
-        what, s = kind
-        if what == "vote":
-            self._voted(body)
-            return
-        if status != P.Status.OK and what != "dead":
-            raise RuntimeError(f"{what}: status {status}: {body[:200]!r}")
-        if what == "beat":
-            rtt = now - t0
-            if self.record:
-                self.rtts.append(rtt)
-            rep = W.parse_beat(body, self.world)
-            if is_late(rtt, on_time_limit(INTERVAL)):
-                s.late += 1
-                s.peers, s.busy = {}, False
-                return
-            if rep.epoch != s.epoch:
-                s.epoch = rep.epoch
-                c.send(P.Op.GET, P.U32.pack(1000) + RANKS, ("dead", s))
-            peers = peers_from_beat(rep, now, s.rank, now - s.start > GRACE)
-            if peers is None:
-                c.send(P.Op.BEAT, W.pack_beat(GROUP.encode(), s.rank, self.world, REPORT,
-                                              b"", EPOCH, W.BEAT_PEEK | W.BEAT_FULL),
-                       ("full", s))
-                return
-            s.peers = peers
-            if not c.expect:
-                self._decide(s, now)
-        elif what == "dead":
-            if status == P.Status.OK:
-                s.dead = sorted(int(x) for x in body.decode().split(",") if x.strip().isdigit())
-            if not c.expect:
-                self._decide(s, now)
-        elif what == "full":
-            full = W.parse_beat(body, self.world, full=True).full or []
-            s.peers = {r: Peer(seen=None if a is None else now - a, closed=cl)
-                       for r, (a, cl, _) in enumerate(full) if r != s.rank}
-            if not c.expect:
-                self._decide(s, now)
-
-    def _decide(self, s: Sim, now: float) -> None:
-        s.busy = False
-        if s.decision is None:
-            d = s.state.step(now, [], s.peers, s.dead, None, INTERVAL)
-            if d is not None:
-                s.decision, s.decided_at = d, now
-
-    # checked mode
-    def vote_round(self, key: bytes, bodies: List[bytes]) -> None:
-        self.votes_left = len(bodies)
-        self.vote_t0 = time.monotonic()
-        for c, body in zip(self.voters, bodies):
-            c.send(P.Op.VOTE, body, ("vote", None))
-
-    def _voted(self, body: bytes) -> None:
-        if W.parse_vote(body).verdict:
-            self.vote_bad += 1
-        self.votes_left -= 1
-        if self.votes_left == 0:
-            self.vote_times.append(time.monotonic() - self.vote_t0)
-
-    def run_until(self, end: float, stop: Any = None) -> None:
-        while True:
-            now = time.monotonic()
-            if now >= end or (stop is not None and stop()):
-                return
-            while self.due and self.due[0][0] <= now:
-                _, r, what = heapq.heappop(self.due)
-                s = self.sims[r]
-                if what == "start":
-                    s.client = Client(self, self.port)
-                    heapq.heappush(self.due, (now + 0.01, r, "beat"))
-                else:
-                    self.beat(s)
-                    heapq.heappush(self.due, (now + INTERVAL, r, "beat"))
-            wait = min(0.05, max(0.0, (self.due[0][0] if self.due else end) - now))
-            for key, _ in self.sel.select(wait):
-                key.data.readable()
-
-
 # -- one run -----------------------------------------------------------------------------------
 def _stats(srv: subprocess.Popen) -> Dict[str, Any]:
     srv.stdin.write("stats\n")
@@ -342,7 +158,7 @@ def _plan(world: int, rank: int) -> Any:
 
 
 def run_one(world: int, spread: float, fault: Optional[str], window: float,
-            checked_calls: int, seed: int = 1) -> Dict[str, Any]:
+            checked_calls: int, seed: int = 1, long_pause: float = 60.0) -> Dict[str, Any]:
     """One run (see the module docstring); its figures."""
     rng = random.Random(seed)
     srv = _spawn("--_server", str(world))
@@ -357,7 +173,7 @@ def run_one(world: int, spread: float, fault: Optional[str], window: float,
         votes = _vote_bodies(world, checked_calls) if checked_calls else None
         real = _spawn("--_rank", str(port), str(world - 1), str(world))
         assert real.stdout.readline().strip() == "up"
-        loop.run_until(t0 + spread + 3 * INTERVAL)          # everyone started and beating
+        loop.run_until(t0 + spread + 3.0)                   # everyone started and beating
         if not all(s.client is not None and s.client.greeted for s in sims):
             raise RuntimeError("not every simulated rank connected")
         getter = _spawn("--_getter", str(port), str(window))
@@ -388,10 +204,11 @@ def run_one(world: int, spread: float, fault: Optional[str], window: float,
             out["checked_store_cpu_ms"] = round(1e3 * (c1["cpu"] - c0["cpu"]) /
                                                 out["checked_calls"], 3)
         if fault:
-            out.update(_fault(loop, real, fault, port))
+            out.update(_fault(loop, real, fault, port, long_pause))
+        healthy = fault in (None, "pause")      # no verdict at all may follow
         false = [s.decision.message for s in sims if s.decision is not None and
-                 (fault is None or set(s.decision.suspects) != {world - 1})]
-        if fault is None:            # the real rank's own watchdog must not have decided
+                 (healthy or set(s.decision.suspects) != {world - 1})]
+        if healthy:                  # the real rank's own watchdog must not have decided
             real.kill()
             said = real.communicate(timeout=30)[0]
             false += [line for line in said.splitlines() if line.startswith('{"decision"')]
@@ -449,10 +266,39 @@ def _checked(loop: Loop, world: int, rounds: List[Any], local: float) -> Dict[st
             "checked_calls": len(rounds), "checked_mismatches": loop.vote_bad}
 
 
-def _fault(loop: Loop, real: subprocess.Popen, fault: str, port: int) -> Dict[str, Any]:
+def _line(p: subprocess.Popen, seconds: float) -> Optional[str]:
+    """The next line ``p`` prints within ``seconds`` (None: nothing)."""
+    import selectors
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        if sel.select(seconds):
+            return p.stdout.readline().strip() or None
+    return None
+
+
+def _fault(loop: Loop, real: subprocess.Popen, fault: str, port: int,
+           long_pause: float) -> Dict[str, Any]:
     victim = loop.world - 1
+    if fault == "pause":            # healthy pauses: no verdict may follow (counted after)
+        pauses = list(PAUSES) + [long_pause]
+        for gap in pauses:
+            real.send_signal(signal.SIGSTOP)
+            loop.run_until(time.monotonic() + gap)
+            real.send_signal(signal.SIGCONT)
+            loop.run_until(time.monotonic() + 2.0)
+        loop.wait_all(True)         # every rank waits in a call on it: a short pause is fine
+        real.send_signal(signal.SIGSTOP)
+        loop.run_until(time.monotonic() + PAUSES[0])
+        real.send_signal(signal.SIGCONT)
+        loop.run_until(time.monotonic() + 2.0)
+        loop.wait_all(False)
+        return {"victim": victim, "pauses_s": pauses + [f"{PAUSES[0]} waited on"],
+                "pause_verdicts": sum(s.decision is not None for s in loop.sims),
+                "confirms": sum(s.confirms for s in loop.sims), "silence_limit_s": DEAD_AFTER}
     t = time.monotonic()
-    if fault == "sigstop":
+    if fault == "stall":
+        loop.wait_all(True)
+        t = time.monotonic()
         real.send_signal(signal.SIGSTOP)
     else:
         real.kill()
@@ -464,12 +310,23 @@ def _fault(loop: Loop, real: subprocess.Popen, fault: str, port: int) -> Dict[st
     loop.run_until(t + DEAD_AFTER + 10, lambda: all(s.decision for s in loop.sims))
     named = [s.decided_at - t for s in loop.sims
              if s.decision is not None and s.decision.suspects == (victim,)]
-    if fault == "sigstop":
-        real.send_signal(signal.SIGCONT)
-    return {"victim": victim, "named_by": len(named), "of": len(loop.sims),
-            "detect_max_s": round(max(named), 2) if named else None,
-            "detect_p50_s": round(statistics.median(named), 2) if named else None,
-            "silence_limit_s": DEAD_AFTER}
+    out: Dict[str, Any] = {
+        "victim": victim, "named_by": len(named), "of": len(loop.sims),
+        "detect_max_s": round(max(named), 2) if named else None,
+        "detect_p50_s": round(statistics.median(named), 2) if named else None,
+        "followed": sum(s.decision is not None and s.decision.reason == "peer_aborted"
+                        for s in loop.sims),
+        "confirms": sum(s.confirms for s in loop.sims), "silence_limit_s": DEAD_AFTER}
+    if fault == "stall":            # back: idle, left alone; its next call follows the
+        real.send_signal(signal.SIGCONT)        # published verdict, naming itself
+        idle = _line(real, 2.0)
+        real.stdin.write("wait\n")
+        real.stdin.flush()
+        said = idle or _line(real, 5.0)
+        d = json.loads(said) if said and said.startswith("{") else None
+        out["victim_followed"] = bool(d and not idle and d["decision"] == "peer_aborted"
+                                      and d["suspects"] == [victim])
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -486,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-rounds", type=int, default=None, metavar="K",
                    help="checked calls of 2 ranks for the key-count check (default 100000; "
                         "--quick 20000)")
+    p.add_argument("--pauses", action="store_true",
+                   help="only the pause and stall runs (at 16, 256 and 1,024 ranks)")
+    p.add_argument("--long-pause", type=float, default=60.0, metavar="S",
+                   help="the long pause of the pause runs (default 60)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", default=None, metavar="PATH",
                    help="print the table of a JSON file this benchmark wrote, and exit")
@@ -524,7 +385,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             p.error(f"--markdown: cannot read {a.markdown!r}: {e}")
         return 0
     for flag, v, lo in (("--window", a.window, 0.5), ("--checked-calls", a.checked_calls, 0),
-                        ("--key-rounds", a.key_rounds, 1)):
+                        ("--key-rounds", a.key_rounds, 1), ("--long-pause", a.long_pause, 0)):
         if v is not None and v < lo:
             p.error(f"{flag}: expected a number >= {lo:g}, got {v:g}")
     if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
@@ -537,12 +398,15 @@ def _main(argv: Optional[List[str]] = None) -> int:
             p.error(f"--ranks: expected world sizes like 64,1024, got {a.ranks!r}")
         if any(n < 2 for n, _, _ in runs):
             p.error(f"--ranks: expected world sizes >= 2, got {a.ranks!r}")
+    elif a.pauses:
+        runs = [(n, 0, f) for n in (16, 256, 1024) for f in ("pause", "stall")]
     else:
         runs = QUICK if a.quick else DEFAULT
     window = a.window or (5.0 if a.quick else 10.0)
     results = []
     for world, spread, fault in runs:
-        r = run_one(world, spread, fault, window, 0 if fault else a.checked_calls)
+        r = run_one(world, spread, fault, window, 0 if fault else a.checked_calls,
+                    long_pause=a.long_pause)
         results.append(r)
         print(json.dumps(r), flush=True)
     keys = _key_count(a.key_rounds or (20000 if a.quick else 100000))
@@ -551,8 +415,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
         with open(a.json, "w") as f:
             json.dump({"results": results, "checked_keys": keys,
                        "machine": {"cpus": os.cpu_count()}}, f, indent=1)
-    bad = [r for r in results if r["false_aborts"] or (r.get("fault") and
-                                                       r["named_by"] != r["of"])]
+    bad = [r for r in results if r["false_aborts"] or (
+        r.get("fault") in ("stall", "sigkill") and r["named_by"] != r["of"]) or
+        r.get("victim_followed") is False]
     return 1 if bad or keys["keys_after"] > keys["keys_before"] else 0
 
 

@@ -393,6 +393,49 @@ def test_an_nccl_error_becomes_the_watchdogs_verdict_naming_the_silent_peer():
     assert eng.violations == []
 
 
+def test_a_ranks_abort_is_published_and_followed_and_a_close_is_not_an_abort():
+    """Rank 1 aborts its communicator while rank 0 is idle: rank 0's communicator is left
+    alone while idle (NCCL may share its resources with a child in use), and its next call
+    follows the published abort at the watchdog's next tick (one cause, suspects [1]) instead
+    of waiting out the silence limit or the timeout; on a second communicator rank 1 closes
+    and rank 0's stays usable."""
+    port = free_port()
+
+    def rank(r):
+        c = _init(r, 2, port, timeout=30.0)
+        c.all_reduce(_arr([1.0], r)).wait()
+        if r == 1:
+            c.abort()
+            return None
+        time.sleep(2.5)                                    # heard at its next beat ...
+        assert c._watchdog.published is not None and c._life.abort_error is None
+        t0 = time.monotonic()
+        w = c.all_reduce(_arr([1.0], r))                   # ... followed once a call waits
+        with pytest.raises(errors.CommAbortedError) as ei:
+            w.wait()
+        return ei.value, time.monotonic() - t0
+    with standin() as eng:
+        (err, took), _ = run_ranks(2, rank)
+    assert err.reason == "peer_aborted" and err.suspects == [1], err
+    assert "rank 1 aborted the communicator (abort: the communicator was aborted on rank 1" \
+        in str(err) and took < 1.5, (took, err)
+    assert eng.violations == []
+    port = free_port()
+
+    def closing(r):
+        c = _init(r, 2, port, timeout=30.0)
+        c.all_reduce(_arr([1.0], r)).wait()
+        if r == 1:
+            c.close()
+            return None
+        time.sleep(2.5)                                   # two heartbeats after the close
+        assert c._life.abort_error is None and c._watchdog.published is None
+        c.abort()
+        return True
+    with standin() as eng:
+        assert run_ranks(2, closing)[0] is True
+
+
 def test_checked_mode_stops_a_mismatch_before_nccl_sees_it():
     port = free_port()
 

@@ -41,7 +41,15 @@ class _Process:
         self.port = int(self.p.stdout.readline())
 
     def stop(self) -> None:
+        """SIGSTOP, returning once the process is stopped (the signal is delivered
+        asynchronously: on a busy machine the server could still answer a request)."""
         self.p.send_signal(signal.SIGSTOP)
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end:
+            with open(f"/proc/{self.p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.005)
 
     def cont(self) -> None:
         self.p.send_signal(signal.SIGCONT)
@@ -88,6 +96,31 @@ def test_one_beat_answers_stale_and_never_seen_ranks_and_the_death_epoch(server)
     t = server._tables.get(b"g")
     assert t is None, (sorted(t.closed), sorted(t.never), dict(t.last), t.values)
     assert server.num_keys == 1                                  # just "ep"
+
+
+def test_an_abort_is_final_and_its_verdict_outlives_the_ranks(server):
+    """BEAT_ABORT: the rank leaves (never stale), every later reply names the first rank that
+    aborted and its verdict, a late beat of an aborted rank never re-opens it, and a table
+    whose ranks all left after an abort stays for ncclpy status (one per communicator)."""
+    a = TCPStore("127.0.0.1", server.port, timeout=5)
+    for r in range(3):
+        a.beat("t", r, 3, 0.2, f"1:{r}".encode(), count=5)
+    r = a.beat("t", 2, 3, 0.2, b"1:2\nwhy two", flags=W.BEAT_CLOSE | W.BEAT_ABORT, count=6)
+    assert (r.aborted, r.first_aborted, r.closed) == (1, (2, b"1:2\nwhy two"), 1)
+    r = a.beat("t", 1, 3, 0.2, b"1:1\nwhy one", flags=W.BEAT_CLOSE | W.BEAT_ABORT, count=5)
+    assert (r.aborted, r.first_aborted) == (2, (2, b"1:2\nwhy two"))      # the first stays
+    a.beat("t", 2, 3, 0.2, b"late")                             # a late beat: ignored
+    time.sleep(0.4)
+    r = a.beat("t", 0, 3, 0.2, b"2:0", count=7)
+    assert (r.nstale, r.closed, r.aborted) == (0, 2, 2)
+    full = a.beat("t", 0, 3, 0.2, flags=W.BEAT_PEEK | W.BEAT_FULL).full
+    assert [(st, v) for _, st, v in full] == [
+        (0, b"2:0"), (W.STATE_CLOSED | W.STATE_ABORTED, b"1:1\nwhy one"),
+        (W.STATE_CLOSED | W.STATE_ABORTED, b"1:2\nwhy two")]
+    rep = a.beat("t", 0, 3, 0.2, flags=W.BEAT_PEEK | W.BEAT_BEHIND, count=6)
+    assert sorted(rep.behind) == [(1, 5), (2, 6)] and rep.nbehind == 2   # its count at abort
+    a.beat("t", 0, 3, 0.2, b"bye", flags=W.BEAT_CLOSE)
+    assert server._tables.get(b"t") is not None                  # kept: it holds verdicts
 
 
 def test_the_stale_list_is_capped_but_counted_and_the_scan_stops_at_the_first_fresh(server):

@@ -21,6 +21,7 @@ from ncclpy.checked import Checker, fingerprint, round_hashes
 from ncclpy.debug.deaths import EPOCH_KEY, RANKS_KEY, publish_deaths, read_deaths
 from ncclpy.errors import StoreError
 from ncclpy.store import StoreServer, TCPStore
+from ncclpy.store import tablewire as W
 from ncclpy.watchdog import Watchdog
 from store_util import env as _env
 
@@ -76,15 +77,30 @@ def _peer_beats(port: int, group: str, rank: int, world: int, every: float, stop
         c.close()
 
 
-def _watchdog(store: Any, rank: int, world: int, **kw: Any) -> Watchdog:
+class _Waiting:
+    """A Work whose call never completes (its event recorded: it is timed)."""
+
+    _owned, _event, _error = False, object(), None
+    plan = type("P", (), {"collective": "all_reduce", "calls": ()})()
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def _watchdog(store: Any, rank: int, world: int, waiting: bool = True, **kw: Any) -> Watchdog:
+    """A Watchdog (not its thread) whose rank has a call waiting since 1 s ago."""
     wd = Watchdog(_Comm(rank, world), store, interval=0.1, dead_after=0.6, **kw)
     wd._connect()
+    if waiting:
+        wd.queue.append(_Waiting())
+        wd.drain(time.monotonic() - 1.0)
     return wd
 
 
 def test_a_late_reply_judges_nobody_and_the_store_is_called_slow(server, caplog):
-    """Stale read != dead peer, rank side: rank 1 is silent for real, but while rank 0's replies
-    come late (the store is slow) nobody is named; once they come on time, rank 1 is."""
+    """Stale read != dead peer, rank side: rank 1 is silent for real and rank 0's call waits on
+    it, but while rank 0's replies come late (the store is slow) nobody is named; once they
+    come on time, rank 1 is, after one fresh read."""
     real = TCPStore("127.0.0.1", server.port, timeout=5)
     TCPStore("127.0.0.1", server.port, timeout=5).beat("ncclpy/cp/0/hb", 1, 2, 0.6, b"1:0")
     slow = _Slow(real, 0.3)                        # on time: 0.25 s (one interval, floored)
@@ -98,8 +114,10 @@ def test_a_late_reply_judges_nobody_and_the_store_is_called_slow(server, caplog)
     assert "store slow: a heartbeat to the store took 0.3" in caplog.text
     assert "no peer is judged from a late reply" in caplog.text
     assert caplog.text.count("store slow") == 1    # once a minute, the rest counted
+    assert wd._heart.errors == 0 and wd._heart.late >= 3
     slow.delay = 0.0
     d = None
+    before = wd.confirms
     for _ in range(10):                            # on time now (a loaded machine may need
         now = time.monotonic()                     # a second try)
         wd.beat(now)
@@ -107,6 +125,25 @@ def test_a_late_reply_judges_nobody_and_the_store_is_called_slow(server, caplog)
         if d is not None:
             break
     assert d is not None and d.reason == "peer_silent" and d.suspects == (1,), d
+    assert wd.confirms > before and "read afresh from the store" in d.message
+
+
+def test_a_refused_heartbeat_is_an_error_counted_and_said_not_a_slow_store(server, caplog):
+    """A request the store refuses (here: the table has 3 ranks, this rank says 2) is not
+    slowness: it is counted as an error, logged with the store's words, judges nobody, and
+    ncclpy status shows the count."""
+    from ncclpy.debug.status import decode
+    TCPStore("127.0.0.1", server.port, timeout=5).beat("ncclpy/cp/0/hb", 1, 3, 0.6, b"1:0")
+    wd = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 0, 2)
+    caplog.set_level(logging.WARNING, logger="ncclpy.debug.heartbeat")
+    for _ in range(3):
+        wd.beat(time.monotonic())
+    h = wd._heart
+    assert (h.errors, h.late) == (3, 0) and "has 3 ranks; rank 0 says 2" in h.last_error
+    assert "the store refused a heartbeat" in caplog.text and "store slow" not in caplog.text
+    assert caplog.text.count("refused a heartbeat") == 1         # then once a minute
+    p = decode(wd.progress(time.monotonic()))
+    assert (p.refused, p.late, p.blind) == (3, 0, 0)
 
 
 def test_a_peer_that_never_beat_gets_the_start_up_grace(server):
@@ -162,50 +199,108 @@ def test_one_request_per_rank_per_beat_and_the_death_epoch(server):
     assert c.get(RANKS_KEY) == b"7,42"
 
 
-def test_a_timeout_reads_the_whole_table_once_to_name_who_never_issued_the_call(server):
+def test_a_timeout_asks_once_who_never_issued_the_call_and_reads_no_whole_table(server):
+    """On the way to a timeout a rank asks the store which ranks' counters are below the call
+    (BEAT_BEHIND): one request per call, and a reply that lists those ranks only -- never the
+    whole table (O(N) per rank: O(N^2) on the store when every rank times out at once)."""
     c = TCPStore("127.0.0.1", server.port, timeout=5)
-    c.beat("ncclpy/cp/0/hb", 1, 3, 0.6, b"9:4")     # rank 1 issued 4 calls
-    c.beat("ncclpy/cp/0/hb", 2, 3, 0.6, b"9:9")
-    wd = Watchdog(_Comm(0, 3, timeout=0.2), TCPStore("127.0.0.1", server.port, timeout=5),
+    for r, issued in ((1, 4), (2, 9), (3, 9)):
+        c.beat("ncclpy/cp/0/hb", r, 4, 0.6, f"9:{issued}".encode(), count=issued)
+    wd = Watchdog(_Comm(0, 4, timeout=0.2), TCPStore("127.0.0.1", server.port, timeout=5),
                   interval=0.1, dead_after=30.0)
     wd._connect()
-
-    class Work:
-        _owned, _event, _error = False, object(), None
-        plan = type("P", (), {"collective": "all_reduce"})()
-
-        def is_completed(self) -> bool:
-            return False
     for _ in range(6):
-        wd.queue.append(Work())
+        wd.queue.append(_Waiting())
     t0 = time.monotonic()
     wd.drain(t0)
     wd.beat(t0)
-    assert wd.peers == {}                            # both fresh: nothing to judge
+    assert wd.peers == {}                            # all fresh: nothing to judge
     before = server.served
     d = wd.decide(t0 + 0.5)
-    assert server.served - before == 1 and wd.peers[1].issued == 4 and wd.peers[2].issued == 9
-    assert (d.reason, d.seq, d.suspects) == ("timeout", 0, (1, 2)), d
-    assert "every peer (1, 2): all issued it" in d.message
+    assert server.served - before == 1 and wd._behind == (0, {}), wd._behind
+    assert (d.reason, d.seq, d.suspects) == ("timeout", 0, (1, 2, 3)), d
+    assert "every peer (1-3): all issued it" in d.message
     for _ in range(5):
         wd.pending.popleft()                         # sequence 5 is the oldest now
     before = server.served
     d = wd.decide(time.monotonic() + 0.5)
-    assert server.served == before                   # the table was read already
+    assert server.served - before == 1 and wd._behind == (5, {1: 4})
     assert (d.seq, d.suspects) == (5, (1,)) and "rank 1 issued 4" in d.message, d
+    before = server.served
+    wd.decide(time.monotonic() + 0.5)
+    assert server.served == before                   # once per call
+    rep = c.beat("ncclpy/cp/0/hb", 0, 4, 0.6, flags=W.BEAT_PEEK | W.BEAT_BEHIND, count=9)
+    assert rep.nbehind == 4 and rep.full is None             # rank 0 beat with its 6 calls
+    assert sorted(rep.behind) == [(0, 6), (1, 4), (2, 9), (3, 9)]
 
 
-def test_a_real_killed_rank_is_named_and_live_ranks_never_are(server):
-    """Three processes with the real Watchdog thread: SIGSTOP one; the others name it, and
-    only it, within the silence limit + 2 s."""
+def test_verdicts_reached_at_once_all_report_the_first_ones_suspects(server):
+    """Two ranks decide at about the same time, naming different ranks: the table keeps the
+    first verdict, and the second rank reports that one's cause and suspects, so that every
+    survivor agrees (e.g. on whom comm.shrink(exclude=err.suspects) excludes)."""
+    from ncclpy.watchdog import Decision
+    a = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 0, 8)
+    b = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 1, 8)
+    a.beat(time.monotonic())
+    b.beat(time.monotonic())
+    first = a.act(Decision("peer_silent", "all_reduce", 0, (5,),
+                           a.state._head() + ": no heartbeat from rank(s) 5; suspected: 5"))
+    second = b.act(Decision("peer_silent", "all_reduce", 0, (5, 7),
+                            b.state._head() + ": no heartbeat from rank(s) 5, 7; suspected"))
+    assert first.suspects == (5,) and a.comm.decision is first
+    assert (second.reason, second.suspects) == ("peer_aborted", (5,)), second
+    assert "rank 0 aborted the communicator (peer_silent: no heartbeat from rank(s) 5)" in \
+        second.message and b.comm.decision is second
+
+
+def test_per_key_heartbeats_belong_to_one_generation(server):
+    """On a store without the table (torch's), a verdict an earlier communicator of the same
+    name left in its keys is never read as this one's: the keys carry the generation."""
+    from ncclpy.watchdog import Published
+
+    class KeysOnly:
+        supports_tables = False
+
+        def __init__(self) -> None:
+            self.s = TCPStore("127.0.0.1", server.port, timeout=5)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.s, name)
+    old = Watchdog(_Comm(1, 2), KeysOnly(), interval=0.1, dead_after=0.6, group="ncclpy/cp/0/hb")
+    old._connect()
+    old.beat(time.monotonic())
+    old.publish(Published(1, "abort", (), "the old one"))
+    assert KeysOnly().get("ncclpy/cp/0/hb/1").startswith(b"closed\n")
+    new = Watchdog(_Comm(0, 2), KeysOnly(), interval=0.1, dead_after=0.6, group="ncclpy/cp/1/hb")
+    new._connect()
+    new.queue.append(_Waiting())
+    new.drain(time.monotonic())
+    new.beat(time.monotonic())
+    assert new.published is None and new.decide(time.monotonic()) is None
+    same = Watchdog(_Comm(0, 2), KeysOnly(), interval=0.1, dead_after=0.6,
+                    group="ncclpy/cp/0/hb")
+    same._connect()
+    same.queue.append(_Waiting())
+    same.drain(time.monotonic())
+    same.beat(time.monotonic())                       # the same generation: followed
+    d = same.decide(time.monotonic())
+    assert same.published.cause == "the old one" and d.reason == "peer_aborted", d
+
+
+def test_a_real_stopped_rank_is_named_by_waiting_ranks_and_live_ranks_never_are(server):
+    """Three processes with the real Watchdog thread, ranks 0 and 1 waiting in a call: SIGSTOP
+    rank 2; the others name it, and only it, within the silence limit + 2 s."""
     code = (
         "import json, sys, time\n"
         "from ncclpy.store import TCPStore\nfrom ncclpy.watchdog import Watchdog\n"
         "class C:\n  name, _device, _watch, _timeout = 'live', 0, None, 60.0\n"
         "  rank, world_size, decision = int(sys.argv[2]), 3, None\n"
         "  def _watchdog_abort(self, d): self.decision = d\n"
-        "c = C(); Watchdog(c, TCPStore('127.0.0.1', int(sys.argv[1]), timeout=10), "
-        "interval=0.2, dead_after=1.5).start()\nprint('up', flush=True)\n"
+        "class W:\n  _owned, _event, _error = False, object(), None\n"
+        "  plan = type('P', (), {'collective': 'all_reduce', 'calls': ()})()\n"
+        "  def is_completed(self): return False\n"
+        "c = C(); wd = Watchdog(c, TCPStore('127.0.0.1', int(sys.argv[1]), timeout=10), "
+        "interval=0.2, dead_after=1.5).start()\nwd.queue.append(W())\nprint('up', flush=True)\n"
         "t0 = time.monotonic()\n"
         "while c.decision is None and time.monotonic() - t0 < 30: time.sleep(0.02)\n"
         "d = c.decision\nprint(json.dumps(d and {'s': list(d.suspects), 'at': time.time()}), "

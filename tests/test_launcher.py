@@ -603,9 +603,12 @@ GRANDCHILD = """
     import os, subprocess, sys, time
     rank = int(os.environ["RANK"])
     child = subprocess.Popen(["sleep", "300"])
-    with open(sys.argv[1] + f".{rank}", "w") as f:
+    with open(sys.argv[1] + f".{rank}.tmp", "w") as f:
         f.write(str(child.pid))
+    os.replace(sys.argv[1] + f".{rank}.tmp", sys.argv[1] + f".{rank}")
     if rank == 1 and sys.argv[2] == "fail":
+        while not os.path.exists(sys.argv[1] + ".0"):   # rank 0's pid is written: fail now
+            time.sleep(0.01)
         sys.exit(3)
     time.sleep(300)
 """

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -243,7 +244,7 @@ def test_a_rank_blocked_inside_nccl_is_shown_blocked_with_its_call_and_line():
     """A call still inside its NCCL launch (a send whose recv never came) has no Work yet: the
     table shows it as the next call, BLOCKED, with how long; the value round-trips."""
     p = S.Progress(4, 2, 2, 6.5, 0, "send", "job.py:57:play", blocked=True)
-    assert S.encode(p).split(b":")[5] == b"!send" and S.decode(S.encode(p)) == p
+    assert S.encode(p).split(b":")[6] == b"!send" and S.decode(S.encode(p)) == p
     assert S.decode(S.encode(S.Progress(call="send"))).blocked is False
     rows = [S.RankRow(0, 0.2, False, p), S.RankRow(1, 0.2, False, S.Progress(4, 2, 2))]
     line = S.format_rows({"comm": "c", "world": 2}, rows)[2:]
@@ -251,6 +252,41 @@ def test_a_rank_blocked_inside_nccl_is_shown_blocked_with_its_call_and_line():
     assert blocked.split()[1:4] == ["2", "2", "6.5s"], blocked
     assert blocked.endswith("#2 send BLOCKED inside NCCL on the host at job.py:57:play"), blocked
     assert S.RankRow(0, 0.2, False, p).to_json()["blocked"] is True
+
+
+def test_status_lists_silent_ranks_published_verdicts_and_blind_or_refused_watchdogs():
+    """Read from a real table: a rank silent past the communicator's limit is listed (no one
+    acts on it unless a call waits on it), a rank that aborted shows its published verdict, and
+    a watchdog's failed ticks, refused and late heartbeats are shown; the value round-trips."""
+    from ncclpy.debug.verdicts import Published
+    from ncclpy.store import StoreServer, TCPStore
+    from ncclpy.store import tablewire as W
+    p = S.Progress(7, 3, 3, late=2, refused=1, blind=4, call="all_reduce", site="a.py:1:m")
+    assert S.decode(S.encode(p)) == p
+    srv = StoreServer("127.0.0.1", 0).start()
+    try:
+        c = TCPStore("127.0.0.1", srv.port, timeout=5)
+        S.register(c, "c", "g", 3, silence=0.5)
+        c.beat("g", 0, 3, 1.0, S.encode(p))
+        c.beat("g", 1, 3, 1.0, S.encode(S.Progress(7, 3, 3)))
+        verdict = Published(2, "peer_silent", (1,), "no heartbeat for more than 3 s")
+        c.beat("g", 2, 3, 1.0, S.encode(S.Progress(7, 3, 2)) + b"\n" + verdict.encode(),
+               flags=W.BEAT_CLOSE | W.BEAT_ABORT)
+        time.sleep(1.2)
+        c.beat("g", 0, 3, 1.0, S.encode(p))
+        (snap,) = S.snapshot(c)
+    finally:
+        srv.close()
+    rows = {r.rank: r for r in snap["rows"]}
+    assert rows[2].aborted == ("peer_silent: no heartbeat for more than 3 s (suspected: "
+                               "rank(s) 1)") and rows[2].closed and rows[2].progress.done == 2
+    text = S.format_snapshot([snap])
+    assert "silent for more than 0.5 s: rank 1 (1." in text and "rank 0 (" not in text
+    assert "rank 2 aborted: peer_silent: no heartbeat for more than 3 s" in text
+    assert ("rank 0's watchdog: 4 tick(s) failed (blind meanwhile), 1 heartbeat(s) refused by "
+            "the store, 2 heartbeat(s) late (store slow)") in text
+    row2 = next(ln for ln in text.splitlines() if ln.split()[:1] == ["2"])
+    assert "aborted" in row2.split()
 
 
 AGREE = r"""

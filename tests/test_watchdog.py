@@ -23,7 +23,8 @@ from ncclpy.comm import default_timeout, env_flag  # noqa: E402
 from ncclpy.errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
 from ncclpy.debug.deaths import publish_deaths  # noqa: E402
-from ncclpy.watchdog import Peer, Watchdog, WatchState  # noqa: E402
+from ncclpy.watchdog import Peer, Published, Watchdog, WatchState  # noqa: E402
+from ncclpy.debug.verdicts import CONFIRM, waits_on  # noqa: E402
 
 
 # -- decisions (pure) ---------------------------------------------------------------------------
@@ -84,18 +85,21 @@ def test_the_thread_samples_the_lifecycle_for_a_call_inside_nccl():
     wd = Watchdog(comm, None)
     assert wd.blocked(1.0) is None
     comm._life.enter("send")
-    assert wd.blocked(2.0) == (0, "send", 2.0)
-    assert wd.blocked(9.0) == (0, "send", 2.0)          # still the same call
+    assert wd.blocked(2.0) == (0, "send", 2.0, None)          # no plan: every peer
+    from ncclpy.plan.types import NcclCall, Plan
+    comm._life.plan = Plan("send", (NcclCall("Send", (0x1000, 4, 7, 1)),))   # as execute sets
+    assert wd.blocked(2.0) == (0, "send", 2.0, frozenset({1}))   # a send waits on its peer
+    assert wd.blocked(9.0)[:3] == (0, "send", 2.0)          # still the same call
     assert wd.decide(11.0) is None and wd.decide(12.5).reason == "timeout"
     comm._life.leave()
     assert wd.blocked(13.0) is None
     comm._life.hold()                                   # an open group is not a call ...
     assert wd.blocked(14.0) is None
     comm._life.mark_call("ncclGroupEnd")                # ... its group end is
-    assert wd.blocked(15.0) == (0, "ncclGroupEnd", 15.0)
+    assert wd.blocked(15.0)[:3] == (0, "ncclGroupEnd", 15.0)
     comm._life.unmark_call()
     comm._life.enter("all_reduce")                      # a new call: a new clock
-    assert wd.blocked(16.0) == (0, "all_reduce", 16.0)
+    assert wd.blocked(16.0)[:3] == (0, "all_reduce", 16.0)
     comm._life.leave()
     comm._life.release_hold()
     assert (comm._life.inflight, comm._life.calls) == (0, 0)
@@ -105,7 +109,7 @@ def test_the_thread_samples_the_lifecycle_for_a_call_inside_nccl():
     for t in (17.0, 18.0, 19.0):
         comm._life.enter_poll("all_gather")
         comm._life.release()
-        assert wd.blocked(t) == (0, "all_gather", 17.0)
+        assert wd.blocked(t)[:3] == (0, "all_gather", 17.0)
     assert wd.decide(27.5).reason == "timeout"
     comm._life.unmark_call()
     assert wd.blocked(28.0) is None and (comm._life.inflight, comm._life.calls) == (0, 0)
@@ -129,44 +133,104 @@ def test_the_heartbeat_says_a_call_is_blocked_once_seen_inside_at_two_ticks():
     assert decode(wd.progress(9.0)).blocked is False
 
 
-def test_silent_peer_is_suspected_dead_before_the_timeout():
-    d = _state().step(108.0, [(3, "all_reduce", 107.0)], _peers(s1=107.0, s2=104.5))
+def test_a_silent_peer_is_named_only_while_a_call_waits_on_it_and_only_once_confirmed():
+    st = _state()
+    silent = _peers(s1=107.0, s2=104.5)                       # rank 2 silent 3.5 s at 108
+    assert st.step(108.0, [], silent) is None                 # nothing waits: no verdict
+    assert st.step(108.0, [(3, "all_reduce", 105.5)], silent) is None   # waited 2.5 s < 3 s
+    pend = [(3, "all_reduce", 104.0)]                         # waited 4 s
+    assert st.step(108.0, pend, silent) == CONFIRM            # never from an older reply
+    d = st.step(108.0, pend, silent, confirmed=True)
     assert (d.reason, d.seq, d.suspects) == ("peer_silent", 3, (2,))
-    assert "rank 2 silent 3.5 s" in d.message and "all_reduce (sequence 3" in d.message
+    assert "rank 2 silent 3.5 s, read afresh from the store" in d.message
+    assert "all_reduce (sequence 3, in flight for 4.0 s" in d.message
+    assert "which waits on it" in d.message
+    # the fresh read says rank 2 beat since: no verdict, and no other rule fires
+    assert st.step(108.0, pend, _peers(s1=107.0, s2=107.9), confirmed=True) is None
 
 
-def test_a_peer_that_never_beat_counts_from_the_start():
-    d = _state().step(104.0, [], {1: Peer(seen=103.0), 2: Peer()})
-    assert d.reason == "peer_silent" and "rank 2 never sent one in 4.0 s" in d.message
+def test_a_pause_of_any_length_with_nothing_waiting_is_never_a_verdict():
+    st = _state(timeout=10.0)
+    for gap in (1.5, 2.5, 60.0, 3600.0):
+        assert st.step(104.0 + gap, [], _peers(s1=104.0 + gap, s2=104.0)) is None
+        assert st.step(104.0 + gap, [], {1: Peer(seen=104.0), 2: Peer()}) is None
 
 
-def test_a_peer_that_never_beat_gets_the_start_up_grace_not_the_silence_limit():
+def test_a_call_made_of_sends_and_receives_waits_only_on_its_peers():
+    from ncclpy.plan.types import NcclCall, Plan
+    send = Plan("send", (NcclCall("Send", (0x1000, 4, 7, 1)),))
+    both = Plan("sendrecv", (NcclCall("Send", (0x1000, 4, 7, 1)),
+                             NcclCall("Recv", (0x2000, 4, 7, 2))))
+    coll = Plan("all_reduce", (NcclCall("AllReduce", (0x1000, 0x1000, 4, 7, 0)),))
+    assert waits_on(send) == frozenset({1}) and waits_on(both) == frozenset({1, 2})
+    assert waits_on(coll) is None and waits_on(object()) is None
+    st = _state()
+    silent2 = _peers(s1=107.9, s2=100.0)
+    assert st.step(108.0, [(3, "send", 101.0, frozenset({1}))], silent2) is None
+    assert st.step(108.0, [(3, "send", 101.0, frozenset({2}))], silent2) == CONFIRM
+    # its timeout suspects its peer only
+    d = _state(timeout=5.0).step(108.0, [(3, "send", 101.0, frozenset({1}))],
+                                 _peers(s1=107.9, s2=107.9, i1=9))
+    assert (d.reason, d.suspects) == ("timeout", (1,)) and "its peer(s) 1" in d.message
+
+
+def test_a_peer_that_never_beat_gets_the_start_up_grace_and_counts_only_while_waiting():
     st = WatchState(0, 3, "job", 600.0, dead_after=3.0, start=100.0, never_grace=60.0)
-    assert st.step(150.0, [], {1: Peer(seen=149.0), 2: Peer()}) is None
-    assert st.step(150.0, [], {1: Peer(seen=146.0), 2: Peer()}).suspects == (1,)
-    d = st.step(160.5, [], {1: Peer(seen=160.0), 2: Peer()})
+    pend = [(0, "all_reduce", 101.0)]
+    assert st.step(150.0, pend, {1: Peer(seen=149.0), 2: Peer()}) is None
+    assert st.step(150.0, pend, {1: Peer(seen=146.0), 2: Peer()}, confirmed=True).suspects \
+        == (1,)
+    assert st.step(160.5, [], {1: Peer(seen=160.0), 2: Peer()}) is None
+    d = st.step(160.5, pend, {1: Peer(seen=160.0), 2: Peer()}, confirmed=True)
     assert d.suspects == (2,) and "rank 2 never sent one in 60.5 s" in d.message
 
 
 def test_closed_peer_is_not_suspected():
-    assert _state().step(108.0, [], _peers(s1=107.0, s2=101.0, c2=True)) is None
+    pend = [(3, "all_reduce", 101.0)]
+    assert _state().step(108.0, pend, _peers(s1=107.0, s2=101.0, c2=True)) is None
 
 
-def test_launcher_notice_comes_first():
+def test_a_death_aborts_at_once_even_with_nothing_waiting():
     d = _state().step(101.0, [(0, "all_gather", 100.5)], _peers(), dead=[2, 0])
     assert (d.reason, d.suspects) == ("peer_dead", (2,))
     assert "rank(s) 2 died (the launcher says so) while all_gather (sequence 0" in d.message
+    assert _state().step(101.0, [], _peers(), dead=[1]).reason == "peer_dead"
 
 
-# -- environment defaults --------------------------------------------------------------------------
+def test_a_published_abort_is_followed_with_its_suspects_not_a_new_cause():
+    first = WatchState(4, 16, "job", 10.0, dead_after=3.0, start=100.0)
+    d = first.step(108.0, [(3, "all_reduce", 104.0)], {15: Peer(seen=104.5)}, confirmed=True)
+    pub = first.published(d)
+    assert (pub.rank, pub.reason, pub.suspects) == (4, "peer_silent", (15,))
+    assert pub.cause.startswith("no heartbeat for more than 3 s from rank(s) 15")
+    assert "suspected" not in pub.cause and "ncclpy watchdog" not in pub.cause
+    assert Published.decode(b"1:2:3\n" + pub.encode()) == pub
+    assert Published.decode(b"1:2:3") is None and Published.decode(b"x\n{bad") is None
+    other = WatchState(7, 16, "job", 10.0, dead_after=3.0, start=100.0)
+    # idle: left alone (NCCL may share the communicator's resources with a child in use)
+    assert other.step(109.0, [], {4: Peer(seen=100.0)}, aborted=pub) is None
+    # a call in flight, however young: the published verdict, before rank 4's own silence
+    f = other.step(109.0, [(9, "all_reduce", 108.95)], {4: Peer(seen=100.0)}, aborted=pub)
+    assert (f.reason, f.suspects, f.seq) == ("peer_aborted", (15,), 9)
+    assert "rank 4 aborted the communicator (peer_silent: no heartbeat" in f.message
+    assert "suspected: rank(s) 15" in f.message
+    blocked = (9, "send", 108.9, frozenset({3}))
+    assert other.step(109.0, [], {}, blocked=blocked, aborted=pub).reason == "peer_aborted"
+    # a user's abort (no suspects) names the rank that aborted; one's own is ignored
+    user = Published(4, "abort", (), "comm.abort() was called")
+    assert other.step(109.0, [(9, "x", 108.0)], {}, aborted=user).suspects == (4,)
+    assert first.step(108.0, [(3, "all_reduce", 104.0)], {}, aborted=pub) is None
+
+
 def test_an_nccl_error_waits_for_the_heartbeats_to_name_the_peer():
     err = ("ncclRemoteError (6): socketProgress: Connection closed by remote peer", 104.0)
     st = _state()
     pend = [(50, "all_reduce", 103.5)]
     # fresh heartbeats, error just reported: no verdict yet (the peer behind it is unknown)
     assert st.step(104.5, pend, _peers(s1=104.2, s2=104.2), nccl_error=err) is None
-    # rank 2 stops beating: it is named, and the NCCL error is in the message
-    d = st.step(107.5, pend, _peers(s1=107.2, s2=104.2), nccl_error=err)
+    # rank 2 stops beating: it is named (confirmed), and the NCCL error is in the message
+    assert st.step(107.5, pend, _peers(s1=107.2, s2=104.2), nccl_error=err) == CONFIRM
+    d = st.step(107.5, pend, _peers(s1=107.2, s2=104.2), nccl_error=err, confirmed=True)
     assert d.reason == "peer_silent" and d.suspects == (2,) and d.seq == 50
     assert "rank(s) 2" in d.message and "all_reduce (sequence 50" in d.message
     assert "after NCCL reported: ncclRemoteError (6)" in d.message
@@ -181,6 +245,25 @@ def test_an_nccl_error_with_every_heartbeat_fresh_suspects_every_peer_after_the_
     d = st.step(108.1, pend, _peers(s1=108.0, s2=108.0), nccl_error=err, interval=1.0)
     assert d.reason == "nccl_error" and d.suspects == (1, 2) and d.collective == "broadcast"
     assert "ncclSystemError (2)" in d.message and "every peer (1, 2)" in d.message
+
+
+def test_a_late_confirmation_judges_no_silence_but_the_timeout_still_holds():
+    st = _state(timeout=5.0)
+    pend = [(3, "all_reduce", 101.0)]
+    silent = _peers(s1=107.9, s2=100.0, i1=9, i2=9)
+    assert st.step(108.0, pend, silent) == CONFIRM
+    d = st.step(108.0, pend, silent, silence=False)            # the peek came late
+    assert d.reason == "timeout" and d.suspects == (1, 2)
+    d = st.step(108.0, pend, {}, silence=False, issued_known=False)
+    assert d.suspects == (1, 2) and "the store did not say in time which ranks" in d.message
+    assert st.step(104.0, [(3, "all_reduce", 103.0)], silent, silence=False) is None
+
+
+def test_a_timeout_names_the_peers_a_behind_read_listed():
+    d = _state().step(112.0, [(7, "all_reduce", 101.0)], {}, behind={2: 5})
+    assert (d.reason, d.suspects) == ("timeout", (2,)) and "rank 2 issued 5" in d.message
+    d = _state().step(112.0, [(7, "all_reduce", 101.0)], {}, behind={})
+    assert d.suspects == (1, 2) and "every peer (1, 2): all issued it" in d.message
 
 
 class _StandInComm:
@@ -208,6 +291,37 @@ def test_verdict_on_hands_the_error_to_the_thread_and_returns_its_decision():
     assert d is not None and d.reason == "nccl_error" and comm.aborted_with is d
     assert "ncclRemoteError (6): peer closed" in d.message
     assert took < 0.1 + 2 * 0.05 + 1.0          # bounded by verdict_on's own limit
+
+
+def test_a_tick_that_fails_is_said_once_counted_and_shown_by_ncclpy_status(caplog):
+    """A blind watchdog says so: WARNING the first time (then once a minute), a counter in its
+    heartbeat value (``ncclpy status``), and the thread goes on (it recovers when ticks do)."""
+    import logging
+    from ncclpy.debug.status import decode
+    comm = _StandInComm()
+    wd = Watchdog(comm, None, interval=0.05, dead_after=0.1, tick=0.01)
+    calls = []
+
+    def broken(now, dead=()):
+        calls.append(now)
+        if len(calls) <= 5:
+            raise RuntimeError("the table said nonsense")
+        return None
+    wd.decide = broken
+    caplog.set_level(logging.DEBUG, logger="ncclpy.debug.watchdog")
+    wd.start()
+    try:
+        t0 = time.monotonic()
+        while len(calls) < 8 and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+    finally:
+        wd.stop()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "a tick failed (RuntimeError: the table said nonsense)" in \
+        warnings[0].getMessage() and "detects nothing while this goes on" in \
+        warnings[0].getMessage()
+    assert wd.blind == 5 and len(calls) >= 8                 # it went on, and recovered
+    assert decode(wd.progress(time.monotonic())).blind == 5
 
 
 def test_verdict_on_without_a_running_thread_returns_at_once():
@@ -252,10 +366,22 @@ class _Comm:
         self.decision = d
 
 
+class _Waiting:
+    """A Work whose call never completes (its event recorded: it is timed)."""
+
+    _owned, _event, _error = False, object(), None
+    plan = type("P", (), {"collective": "all_reduce", "calls": ()})()
+
+    def is_completed(self) -> bool:
+        return False
+
+
 def worker(host: str, port: int, rank: int, world: int, mode: str, secs: float) -> None:
     store = TCPStore(host, port, timeout=30)
     comm = _Comm(rank, world, timeout=60.0)
     wd = Watchdog(comm, store, interval=0.2, dead_after=1.5, tick=0.05).start()
+    if mode == "wait":                     # a call that waits on the peers, never completing
+        wd.queue.append(_Waiting())
     print("up", flush=True)
     t0 = time.monotonic()
     while comm.decision is None and time.monotonic() - t0 < secs:
@@ -286,8 +412,8 @@ def _result(p: subprocess.Popen) -> Any:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_killed_rank_is_named_by_every_other_rank():
-    srv, ps = _start(3, secs=30.0)
+def test_a_killed_rank_is_named_by_every_rank_whose_call_waits_on_it():
+    srv, ps = _start(3, secs=30.0, mode="wait")
     try:
         time.sleep(1.0)                          # heartbeats flow
         ps[2].send_signal(signal.SIGKILL)
@@ -295,9 +421,10 @@ def test_a_killed_rank_is_named_by_every_other_rank():
         res = [_result(p) for p in ps[:2]]
     finally:
         srv.close()
-    for r in res:
-        assert r is not None and r["reason"] == "peer_silent" and r["suspects"] == [2], r
-        assert "from rank(s) 2 (rank 2 silent" in r["message"]
+    for r in res:         # named, or the other waiting rank's published verdict followed
+        assert r is not None and r["reason"] in ("peer_silent", "peer_aborted"), r
+        assert r["suspects"] == [2] and "from rank(s) 2 (rank 2 silent" in r["message"], r
+        assert "read afresh from the store" in r["message"]
 
 
 def test_the_launchers_notice_is_read():

@@ -333,6 +333,7 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
         return _checked_issue(comm, r, keep)
     life = comm._life
     life.enter(r.plan.collective)     # refused once aborted or closed: nothing touches the handle
+    life.plan = r.plan                # which peers it waits on, if it blocks inside NCCL
     try:
         calls = r.calls
         if calls is None:             # scratch, copies or a PreMulSum op: the plan's executor

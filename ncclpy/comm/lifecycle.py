@@ -72,7 +72,7 @@ class Lifecycle:
     """The state, the lock and the count of threads inside NCCL with this handle."""
 
     __slots__ = ("lock", "cond", "state", "inflight", "waiters", "abort_error", "owner", "_what",
-                 "calls", "entered", "api", "on_idle", "deferred")
+                 "calls", "entered", "api", "on_idle", "deferred", "plan")
 
     def __init__(self, owner: str) -> None:
         self.lock = threading.Lock()
@@ -83,6 +83,9 @@ class Lifecycle:
         self.abort_error: Optional[CommAbortedError] = None
         self.owner = owner           # "rank 0 of 'job'": for the messages
         self._what = ""              # the call last entered (for an abort's warning)
+        #: the plan of the call last entered by the executor (the watchdog reads which peers
+        #: a call blocked inside NCCL waits on); None for a group end or another step
+        self.plan: object = None
         self.calls = 0               # calls let in by enter/mark_call, still inside NCCL
         self.entered = 0             # calls let in by enter/mark_call so far
         #: the API lock: one thread at a time inside NCCL with this handle (NCCL's rule; its
@@ -180,6 +183,7 @@ class Lifecycle:
             self.calls += 1
             self.entered += 1
             self._what = what
+            self.plan = None
 
     def unmark_call(self) -> None:
         with self.lock:
@@ -194,6 +198,7 @@ class Lifecycle:
             if self.state is USABLE or self.state in states:
                 self.inflight += 1
                 self._what = what
+                self.plan = None
                 if timed:
                     self.calls += 1
                     self.entered += 1

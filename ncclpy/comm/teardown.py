@@ -269,7 +269,7 @@ class CommLifecycle:
         if busy is None:
             return                       # aborted already, or destroyed: one abort per handle
         self._resolver.clear()
-        self._stop_watchdog(closed=False)
+        self._stop_watchdog(closed=False, verdict=self._verdict_of(error))
         if busy and life.defer_until_idle(self._abort_handle):
             err = life.abort_error
             if err is not None and err.args and "abort waits" not in str(err.args[0]):
@@ -373,14 +373,28 @@ class CommLifecycle:
         finally:
             self._free_owned()
 
-    def _stop_watchdog(self, closed: bool) -> None:
+    def _stop_watchdog(self, closed: bool, verdict: Any = None) -> None:
+        """Stop the watchdog; ``closed``: tell the peers this rank closed; ``verdict`` (a
+        :class:`~ncclpy.debug.verdicts.Published`): tell them it aborted, and why, so that
+        they follow that verdict (a communicator one member aborted completes no call)."""
         wd, self._watchdog = self._watchdog, None
         self._watch = None
         if wd is not None:
             try:
-                wd.stop(closed=closed)
+                wd.stop(closed=closed, verdict=verdict)
             except Exception:
                 log.debug("stopping the watchdog failed", exc_info=True)
+
+    def _verdict_of(self, error: Optional[CommAbortedError]) -> Any:
+        """What this rank's abort tells its peers (the watchdog's own verdict was published
+        by the watchdog already)."""
+        from ..debug.verdicts import Published
+        if error is None:
+            return Published(self.rank, "abort", (), f"the communicator was aborted on rank "
+                             f"{self.rank} (comm.abort(), an exception in its with-block, or "
+                             f"a close that failed)")
+        return Published(self.rank, error.reason or "abort", tuple(error.suspects),
+                         str(error).split("\n", 1)[0])
 
     def _watchdog_abort(self, decision: Any) -> None:
         """The watchdog's verdict: every blocked or later call raises CommAbortedError (its

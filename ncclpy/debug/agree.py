@@ -147,7 +147,7 @@ def _groups(values: Mapping[int, Any]) -> str:
 
 
 def _ranks(rs: Sequence[int]) -> str:
-    from .watchdog import _ranks as fmt
+    from .verdicts import ranks_text as fmt
     return fmt(list(rs), 16)
 
 

@@ -1,14 +1,20 @@
 """One member's side of a heartbeat table held by ncclpy's store (the watchdog's, nodewatch's).
 
-Every period a member sends one BEAT (:mod:`ncclpy.store.tablewire`): its own beat and value in,
-the members whose last beat is older than ``stale_after`` (server clock), the members that never
-beat and the death epoch out: one request per member per period, whatever the world size.
+Every period a member sends one BEAT (:mod:`ncclpy.store.tablewire`): its own beat, value and
+progress counter in, the members whose last beat is older than ``stale_after`` (server clock),
+the members that never beat, the first member that aborted and the death epoch out: one request
+per member per period, whatever the world size.
 
 The rule that keeps a slow store from being taken for dead peers: a reply that took longer than
 ``on_time`` seconds is *late*; :meth:`Heart.beat` then returns None (no member is judged from
 it) and the slowness is logged with its figures, at most once a minute (plus a count).  Ages in a
 reply that came on time are the server's, and the server's clock does not run while its loop
-is stalled, so they are the members' own silence.
+is stalled, so they are the members' own silence; they are taken as of :attr:`Heart.replied_at`
+(the local clock once the reply arrived), so a round trip never adds to anyone's silence.
+
+A request the store *refuses* (a table of another size, a malformed reply) is not slowness: it
+is counted in :attr:`Heart.errors` and logged as an error with the store's words (again at most
+once a minute), and judges nobody.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from ..store import tablewire as W
 
-__all__ = ["Heart", "SLOW_LOG_EVERY", "on_time_limit", "is_late"]
+__all__ = ["Heart", "SLOW_LOG_EVERY", "on_time_limit", "is_late", "is_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,13 @@ def is_late(rtt: float, on_time: float) -> bool:
     return rtt > on_time
 
 
+def is_refusal(e: BaseException) -> bool:
+    """An error of the request itself (the store answered: refused, or answered nonsense), as
+    opposed to a slow or lost store (timeout, connection)."""
+    from ..errors import StoreAuthError, StoreProtocolError, StoreRequestError
+    return isinstance(e, (StoreRequestError, StoreProtocolError, StoreAuthError, ValueError))
+
+
 class Heart:
     """``store``: ncclpy's TCPStore (serving the tables); ``group`` names the table of ``world``
     members; ``what`` names this member in log lines ("watchdog of 'job' rank 3")."""
@@ -47,39 +60,80 @@ class Heart:
         self.store, self.group, self.rank, self.world = store, group, rank, world
         self.stale_after, self.on_time = float(stale_after), float(on_time)
         self.call_timeout, self.watch, self.what, self.clock = call_timeout, watch, what, clock
-        self.late = 0                 # late replies (and failed calls) since the start
+        self.late = 0                 # late replies (and lost calls) since the start
+        self.errors = 0               # requests the store refused since the start
+        self.last_error = ""
         self.last_rtt = 0.0
         self.worst_rtt = 0.0
+        self.replied_at = 0.0         # local clock when the last on-time reply arrived
         self._late_since_log = 0
         self._logged_at: Optional[float] = None
+        self._errors_since_log = 0
+        self._error_logged_at: Optional[float] = None
 
-    def beat(self, value: bytes, flags: int = 0) -> Optional[W.BeatReply]:
-        """One BEAT; its reply when it came on time, else None (store slow: logged)."""
+    def beat(self, value: bytes, flags: int = 0, count: int = 0) -> Optional[W.BeatReply]:
+        """One BEAT; its reply when it came on time, else None (store slow, or the request
+        refused: logged and counted)."""
         t0 = self.clock()
         try:
             rep = self.store.beat(self.group, self.rank, self.world, self.stale_after, value,
-                                  watch=self.watch, flags=flags, timeout=self.call_timeout)
+                                  watch=self.watch, flags=flags, timeout=self.call_timeout,
+                                  count=count)
         except Exception as e:   # a slow or lost store: no news, never a verdict
-            self._slow(self.clock() - t0, f"{type(e).__name__}: {e}")
+            if is_refusal(e):
+                self._refused(e)
+            else:
+                self._slow(self.clock() - t0, f"{type(e).__name__}: {e}")
             return None
-        rtt = self.last_rtt = self.clock() - t0
+        t1 = self.clock()
+        rtt = self.last_rtt = t1 - t0
         self.worst_rtt = max(self.worst_rtt, rtt)
         if is_late(rtt, self.on_time):
             self._slow(rtt, "")
             return None
+        self.replied_at = t1
         return rep
 
+    def peek(self) -> Optional[W.BeatReply]:
+        """The table as it is now (a read, not a beat): a confirmation before a verdict."""
+        return self.beat(b"", W.BEAT_PEEK)
+
+    def behind(self, count: int) -> Optional[W.BeatReply]:
+        """The members whose progress counter is at most ``count`` (a peek)."""
+        return self.beat(b"", W.BEAT_PEEK | W.BEAT_BEHIND, count)
+
     def full(self) -> Optional[W.BeatReply]:
-        """The whole table (a peek: not a beat); None when late or failed."""
+        """The whole table (a peek: not a beat; O(world): ``ncclpy status``'s read)."""
         return self.beat(b"", W.BEAT_PEEK | W.BEAT_FULL)
 
-    def close(self, value: bytes = b"closed") -> None:
-        """Leave the table: this member is never stale again (best effort)."""
+    def close(self, value: bytes = b"closed", aborted: bool = False,
+              count: int = 0) -> Optional[W.BeatReply]:
+        """Leave the table: this member is never stale again (best effort); ``aborted``: it
+        aborted, ``value`` saying why (peers follow that verdict); ``count``: its progress
+        counter.  The reply (which names the first member that aborted), None when it failed."""
+        flags = W.BEAT_CLOSE | (W.BEAT_ABORT if aborted else 0)
         try:
-            self.store.beat(self.group, self.rank, self.world, self.stale_after, value,
-                            flags=W.BEAT_CLOSE, timeout=self.call_timeout)
+            return self.store.beat(self.group, self.rank, self.world, self.stale_after, value,
+                                   flags=flags, timeout=self.call_timeout, count=count)
         except Exception:
-            log.debug("%s: could not publish the close", self.what, exc_info=True)
+            log.debug("%s: could not publish the %s", self.what,
+                      "abort" if aborted else "close", exc_info=True)
+            return None
+
+    def _refused(self, e: BaseException) -> None:
+        self.errors += 1
+        self._errors_since_log += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        now = self.clock()
+        if self._error_logged_at is not None and now - self._error_logged_at < SLOW_LOG_EVERY:
+            return
+        more = (f" ({self._errors_since_log - 1} more since the last such line)"
+                if self._errors_since_log > 1 else "")
+        log.error("%s: the store refused a heartbeat: %s%s; no peer is judged from it, and "
+                  "until this is fixed this rank's heartbeats do not reach its peers",
+                  self.what, self.last_error, more)
+        self._error_logged_at = now
+        self._errors_since_log = 0
 
     def _slow(self, rtt: float, err: str) -> None:
         self.late += 1

@@ -2,32 +2,29 @@
 
 Two parts:
 
-* :class:`WatchState` -- the decisions, pure (no GPU, no thread, no store): ``step(now,
-  pending, peers, dead)`` returns a :class:`Decision` (abort, and why) or None.  Rules, in
-  order: a rank the launcher published as dead (:mod:`ncclpy.debug.deaths`); a peer whose
-  heartbeat has not changed for ``dead_after`` seconds (closed peers excepted; a peer that never
-  beat gets ``never_grace``, the start-up allowance, instead); an error NCCL reported
-  (``ncclCommGetAsyncError``, e.g. a peer's socket closed), once the heartbeats had
-  ``dead_after`` + ``interval`` seconds to name the peer behind it; the oldest unfinished call
-  older than ``timeout`` -- a call whose launch is still blocked inside NCCL on the host (a
-  send/recv's first use connecting to a peer that never makes its side) counts as unfinished
-  from the tick that first saw it inside.  Suspects of a timeout are the peers that have not
-  issued that call yet (their heartbeat carries how many calls they issued), else every peer.
-  The decisions after an NCCL error say its text too.
+* :mod:`ncclpy.debug.verdicts` -- the decisions, pure (no GPU, no thread, no store):
+  :class:`WatchState` and its rule (a death aborts at once; a peer's published abort is
+  followed with its cause; silence names a suspect only while a call waits on it, and only
+  once a fresh read confirms it; an NCCL error; the communicator's timeout).
 * :class:`Watchdog` -- a daemon thread per communicator: every ``tick`` it drains the deque the
   executor appends each Work to (``comm._watch``: the only per-call cost), drops completed
-  Works from the front, and every ``interval`` sends one heartbeat (``"<beat>:<issued>"``) to
-  the store's heartbeat table of the communicator (:mod:`ncclpy.debug.heartbeat`): one request
-  per rank per interval, which answers with the stale and never-seen peers and the death epoch.
-  Peers are judged only from replies that came on time (a slow store is logged as such, never
-  taken for dead peers); the whole table is read (one request) only on the way to a verdict.
-  It shares the process's store client (a second connection only while another thread's call
-  is parked).  A store without the table (torch's) gets the older per-key heartbeats
-  (``ncclpy/<name>/hb/<rank>``, N-1 reads per beat).  On a decision it calls
+  Works from the front, and every ``interval`` sends one heartbeat (its progress, and its
+  progress counter: the calls it issued) to the store's heartbeat table of the communicator
+  (:mod:`ncclpy.debug.heartbeat`): one request per rank per interval, which answers with the
+  stale and never-seen peers, the first peer that aborted and the death epoch.  Peers are
+  judged only from replies that came on time (a slow store is logged as such, never taken for
+  dead peers), with ages taken as of the reply's arrival.  Between beats a tick extrapolates;
+  when a silence would become a verdict (a call waits) it reads the table once more (a peek)
+  and judges from that.  On the way to a timeout it asks once who has not issued the call
+  (BEAT_BEHIND: O(listed), never the whole table).  On a verdict it publishes it in the table
+  (BEAT_ABORT) before aborting, so that peers follow it instead of naming this rank's silence.
+  It shares the process's store client.  A store without the table (torch's) gets the older
+  per-key heartbeats (``ncclpy/<name>/hb/<rank>``, N-1 reads per beat).  On a decision it calls
   ``comm._watchdog_abort(decision)``: ncclCommAbort, and every blocked or later call on the
   communicator raises :class:`~ncclpy.errors.CommAbortedError` with the decision's message.
   The thread never touches the NCCL handle itself: a host wait that reads an async error hands
-  it over (:meth:`Watchdog.verdict_on`) and waits, boundedly, for the verdict.
+  it over (:meth:`Watchdog.verdict_on`) and waits, boundedly, for the verdict.  A tick that
+  fails is counted and said (the watchdog is blind meanwhile): ``ncclpy status`` shows it.
 """
 from __future__ import annotations
 
@@ -36,17 +33,18 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["default_timeout", "env_flag", "WatchState", "Decision", "Peer", "Watchdog",
-           "heartbeat_key", "dead_key", "peers_from_beat", "report_after", "QUEUE_MAX",
-           "INTERVAL"]
+__all__ = ["default_timeout", "env_flag", "WatchState", "Decision", "Peer", "Published",
+           "Watchdog", "heartbeat_key", "dead_key", "peers_from_beat", "report_after",
+           "QUEUE_MAX", "INTERVAL", "BLIND_LOG_EVERY"]
 
 from .. import errors as _errors
 from . import deaths as _deaths
 from .deaths import dead_key
 from .heartbeat import Heart, on_time_limit
+from .verdicts import (CONFIRM, Decision, Peer, Published, WatchState, peers_from_beat,
+                       report_after, waits_on)
 
 log = logging.getLogger(__name__)
 
@@ -54,156 +52,15 @@ log = logging.getLogger(__name__)
 QUEUE_MAX = 1 << 16
 #: seconds between two heartbeats (default); silence limit: max(3 intervals, 3 s)
 INTERVAL = 1.0
+#: seconds between two "the watchdog is blind" warnings (the failed ticks between are counted)
+BLIND_LOG_EVERY = 60.0
 
 
-def heartbeat_key(name: str, rank: int) -> str:
-    return f"ncclpy/{name}/hb/{rank}"
-
-
-@dataclass
-class Peer:
-    """What this rank knows of a peer: local time its heartbeat last changed (None: never
-    seen), calls it has issued on the communicator, and whether it closed it."""
-
-    seen: Optional[float] = None
-    issued: int = 0
-    closed: bool = False
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Abort the communicator: ``reason`` ("peer_dead", "peer_silent", "nccl_error", "timeout"),
-    the oldest
-    unfinished call (``collective``, ``seq``; "" and -1 when none), ``suspects`` and the
-    message every blocked call raises."""
-
-    reason: str
-    collective: str
-    seq: int
-    suspects: Tuple[int, ...]
-    message: str = field(compare=False)
-
-
-class WatchState:
-    """The watchdog's decisions (pure; see the module docstring)."""
-
-    def __init__(self, rank: int, world_size: int, name: str, timeout: float,
-                 dead_after: float = 5.0, start: float = 0.0,
-                 never_grace: Optional[float] = None) -> None:
-        self.rank, self.world_size, self.name = rank, world_size, name
-        self.timeout, self.dead_after, self.start = float(timeout), float(dead_after), start
-        self.never_grace = self.dead_after if never_grace is None else float(never_grace)
-
-    def _head(self) -> str:
-        return f"ncclpy watchdog: communicator {self.name!r} rank {self.rank}/{self.world_size}"
-
-    def step(self, now: float, pending: Sequence[Tuple[int, str, float]],
-             peers: Mapping[int, Peer], dead: Iterable[int] = (),
-             nccl_error: Optional[Tuple[str, float]] = None,
-             interval: float = 1.0,
-             blocked: Optional[Tuple[int, str, float]] = None) -> Optional[Decision]:
-        """``pending``: unfinished calls oldest first as (seq, collective, first seen);
-        ``peers``: rank -> :class:`Peer`; ``dead``: ranks the launcher published as dead;
-        ``nccl_error``: (its text, when it was reported) when NCCL reported an async error;
-        ``interval``: the heartbeat period (how long a fresh heartbeat may take to change);
-        ``blocked``: (seq, call, first seen) of a call still inside NCCL on the host (its
-        launch never returned: no event to wait on), timed like a pending call."""
-        in_call = False
-        if blocked is not None and (not pending or blocked[2] < pending[0][2]):
-            in_call = True
-            seq, coll, since = blocked
-            what = f"{coll} (sequence {seq}, blocked inside NCCL for {now - since:.1f} s)"
-        else:
-            seq, coll, since = pending[0] if pending else (-1, "", now)
-            what = (f"{coll} (sequence {seq}, in flight for {now - since:.1f} s)" if pending
-                    else "no call in flight")
-        if nccl_error is not None:
-            what += f", after NCCL reported: {nccl_error[0]}"
-        tail = "; the communicator was aborted (ncclCommAbort)"
-        dead = sorted(set(dead) - {self.rank})
-        if dead:
-            return Decision("peer_dead", coll, seq, tuple(dead),
-                            f"{self._head()}: rank(s) {_ranks(dead)} died (the launcher says "
-                            f"so) while {what}; suspected: rank(s) {_ranks(dead)}{tail}")
-        silent = []
-        for r, p in sorted(peers.items()):
-            if r == self.rank or p.closed:
-                continue
-            last = self.start if p.seen is None else p.seen
-            if now - last > (self.dead_after if p.seen is not None else self.never_grace):
-                silent.append((r, now - last, p.seen is None))
-        if silent:
-            ranks = [r for r, _, _ in silent]
-            how = ", ".join(f"rank {r} " + (f"never sent one in {age:.1f} s" if never
-                                            else f"silent {age:.1f} s")
-                            for r, age, never in silent[:8])
-            if len(silent) > 8:
-                how += f", and {len(silent) - 8} more"
-            return Decision("peer_silent", coll, seq, tuple(ranks),
-                            f"{self._head()}: no heartbeat for more than {self.dead_after:g} s "
-                            f"from rank(s) {_ranks(ranks)} ({how}; dead or hung) while {what}; "
-                            f"suspected: rank(s) {_ranks(ranks)}{tail}")
-        if nccl_error is not None and now - nccl_error[1] > self.dead_after + interval:
-            others = [r for r in range(self.world_size) if r != self.rank]
-            return Decision("nccl_error", coll, seq, tuple(others),
-                            f"{self._head()}: {what}; every peer's heartbeat is still fresh, so "
-                            f"none is singled out; suspected: every peer ({_ranks(others)})"
-                            f"{tail}")
-        if (pending or in_call) and now - since > self.timeout:
-            behind = sorted(r for r, p in peers.items() if r != self.rank and p.issued <= seq)
-            others = [r for r in range(self.world_size) if r != self.rank]
-            if behind:
-                why = ", ".join(f"rank {r} issued {peers[r].issued}" for r in behind)
-                sus = f"rank(s) {_ranks(behind)}, which never issued it ({why} calls)"
-            else:
-                behind = others
-                sus = f"every peer ({_ranks(others)}): all issued it, none is known dead"
-            how = ("was still blocked inside its NCCL call on the host (the launch never "
-                   "returned: a peer never made the matching call, e.g. a send/recv's first "
-                   "use, which connects the pair) after" if in_call
-                   else "did not complete within")
-            return Decision("timeout", coll, seq, tuple(behind),
-                            f"{self._head()}: {coll} (sequence {seq}) {how} the communicator's "
-                            f"timeout of {self.timeout:g} s; suspected: {sus}{tail}")
-        return None
-
-
-def report_after(dead_after: float, interval: float) -> float:
-    """The age past which the store lists a peer in a beat's reply: one interval before the
-    silence limit, so that the thread's ticks judge it the moment it passes ``dead_after``
-    (not up to an interval later, at the next beat)."""
-    return max(dead_after - interval, interval)
-
-
-def peers_from_beat(rep: Any, now: float, rank: int,
-                    never_due: bool) -> Optional[Dict[int, Peer]]:
-    """The peers to judge after an on-time BEAT reply ``rep``: the stale ones (seen ``age`` ago
-    on the store's clock) and, once the start-up grace is over (``never_due``), those that never
-    beat; the others are fresh and need no entry.  None when the reply counts more suspects
-    than it lists: read the whole table then."""
-    if rep.nstale > len(rep.stale) or (never_due and rep.never > len(rep.never_listed)):
-        return None
-    peers = {r: Peer(seen=now - age) for r, age in rep.stale if r != rank}
-    if never_due:
-        peers.update((r, Peer()) for r in rep.never_listed if r != rank)
-    return peers
-
-
-def _ranks(rs: Sequence[int], most: int = 32) -> str:
-    """``"1, 4-9, 12"``: runs of consecutive ranks as ranges, at most ``most`` items shown."""
-    items: List[str] = []
-    rs = sorted(rs)
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        items.append(str(rs[i]) if j == i else f"{rs[i]}, {rs[j]}" if j == i + 1
-                     else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    if len(items) > most:
-        return ", ".join(items[:most]) + f", ... ({len(rs)} ranks in all)"
-    return ", ".join(items)
+def heartbeat_key(group: str, rank: int) -> str:
+    """A rank's heartbeat key on a store without the table (torch's): under its table's group,
+    which carries the bootstrap generation (a verdict left by an earlier communicator of the
+    same name is never read as this one's)."""
+    return f"{group}/{rank}"
 
 
 class Watchdog:
@@ -231,12 +88,21 @@ class Watchdog:
         gen = getattr(getattr(comm, "bootstrap", None), "generation", 0)
         self.group = group or f"ncclpy/{comm.name}/{gen}/hb"
         self._heart: Optional[Heart] = None
-        #: what this rank knows of its peers: the suspicious ones of the last on-time beat, or
-        #: every peer after a full read (the way to a verdict)
+        #: the suspicious peers of the last on-time reply (a fresh peer needs no entry); with
+        #: per-key heartbeats (torch's store), every peer
         self.peers: Dict[int, Peer] = {}
         self._raw: Dict[int, bytes] = {}
         self._epoch = 0
         self._dead: List[int] = []
+        #: the first abort a peer published (followed at once)
+        self.published: Optional[Published] = None
+        #: (seq, rank -> calls issued) of the peers behind the oldest call (read once per call
+        #: on the way to its timeout)
+        self._behind: Optional[Tuple[int, Dict[int, int]]] = None
+        self._confirm_ok = True           # False after a late confirmation, until a beat
+        #: (seq, when) BEAT_BEHIND was last asked (a late reply: asked again an interval later)
+        self._behind_asked: Tuple[int, float] = (-1, 0.0)
+        self.confirms = 0                 # fresh reads a silence asked for
         self.pending: Deque[List[Any]] = collections.deque()   # [seq, work, first seen]
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
@@ -249,6 +115,11 @@ class Watchdog:
         self._decided = threading.Event()     # set when the thread aborted, or ended
         self._next_beat = 0.0
         self._in_call: Optional[Tuple[int, float]] = None   # (life.entered, first seen)
+        self._left = False                # this rank closed or published its abort
+        #: ticks that failed (the watchdog was blind for each), and when that was last said
+        self.blind = 0
+        self._blind_logged: Optional[float] = None
+        self._blind_since_log = 0
         comm._watch = self.queue
 
     def start(self) -> "Watchdog":
@@ -265,24 +136,46 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def stop(self, closed: bool = True) -> None:
+    def stop(self, closed: bool = True, verdict: Optional[Published] = None) -> None:
         """Stop the thread (not from itself: it then just ends); ``closed``: tell the peers
-        this rank closed the communicator, so its silence is not a death."""
+        this rank closed the communicator, so its silence is not a death; ``verdict``: this
+        rank aborted it (peers follow that verdict)."""
         self._stop.set()
         self.comm._watch = None
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
-        client, self._client = self._client, None
-        if not closed or client is None:
-            return
+        if verdict is not None:
+            self.publish(verdict)
+        elif closed:
+            self._leave(b"closed", aborted=False)
+        self._client = None
+
+    def publish(self, verdict: Published) -> Optional[Published]:
+        """Publish this rank's abort in the heartbeat table (once): peers follow it instead of
+        taking this rank's silence for a new verdict.  Returns the verdict another rank
+        published first, if one did (the table keeps the first: every rank then reports its
+        suspects, so that survivors agree, e.g. on whom a shrink excludes)."""
+        value = self.progress(self.clock()) + b"\n" + verdict.encode()
+        if self._heart is None:       # per-key heartbeats: the key says closed, and why
+            value = b"closed\n" + verdict.encode()
+        rep = self._leave(value, aborted=True)
+        first = getattr(rep, "first_aborted", None)
+        if first is None or first[0] == self.comm.rank:
+            return None
+        return Published.decode(first[1])
+
+    def _leave(self, value: bytes, aborted: bool) -> Any:
+        if self._left or self._client is None:
+            return None
+        self._left = True
         if self._heart is not None:
-            self._heart.close()
-            return
+            return self._heart.close(value, aborted=aborted, count=self.issued)
         try:
-            client.set(heartbeat_key(self.comm.name, self.comm.rank), b"closed")
+            self._client.set(heartbeat_key(self.group, self.comm.rank), value)
         except Exception:
             log.debug("watchdog: could not publish the close", exc_info=True)
+        return None
 
     def verdict_on(self, error: BaseException) -> Optional[Decision]:
         """Hand the thread an async error NCCL reported to a host wait; wait (at most
@@ -327,7 +220,7 @@ class Watchdog:
 
     # -- heartbeats ----------------------------------------------------------------------------
     def beat(self, now: float) -> None:
-        """Publish this rank's heartbeat; learn of stale, never-seen and dead peers."""
+        """Publish this rank's heartbeat; learn of stale, never-seen, aborted and dead peers."""
         c = self._client
         if c is None:
             return
@@ -336,26 +229,48 @@ class Watchdog:
         if self._heart is None:
             self._beat_keys(c, now, value)
             return
-        rep = self._heart.beat(value)
+        rep = self._heart.beat(value, count=self.issued)
         if rep is None:              # late: judge nobody from it, forget older suspicions
             self.peers = {}
             return
+        self._confirm_ok = True
+        self._heard(rep)
+
+    def confirm(self) -> bool:
+        """Read the table afresh (a peek): the peers' ages now.  False when the store was late
+        (no verdict from it; no other confirmation until the next on-time beat)."""
+        self.confirms += 1
+        if self._heart is None:
+            return self._confirm_keys()
+        rep = self._heart.peek()
+        if rep is None:
+            self._confirm_ok = False
+            return False
+        self._heard(rep)
+        return True
+
+    def _heard(self, rep: Any) -> None:
+        """What an on-time reply says: the death epoch, a published abort, the stale peers."""
         if rep.epoch != self._epoch:
             self._epoch = rep.epoch
-            self._read_dead(c)
-        peers = peers_from_beat(rep, now, self.comm.rank,
-                                now - self.state.start > self.state.never_grace)
-        if peers is None:
-            self.read_all(now)       # more suspects than one reply lists: read them all
-        else:
-            self.peers = peers
+            self._read_dead(self._client)
+        if rep.first_aborted is not None and self.published is None:
+            r, raw = rep.first_aborted
+            if r != self.comm.rank:
+                self.published = Published.decode(raw) or Published(
+                    r, "abort", (r,), "its verdict could not be read")
+        at = self._heart.replied_at if self._heart is not None else self.clock()
+        self.peers = peers_from_beat(rep, at, self.comm.rank,
+                                     at - self.state.start > self.state.never_grace)
 
     def progress(self, now: float) -> bytes:
         """This rank's heartbeat value: its progress (:mod:`ncclpy.debug.status`)."""
         from .recorder import installed_signal, site_text
         from .status import Progress, encode
+        h = self._heart
         p = Progress(self._beat, self.issued, self.issued - len(self.pending),
-                     signal=installed_signal())
+                     signal=installed_signal(), late=h.late if h else 0,
+                     refused=h.errors if h else 0, blind=self.blind)
         if self.pending and self.pending[0][2] is not None:
             p.wait = max(now - self.pending[0][2], 0.0)
         rec = getattr(self.comm, "_recorder", None)
@@ -371,24 +286,17 @@ class Watchdog:
                 p.call, p.site = blk[1], ""
         return encode(p)
 
-    def read_all(self, now: float) -> bool:
-        """Read every peer's heartbeat (one request); False when the store was late."""
+    def read_behind(self, seq: int) -> bool:
+        """Ask once who has not issued call ``seq`` (one BEAT_BEHIND peek: O(listed)); False
+        when the store was late."""
         if self._heart is None:
             return False
-        rep = self._heart.full()
-        if rep is None or rep.full is None:
+        rep = self._heart.behind(seq)
+        if rep is None or rep.behind is None:
             return False
-        peers = {}
-        for r, (age, closed, value) in enumerate(rep.full):
-            if r == self.comm.rank:
-                continue
-            p = Peer(seen=None if age is None else now - age, closed=closed)
-            try:
-                p.issued = int(value.split(b":")[1])
-            except (IndexError, ValueError):
-                pass
-            peers[r] = p
-        self.peers = peers
+        counts = {r: n for r, n in rep.behind if r != self.comm.rank}
+        counts.update((r, 0) for r in rep.never_listed if r != self.comm.rank)  # never beat
+        self._behind = (seq, counts)
         return True
 
     def _read_dead(self, c: Any) -> None:
@@ -400,24 +308,10 @@ class Watchdog:
 
     def _beat_keys(self, c: Any, now: float, value: bytes) -> None:
         """Heartbeats as keys, for a store without the table (torch's): N-1 reads per beat."""
-        name = self.comm.name
-        c.set(heartbeat_key(name, self.comm.rank), value)
+        c.set(heartbeat_key(self.group, self.comm.rank), value)
         if not self.peers:
             self.peers = {r: Peer() for r in range(self.comm.world_size) if r != self.comm.rank}
-        for r, peer in self.peers.items():
-            try:
-                raw = c.get(heartbeat_key(name, r), timeout=0.05)
-            except Exception:
-                continue            # not yet written, or a slow read: no news
-            if raw == b"closed":
-                peer.closed = True
-            elif raw != self._raw.get(r):
-                self._raw[r] = raw
-                peer.seen = now
-                try:
-                    peer.issued = int(raw.split(b":")[1])
-                except (IndexError, ValueError):
-                    pass
+        self._read_keys(c, now, list(self.peers))
         try:
             epoch = _deaths.read_epoch(c)
         except Exception:
@@ -426,14 +320,46 @@ class Watchdog:
             self._epoch = epoch
             self._read_dead(c)
 
+    def _read_keys(self, c: Any, now: float, ranks: Iterable[int]) -> bool:
+        """Read the ranks' keys; False when a read failed (no news of that rank)."""
+        ok = True
+        for r in ranks:
+            peer = self.peers[r]
+            try:
+                raw = c.get(heartbeat_key(self.group, r), timeout=0.05)
+            except Exception:
+                ok = False
+                continue            # not yet written, or a slow read: no news
+            if raw.startswith(b"closed"):
+                peer.closed = True
+                pub = Published.decode(raw)
+                if pub is not None and self.published is None:
+                    self.published = pub
+            elif raw != self._raw.get(r):
+                self._raw[r] = raw
+                peer.seen = now
+                try:
+                    peer.issued = int(raw.split(b":")[1])
+                except (IndexError, ValueError):
+                    pass
+        return ok
+
+    def _confirm_keys(self) -> bool:
+        """Per-key heartbeats: read the suspects' keys again (a changed value is a beat)."""
+        c = self._client
+        if c is None:
+            return False
+        now = self.clock()
+        return self._read_keys(c, now, [r for r, p in self.peers.items() if not p.closed])
+
     def dead(self) -> List[int]:
         """Ranks the launcher published as dead."""
         return [r for r in self._dead if r != self.comm.rank and 0 <= r < self.comm.world_size]
 
-    def blocked(self, now: float) -> Optional[Tuple[int, str, float]]:
-        """(seq, call, first seen) of a call inside NCCL on the host: the lifecycle's
-        ``calls``/``entered`` sampled once per tick (the same entry seen again is the same
-        call, still inside); None when no call is inside."""
+    def blocked(self, now: float) -> Optional[Tuple[Any, ...]]:
+        """(seq, call, first seen, the peers it waits on or None) of a call inside NCCL on the
+        host: the lifecycle's ``calls``/``entered`` sampled once per tick (the same entry seen
+        again is the same call, still inside); None when no call is inside."""
         life = getattr(self.comm, "_life", None)
         if life is None or life.calls <= 0:
             self._in_call = None
@@ -441,18 +367,46 @@ class Watchdog:
         e = life.entered
         if self._in_call is None or self._in_call[0] != e:
             self._in_call = (e, now)
-        return (self.issued, life._what or "?", self._in_call[1])
+        return (self.issued, life._what or "?", self._in_call[1],
+                waits_on(getattr(life, "plan", None)))
 
     def decide(self, now: float, dead: Iterable[int] = ()) -> Optional[Decision]:
-        pend = [(s, getattr(w.plan, "collective", "?"), t) for s, w, t in self.pending
-                if t is not None]
+        """One tick's verdict (see :mod:`ncclpy.debug.verdicts`): at most one fresh read of
+        the table when a silence would be a verdict, one BEAT_BEHIND read per call on the way
+        to its timeout."""
+        dead = list(dead)
+        head = next(((s, getattr(w.plan, "collective", "?"), t, waits_on(w.plan))
+                     for s, w, t in self.pending if t is not None), None)
+        pend = [head] if head is not None else []
         blk = self.blocked(now)
-        oldest = min([p[2] for p in pend[:1]] + ([blk[2]] if blk else []), default=now)
-        if now - oldest > self.state.timeout and self._heart is not None \
-                and len(self.peers) < self.comm.world_size - 1:
-            self.read_all(now)       # who issued the call: every peer's count
-        return self.state.step(now, pend, self.peers if self._client is not None else {},
-                               dead, self.nccl_error, self.interval, blk)
+        oldest = min([p[2] for p in pend] + ([blk[2]] if blk else []), default=now)
+        seq = (blk[0] if blk is not None and (head is None or blk[2] < head[2])
+               else head[0] if head is not None else -1)
+        asked = self._behind is not None and self._behind[0] == seq
+        if now - oldest > self.state.timeout and self._heart is not None and not asked and \
+                (self._behind_asked[0] != seq or
+                 now - self._behind_asked[1] >= self.interval):
+            self._behind_asked = (seq, now)   # a late store is asked again an interval later
+            self.read_behind(seq)        # who issued the call: one request, O(listed)
+        behind = (self._behind[1] if self._behind is not None and self._behind[0] == seq
+                  else None)
+        known = self._heart is None      # per-key heartbeats carry every peer's count
+        peers = self.peers if self._client is not None else {}
+        d = self.state.step(now, pend, peers, dead, self.nccl_error, self.interval, blk,
+                            self.published, behind=behind, issued_known=known)
+        if d != CONFIRM:
+            return d                     # type: ignore[return-value]
+        if not self._confirm_ok or not self.confirm():
+            # a late store judges nobody's silence; the other rules still hold
+            d = self.state.step(now, pend, peers, dead, self.nccl_error, self.interval, blk,
+                                self.published, behind=behind, silence=False,
+                                issued_known=known)
+            return None if d == CONFIRM else d   # type: ignore[return-value]
+        at = self._heart.replied_at if self._heart is not None else self.clock()
+        d = self.state.step(max(at, now), pend, self.peers, self.dead() or dead,
+                            self.nccl_error, self.interval, blk, self.published,
+                            confirmed=True, behind=behind, issued_known=known)
+        return None if d == CONFIRM else d    # type: ignore[return-value]
 
     def _run(self) -> None:
         try:
@@ -473,7 +427,8 @@ class Watchdog:
             if self.comm.rank == 0:
                 try:             # list the table for ncclpy status (one add, one set)
                     from .status import register
-                    register(self._store, self.comm.name, self.group, self.comm.world_size)
+                    register(self._store, self.comm.name, self.group, self.comm.world_size,
+                             self.state.dead_after)
                 except Exception as e:  # noqa: BLE001 - the status is a view, not a duty
                     log.debug("watchdog: could not register for ncclpy status: %s", e)
             self._heart = Heart(
@@ -511,17 +466,51 @@ class Watchdog:
                     self._next_beat = now + self.interval
                     self.beat(now)
                 d = self.decide(now, self.dead())
-            except Exception:
-                log.debug("watchdog tick failed", exc_info=True)
+            except Exception as e:  # noqa: BLE001 - said, counted, and the loop goes on
+                self._blind_tick(e)
                 continue
             if d is not None:
-                self.decision = d
-                log.error("%s", d.message)
-                try:
-                    self.comm._watchdog_abort(d)
-                except Exception:
-                    log.warning("watchdog: abort failed", exc_info=True)
+                self.act(d)
                 return
+
+    def act(self, d: Decision) -> Decision:
+        """Carry out verdict ``d``: publish it (peers hear it before this rank falls
+        silent), report the first verdict instead when another rank published one first (its
+        cause and suspects: every rank then says the same, e.g. whom a shrink excludes), log
+        it, abort the communicator.  Returns the verdict carried out."""
+        try:
+            first = self.publish(self.state.published(d))
+            if first is not None and d.reason != "peer_dead":
+                self.published = first
+                d = self.decide(self.clock()) or d
+        except Exception:  # noqa: BLE001 - the abort matters more
+            log.debug("watchdog: could not publish the verdict", exc_info=True)
+        self.decision = d
+        log.error("%s", d.message)
+        try:
+            self.comm._watchdog_abort(d)
+        except Exception:
+            log.warning("watchdog: abort failed", exc_info=True)
+        return d
+
+    def _blind_tick(self, e: BaseException) -> None:
+        """A tick raised: the watchdog saw nothing this tick.  Said at WARNING the first
+        time and then at most once a minute (with how many failed between), counted for
+        ``ncclpy status``."""
+        self.blind += 1
+        self._blind_since_log += 1
+        now = self.clock()
+        log.debug("watchdog tick failed", exc_info=True)
+        if self._blind_logged is not None and now - self._blind_logged < BLIND_LOG_EVERY:
+            return
+        more = (f" ({self._blind_since_log - 1} more failed since the last such line)"
+                if self._blind_since_log > 1 else "")
+        log.warning("watchdog of %r rank %d: a tick failed (%s: %s): it saw nothing this tick "
+                    "and detects nothing while this goes on; %d ticks failed so far%s (ncclpy "
+                    "status shows the count)", self.comm.name, self.comm.rank,
+                    type(e).__name__, e, self.blind, more)
+        self._blind_logged = now
+        self._blind_since_log = 0
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

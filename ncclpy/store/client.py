@@ -185,18 +185,22 @@ class TCPStore(Connection):
                                     f"older ncclpy server)")
 
     def beat(self, group: Key, rank: int, world: int, stale: float, value: Value = b"", *,
-             watch: Key = b"", flags: int = 0, timeout: Seconds = None) -> TW.BeatReply:
+             watch: Key = b"", flags: int = 0, timeout: Seconds = None,
+             count: int = 0) -> TW.BeatReply:
         """Record ``rank``'s heartbeat in the server-held table ``group`` of ``world`` ranks and
         read it back in one round trip: the ranks whose last beat is older than ``stale``
-        seconds, those that never beat, and the integer value of the counter ``watch``
-        (:mod:`ncclpy.store.tablewire`; ``flags`` its BEAT_* bits).  ``timeout``: seconds."""
+        seconds, those that never beat, the first rank that aborted, and the integer value of
+        the counter ``watch`` (:mod:`ncclpy.store.tablewire`; ``flags`` its BEAT_* bits;
+        ``count`` the rank's progress counter, or with BEAT_BEHIND the threshold).
+        ``timeout``: seconds."""
         self._need_tables("beat")
         g, wk, v = _key(group), _key(watch), _value(value)
         self._check_key(g, "beat")
         t = self.timeout if timeout is None else _seconds(timeout, "timeout")
-        body = TW.pack_beat(g, rank, world, stale, v, wk, flags)
+        body = TW.pack_beat(g, rank, world, stale, v, wk, flags, count)
         raw = self._call(Op.BEAT, body, b"", None, g, "beat", t)
-        return TW.parse_beat(raw, world, bool(flags & TW.BEAT_FULL))
+        return TW.parse_beat(raw, world, bool(flags & TW.BEAT_FULL),
+                             bool(flags & TW.BEAT_BEHIND))
 
     def vote(self, key: Key, group: int, rank: int, hash_: int, sum_: int = 0,
              bad: bool = False, timeout: Seconds = None) -> TW.VoteReply:

@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 MAGIC = b"NCPS"
-VERSION = 1
+VERSION = 2
 NONCE_SIZE = 32
 FLAG_AUTH = 0x01
 FLAG_ARRIVE = 0x02

@@ -2,7 +2,10 @@
 
 Wire format and semantics: :mod:`.tablewire`.  Costs, per request: a BEAT is O(1) plus the
 ranks it reports stale (oldest first from an ordered table, so the scan stops at the first fresh
-one); a VOTE is O(1), plus O(group) once when the vote completes or times out.
+one); a BEAT_BEHIND peek scans the table's counters once per threshold per half second, shared
+by every rank that asks (N ranks timing out on one call: one O(N) scan, not N); BEAT_FULL
+(``ncclpy status``) is O(world); a VOTE is O(1), plus O(group) once when the vote completes or
+times out.
 
 The heartbeat clock: ages are measured on :attr:`Tables.table_clock`, which advances with the
 server's loop but at most ``poll timeout + CLOCK_SLACK`` per loop iteration.  A server that was
@@ -21,7 +24,7 @@ from . import tablewire as W
 from .ops import Conn, Waiter
 from .protocol import NO_TIMEOUT, Op, Status
 
-__all__ = ["Tables", "CLOCK_SLACK", "TABLE_POLL"]
+__all__ = ["Tables", "CLOCK_SLACK", "TABLE_POLL", "BEHIND_FRESH"]
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +32,18 @@ log = logging.getLogger(__name__)
 CLOCK_SLACK = 0.25
 #: longest poll while a heartbeat table exists (so the clock's cap is meaningful)
 TABLE_POLL = 0.5
+#: seconds a BEAT_BEHIND answer is reused for the same threshold
+BEHIND_FRESH = 0.5
 _MAX_WORLD = 1 << 22
 _MASK = (1 << 64) - 1
 
 
 class _Table:
-    """One heartbeat group: alive ranks ordered by their last beat (oldest first)."""
+    """One heartbeat group: alive ranks ordered by their last beat (oldest first), each rank's
+    progress counter, the ranks that closed or aborted."""
 
-    __slots__ = ("world", "last", "values", "never", "never_cap", "closed")
+    __slots__ = ("world", "last", "values", "never", "never_cap", "closed", "aborted",
+                 "count", "behind_cache")
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -45,6 +52,10 @@ class _Table:
         self.never: Set[int] = set(range(world))
         self.never_cap = world          # its size when last built (a set never shrinks)
         self.closed: Set[int] = set()
+        self.aborted: Dict[int, bytes] = {}      # in the order they aborted
+        self.count: Dict[int, int] = {}
+        #: threshold -> (clock, how many, listed) of a recent BEAT_BEHIND answer
+        self.behind_cache: Dict[int, Tuple[float, int, List[Tuple[int, int]]]] = {}
 
     def seen(self, rank: int) -> None:
         """``rank`` beat: not "never" any more.  The set is rebuilt when it shrank to a quarter
@@ -55,6 +66,21 @@ class _Table:
             if len(never) * 4 < self.never_cap:
                 self.never = set(never)
                 self.never_cap = len(never)
+
+    def behind(self, count: int, most: int, clock: float) -> Tuple[int, List[Tuple[int, int]]]:
+        """How many ranks that beat have a counter <= ``count``, and up to ``most`` of them
+        (lowest counters first).  One scan of the table per threshold per
+        :data:`BEHIND_FRESH` seconds, shared by every rank asking: N ranks timing out on the
+        same call cost one O(N) scan, not N (a beat itself only stores its counter)."""
+        hit = self.behind_cache.get(count)
+        if hit is not None and clock - hit[0] < BEHIND_FRESH:
+            return hit[1], hit[2]
+        rows = sorted(((n, r) for r, n in self.count.items() if n <= count))
+        out = (len(rows), [(r, n) for n, r in rows[:most]])
+        if len(self.behind_cache) >= 64:
+            self.behind_cache.clear()
+        self.behind_cache[count] = (clock, *out)
+        return out
 
 
 class _Vote:
@@ -131,17 +157,20 @@ class Tables:
         return e
 
     def _op_beat(self, conn: Conn, body: bytes) -> None:
-        flags, rank, world, stale_ms, group, watch, value = W.unpack_beat_request(body)
+        flags, rank, world, stale_ms, count, group, watch, value = W.unpack_beat_request(body)
         t = self._entry(conn, "beat", self._tables, group, (group, watch), rank, world, _Table)
         if t is None:
             return
         clock = self.table_clock
-        if not flags & W.BEAT_PEEK:
+        if not flags & W.BEAT_PEEK and rank not in t.aborted:   # an abort is final
             t.seen(rank)
             t.values[rank] = value
-            if flags & W.BEAT_CLOSE:
+            t.count[rank] = count
+            if flags & (W.BEAT_CLOSE | W.BEAT_ABORT):
                 t.closed.add(rank)
                 t.last.pop(rank, None)
+                if flags & W.BEAT_ABORT:
+                    t.aborted[rank] = value
             else:
                 t.closed.discard(rank)
                 t.last[rank] = clock
@@ -165,6 +194,9 @@ class Tables:
                     epoch = int(raw)
                 except ValueError:
                     epoch = -1
+        nbehind, behind = 0, None
+        if flags & W.BEAT_BEHIND:
+            nbehind, behind = t.behind(count, W.MAX_LISTED, clock)
         full = None
         if flags & W.BEAT_FULL:
             full = []
@@ -172,11 +204,17 @@ class Tables:
                 at = t.last.get(r)
                 age = (W.NEVER if r in t.never else 0 if at is None
                        else int((clock - at) * 1000))
-                full.append((age, 1 if r in t.closed else 0, t.values.get(r, b"")))
-        if len(t.closed) == t.world:       # everyone closed: the table is garbage (dropped
-            del self._tables[group]        # before the reply: whoever hears it sees it gone)
-        self._reply(conn, Status.OK, W.pack_beat_reply(epoch, len(t.never), len(t.closed),
-                                                       nstale, stale, never, full))
+                state = ((W.STATE_CLOSED if r in t.closed else 0)
+                         | (W.STATE_ABORTED if r in t.aborted else 0))
+                full.append((age, state, t.values.get(r, b"")))
+        first = next(iter(t.aborted.items())) if t.aborted else None
+        if len(t.closed) == t.world and not t.aborted:   # everyone closed: garbage (dropped
+            del self._tables[group]        # before the reply: whoever hears it sees it gone;
+            # a table with published aborts stays: ncclpy status and ncclpy run's forensics
+            # read the verdicts after every rank left; one per aborted communicator)
+        self._reply(conn, Status.OK, W.pack_beat_reply(
+            epoch, len(t.never), len(t.closed), nstale, stale, never, full, len(t.aborted),
+            first, nbehind, behind))
 
     # ------------------------------------------------------------------ VOTE
     def _op_vote(self, conn: Conn, body: bytes) -> None:
