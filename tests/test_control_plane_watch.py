@@ -24,6 +24,7 @@ from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import tablewire as W
 from ncclpy.watchdog import Watchdog
 from store_util import env as _env
+from watchdog_crowd import Work     # a call that waits until told done
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,22 +78,12 @@ def _peer_beats(port: int, group: str, rank: int, world: int, every: float, stop
         c.close()
 
 
-class _Waiting:
-    """A Work whose call never completes (its event recorded: it is timed)."""
-
-    _owned, _event, _error = False, object(), None
-    plan = type("P", (), {"collective": "all_reduce", "calls": ()})()
-
-    def is_completed(self) -> bool:
-        return False
-
-
 def _watchdog(store: Any, rank: int, world: int, waiting: bool = True, **kw: Any) -> Watchdog:
     """A Watchdog (not its thread) whose rank has a call waiting since 1 s ago."""
     wd = Watchdog(_Comm(rank, world), store, interval=0.1, dead_after=0.6, **kw)
     wd._connect()
     if waiting:
-        wd.queue.append(_Waiting())
+        wd.queue.append(Work())
         wd.drain(time.monotonic() - 1.0)
     return wd
 
@@ -210,7 +201,7 @@ def test_a_timeout_asks_once_who_never_issued_the_call_and_reads_no_whole_table(
                   interval=0.1, dead_after=30.0)
     wd._connect()
     for _ in range(6):
-        wd.queue.append(_Waiting())
+        wd.queue.append(Work())
     t0 = time.monotonic()
     wd.drain(t0)
     wd.beat(t0)
@@ -273,14 +264,14 @@ def test_per_key_heartbeats_belong_to_one_generation(server):
     assert KeysOnly().get("ncclpy/cp/0/hb/1").startswith(b"closed\n")
     new = Watchdog(_Comm(0, 2), KeysOnly(), interval=0.1, dead_after=0.6, group="ncclpy/cp/1/hb")
     new._connect()
-    new.queue.append(_Waiting())
+    new.queue.append(Work())
     new.drain(time.monotonic())
     new.beat(time.monotonic())
     assert new.published is None and new.decide(time.monotonic()) is None
     same = Watchdog(_Comm(0, 2), KeysOnly(), interval=0.1, dead_after=0.6,
                     group="ncclpy/cp/0/hb")
     same._connect()
-    same.queue.append(_Waiting())
+    same.queue.append(Work())
     same.drain(time.monotonic())
     same.beat(time.monotonic())                       # the same generation: followed
     d = same.decide(time.monotonic())

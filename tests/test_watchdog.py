@@ -25,6 +25,7 @@ from ncclpy.store import StoreServer, TCPStore  # noqa: E402
 from ncclpy.debug.deaths import publish_deaths  # noqa: E402
 from ncclpy.watchdog import Peer, Published, Watchdog, WatchState  # noqa: E402
 from ncclpy.debug.verdicts import CONFIRM, waits_on  # noqa: E402
+from watchdog_crowd import Work  # noqa: E402  (a call that waits until told done)
 
 
 # -- decisions (pure) ---------------------------------------------------------------------------
@@ -366,22 +367,12 @@ class _Comm:
         self.decision = d
 
 
-class _Waiting:
-    """A Work whose call never completes (its event recorded: it is timed)."""
-
-    _owned, _event, _error = False, object(), None
-    plan = type("P", (), {"collective": "all_reduce", "calls": ()})()
-
-    def is_completed(self) -> bool:
-        return False
-
-
 def worker(host: str, port: int, rank: int, world: int, mode: str, secs: float) -> None:
     store = TCPStore(host, port, timeout=30)
     comm = _Comm(rank, world, timeout=60.0)
     wd = Watchdog(comm, store, interval=0.2, dead_after=1.5, tick=0.05).start()
     if mode == "wait":                     # a call that waits on the peers, never completing
-        wd.queue.append(_Waiting())
+        wd.queue.append(Work())
     print("up", flush=True)
     t0 = time.monotonic()
     while comm.decision is None and time.monotonic() - t0 < secs:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from ..store import tablewire as W
 
-__all__ = ["Heart", "SLOW_LOG_EVERY", "on_time_limit", "is_late", "is_refusal"]
+__all__ = ["Heart", "Throttle", "SLOW_LOG_EVERY", "on_time_limit", "is_late", "is_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,25 @@ def is_refusal(e: BaseException) -> bool:
     return isinstance(e, (StoreRequestError, StoreProtocolError, StoreAuthError, ValueError))
 
 
+class Throttle:
+    """A repeated condition said at most once per ``every`` seconds: :meth:`due` counts one
+    occurrence and returns how many were kept quiet since the last line said (None: keep this
+    one quiet too)."""
+
+    def __init__(self, every: float, clock: Callable[[], float]) -> None:
+        self.every, self.clock = every, clock
+        self._said: Optional[float] = None
+        self._quiet = 0
+
+    def due(self) -> Optional[int]:
+        now = self.clock()
+        if self._said is not None and now - self._said < self.every:
+            self._quiet += 1
+            return None
+        quiet, self._said, self._quiet = self._quiet, now, 0
+        return quiet
+
+
 class Heart:
     """``store``: ncclpy's TCPStore (serving the tables); ``group`` names the table of ``world``
     members; ``what`` names this member in log lines ("watchdog of 'job' rank 3")."""
@@ -66,10 +85,8 @@ class Heart:
         self.last_rtt = 0.0
         self.worst_rtt = 0.0
         self.replied_at = 0.0         # local clock when the last on-time reply arrived
-        self._late_since_log = 0
-        self._logged_at: Optional[float] = None
-        self._errors_since_log = 0
-        self._error_logged_at: Optional[float] = None
+        self._slow_said = Throttle(SLOW_LOG_EVERY, clock)
+        self._refused_said = Throttle(SLOW_LOG_EVERY, clock)
 
     def beat(self, value: bytes, flags: int = 0, count: int = 0) -> Optional[W.BeatReply]:
         """One BEAT; its reply when it came on time, else None (store slow, or the request
@@ -122,29 +139,21 @@ class Heart:
 
     def _refused(self, e: BaseException) -> None:
         self.errors += 1
-        self._errors_since_log += 1
         self.last_error = f"{type(e).__name__}: {e}"
-        now = self.clock()
-        if self._error_logged_at is not None and now - self._error_logged_at < SLOW_LOG_EVERY:
+        quiet = self._refused_said.due()
+        if quiet is None:
             return
-        more = (f" ({self._errors_since_log - 1} more since the last such line)"
-                if self._errors_since_log > 1 else "")
+        more = f" ({quiet} more since the last such line)" if quiet else ""
         log.error("%s: the store refused a heartbeat: %s%s; no peer is judged from it, and "
                   "until this is fixed this rank's heartbeats do not reach its peers",
                   self.what, self.last_error, more)
-        self._error_logged_at = now
-        self._errors_since_log = 0
 
     def _slow(self, rtt: float, err: str) -> None:
         self.late += 1
-        self._late_since_log += 1
-        now = self.clock()
-        if self._logged_at is not None and now - self._logged_at < SLOW_LOG_EVERY:
+        quiet = self._slow_said.due()
+        if quiet is None:
             return
-        more = (f" ({self._late_since_log - 1} more late since the last such line)"
-                if self._late_since_log > 1 else "")
+        more = f" ({quiet} more late since the last such line)" if quiet else ""
         log.warning("%s: store slow: a heartbeat to the store took %.2f s (on time: %.2f s)%s; "
                     "no peer is judged from a late reply%s", self.what, rtt, self.on_time,
                     f" and failed ({err})" if err else "", more)
-        self._logged_at = now
-        self._late_since_log = 0

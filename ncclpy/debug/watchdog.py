@@ -42,7 +42,7 @@ __all__ = ["default_timeout", "env_flag", "WatchState", "Decision", "Peer", "Pub
 from .. import errors as _errors
 from . import deaths as _deaths
 from .deaths import dead_key
-from .heartbeat import Heart, on_time_limit
+from .heartbeat import Heart, Throttle, on_time_limit
 from .verdicts import (CONFIRM, Decision, Peer, Published, WatchState, peers_from_beat,
                        report_after, waits_on)
 
@@ -118,8 +118,7 @@ class Watchdog:
         self._left = False                # this rank closed or published its abort
         #: ticks that failed (the watchdog was blind for each), and when that was last said
         self.blind = 0
-        self._blind_logged: Optional[float] = None
-        self._blind_since_log = 0
+        self._blind_said = Throttle(BLIND_LOG_EVERY, clock)
         comm._watch = self.queue
 
     def start(self) -> "Watchdog":
@@ -498,19 +497,15 @@ class Watchdog:
         time and then at most once a minute (with how many failed between), counted for
         ``ncclpy status``."""
         self.blind += 1
-        self._blind_since_log += 1
-        now = self.clock()
         log.debug("watchdog tick failed", exc_info=True)
-        if self._blind_logged is not None and now - self._blind_logged < BLIND_LOG_EVERY:
+        quiet = self._blind_said.due()
+        if quiet is None:
             return
-        more = (f" ({self._blind_since_log - 1} more failed since the last such line)"
-                if self._blind_since_log > 1 else "")
+        more = f" ({quiet} more failed since the last such line)" if quiet else ""
         log.warning("watchdog of %r rank %d: a tick failed (%s: %s): it saw nothing this tick "
                     "and detects nothing while this goes on; %d ticks failed so far%s (ncclpy "
                     "status shows the count)", self.comm.name, self.comm.rank,
                     type(e).__name__, e, self.blind, more)
-        self._blind_logged = now
-        self._blind_since_log = 0
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
