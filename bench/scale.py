@@ -117,6 +117,10 @@ class _Waiting:
     def is_completed(self) -> bool:
         return False
 
+    def _reap(self, raising: bool = False) -> bool:
+        """The watchdog's look (as for a real Work: True once complete)."""
+        return False
+
 
 def _getter_main(port: int, seconds: float) -> None:
     """An unrelated client: a get of an existing key every 10 ms; prints p50/p99/max (ms)."""

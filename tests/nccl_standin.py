@@ -37,6 +37,7 @@ from ncclpy import numerics as nm
 from ncclpy import reference as R
 from ncclpy._nccl import cuda as _cuda
 from ncclpy._nccl import lib as _lib
+from ncclpy._nccl.cuda import CapturedEventError
 from ncclpy.dtypes import DTYPES
 from ncclpy.ops import RedOp
 
@@ -49,7 +50,12 @@ _OPS = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
 
 
 class StandInCudaError(RuntimeError):
-    """What the stand-in CUDA runtime raises (CuPy's CUDARuntimeError's stand-in)."""
+    """What the stand-in CUDA runtime raises (CuPy's CUDARuntimeError's stand-in, with its
+    ``status``: the cudaError_t)."""
+
+    def __init__(self, msg: str, status: Optional[int] = None) -> None:
+        super().__init__(msg)
+        self.status = status
 
 
 # -- "device" memory --------------------------------------------------------------------------
@@ -336,6 +342,7 @@ class StandInCuda:
         self.local_capture_threads: List[int] = []
         self.modes: Dict[int, int] = {}            # thread -> CUstreamCaptureMode (0 global)
         self.captures: Dict[Tuple[int, int], Dict[str, Any]] = {}   # stream key -> capture
+        self.event_device: Dict[int, int] = {}     # event -> the device it was made on
 
     def device_count(self) -> int:
         return self.e.ndev
@@ -414,10 +421,19 @@ class StandInCuda:
     def event_create(self) -> int:
         ev = self.e.new_id()
         self.e.events[ev] = ()
+        self.event_device[ev] = self.e.tls().device   # the current device's context
         return ev
 
     def event_record(self, event: int, stream: int) -> None:
         e = self.e
+        # cuEventRecord: "hEvent and hStream must be from the same context otherwise
+        # CUDA_ERROR_INVALID_HANDLE is returned"; the legacy (0, 1) and per-thread (2) default
+        # streams are the current device's
+        if stream in (0, 1, 2) and self.event_device.get(event, e.tls().device) != \
+                e.tls().device:
+            raise StandInCudaError(f"cudaErrorInvalidResourceHandle: event {event} of device "
+                                   f"{self.event_device[event]} on the default stream of "
+                                   f"device {e.tls().device}", 400)
         with e.lock:
             if e.skey(stream) in e.capturing:
                 e.events[event] = "captured"
@@ -432,9 +448,9 @@ class StandInCuda:
             deps = e.events.get(event)
             if deps is None:
                 raise StandInCudaError(f"cudaErrorInvalidResourceHandle: event {event}")
-            if deps == "captured":
-                raise StandInCudaError("cudaErrorStreamCaptureUnsupported: the event was "
-                                       "recorded during a capture")
+            if deps == "captured":     # cudaErrorCapturedEvent (907): last recorded in a
+                raise CapturedEventError(        # capturing stream
+                    "cudaErrorCapturedEvent: the event was last recorded in a capturing stream")
             e.progress()
             return all(it.done for it in deps)
 
@@ -489,10 +505,9 @@ def standin(**kw: Any) -> Iterator[StandIn]:
     """The stand-in in place of libnccl and CUDA for the block (see the module docstring)."""
     eng = StandIn(**kw)
     from ncclpy.comm import work
+    from ncclpy.comm.reaper import reaper
     pools = dict(work._pools)
     work._pools.clear()
-    dropped = list(work._dropped)
-    work._dropped.clear()
     try:
         with _lib.use_lib(eng.nccl), _cuda.use(eng.cuda):
             yield eng
@@ -500,8 +515,9 @@ def standin(**kw: Any) -> Iterator[StandIn]:
     finally:
         work._pools.clear()
         work._pools.update(pools)
-        work._dropped.clear()
-        work._dropped.extend(dropped)
+        for q, pend in list(reaper().lanes):   # the block's Works: their events are gone
+            q.clear()
+            pend.clear()
 
 
 def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,

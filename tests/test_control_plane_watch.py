@@ -290,6 +290,7 @@ def test_a_real_stopped_rank_is_named_by_waiting_ranks_and_live_ranks_never_are(
         "class W:\n  _owned, _event, _error = False, object(), None\n"
         "  plan = type('P', (), {'collective': 'all_reduce', 'calls': ()})()\n"
         "  def is_completed(self): return False\n"
+        "  def _reap(self, raising=False): return False\n"
         "c = C(); wd = Watchdog(c, TCPStore('127.0.0.1', int(sys.argv[1]), timeout=10), "
         "interval=0.2, dead_after=1.5).start()\nwd.queue.append(W())\nprint('up', flush=True)\n"
         "t0 = time.monotonic()\n"

@@ -8,7 +8,9 @@ call is inside (defect 7) is in tests/test_call_path_lifecycle.py.
 """
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 import time
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 import ncclpy
 from ncclpy import errors
 from ncclpy._nccl.config import Config
-from ncclpy.comm import Communicator, lifecycle, work as W
+from ncclpy.comm import Communicator, lifecycle
 from ncclpy.rendezvous import free_port
 
 from nccl_standin import DevArray, StandInCudaError, run_ranks, standin
@@ -181,20 +183,27 @@ def test_a_call_on_another_stream_during_a_global_capture_keeps_the_capture_and_
     assert eng.violations == []
 
 
-def test_the_sweep_keeps_what_it_cannot_query():
-    """An event query that fails (a capture, anything) proves nothing: the Work's buffers stay
-    kept and the sweep stops; the next sweep releases them once the query says done."""
+def test_the_reaper_keeps_what_it_cannot_query():
+    """An event query that fails (a capture, anything) proves nothing: the reaper keeps the
+    Work and its buffers, and releases them at a later look once the query says done."""
+    from ncclpy.comm.reaper import reaper
+    gc.collect()
     with standin() as eng:
         c0, c1 = run_ranks(2, lambda r: _comm(r))
         x = _arr([1.0], 0)
+        alive = weakref.ref(x)
         c0.all_reduce(x)                             # dropped, rank 1 has not called yet
-        assert len(W._dropped) == 1
+        del x
         query = eng.cuda.event_query
         eng.cuda.event_query = lambda ev: (_ for _ in ()).throw(StandInCudaError("boom"))
-        assert W.sweep_dropped(eng.cuda) == 1        # kept
+        reaper().tick()
+        gc.collect()
+        assert alive() is not None and reaper().held() >= 1      # kept
         eng.cuda.event_query = query
         c1.all_reduce(_arr([1.0], 1)).wait()
-        assert W.sweep_dropped(eng.cuda) == 0        # done now: released
+        reaper().tick()                              # done now: released
+        gc.collect()
+        assert alive() is None
         c0.close()
         c1.close()
     assert eng.violations == []

@@ -41,6 +41,10 @@ class Work:
     def is_completed(self) -> bool:
         return self.done
 
+    def _reap(self, raising: bool = False) -> bool:
+        """The watchdog's look (as for a real Work: True once complete)."""
+        return self.done
+
 
 class Comm:
     """What the Watchdog needs of a communicator; a verdict is printed, as the real one

@@ -8,25 +8,50 @@ communicator's own logic -- lifecycle, Works, groups, copies, scratch -- without
 stand-in never makes a GPU test pass.
 
 Events and streams are raw handles (ints).  ``event_query`` returns True (done) or False (not
-ready) and raises CuPy's ``CUDARuntimeError`` for anything else.
+ready), raises :class:`CapturedEventError` for an event last recorded in a capturing stream
+(``cudaErrorCapturedEvent``: how a call learns it was captured into a graph, see
+docs/reference/concepts/graphs.rst) and CuPy's ``CUDARuntimeError`` for anything else.
+``event_record`` is CuPy's own binding (no Python frame of ncclpy's around it: the call path
+makes it on every call).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import logging
+import threading
 from typing import Any, Iterator, Optional
 
 __all__ = ["CupyRuntime", "cuda", "use", "CAPTURE_MODE_GLOBAL", "CAPTURE_MODE_THREAD_LOCAL",
-           "CAPTURE_MODE_RELAXED"]
+           "CAPTURE_MODE_RELAXED", "CapturedEventError", "CAPTURED_EVENT", "INVALID_HANDLE",
+           "LEGACY_STREAMS", "cupy_stream_for"]
 
 log = logging.getLogger(__name__)
 
 _NOT_READY = 600                  # cudaErrorNotReady
+CAPTURED_EVENT = 907              # cudaErrorCapturedEvent: last recorded in a capturing stream
+INVALID_HANDLE = 400              # cudaErrorInvalidResourceHandle (event and stream: 2 contexts)
+#: handles that name a stream of the *current* device: the legacy default stream (0) and the
+#: per-thread default stream (2); a record on them needs the event's device current
+LEGACY_STREAMS = (0, 1, 2)
 CAPTURE_MODE_GLOBAL = 0           # CUstreamCaptureMode: CU_STREAM_CAPTURE_MODE_GLOBAL
 CAPTURE_MODE_THREAD_LOCAL = 1     # ... _THREAD_LOCAL
 CAPTURE_MODE_RELAXED = 2          # ... _RELAXED
 _MEMCPY_D2D = 3                   # cudaMemcpyDeviceToDevice
+
+
+class CapturedEventError(RuntimeError):
+    """``cudaErrorCapturedEvent`` (907): the event was last recorded in a capturing stream, so
+    the call it follows was captured into a CUDA graph (and runs at each replay)."""
+
+    status = CAPTURED_EVENT
+
+
+def status_of(exc: BaseException) -> Optional[int]:
+    """The ``cudaError_t`` of a CUDA runtime error (CuPy's CUDARuntimeError, the stand-in's),
+    or None."""
+    st = getattr(exc, "status", None)
+    return st if isinstance(st, int) else None
 
 
 class CupyRuntime:
@@ -40,6 +65,8 @@ class CupyRuntime:
         self.rt = runtime
         self._driver: Any = None
         self._get_current_stream: Any = None
+        #: CuPy's Cython binding itself: the one CUDA call a steady-state call makes
+        self.event_record = runtime.eventRecord
 
     # -- devices ----------------------------------------------------------------------------
     def device_count(self) -> int:
@@ -68,7 +95,7 @@ class CupyRuntime:
     def event_create(self) -> int:
         return self.rt.eventCreateWithFlags(self.rt.eventDisableTiming)
 
-    def event_record(self, event: int, stream: int) -> None:
+    def event_record(self, event: int, stream: int) -> None:   # replaced in __init__
         self.rt.eventRecord(event, stream)
 
     def event_query(self, event: int) -> bool:
@@ -77,6 +104,9 @@ class CupyRuntime:
             return True
         if status == _NOT_READY:
             return False
+        if status == CAPTURED_EVENT:
+            raise CapturedEventError("cudaErrorCapturedEvent: the event was last recorded in "
+                                     "a capturing stream")
         self.rt.check_status(status)   # raises CUDARuntimeError
         return False                   # pragma: no cover
 
@@ -107,7 +137,6 @@ class CupyRuntime:
         """``nbytes`` from CuPy's pool, in the order of ``stream`` (an object with ``.ptr``
         that frees the memory when dropped)."""
         import cupy
-        from .dispatch import cupy_stream_for
         with cupy.cuda.Device(device), cupy_stream_for(stream, device):
             return cupy.cuda.alloc(nbytes)
 
@@ -157,6 +186,7 @@ class CupyRuntime:
 
 
 _backend: Optional[Any] = None
+_backend_lock = threading.Lock()    # the first CupyRuntime vs a stand-in put in place meanwhile
 
 
 def cuda() -> Any:
@@ -164,7 +194,10 @@ def cuda() -> Any:
     stand-in in its place)."""
     b = _backend
     if b is None:
-        b = _set(CupyRuntime())
+        with _backend_lock:
+            b = _backend
+            if b is None:
+                b = _set(CupyRuntime())
     return b
 
 
@@ -177,9 +210,35 @@ def _set(b: Any) -> Any:
 @contextlib.contextmanager
 def use(backend: Any) -> Iterator[Any]:
     """Put ``backend`` in place of the CUDA runtime for the block (tests' stand-ins)."""
-    prev = _backend
-    _set(backend)
+    with _backend_lock:
+        prev = _backend
+        _set(backend)
     try:
         yield backend
     finally:
-        _set(prev)
+        with _backend_lock:
+            _set(prev)
+
+
+class _StreamProto:
+    __slots__ = ("h",)
+
+    def __init__(self, h: int) -> None:
+        self.h = h
+
+    def __cuda_stream__(self):
+        return (0, self.h)
+
+
+def cupy_stream_for(handle: int, device: int) -> Any:
+    """A CuPy stream object for a raw handle (made current while allocating scratch, so CuPy's
+    pool reuses that memory in the order of this stream)."""
+    import cupy
+    S = cupy.cuda.Stream
+    if handle == 0:
+        return S.null
+    if handle == 2 and hasattr(S, "ptds"):
+        return S.ptds
+    if hasattr(S, "from_external"):
+        return S.from_external(_StreamProto(handle))
+    return cupy.cuda.ExternalStream(handle, device)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError, as_int
 from ..plan.types import NCCL_FUNCTIONS
+from .cuda import cuda, cupy_stream_for
 from .lib import NCCL_IN_PROGRESS, CudaUnavailableError
 
 __all__ = ["CUPY_METHODS", "CUPY_UNREPRESENTABLE", "build_dispatch", "lib_group", "int_arg",
@@ -176,7 +177,6 @@ def uid_bytes(uid: Any) -> bytes:
 
 def require_device(device: int) -> None:
     """Clear errors before NCCL sees a device that cannot work."""
-    from .cuda import cuda
     try:
         n = cuda().device_count()
     except Exception as e:
@@ -196,27 +196,3 @@ def cupy_init(cnccl: Any, world_size: int, uid: bytes, rank: int) -> Any:
     except TypeError:
         signed = tuple(b - 256 if b > 127 else b for b in uid)
         return cnccl.NcclCommunicator(world_size, signed, rank)
-
-
-class _StreamProto:
-    __slots__ = ("h",)
-
-    def __init__(self, h: int) -> None:
-        self.h = h
-
-    def __cuda_stream__(self):
-        return (0, self.h)
-
-
-def cupy_stream_for(handle: int, device: int) -> Any:
-    """A CuPy stream object for a raw handle (made current while allocating scratch, so CuPy's
-    pool reuses that memory in the order of this stream)."""
-    import cupy
-    S = cupy.cuda.Stream
-    if handle == 0:
-        return S.null
-    if handle == 2 and hasattr(S, "ptds"):
-        return S.ptds
-    if hasattr(S, "from_external"):
-        return S.from_external(_StreamProto(handle))
-    return cupy.cuda.ExternalStream(handle, device)

@@ -12,7 +12,7 @@ import threading
 from typing import Any, Callable, List, Optional
 
 __all__ = ["GroupState", "group_state", "group_depth", "SimInfoStruct", "SIM_INFO_MAGIC",
-           "SIM_INFO_VERSION", "sim_info"]
+           "SIM_INFO_VERSION", "sim_info", "OPEN", "opened", "closed"]
 
 SIM_INFO_MAGIC = 0x74685283        # NCCL_SIM_INFO_INITIALIZER's magic
 SIM_INFO_VERSION = 22200           # ncclSimInfo_v22200
@@ -36,6 +36,23 @@ def sim_info() -> SimInfoStruct:
     return s
 
 _tls = threading.local()
+
+#: how many threads have a group open now: while 0 (the common case), the call path's fast
+#: path knows no group is open without reading its thread-local state
+OPEN = [0]
+_open_lock = threading.Lock()
+
+
+def opened() -> None:
+    """A thread's outermost group opened."""
+    with _open_lock:
+        OPEN[0] += 1
+
+
+def closed() -> None:
+    """A thread's outermost group ended."""
+    with _open_lock:
+        OPEN[0] -= 1
 
 
 class GroupState:

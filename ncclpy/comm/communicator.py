@@ -51,6 +51,8 @@ from ..debug.nvtx import enabled as nvtx_enabled
 from ..debug.nvtx import ranges as nvtx_ranges
 from ..debug.recorder import trace_signal, buffer_size, for_comm
 from ..debug.watchdog import default_timeout, env_flag
+from .hot import make_hot
+from .reaper import reaper
 from .work import Work
 
 __all__ = ["Communicator", "Config", "Registration", "group"]
@@ -224,13 +226,16 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
         self._allocations: Dict[int, int] = {}
         self._barrier_buf: Any = None
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
-        self._watch: Any = None              # the watchdog's deque of issued Work
+        #: the tracker of issued Work: the watchdog's deque, else the process reaper's
+        self._watch: Any = reaper().lane()
+        self._captured_events: List[int] = []   # events of captured calls (destroyed at close)
         self._watchdog: Any = None
         self._recorder: Any = None           # the flight recorder (ncclpy.debug.recorder)
         self._objects: Any = None            # broadcast_object / all_gather_object (objects.py)
         self.bootstrap: Any = None
         self._name = "default"
         self._dispatch = build_dispatch(self, lib, handle, nc)
+        self._hot = make_hot(self)           # the fast path (ncclpy.comm.hot)
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -341,6 +346,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                    stream: Any = None, config: Any = None) -> Work:
         """Every rank gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclAllReduce`` (premul_sum: with ``ncclRedOpCreatePreMulSum``)."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("all_reduce", sendbuf, recvbuf, (op,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("all_reduce")
         r = self._resolver.resolve("all_reduce", stream, sendbuf, recvbuf, (op,), config)
@@ -350,6 +360,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                stream: Any = None, config: Any = None) -> Work:
         """``root`` gets ``op`` over all ranks' ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclReduce``."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("reduce", sendbuf, recvbuf, (root, op), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("reduce")
         r = self._resolver.resolve("reduce", stream, sendbuf, recvbuf, (root, op), config)
@@ -359,6 +374,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                   stream: Any = None, config: Any = None) -> Work:
         """Every rank gets ``root``'s ``sendbuf`` (in place if recvbuf is None).
         NCCL: ``ncclBroadcast``."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("broadcast", sendbuf, recvbuf, (root,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("broadcast")
         r = self._resolver.resolve("broadcast", stream, sendbuf, recvbuf, (root,), config)
@@ -369,6 +389,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
         """``recvbuf`` (N*count, or a list of N) gets every rank's ``sendbuf`` in rank order;
         ``sendbuf`` None: in place (this rank's block of recvbuf is its input).
         NCCL: ``ncclAllGather`` (a list adds copies from a scratch buffer)."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("all_gather", sendbuf, recvbuf, (), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("all_gather")
         r = self._resolver.resolve("all_gather", stream, sendbuf, recvbuf, (), config)
@@ -378,6 +403,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                        stream: Any = None, config: Any = None) -> Work:
         """Rank r gets block r of ``op`` over all ranks' ``sendbuf`` (N*count or a list).
         NCCL: ``ncclReduceScatter``."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("reduce_scatter", sendbuf, recvbuf, (op,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("reduce_scatter")
         r = self._resolver.resolve("reduce_scatter", stream, sendbuf, recvbuf, (op,), config)
@@ -397,6 +427,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                stream: Any = None, config: Any = None) -> Work:
         """``root``'s ``recvbuf`` gets every rank's ``sendbuf`` in rank order (None off the
         root).  NCCL: ``ncclGather`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("gather", sendbuf, recvbuf, (root,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("gather")
         r = self._resolver.resolve("gather", stream, sendbuf, recvbuf, (root,), config)
@@ -406,6 +441,11 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
                 stream: Any = None, config: Any = None) -> Work:
         """Rank r's ``recvbuf`` gets block r of ``root``'s ``sendbuf`` (None off the root).
         NCCL: ``ncclScatter`` (NCCL >= 2.28), else grouped ncclSend/ncclRecv."""
+        h = self._hot
+        if h is not None and config is None:
+            w = h("scatter", sendbuf, recvbuf, (root,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("scatter")
         r = self._resolver.resolve("scatter", stream, sendbuf, recvbuf, (root,), config)
@@ -413,12 +453,22 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Send ``buf`` to ``peer`` (which must post a matching recv).  NCCL: ``ncclSend``."""
+        h = self._hot
+        if h is not None:
+            w = h("send", buf, None, (peer,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("send")
         return issue(self, self._resolver.resolve("send", stream, buf, None, (peer,)), (buf,))
 
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Work:
         """Receive into ``buf`` from ``peer``.  NCCL: ``ncclRecv``."""
+        h = self._hot
+        if h is not None:
+            w = h("recv", buf, None, (peer,), stream)
+            if w is not None:
+                return w
         if self._life.state is not USABLE:
             self._check_usable("recv")
         return issue(self, self._resolver.resolve("recv", stream, buf, None, (peer,)), (buf,))

@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from .._nccl.cuda import cuda
-from .._nccl.group import GroupState, group_depth, group_state
+from .._nccl.group import GroupState, closed, group_depth, group_state, opened
 from ..debug.recorder import note_dump
 from ..errors import CallCheckTimeout, NcclpyError
 from ..plan.types import PREMUL_OP, Copy, NcclCall, Scratch
@@ -53,6 +53,8 @@ def _group_exit(st: GroupState, end: Callable[[], int],
         else:
             err = _run_checks(st)
     st.depth -= 1
+    if st.depth == 0:
+        closed()
     # the launch: timed by each watchdog while inside, each handle's API lock held (taken in
     # one order, so two threads' groups over the same communicators cannot deadlock) until
     # the nonblocking ones completed: no other thread's call meets NCCL's "in progress"
@@ -165,6 +167,8 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
     else:
         start()
     st.depth += 1
+    if st.depth == 1:
+        opened()
     if sim is not None:
         st.sim = sim
     try:
@@ -321,8 +325,8 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
     (:func:`_checked_issue`); ``_after`` 1: the check passed; 2: a deferred call of a checked
     group (its Work is watched through the user's Work it hands its event to); 3: recorded
     by :func:`_recorded` (otherwise as 0).  A communicator with a flight recorder
-    (``comm._recorder``) records the call first; one with a watchdog (``comm._watch``, a
-    deque) gets the Work appended."""
+    (``comm._recorder``) records the call first; the Work reaches its tracker (``comm._watch``:
+    the watchdog's deque, or the reaper's) when its event is recorded (``Work._record``)."""
     if not _after:
         rec = comm._recorder
         if rec is not None:
@@ -360,9 +364,6 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
         else:                                   # the abort has yet to run: the buffers
             work._error = err                   # stay kept (a dropped Work's sweep)
         raise err
-    watch = comm._watch
-    if watch is not None and _after != 2:
-        watch.append(work)
     return work
 
 

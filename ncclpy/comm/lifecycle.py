@@ -72,7 +72,7 @@ class Lifecycle:
     """The state, the lock and the count of threads inside NCCL with this handle."""
 
     __slots__ = ("lock", "cond", "state", "inflight", "waiters", "abort_error", "owner", "_what",
-                 "calls", "entered", "api", "on_idle", "deferred", "plan")
+                 "calls", "entered", "api", "on_idle", "deferred", "plan", "hot", "hot_n")
 
     def __init__(self, owner: str) -> None:
         self.lock = threading.Lock()
@@ -95,6 +95,11 @@ class Lifecycle:
         #: an abort deferred until no call is inside NCCL (see :meth:`defer_until_idle`)
         self.on_idle: Optional[Callable[[], None]] = None
         self.deferred = False        # an abort waited for a call inside NCCL
+        #: the in-call marker of the fast path (:mod:`ncclpy.comm.hot`): the entry of the call
+        #: inside NCCL now (its ``plan``), set and cleared under the API lock only; ``hot_n``
+        #: counts those calls (the watchdog tells a new one from the same one still inside)
+        self.hot: object = None
+        self.hot_n = 0
 
     # -- calls (the hot path: the state lock, then the API lock) ------------------------------
     def enter(self, what: str) -> None:
@@ -235,11 +240,38 @@ class Lifecycle:
             return
         if self.waiters:
             self.cond.notify_all()
-        run, self.on_idle = self.on_idle, None
+        run = None
+        if self.hot is None:          # a fast-path call inside runs it when it leaves
+            run, self.on_idle = self.on_idle, None
         lock.release()
         if run is not None:          # the deferred abort: the last call has left NCCL
             threading.Thread(target=_run_deferred, args=(run, self.owner), daemon=True,
                              name=f"ncclpy-abort ({self.owner})").start()
+
+    def hot_left(self) -> None:
+        """A fast-path call left NCCL while the state is no longer usable: wake an abort
+        waiting for it, and run the abort it deferred once nothing else is inside."""
+        lock = self.lock
+        lock.acquire()
+        if self.waiters:
+            self.cond.notify_all()
+        run = None
+        if not self.inflight and self.hot is None:
+            run, self.on_idle = self.on_idle, None
+        lock.release()
+        if run is not None:
+            threading.Thread(target=_run_deferred, args=(run, self.owner), daemon=True,
+                             name=f"ncclpy-abort ({self.owner})").start()
+
+    def _busy(self) -> bool:
+        return self.inflight > 0 or self.hot is not None
+
+    def _busy_what(self) -> str:
+        if self.inflight > 0:
+            return self._what
+        h = self.hot
+        plan = getattr(h, "plan", None)
+        return getattr(plan, "collective", None) or self._what
 
     def defer_until_idle(self, fn: Callable[[], None]) -> bool:
         """Run ``fn`` once the last call in flight has left (True), or now if none is (False:
@@ -249,7 +281,7 @@ class Lifecycle:
         that leaves last may hold locks of its own (a window's) that the abort takes, and its
         caller gets its own result or error, not the abort's."""
         with self.lock:
-            if self.inflight:
+            if self._busy():
                 self.on_idle = fn
                 self.deferred = True
                 return True
@@ -334,14 +366,14 @@ class Lifecycle:
             deadline = time.monotonic() + (ABORT_GRACE if grace is None else grace)
             self.waiters += 1
             try:
-                while self.inflight > 0:
+                while self._busy():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    self.cond.wait(left)
+                    self.cond.wait(min(left, 0.05))   # a fast-path call wakes it (hot_left)
             finally:
                 self.waiters -= 1
-            return self._what if self.inflight > 0 else ""
+            return self._busy_what() if self._busy() else ""
 
     def end_abort(self) -> None:
         with self.cond:
@@ -353,11 +385,11 @@ class Lifecycle:
         with self.cond:
             self.waiters += 1
             try:
-                while self.inflight > 0:
+                while self._busy():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
-                    self.cond.wait(left)
+                    self.cond.wait(min(left, 0.05))
                 return True
             finally:
                 self.waiters -= 1

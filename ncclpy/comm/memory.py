@@ -55,8 +55,8 @@ class CommMemory:
         with life.cond:
             if life.state is not USABLE:
                 raise life.refusal("suspend")
-            if life.inflight:
-                raise NcclpyError(f"suspend: another thread's {life._what} is inside NCCL on "
+            if life._busy():
+                raise NcclpyError(f"suspend: another thread's {life._busy_what()} is inside NCCL on "
                                   f"this communicator ({life.owner}); suspend when it is idle")
             life.state = SUSPENDED
         try:

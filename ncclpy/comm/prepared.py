@@ -21,15 +21,20 @@ communicator.
 """
 from __future__ import annotations
 
+import sys
+
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError
 from .._nccl.group import group_depth
 from .execute import issue
+from .hot import entry_of
 from .lifecycle import USABLE
 from .resolver import Resolved, Resolver, first_buffer
 from .streams import as_stream_handle, default_stream_of, stream_handle
 from .work import Work
+
+_getframe = sys._getframe
 
 __all__ = ["PreparedCall", "Prepared", "bind_call", "SIGNATURES"]
 
@@ -188,7 +193,7 @@ class Prepared:
     watchdog's CommAbortedError with its reason after a watchdog abort, else NcclpyError).
     """
 
-    __slots__ = ("_comm", "_call", "_keep", "__weakref__")
+    __slots__ = ("_comm", "_call", "_keep", "_fast", "__weakref__")
 
     def __init__(self, comm: Any, name: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  stream: Any = None) -> None:
@@ -196,6 +201,7 @@ class Prepared:
         self._call = PreparedCall(comm._resolver, name, a, b, params, stream)
         self._keep = (a, b, _memory_owners(self._call.specs))
         self._comm = comm
+        self._fast: Any = None           # the fast path's entry of the last bound call
 
     @property
     def name(self) -> str:
@@ -208,7 +214,14 @@ class Prepared:
         life = comm._life
         if life.state is not USABLE:   # the eager methods' refusal: the watchdog's error too
             raise life.refusal(f"prepared {self.name}")
-        return issue(comm, self._call.bind(stream), self._keep)
+        r = self._call.bind(stream)
+        if comm._checker is None and not r.in_group:    # the fast path (ncclpy.comm.hot)
+            e = self._fast
+            if e is None or e.r is not r:
+                e = self._fast = entry_of(comm, r)
+            if e is not None:
+                return comm._hot.fire(e, self._keep, _getframe(1))
+        return issue(comm, r, self._keep)
 
     def __repr__(self) -> str:
         return f"<ncclpy.Prepared {self.name} on {self._comm!r}>"

@@ -170,6 +170,8 @@ class Resolver:
         self._mode = mode
         self._device = ctx.device
         self.misses = 0
+        #: the communicator's fast-path entries (:mod:`ncclpy.comm.hot`), dropped with the rest
+        self.hot: Dict[Hashable, Any] = {}
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -202,6 +204,7 @@ class Resolver:
         self._generation += 1
         self._cache.clear()
         self._configured.clear()
+        self.hot.clear()
 
     def __len__(self) -> int:
         return len(self._cache)

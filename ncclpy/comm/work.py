@@ -1,69 +1,91 @@
 """``Work``: the handle every communicator call returns, built on a pooled CUDA event.
 
 The event is recorded on the call's stream right after the NCCL work was enqueued (for calls
-made inside ``group()``: right after the outermost group end).  ``wait()`` blocks the host on
-it, ``wait(stream)`` makes another stream wait for it (no host block), ``is_completed()`` queries
-it.  The call's scratch memory and buffers stay referenced until the GPU ran the call, whether
-or not the Work is kept: a Work dropped before completion hands them, with its event, to a list
-that later calls sweep (:func:`sweep_dropped`), so an allocator cannot reuse memory NCCL still
-uses.  For nonblocking communicators (and on every host wait) a Work also checks
-``ncclCommGetAsyncError``.
+made inside ``group()``: right after the outermost group end): the one CUDA runtime call a
+steady-state call makes besides NCCL's own.  ``wait()`` blocks the host on it, ``wait(stream)``
+makes another stream wait for it (no host block), ``is_completed()`` queries it.
 
-Cheap: events are not created per call.  Each device has a pool of ``cudaEventDisableTiming``
-events; a Work takes one when it records and gives it back once completion has been seen (a
-host wait, ``is_completed()`` True, the watchdog, or the sweep of dropped Works).
-Re-recording an event later is safe: whatever already waited on it (``wait(stream)``) captured
-its state at that moment.  A call recorded while its stream is capturing a CUDA graph gets an
-event of its own instead, destroyed with the Work: a plain record on a capturing stream is no
-node of the graph and marks no replay, so such a Work refuses ``wait()`` and
-``is_completed()`` with a precise error (``wait(other_stream)`` inside the capture is a graph
-edge).
+Who releases what (docs/reference/concepts/streams.rst): every Work goes to a tracker -- the
+communicator's watchdog, or the process's reaper (:mod:`ncclpy.comm.reaper`) when the watchdog
+is off -- which queries it from its own thread (in the thread-local stream-capture mode) and,
+once it completed, drops the buffers and scratch the call kept alive and gives the event back
+to its device's pool.  So the memory a call uses stays referenced until the GPU ran the call,
+whether or not the caller keeps the Work (an allocator cannot reuse memory NCCL still uses),
+and the caller's thread never queries other calls' events.  A host wait or ``is_completed()``
+True releases at once.
+
+Events are not created per call: each device has a pool that grows to what is in flight
+(a tracker releases at its tick, so that is every call of the last tick), and events are
+created only when the pool is empty.  Re-recording an event later is safe: whatever already
+waited on it (``wait(stream)``) captured its state at that moment.
+
+Graphs (docs/reference/concepts/graphs.rst): the record is made whether or not the stream is
+capturing -- no capture query per call.  A call made while its stream captured a CUDA graph is
+learned from its event at the first query (``cudaErrorCapturedEvent``): the Work is then
+marked captured, keeps its event (never pooled again: a ``wait(other_stream)`` inside the
+capture is a graph edge to it; destroyed at the communicator's close), and refuses ``wait()``
+and ``is_completed()`` with a precise error, as does a host wait while its stream is capturing.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from .._nccl.cuda import CAPTURE_MODE_RELAXED, cuda
+from .._nccl.cuda import LEGACY_STREAMS, CapturedEventError, cuda, status_of, INVALID_HANDLE
 from ..errors import NcclpyError, NcclTimeoutError
 
-__all__ = ["Work", "EventPool", "event_pool", "sweep_dropped"]
+__all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done"]
 
 log = logging.getLogger(__name__)
 
-_POOL_MAX = 256             # free events kept per device; more are destroyed
+#: free events kept per device at most (the pool holds what was in flight at once; beyond
+#: this bound, given-back events are destroyed)
+_POOL_MAX = 1 << 16
 
 
 class EventPool:
-    """Free ``cudaEventDisableTiming`` events of one device (raw ``cudaEvent_t`` ints)."""
+    """Free ``cudaEventDisableTiming`` events of one device (raw ``cudaEvent_t`` ints).
+    ``free`` is a plain list: the call path pops from it, trackers append to it (both atomic
+    under the GIL)."""
 
-    __slots__ = ("device", "_free", "created")
+    __slots__ = ("device", "free", "created")
 
     def __init__(self, device: int) -> None:
         self.device = device
-        self._free: List[int] = []
+        self.free: List[int] = []
         self.created = 0
 
     def take(self, cu: Any) -> int:
-        """A free event (a new one when none is free); the device must be current."""
+        """A free event, or a new one (made with the pool's device current) when none is."""
         try:
-            return self._free.pop()
+            return self.free.pop()
         except IndexError:
-            self.created += 1
-            return cu.event_create()
+            return self.new(cu)
+
+    def new(self, cu: Any) -> int:
+        """A new event of the pool's device (the device made current for the creation)."""
+        prev = cu.get_device()
+        if prev != self.device:
+            cu.set_device(self.device)
+        try:
+            ev = cu.event_create()
+        finally:
+            if prev != self.device:
+                cu.set_device(prev)
+        self.created += 1
+        return ev
 
     def give(self, ev: int) -> None:
         """Hand ``ev`` back (destroyed when the pool is full)."""
-        if len(self._free) < _POOL_MAX:
-            self._free.append(ev)
+        if len(self.free) < _POOL_MAX:
+            self.free.append(ev)
         else:
             _destroy(ev)
 
     def __len__(self) -> int:
-        return len(self._free)
+        return len(self.free)
 
 
 _pools: Dict[int, EventPool] = {}
@@ -85,54 +107,51 @@ def _destroy(ev: int) -> None:
         pass
 
 
-#: Works dropped before anyone saw them complete: (device, event, what they kept alive).  The
-#: buffers and scratch a call uses stay referenced until the GPU is done with them, whether or
-#: not the caller keeps its Work (torch's caching allocator and CuPy's pool would otherwise
-#: hand the memory out again while NCCL still reads or writes it); the event goes back to the
-#: pool only then.  Swept, oldest first, whenever a call records its event.
-_dropped: "collections.deque[tuple]" = collections.deque()
-
-
-def sweep_dropped(cu: Any = None, limit: int = 8) -> int:
-    """Release what completed among the dropped Works (at most ``limit`` of them, oldest
-    first, stopping at the first still running); returns how many are left.
-
-    Its event queries run in the ``Relaxed`` stream-capture mode of the thread: another thread
-    (or this one, on another stream) may be capturing a CUDA graph in the global mode
-    (torch.cuda.graph's default), where a query from a thread in the global mode is prohibited
-    and invalidates that capture.  A query that fails anyway proves nothing about the call:
-    its buffers stay kept, and the sweep stops until a later one."""
-    cu = cu or cuda()
-    d = _dropped
-    if not d:
-        return 0
-    prev = cu.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+def record_event(cu: Any, pool: EventPool, stream: int) -> int:
+    """Take an event of ``pool`` and record it on ``stream``: one ``cudaEventRecord``.  A
+    record refused because the stream belongs to another device than the event (a legacy or
+    per-thread default stream while another device is current: ``cudaErrorInvalidResource
+    Handle``) is made again with the event's device current; any other failure gives the
+    event back and raises."""
     try:
-        for _ in range(limit):
+        ev = pool.free.pop()
+    except IndexError:
+        ev = pool.new(cu)
+    try:
+        cu.event_record(ev, stream)
+    except BaseException as e:
+        if stream in LEGACY_STREAMS and status_of(e) == INVALID_HANDLE:
             try:
-                dev, ev, keep = d[0]
-            except IndexError:
-                return 0
-            try:
-                done = cu.event_query(ev)
-            except Exception as e:   # never "done": the GPU may still use the buffers
-                log.debug("sweep_dropped: event query failed (%s); kept for later", e)
-                d.rotate(-1)         # to the back: one bad entry never holds up the others
-                break
-            if not done:
-                break
-            try:
-                d.popleft()
-            except IndexError:       # pragma: no cover - swept by another thread
-                return 0
-            rec = keep[1]                                    # its flight-recorder entry
-            if rec is not None and rec[6] == "issued":     # [5] t_done, [6] state (recorder.py)
-                rec[5], rec[6] = time.time(), "completed"
-            event_pool(dev).give(ev)
-        return len(d)
+                _record_on(cu, pool.device, ev, stream)
+                return ev
+            except BaseException:
+                pool.give(ev)
+                raise
+        pool.give(ev)
+        raise
+    return ev
+
+
+def _record_on(cu: Any, device: int, ev: int, stream: int) -> None:
+    prev = cu.get_device()
+    cu.set_device(device)
+    try:
+        cu.event_record(ev, stream)
     finally:
-        if prev is not None:
-            cu.exchange_capture_mode(prev)
+        cu.set_device(prev)
+
+
+def new_work(comm: Any, device: int, stream: int, plan: Any, keep: Any, event: int) -> "Work":
+    """A recorded Work, made without ``__init__``'s frame (the call path's constructor)."""
+    w = _new(Work)
+    w._comm, w._device, w._stream, w._event, w.plan, w._keep = \
+        comm, device, stream, event, plan, keep
+    w._owned = w._done = False
+    w._error = w._rec = None
+    return w
+
+
+_new = object.__new__
 
 
 class Work:
@@ -141,10 +160,10 @@ class Work:
     ``wait()`` blocks the host (bounded by the communicator's timeout: NcclTimeoutError, or
     the watchdog's CommAbortedError); ``wait(stream)`` orders ``stream`` after the call
     (``cudaStreamWaitEvent``, no host block); ``is_completed()`` never blocks.  It keeps the
-    call's buffers and scratch alive until completion is seen.  A call made inside
-    ``group()`` is recorded at the outermost group end (wait after the block).  A call made
-    while its stream captures a CUDA graph gets an event of its own, recorded into the graph:
-    it marks no replay, so do not host-wait on that Work (synchronize the stream after
+    call's buffers and scratch alive until completion is seen (by its tracker, or a host
+    wait).  A call made inside ``group()`` is recorded at the outermost group end (wait after
+    the block).  A call made while its stream captures a CUDA graph runs at each replay, and
+    its Work follows none of them: do not host-wait on it (synchronize the stream after
     launching the graph); ``wait(other_stream)`` within the same capture is a graph edge.
     """
 
@@ -157,7 +176,7 @@ class Work:
         self._device = device
         self._stream = stream
         self._event: Optional[int] = None
-        self._owned = False     # True: the event is this Work's own (recorded in a capture)
+        self._owned = False     # True: captured into a graph (the event is its own now)
         self._done = False      # completion seen: the event went back to the pool
         self._keep = keep
         self._error: Optional[BaseException] = None
@@ -166,40 +185,15 @@ class Work:
 
     # -- set up by the executor ---------------------------------------------------------
     def _record(self) -> None:
-        """Take an event (pooled, or its own while the stream captures) and record it on the
-        call's stream, with the call's device current."""
-        cu = cuda()
-        dev, stream = self._device, self._stream
-        prev = cu.get_device()
-        if prev != dev:
-            cu.set_device(dev)
-        try:
-            try:
-                capturing = cu.stream_is_capturing(stream)
-            except Exception:  # an invalidated capture, or the legacy stream during one
-                capturing = True
-            if capturing:
-                ev = cu.event_create()
-                comm = self._comm
-                if comm is not None:      # close() says so if finalize then waits on graphs
-                    comm._captured_calls = getattr(comm, "_captured_calls", 0) + 1
-            else:
-                if _dropped:
-                    sweep_dropped(cu)
-                ev = event_pool(dev).take(cu)
-            try:
-                cu.event_record(ev, stream)
-            except BaseException:
-                if capturing:
-                    _destroy(ev)
-                else:
-                    event_pool(dev).give(ev)
-                raise
-        finally:
-            if prev != dev:
-                cu.set_device(prev)
-        self._owned = capturing
-        self._event = ev
+        """Take a pooled event and record it on the call's stream (:func:`record_event`),
+        then hand the Work to its tracker (``comm._watch``) -- both with the communicator's
+        API lock held, so a tracker gets each communicator's Works in record order."""
+        self._event = record_event(cuda(), event_pool(self._device), self._stream)
+        comm = self._comm
+        if comm is not None:
+            watch = comm._watch
+            if watch is not None:
+                watch.append(self)
 
     def _settle(self, err: Optional[BaseException]) -> None:
         """At the outermost group end: record, or fail with the group's error."""
@@ -243,18 +237,47 @@ class Work:
         if ev is not None and not owned:
             event_pool(self._device).give(ev)
 
-    def __del__(self) -> None:
+    def _captured(self) -> None:
+        """Its event says the call was captured into a CUDA graph: mark it (once), count it on
+        the communicator (close says so if finalize then waits on graphs) and keep the event
+        out of the pool (destroyed at close: a graph edge may still name it)."""
+        with _release_lock:
+            if self._owned or self._done:
+                return
+            self._owned = True
+        self._keep = ()
+        comm = self._comm
+        if comm is not None:
+            comm._captured_calls = getattr(comm, "_captured_calls", 0) + 1
+            ev = self._event
+            if ev is not None:
+                comm._captured_events.append(ev)
+
+    def _reap(self, raising: bool = False) -> bool:
+        """A tracker's look (the watchdog's or the reaper's thread, in the thread-local
+        capture mode): True once nothing is left to watch -- completed (released here),
+        failed, captured into a graph, or an event query that fails (its error reaches
+        whoever waits on the Work; ``raising``: raised instead, the Work stays held)."""
+        if self._done or self._owned or self._error is not None:
+            return True
         ev = self._event
-        if ev is None:
-            return
+        if ev is None:              # inside a group that has not ended yet
+            return False
+        comm = self._comm
         try:
-            if self._owned:           # recorded in a capture: never pooled, never reused
-                _destroy(ev)
-            elif not self._done:      # dropped before anyone saw completion: keep its
-                self._done = True     # buffers (and event) until the GPU is done with them
-                _dropped.append((self._device, ev, (self._keep, self._rec)))
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
+            if comm is not None and comm._nonblocking:
+                self._check_comm()  # a nonblocking communicator's async error, or verdict
+            done = cuda().event_query(ev)
+        except CapturedEventError:
+            self._captured()
+            return True
+        except Exception:  # noqa: BLE001 - failed: whoever waits on it gets the error
+            if raising:
+                raise
+            return True
+        if done:
+            self._completed()
+        return done
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -298,7 +321,7 @@ class Work:
                 cuda().stream_wait_event(as_stream_handle(stream), ev)
             return
         if ev is not None:
-            if not self._query(ev):
+            if not self._first_query(ev, "wait()"):
                 self._poll(ev, timeout)
             self._completed()
         self._check_comm()
@@ -341,10 +364,35 @@ class Work:
             return False
         if self._comm is not None and getattr(self._comm, "nonblocking", False):
             self._check_comm()
-        if self._query(ev):
+        if self._first_query(ev, "is_completed()"):
             self._completed()
             return True
         return False
+
+    def _first_query(self, ev: int, what: str) -> bool:
+        """The caller's first query of the event: refused while the stream captures (a
+        query then is prohibited in the global capture mode and would invalidate the
+        capture); a captured call is learned from the query itself."""
+        cu = cuda()
+        try:
+            capturing = cu.stream_is_capturing(self._stream)
+        except Exception:  # noqa: BLE001 - the legacy stream while another captures
+            capturing = True
+        if capturing:
+            raise self._capturing_error(what)
+        try:
+            return cu.event_query(ev)
+        except CapturedEventError:
+            self._captured()
+            raise self._captured_error(what) from None
+
+    def _capturing_error(self, what: str) -> NcclpyError:
+        name = getattr(self.plan, "collective", "the call")
+        return NcclpyError(
+            f"{what}: the stream {self._stream:#x} of this {name} is capturing a CUDA graph; "
+            f"a host wait (or query) is not allowed during a capture: end the capture, "
+            f"launch the graph, then synchronize its stream; inside the capture, "
+            f"work.wait(other_stream) orders another stream after the call")
 
     def _captured_error(self, what: str) -> NcclpyError:
         name = getattr(self.plan, "collective", "the call")
@@ -355,9 +403,12 @@ class Work:
             f"; inside the same capture, work.wait(other_stream) orders another stream after "
             f"it")
 
-    @staticmethod
-    def _query(ev: int) -> bool:
-        return cuda().event_query(ev)
+    def _query(self, ev: int) -> bool:
+        try:
+            return cuda().event_query(ev)
+        except CapturedEventError:
+            self._captured()
+            raise self._captured_error("wait()") from None
 
     def _check_comm(self) -> None:
         comm = self._comm
@@ -369,3 +420,84 @@ class Work:
                  else "pending group end" if self._event is None else "recorded")
         name = getattr(self.plan, "collective", "?")
         return f"<ncclpy.Work {name} stream={self._stream:#x} {state}>"
+
+
+def release_done(pending: Any, raising: bool = False) -> int:
+    """Release the Works at the front of ``pending`` (a deque, oldest first) that completed,
+    up to the first that has not; how many were released.
+
+    Works reach a tracker in the order their events were recorded on each communicator (the
+    record and the append are made under the communicator's API lock), so along a run of
+    Works of one communicator and one stream, completion is a prefix (stream order): a binary
+    search finds its end with O(log n) event queries, and the prefix is released in one
+    pass (``_done``, its events back to the pool, the recorder's entries stamped).  Anything
+    else -- another kind of Work, a nonblocking communicator's (its async error is checked),
+    one without an event, one captured into a graph -- gets its own :meth:`Work._reap`
+    (``raising``: a failed query raises instead of letting the Work go)."""
+    cu = cuda()
+    released = 0
+    while pending:
+        w0 = pending[0]
+        c = w0._comm if type(w0) is Work else None
+        if c is None or w0._event is None or w0._owned or w0._done or \
+                w0._error is not None or c._nonblocking:
+            if not w0._reap(raising):
+                return released
+            pending.popleft()
+            released += 1
+            continue
+        s = w0._stream
+        run = []
+        for w in pending:
+            if type(w) is not Work or w._stream != s or w._comm is not c or w._event is None \
+                    or w._owned or w._error is not None:
+                break
+            run.append(w)
+        lo, hi = 0, len(run)
+        try:
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                w = run[mid]
+                if w._done or cu.event_query(w._event):
+                    lo = mid + 1
+                else:
+                    hi = mid
+        except CapturedEventError:   # a capture began on this stream: one Work at a time
+            if not w0._reap(raising):
+                return released
+            pending.popleft()
+            released += 1
+            continue
+        if lo:
+            _release_run(run, lo)
+            for _ in range(lo):
+                pending.popleft()
+            released += lo
+        if lo < len(run):
+            return released
+    return released
+
+
+def _release_run(run: List["Work"], k: int) -> None:
+    """The first ``k`` Works of ``run`` completed: what :meth:`Work._completed` does, for all
+    of them at once (one device: one communicator's)."""
+    now = time.time()
+    evs = []
+    with _release_lock:
+        for i in range(k):
+            w = run[i]
+            if w._done:
+                continue
+            w._done = True
+            w._keep = ()
+            evs.append(w._event)
+            e = w._rec
+            if e is not None and e[6] == "issued":     # [5] t_done, [6] state (recorder.py)
+                e[5], e[6] = now, "completed"
+    if evs:
+        pool = event_pool(run[0]._device)
+        if len(pool.free) + len(evs) <= _POOL_MAX:
+            pool.free.extend(evs)
+        else:
+            for ev in evs:
+                pool.give(ev)

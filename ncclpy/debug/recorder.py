@@ -157,6 +157,11 @@ class Recorder:
             f = _getframe(depth)
         except ValueError:        # a shallower stack than usual
             f = _getframe(1)
+        return self.open_at(r, f)
+
+    def open_at(self, r: Any, f: Any) -> list:
+        """:meth:`open` from frame ``f`` (the fast path's caller): the user's call site is
+        ``f`` or the first frame above it outside ncclpy's call path."""
         code = f.f_code
         while _inside.get(code.co_filename, None) is not False and _is_inside(code.co_filename):
             b = f.f_back

@@ -48,8 +48,9 @@ from .verdicts import (CONFIRM, Decision, Peer, Published, WatchState, peers_fro
 
 log = logging.getLogger(__name__)
 
-#: Works kept by the deque between two drains (a bound, never reached at one drain per tick)
-QUEUE_MAX = 1 << 16
+#: Works kept by the deque between two drains: no bound (a dropped Work would keep its
+#: event and buffers forever); a drain per tick empties it
+QUEUE_MAX = None
 #: seconds between two heartbeats (default); silence limit: max(3 intervals, 3 s)
 INTERVAL = 1.0
 #: seconds between two "the watchdog is blind" warnings (the failed ticks between are counted)
@@ -103,7 +104,10 @@ class Watchdog:
         #: (seq, when) BEAT_BEHIND was last asked (a late reply: asked again an interval later)
         self._behind_asked: Tuple[int, float] = (-1, 0.0)
         self.confirms = 0                 # fresh reads a silence asked for
-        self.pending: Deque[List[Any]] = collections.deque()   # [seq, work, first seen]
+        #: Works not seen complete, oldest first (``issued - len(pending)``: the oldest's
+        #: sequence number); ``_seen``: (issued count, when) of each drain that took Works
+        self.pending: Deque[Any] = collections.deque()
+        self._seen: Deque[Tuple[int, float]] = collections.deque()
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
         self._beat = 0
@@ -140,7 +144,7 @@ class Watchdog:
         this rank closed the communicator, so its silence is not a death; ``verdict``: this
         rank aborted it (peers follow that verdict)."""
         self._stop.set()
-        self.comm._watch = None
+        self._hand_over()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
@@ -188,34 +192,55 @@ class Watchdog:
         self._decided.wait(self.state.dead_after + 2 * self.interval + 1.0)
         return self.decision
 
+    def _hand_over(self) -> None:
+        """The Works this watchdog still holds go to the process's reaper, which releases
+        them once complete (so does every later Work of the communicator)."""
+        from ..comm.reaper import reaper
+        q = self.queue
+        works = list(self.pending)
+        self.pending = collections.deque()
+        while q:
+            try:
+                works.append(q.popleft())
+            except IndexError:
+                break
+        self.comm._watch = reaper().adopt(works)
+
     # -- one tick (driven by the thread; callable directly) ----------------------------------
     def drain(self, now: float) -> None:
         """Take the newly issued Works, drop completed ones from the front."""
         q = self.queue
+        p = self.pending
+        n = 0
+        w = None
         while q:
             try:
                 w = q.popleft()
             except IndexError:
                 break
-            self.pending.append([self.issued, w, None])
-            self.issued += 1
+            p.append(w)
+            n += 1
+        if n:
+            self.issued += n
             self._last = w.plan
+            self._seen.append((self.issued, now))   # Works up to this count: first seen now
+        from ..comm.work import release_done   # (the call path imports this module)
+        release_done(p)             # a captured call is learned here, then let go (a replay
+        seen = self._seen           # is the user's stream sync, not a Work)
+        head = self.issued - len(p)
+        while seen and seen[0][0] <= head:
+            seen.popleft()
+
+    def head(self) -> Optional[Tuple[int, Any, float]]:
+        """(sequence number, Work, first seen) of the oldest call not seen complete."""
         p = self.pending
-        while p:
-            w = p[0][1]
-            if w._owned:            # recorded in a CUDA-graph capture: never queried (an
-                p.popleft()         # event query can invalidate a capture); a replay is
-                continue            # the user's stream sync, not a Work
-            try:
-                done = w.is_completed()
-            except Exception:       # failed (its error reaches whoever waits on it)
-                done = True
-            if not done:
-                break
-            p.popleft()
-        for item in p:
-            if item[2] is None and (item[1]._event is not None or item[1]._error is not None):
-                item[2] = now       # timed from when its event was recorded (group end)
+        seq = self.issued - len(p)
+        seen = self._seen
+        while seen and seen[0][0] <= seq:
+            seen.popleft()
+        if not p or not seen:
+            return None
+        return (seq, p[0], seen[0][1])
 
     # -- heartbeats ----------------------------------------------------------------------------
     def beat(self, now: float) -> None:
@@ -270,8 +295,9 @@ class Watchdog:
         p = Progress(self._beat, self.issued, self.issued - len(self.pending),
                      signal=installed_signal(), late=h.late if h else 0,
                      refused=h.errors if h else 0, blind=self.blind)
-        if self.pending and self.pending[0][2] is not None:
-            p.wait = max(now - self.pending[0][2], 0.0)
+        h = self.head()
+        if h is not None:
+            p.wait = max(now - h[2], 0.0)
         rec = getattr(self.comm, "_recorder", None)
         e = rec.last() if rec is not None else None
         if e is not None:
@@ -360,22 +386,27 @@ class Watchdog:
         host: the lifecycle's ``calls``/``entered`` sampled once per tick (the same entry seen
         again is the same call, still inside); None when no call is inside."""
         life = getattr(self.comm, "_life", None)
-        if life is None or life.calls <= 0:
+        hot = getattr(life, "hot", None)
+        if life is None or (life.calls <= 0 and hot is None):
             self._in_call = None
             return None
-        e = life.entered
+        if life.calls > 0:
+            e, what, plan = life.entered, life._what or "?", getattr(life, "plan", None)
+        else:                       # the fast path's in-call marker (ncclpy.comm.hot)
+            plan = getattr(hot, "plan", None)
+            e, what = -life.hot_n, getattr(plan, "collective", "?")
         if self._in_call is None or self._in_call[0] != e:
             self._in_call = (e, now)
-        return (self.issued, life._what or "?", self._in_call[1],
-                waits_on(getattr(life, "plan", None)))
+        return (self.issued, what, self._in_call[1], waits_on(plan))
 
     def decide(self, now: float, dead: Iterable[int] = ()) -> Optional[Decision]:
         """One tick's verdict (see :mod:`ncclpy.debug.verdicts`): at most one fresh read of
         the table when a silence would be a verdict, one BEAT_BEHIND read per call on the way
         to its timeout."""
         dead = list(dead)
-        head = next(((s, getattr(w.plan, "collective", "?"), t, waits_on(w.plan))
-                     for s, w, t in self.pending if t is not None), None)
+        h = self.head()
+        head = None if h is None else (h[0], getattr(h[1].plan, "collective", "?"), h[2],
+                                       waits_on(h[1].plan))
         pend = [head] if head is not None else []
         blk = self.blocked(now)
         oldest = min([p[2] for p in pend] + ([blk[2]] if blk else []), default=now)

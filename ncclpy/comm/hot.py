@@ -1,0 +1,275 @@
+"""The fast path: a repeated eager call makes one NCCL call and one CUDA call, nothing else.
+
+Each communicator method tries its fast path first (``comm._hot``, made here per blocking
+communicator).  A call is *hot* when it was seen before with the same objects: the entry is
+found by the identity of the buffer objects and the plain arguments (name, ``id(sendbuf)``,
+``id(recvbuf)``, op/root/peer), then checked by reading again everything its plan depends on
+-- each buffer's key (:mod:`ncclpy.bufkey`: pointer, count, dtype, device, layout) and the
+stream handle -- so a reused id, a re-pointed tensor or another current stream is a miss,
+never a stale plan.  A miss resolves the call (:class:`~ncclpy.comm.resolver.Resolver`, every
+check) and keeps an entry when the call is one final NCCL call; anything else (a group, checked
+mode, scratch, copies, a PreMulSum op, several NCCL calls, a nonblocking communicator) takes
+the general path (:func:`ncclpy.comm.execute.issue`).
+
+A hot call, with the defaults (watchdog and flight recorder on): the recorder's ring slot, the
+API lock with the in-call marker (``life.hot``, what an abort and the watchdog see), the NCCL
+call (CuPy's bound method, or the ctypes function), the record of a pooled event on the stream
+(the one CUDA runtime call), the Work, and one append to its tracker (the watchdog, or the
+reaper: they release what completed, off the caller's thread).  No ``cudaGetDevice``, no
+capture query, no event creation once the pool holds what is in flight, no event query
+(docs/reference/concepts/streams.rst and graphs.rst say what this means).  The entries are
+dropped with the resolver's cache (context change, close, abort, split).
+"""
+from __future__ import annotations
+
+import sys
+from operator import attrgetter
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+
+from .._nccl import cuda as _cudamod
+from .._nccl.dispatch import CUPY_METHODS, cupy_status
+from .._nccl.group import OPEN, group_depth
+from ..buffers import type_kind
+from ..bufkey import _KEYERS, keyer
+from .execute import _aborted, issue
+from .lifecycle import ABORTED, ABORTING, USABLE
+from .streams import stream_handle, torch_stream
+from .work import event_pool, new_work, record_event
+
+__all__ = ["make_hot", "Entry", "MAX_ENTRIES", "entry_of"]
+
+#: entries kept per communicator (all dropped when full)
+MAX_ENTRIES = 256
+_PLAIN = frozenset((str, int, type(None)))
+_getframe = sys._getframe
+
+
+class Entry:
+    """One hot call: its resolved call, the NCCL function and final arguments, the stream
+    handle, and what its buffers' keys were."""
+
+    __slots__ = ("r", "plan", "method", "fn", "args", "s", "ka", "key_a", "kb", "key_b",
+                 "default")
+
+    def __init__(self, r: Any, method: Any, fn: Any, args: Tuple[Any, ...], ka: Any,
+                 key_a: Hashable, kb: Any, key_b: Hashable, default: Any) -> None:
+        self.r, self.plan, self.s = r, r.plan, r.stream
+        self.method, self.fn, self.args = method, fn, args
+        self.ka, self.key_a, self.kb, self.key_b = ka, key_a, kb, key_b
+        self.default = default
+
+
+def _cupy_current(device: int) -> int:
+    return _cudamod.cuda().current_stream(device)
+
+
+def _default_getter(a: Any) -> Optional[Callable[[int], int]]:
+    """How ``stream=None`` is resolved for a first buffer like ``a`` (None: not on the fast
+    path, e.g. a ``__cuda_array_interface__`` export that may name its own stream)."""
+    kind = type_kind(type(a))
+    if kind in ("cupy", "raw", "cupy-cai", "spec"):
+        return _cupy_current
+    if kind == "torch":
+        return torch_stream
+    return None
+
+
+#: stream type -> how its handle is read on the fast path (decided once per type)
+_HANDLES: Dict[type, Callable[[Any], int]] = {}
+
+
+def _handle_of(t: type) -> Callable[[Any], int]:
+    """The handle reader of stream type ``t``: CuPy's ``.ptr`` and torch's ``.cuda_stream``
+    read directly, anything else through :func:`ncclpy.comm.streams.stream_handle` (a value
+    that differs from the entry's is a miss, resolved with every check)."""
+    mod = t.__module__.split(".")[0]
+    f: Callable[[Any], int] = stream_handle
+    if mod == "cupy" and hasattr(t, "ptr"):
+        f = attrgetter("ptr")
+    elif mod == "torch" and hasattr(t, "cuda_stream"):
+        f = attrgetter("cuda_stream")
+    if len(_HANDLES) < 256:
+        _HANDLES[t] = f
+    return f
+
+
+def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
+    """``comm``'s fast path: ``hot(name, a, b, params, stream)`` -> Work, or None (take the
+    general path).  None for a nonblocking communicator (its calls may return
+    ncclInProgress and wait)."""
+    if comm._nonblocking:
+        return None
+    life = comm._life
+    api = life.api
+    resolver = comm._resolver
+    cache: Dict[Hashable, Entry] = resolver.hot
+    dev = comm._device
+    pool = event_pool(dev)
+    free = pool.free
+    lib = comm._lib
+
+    def hot(name: str, a: Any, b: Any, params: Tuple[Any, ...], stream: Any) -> Any:
+        if life.state is not USABLE or comm._checker is not None or \
+                (OPEN[0] and group_depth()):
+            return None
+        key = (name, id(a), id(b), params)
+        try:
+            e = cache[key]
+            if stream is None:
+                s = e.default(dev)
+            elif type(stream) is int:
+                s = stream
+            else:
+                s = (_HANDLES.get(type(stream)) or _handle_of(type(stream)))(stream)
+            hit = s == e.s and e.ka(a) == e.key_a and (b is None or e.kb(b) == e.key_b)
+        except Exception:   # noqa: BLE001 - not seen (KeyError), an odd object: resolve it
+            hit = False
+        if not hit:
+            e = _miss(key, name, a, b, params, stream)
+        if e is None or type(e) is not Entry:
+            return e                        # the general path's Work, or None
+        return fire(e, (a, b), _getframe(1))
+
+    def fire(e: Entry, keep: Any, frame: Any) -> Any:
+        """Issue entry ``e``: the recorder's slot, the NCCL call, the event record and the
+        Work's hand-over to its tracker, under the API lock with the in-call marker set."""
+        rec = comm._recorder
+        ent = None if rec is None else rec.open_at(e.r, frame)
+        api.acquire()
+        life.hot = e                        # before the state check: an abort sees it
+        if life.state is not USABLE:
+            return _refused(life, api, rec, ent, e.plan.collective)
+        life.hot_n += 1
+        try:
+            if e.method is not None:
+                e.method(*e.args, e.s)
+            else:
+                e.fn(*e.args, stream=e.s)
+            cu = _cudamod._backend
+            try:
+                ev = free.pop()
+            except IndexError:              # the pool is empty: a new event
+                ev = _record_slow(cu, pool, None, e.s)
+            else:
+                try:
+                    cu.event_record(ev, e.s)
+                except BaseException:  # noqa: B902 - another device current, or a failure
+                    ev = _record_slow(cu, pool, ev, e.s)
+            w = new_work(comm, dev, e.s, e.plan, keep, ev)
+            w._rec = ent
+            comm._watch.append(w)
+        except BaseException as x:  # noqa: B902 - said precisely, then raised
+            life.hot = None
+            api.release()
+            raise _failed(comm, lib, life, rec, ent, e, x) from None
+        life.hot = None
+        api.release()
+        if life.state is not USABLE:
+            _after_abort(life, w, e.plan.collective)
+        return w
+
+    def _miss(key: Hashable, name: str, a: Any, b: Any, params: Tuple[Any, ...],
+              stream: Any) -> Any:
+        r = resolver.resolve(name, stream, a, b, params)
+        e = _entry(comm, r, a, b, params, stream)
+        if e is None:
+            return issue(comm, r, (a, b, None))
+        if len(cache) >= MAX_ENTRIES:
+            cache.clear()
+        cache[key] = e
+        return e
+
+    hot.fire = fire                         # type: ignore[attr-defined]
+    return hot
+
+
+def entry_of(comm: Any, r: Any) -> Optional[Entry]:
+    """The entry of resolved call ``r`` without buffer keys (a prepared call's: its buffers
+    were fixed when it was prepared), or None when it must take the general path."""
+    if comm._hot is None:
+        return None
+    calls = r.calls
+    if calls is None or len(calls) != 1 or r.group or r.in_group:
+        return None
+    fn, args = calls[0]
+    nc = comm._nc
+    method = getattr(nc, CUPY_METHODS[fn]) if nc is not None and fn in CUPY_METHODS else None
+    return Entry(r, method, comm._dispatch[fn], args, None, None, None, None, None)
+
+
+def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
+           stream: Any) -> Optional[Entry]:
+    """The hot entry of resolved call ``r``, or None when it must take the general path."""
+    calls = r.calls
+    if calls is None or len(calls) != 1 or r.group or r.in_group:
+        return None
+    for p in params:
+        if type(p) not in _PLAIN:
+            return None
+    default = _default_getter(a)
+    if stream is None and default is None:
+        return None
+    try:
+        ka = _KEYERS.get(type(a)) or keyer(type(a))
+        key_a = ka(a)
+        kb = None if b is None else (_KEYERS.get(type(b)) or keyer(type(b)))
+        key_b = None if b is None else kb(b)
+    except Exception:  # noqa: BLE001 - Uncacheable, or an object that cannot be read
+        return None
+    fn, args = calls[0]
+    nc = comm._nc
+    method = getattr(nc, CUPY_METHODS[fn]) if nc is not None and fn in CUPY_METHODS else None
+    return Entry(r, method, comm._dispatch[fn], args, ka, key_a, kb, key_b, default)
+
+
+def _refused(life: Any, api: Any, rec: Any, ent: Any, name: str) -> Any:
+    """The state changed between the first check and the API lock: refused as usual."""
+    life.hot = None
+    api.release()
+    life.hot_left()
+    err = life.refusal(name)
+    if ent is not None:
+        rec.fail(ent, err)
+    raise err
+
+
+def _failed(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry,
+            x: BaseException) -> BaseException:
+    """The error a failed NCCL call raises: CuPy's NcclError (or its KeyError for codes
+    7/8) as ncclpy's NcclError; the abort's CommAbortedError when the watchdog aborted the
+    communicator while the call was inside NCCL."""
+    if life.state is not USABLE:
+        life.hot_left()
+    err = x
+    if e.method is not None and isinstance(x, Exception):
+        code = cupy_status(x, lib)
+        if code is not None:
+            err = lib.error(code, "nccl" + e.r.calls[0][0], comm._handle)
+    if isinstance(err, Exception):
+        err = _aborted((comm,), err)
+    if ent is not None:
+        rec.fail(ent, err)
+    if err is not x and err.__cause__ is None:
+        err.__cause__ = x
+    return err
+
+
+def _record_slow(cu: Any, pool: Any, ev: Optional[int], stream: int) -> int:
+    """The record when the fast one could not: no free event (a new one is made), or the
+    event's device is not current for a default stream (:func:`record_event` retries)."""
+    if cu is None:
+        cu = _cudamod.cuda()
+    if ev is not None:
+        pool.give(ev)
+    return record_event(cu, pool, stream)
+
+
+def _after_abort(life: Any, w: Any, name: str) -> None:
+    """An abort began while the call was inside NCCL (it waited for it): the call raises
+    the abort's error; its buffers stay kept by the Work's tracker until the GPU is done
+    (as :func:`ncclpy.comm.execute.issue` does)."""
+    life.hot_left()
+    if life.deferred and life.state in (ABORTING, ABORTED):
+        err = life.refusal(name)
+        w._error = err                  # still held by its tracker until the GPU is done
+        raise err

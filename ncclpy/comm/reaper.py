@@ -1,0 +1,175 @@
+"""The reaper: releases the Works of communicators that have no watchdog.
+
+Every Work goes to a tracker (``comm._watch``, a deque): the communicator's watchdog when it
+has one, else this process's reaper.  The caller's thread only appends (one ``deque.append``
+per call); the reaper's daemon thread, every :data:`TICK` seconds, queries the events of the
+Works it holds -- in the thread-local stream-capture mode, so another thread's capture in the
+global mode (torch.cuda.graph's default) is neither prohibited nor invalidated by it -- and
+releases what completed (the buffers and scratch a call kept alive, its pooled event).  A Work
+whose event was recorded in a capture is marked captured (:meth:`ncclpy.comm.work.Work._captured`).
+
+Why a thread and not the next call: a sweep of dropped Works on the call path cost the caller
+1-9 ``cudaEventQuery`` per call; the thread costs the caller nothing and releases within a
+tick.  A query that fails proves nothing about the call: the Work stays held and is tried
+again, and given up after :data:`GIVE_UP` failed ticks (a broken CUDA context), logged.
+A lane whose communicator is gone (nothing else refers to its deque) and which holds nothing
+is dropped.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import threading
+import time
+from typing import Any, Deque, List, Optional
+
+from .._nccl.cuda import cuda
+from .work import release_done
+
+__all__ = ["Reaper", "reaper", "TICK", "GIVE_UP"]
+
+log = logging.getLogger(__name__)
+
+#: seconds between two looks at the held Works
+TICK = 0.1
+#: failed ticks after which a Work whose event cannot be queried is let go
+GIVE_UP = 50
+
+
+class Reaper:
+    """The process's tracker of Works without a watchdog (see the module docstring): one
+    lane (an append-only deque, and the Works taken from it) per communicator, so that one
+    communicator's long call never holds back the release of another's."""
+
+    def __init__(self, tick: float = TICK) -> None:
+        self.tick_s = float(tick)
+        self.lanes: List[List[Any]] = []  # [deque the call path appends to, held Works]
+        self.failed = 0                   # consecutive failed looks at one lane's oldest
+        self.ticks = 0
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._tick_lock = threading.Lock()
+        self._runtime: Any = None
+
+    def lane(self) -> Deque[Any]:
+        """A new lane's deque (a communicator's ``_watch``)."""
+        q: Deque[Any] = collections.deque()
+        with self._lock:
+            self.lanes.append([q, collections.deque()])
+        self.start()
+        return q
+
+    def start(self) -> "Reaper":
+        """Start the daemon thread (once)."""
+        with self._lock:
+            t = self._thread
+            if t is None or not t.is_alive():
+                t = self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="ncclpy-reaper")
+                t.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def held(self) -> int:
+        """Works issued and not yet released (taken or still in the lanes)."""
+        return sum(len(q) + len(p) for q, p in list(self.lanes))
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.tick_s)
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - the thread must outlive one bad tick
+                log.warning("the ncclpy reaper's tick failed: %s", e)
+
+    def tick(self) -> int:
+        """One look: take the newly issued Works, release what completed; how many are held
+        (one look at a time: the thread's, or a caller's)."""
+        with self._tick_lock:
+            return self._tick()
+
+    def _tick(self) -> int:
+        self.ticks += 1
+        if not any(q or p for q, p in self.lanes):
+            if self.ticks % 50 == 0:
+                self._drop_gone()
+            return 0
+        cu = cuda()
+        if cu is not self._runtime:        # this thread's capture mode, once per runtime
+            self._runtime = cu
+            try:
+                cu.thread_capture_mode_local()
+            except Exception as e:  # noqa: BLE001 - queries may then be prohibited
+                log.debug("reaper: no thread-local capture mode: %s", e)
+        held = 0
+        gone = []
+        for lane in list(self.lanes):
+            q, pend = lane
+            while q:
+                try:
+                    pend.append(q.popleft())
+                except IndexError:
+                    break
+            if pend:
+                self._look(pend)
+            held += len(pend)
+            if not pend and not q and sys.getrefcount(q) <= 3:   # its communicator is gone
+                gone.append(lane)
+        if gone:
+            with self._lock:
+                self.lanes = [ln for ln in self.lanes if all(ln is not g for g in gone)]
+        return held
+
+    def _drop_gone(self) -> None:
+        """Forget the empty lanes of communicators that are gone (nothing else refers to
+        their deque)."""
+        with self._lock:
+            self.lanes = [ln for ln in self.lanes
+                          if ln[0] or ln[1] or sys.getrefcount(ln[0]) > 2]
+
+    def _look(self, pend: Deque[Any]) -> None:
+        try:
+            release_done(pend, raising=True)
+            self.failed = 0
+        except Exception as e:  # noqa: BLE001 - a query failed: held, tried again
+            self.failed += 1
+            if self.failed >= GIVE_UP:
+                self.failed = 0
+                w = pend.popleft()
+                log.warning("reaper: the event of a %s could not be queried for %d ticks "
+                            "(%s); its buffers are let go",
+                            getattr(getattr(w, "plan", None), "collective", "call"), GIVE_UP, e)
+
+    def adopt(self, works: Any) -> Deque[Any]:
+        """A new lane holding Works another tracker held (a watchdog that stopped); its
+        deque (the communicator's ``_watch`` from now on)."""
+        q = self.lane()
+        q.extend(works)
+        return q
+
+
+_reaper: Optional[Reaper] = None
+_reaper_lock = threading.Lock()
+
+
+def reaper() -> Reaper:
+    """This process's reaper, started on first use."""
+    r = _reaper
+    if r is None or not r.alive:
+        with _reaper_lock:
+            r = _reaper
+            if r is None:
+                r = _set(Reaper())
+            r.start()
+    return r
+
+
+def _set(r: Reaper) -> Reaper:
+    global _reaper
+    _reaper = r
+    return r
