@@ -36,7 +36,7 @@ _LAZY = {
     "Work": "ncclpy.comm.work", "group": "ncclpy.comm", "CollConfig": "ncclpy.comm",
     "nccl_params": "ncclpy._nccl.params", "nccl_param": "ncclpy._nccl.params",
     "set_encryption": "ncclpy._nccl.encryption",
-    "Window": "ncclpy.comm.window", "grow_join": "ncclpy.comm.membership",
+    "Window": "ncclpy.comm.window", "grow_join": "ncclpy.comm.startup",
     "nccl_empty": "ncclpy._nccl.memory", "nccl_allocator": "ncclpy._nccl.memory",
     "Buffer": "ncclpy.buffers",
 }

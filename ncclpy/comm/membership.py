@@ -11,9 +11,10 @@ A mixin of :class:`ncclpy.Communicator`.
   ``abort=True`` (``NCCL_SHRINK_ABORT``) first terminates the parent's operations (a parent
   that was not revoked); the parent is then revoked.
 * ``grow_unique_id()`` / ``grow(world_size, uid)`` (2.29, ``ncclCommGetUniqueId`` /
-  ``ncclCommGrow``) on the existing ranks and :func:`grow_join` on the new ones: a new, larger
-  communicator.  One existing rank makes the id and hands it to the new ranks (any channel:
-  the store, MPI); the other existing ranks pass none.
+  ``ncclCommGrow``) on the existing ranks and :func:`ncclpy.grow_join` on the new ones: a new,
+  larger communicator.  One existing rank makes the id and hands it to the new ranks (any
+  channel: the store, MPI); the other existing ranks pass none.  ``ncclpy.grow_join`` (in
+  :mod:`ncclpy.comm.startup`, beside ``init``) is this mixin's ``_grow_join`` on Communicator.
 
 Children are independent Communicators (no watchdog, no checked mode), closed on their own --
 before their parent.  A revoked parent (or one shrunk with ``abort=True``) is closed with
@@ -281,40 +282,35 @@ class CommMembership:
         return type(self)._wrap(self._lib, handle, None, self._device,  # type: ignore
                                 child_cfg, nonblocking, self._timeout, name, call, struct)
 
-def grow_join(world_size: int, rank: int, uid: bytes, *, device: Optional[int] = None,
-              config: Any = None, timeout: Optional[float] = None,
-              name: str = "grown") -> Any:
-    """``ncclCommGrow`` on a NEW rank (NCCL >= 2.29): join the communicator of
-    ``world_size`` ranks that the existing ranks create with ``comm.grow`` as ``rank`` (one
-    of the new ranks' numbers, after the existing ones), with the ``uid`` one existing rank
-    made with ``comm.grow_unique_id()``.  ``device``: the CUDA device (default: the current
-    one)."""
-    from .._nccl.config import Config, effective_nonblocking
-    from .._nccl.cuda import cuda
-    from .._nccl.dispatch import uid_bytes
-    from .._nccl.lib import get_lib
-    from ..debug.watchdog import default_timeout
-    from .communicator import Communicator
-    lib = get_lib()
-    require_version("ncclCommGrow", lib.version, lib.path)
-    n = as_int("grow_join: world_size", world_size, 2)
-    r = as_int("grow_join: rank", rank, 1, n - 1)
-    if config is not None and not isinstance(config, Config):
-        raise ArgumentTypeError(f"grow_join: config: expected an ncclpy.Config or None, got "
-                                f"{type(config).__name__}")
-    holder = UniqueId.from_bytes(uid_bytes(uid))
-    struct = None if config is None else config.to_struct(lib.version)
-    dev = cuda().get_device() if device is None else as_int("grow_join: device", device, 0)
-    slot = ctypes.c_void_p(0)
-    with cuda().device(dev):
-        code = lib.ncclCommGrow(None, n, ctypes.byref(holder), r, ctypes.byref(slot),
-                                _address(struct))
-    lib.check(code, "ncclCommGrow", None, in_progress_ok=True)
-    nonblocking = code == NCCL_IN_PROGRESS or effective_nonblocking(config, lib.version)
-    if not slot.value:
-        raise NcclpyError("ncclCommGrow returned no communicator for this new rank")
-    return Communicator._wrap(lib, slot.value, None, dev, config, nonblocking,
-                              default_timeout(timeout), name, "ncclCommGrow", struct)
-
-
-__all__ += ["grow_join"]
+    @classmethod
+    def _grow_join(cls, world_size: int, rank: int, uid: bytes, *,
+                   device: Optional[int] = None, config: Any = None,
+                   timeout: Optional[float] = None, name: str = "grown") -> Any:
+        """:func:`ncclpy.grow_join`'s work, wrapped in ``cls`` (the caller hands the class in,
+        as ``type(self)`` does for the children above: this module never imports
+        communicator.py, which imports it -- issue 37)."""
+        from .._nccl.config import Config, effective_nonblocking
+        from .._nccl.cuda import cuda
+        from .._nccl.dispatch import uid_bytes
+        from .._nccl.lib import get_lib
+        from ..debug.watchdog import default_timeout
+        lib = get_lib()
+        require_version("ncclCommGrow", lib.version, lib.path)
+        n = as_int("grow_join: world_size", world_size, 2)
+        r = as_int("grow_join: rank", rank, 1, n - 1)
+        if config is not None and not isinstance(config, Config):
+            raise ArgumentTypeError(f"grow_join: config: expected an ncclpy.Config or None, "
+                                    f"got {type(config).__name__}")
+        holder = UniqueId.from_bytes(uid_bytes(uid))
+        struct = None if config is None else config.to_struct(lib.version)
+        dev = cuda().get_device() if device is None else as_int("grow_join: device", device, 0)
+        slot = ctypes.c_void_p(0)
+        with cuda().device(dev):
+            code = lib.ncclCommGrow(None, n, ctypes.byref(holder), r, ctypes.byref(slot),
+                                    _address(struct))
+        lib.check(code, "ncclCommGrow", None, in_progress_ok=True)
+        nonblocking = code == NCCL_IN_PROGRESS or effective_nonblocking(config, lib.version)
+        if not slot.value:
+            raise NcclpyError("ncclCommGrow returned no communicator for this new rank")
+        return cls._wrap(lib, slot.value, None, dev, config, nonblocking,  # type: ignore
+                         default_timeout(timeout), name, "ncclCommGrow", struct)

@@ -1,4 +1,5 @@
-"""``ncclpy.init``: bootstrap (rendezvous + uid exchange) and create the communicator.
+"""``ncclpy.init``: bootstrap (rendezvous + uid exchange) and create the communicator; and
+``ncclpy.grow_join``, a new rank's way into a grown one.
 
 The caller's own argument mistakes are refused first, then a missing CuPy/NCCL or GPU, all
 before the rendezvous, so peers are never kept waiting for a rank that cannot join.
@@ -15,7 +16,7 @@ from ..debug.watchdog import default_timeout, env_flag
 from ..errors import ArgumentError, ArgumentTypeError
 from .communicator import Communicator
 
-__all__ = ["init", "INIT_KEYWORDS"]
+__all__ = ["init", "INIT_KEYWORDS", "grow_join"]
 
 
 def init(name: str = "default", config: Optional[Config] = None,
@@ -135,3 +136,16 @@ def _require_gpu(name: str) -> None:
             f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "
             f"NVIDIA GPU with a working driver, so this rank did not join the rendezvous")
 
+
+def grow_join(world_size: int, rank: int, uid: bytes, *, device: Optional[int] = None,
+              config: Optional[Config] = None, timeout: Optional[float] = None,
+              name: str = "grown") -> Communicator:
+    """``ncclCommGrow`` on a NEW rank (NCCL >= 2.29): join the communicator of
+    ``world_size`` ranks that the existing ranks create with ``comm.grow`` as ``rank`` (one
+    of the new ranks' numbers, after the existing ones), with the ``uid`` one existing rank
+    made with ``comm.grow_unique_id()``.  ``device``: the CUDA device (default: the current
+    one)."""
+    # the work is membership's (Communicator._grow_join); it is defined here, where
+    # Communicator is known, so that membership.py need not import communicator.py (issue 37)
+    return Communicator._grow_join(world_size, rank, uid, device=device, config=config,
+                                   timeout=timeout, name=name)

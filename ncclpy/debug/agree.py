@@ -185,13 +185,12 @@ def exchange(store: Any, rank: int, world: int, prefix: str, timeout: float,
         agreed = not v1.verdict and not v2.verdict
     if agreed:
         return Comparison([], [])
-    from .checked import _wait_key, delete_key
-    from ..store.sync import count_out, wait_counted_out
+    from ..store.sync import count_out, delete_key, wait_counted_out, wait_key
     store.set(f"{prefix}/f/{rank}", json.dumps(f, default=str))
     if rank == 0:
         got = {0: dict(f)}
         for r in range(1, world):
-            got[r] = json.loads(_wait_key(store, f"{prefix}/f/{r}", timeout))
+            got[r] = json.loads(wait_key(store, f"{prefix}/f/{r}", timeout))
         cmp = compare(got)
         store.set(f"{prefix}/report", json.dumps(dataclasses.asdict(cmp)))
         wait_counted_out(store, f"{prefix}/out", world - 1, timeout, "the settings comparison")
@@ -199,7 +198,7 @@ def exchange(store: Any, rank: int, world: int, prefix: str, timeout: float,
                                                                 f"{prefix}/out"]:
             delete_key(store, key)
         return cmp
-    cmp = Comparison(**json.loads(_wait_key(store, f"{prefix}/report", timeout)))
+    cmp = Comparison(**json.loads(wait_key(store, f"{prefix}/report", timeout)))
     count_out(store, f"{prefix}/out")
     return cmp
 

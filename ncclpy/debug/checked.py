@@ -32,7 +32,6 @@ deleted, so at most two rounds' keys exist at any time.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
@@ -40,10 +39,13 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..dtypes import NCCL_DTYPE_NAMES
-from ..errors import (CallCheckTimeout, CallMismatchError, StoreError, StoreTimeout,
-                     UnsupportedError)
+from ..errors import CallCheckTimeout, CallMismatchError, StoreError, UnsupportedError
 from ..store import tablewire as _TW
-from ..store.sync import delete_key
+from ..store.sync import count_out, delete_key, wait_counted_out
+# store helpers shared with pairing (which must not import this module: issue 37), under
+# the names they had here
+from ..store.sync import is_timeout as _is_timeout, wait_key as _wait_key
+from .pairing import PairCheck
 
 __all__ = ["Checker", "fingerprint", "compare", "format_table", "round_hashes", "P2P_CALLS",
            "FIELDS"]
@@ -238,23 +240,6 @@ def format_table(fps: Dict[int, Optional[Dict[str, Any]]], name: str = "default"
     return "\n".join(lines)
 
 
-def _wait_key(store: Any, key: str, timeout: float) -> bytes:
-    """``store.get`` bounded by ``timeout`` on ncclpy's store or torch's."""
-    try:
-        return store.get(key, timeout=timeout)
-    except TypeError:
-        store.wait([key], datetime.timedelta(seconds=timeout))
-        return store.get(key)
-
-
-_TIMEOUTS: Tuple[type, ...] = (StoreTimeout, TimeoutError)
-
-
-def _is_timeout(e: BaseException) -> bool:
-    return isinstance(e, _TIMEOUTS) or "timeout" in type(e).__name__.lower() or \
-        "timed out" in str(e).lower() or "timeout" in str(e).lower()
-
-
 class Checker:
     """Cross-rank call check of one communicator through ``store`` (see module docstring).
 
@@ -282,7 +267,6 @@ class Checker:
         self.round = 0
         self._arrive = bool(getattr(store, "supports_arrive", False))
         self._vote = bool(getattr(store, "supports_tables", False))
-        from .pairing import PairCheck
         self._pairs = PairCheck(store, self.rank, self.world_size, self.prefix, self.timeout,
                                 name)
 
@@ -386,7 +370,6 @@ class Checker:
         can be seen), and rank 0 polls the count, then deletes the round's keys.  A barrier
         would not do: its last reply may still be unsent when rank 0, released first, exits
         and takes the store with it, leaving a rank to wait out its timeout."""
-        from ..store.sync import count_out, wait_counted_out
         key = self._key(rnd, "out")
         if self.rank != 0:
             count_out(self.store, key)

@@ -27,7 +27,7 @@ import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 from ..errors import CallCheckTimeout, CallMismatchError
-from .checked import _is_timeout, _wait_key, delete_key
+from ..store.sync import delete_key, is_timeout, wait_key
 
 __all__ = ["PairCheck", "Op"]
 
@@ -85,7 +85,7 @@ class PairCheck:
             try:
                 raw = self._get(key, max(deadline - time.monotonic(), 0.001))
             except Exception as e:  # noqa: BLE001 - a timeout is the finding
-                if not _is_timeout(e):
+                if not is_timeout(e):
                     raise
                 raise CallCheckTimeout(self._missing(kind, p, count, dtype, k),
                                        problems=[f"rank {me}: {_text(kind, k, p, count, dtype)} "
@@ -158,7 +158,7 @@ class PairCheck:
                 f"{self.rank}); nothing of this round was given to NCCL:")
 
     def _get(self, key: str, timeout: float) -> bytes:
-        return _wait_key(self.store, key, timeout)
+        return wait_key(self.store, key, timeout)
 
 
 

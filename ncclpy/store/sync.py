@@ -1,20 +1,24 @@
-"""Synchronisation helpers: a reusable barrier over any store.
+"""Synchronisation helpers: a reusable barrier over any store, and key helpers for either store.
 
 On ncclpy's own store the barrier is held on the server (:meth:`TCPStore.arrive`): one round
 trip per rank. Any other store with the duck-typed methods (add, set, wait; e.g.
 ``torch.distributed.TCPStore``) gets the same barrier built from keys.
+
+:func:`wait_key`, :func:`is_timeout` and :func:`delete_key` work on ncclpy's store and torch's
+alike; checked mode (:mod:`ncclpy.debug.checked`, :mod:`ncclpy.debug.pairing`) and the ranks'
+agreement check (:mod:`ncclpy.debug.agree`) share them from here.
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from ..errors import ArgumentError, StoreError, StoreTimeout
 from .client import TCPStore
 
-__all__ = ["barrier", "count_out", "wait_counted_out", "delete_key"]
+__all__ = ["barrier", "count_out", "wait_counted_out", "delete_key", "wait_key", "is_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,26 @@ def delete_key(store: Any, key: str) -> None:
         delete(key)
     except Exception:  # cleanup only
         log.debug("deleting %s failed", key, exc_info=True)
+
+
+def wait_key(store: Any, key: str, timeout: float) -> bytes:
+    """``store.get`` bounded by ``timeout`` on ncclpy's store or torch's (whose ``get`` takes
+    no timeout: a bounded ``wait`` first)."""
+    try:
+        return store.get(key, timeout=timeout)
+    except TypeError:
+        store.wait([key], datetime.timedelta(seconds=timeout))
+        return store.get(key)
+
+
+_TIMEOUTS: Tuple[type, ...] = (StoreTimeout, TimeoutError)
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether ``e`` is a store's timeout: ncclpy's StoreTimeout, a TimeoutError, or torch's
+    (recognised by its name or message, torch raising plain errors)."""
+    return isinstance(e, _TIMEOUTS) or "timeout" in type(e).__name__.lower() or \
+        "timed out" in str(e).lower() or "timeout" in str(e).lower()
 
 
 def _delete(store, *keys: str) -> None:
