@@ -33,7 +33,7 @@ from ..buffers import type_kind
 from ..bufkey import _KEYERS, keyer
 from .execute import _aborted, issue
 from .lifecycle import ABORTED, ABORTING, USABLE
-from .streams import stream_handle, torch_stream
+from .streams import cai_stream, stream_handle, torch_stream
 from .work import event_pool, new_work, record_event
 
 __all__ = ["make_hot", "Entry", "MAX_ENTRIES", "entry_of"]
@@ -63,14 +63,21 @@ def _cupy_current(device: int) -> int:
     return _cudamod.cuda().current_stream(device)
 
 
-def _default_getter(a: Any) -> Optional[Callable[[int], int]]:
-    """How ``stream=None`` is resolved for a first buffer like ``a`` (None: not on the fast
-    path, e.g. a ``__cuda_array_interface__`` export that may name its own stream)."""
+def _default_getter(a: Any, key_a: Any) -> Optional[Callable[[int], int]]:
+    """How ``stream=None`` is resolved for a first buffer like ``a`` (as
+    :func:`ncclpy.comm.streams.default_stream_of` does): CuPy's or torch's current stream,
+    or the stream a ``__cuda_array_interface__`` export names -- part of its key, so an
+    export that names another stream is a miss.  None: not on the fast path."""
     kind = type_kind(type(a))
     if kind in ("cupy", "raw", "cupy-cai", "spec"):
         return _cupy_current
     if kind == "torch":
         return torch_stream
+    if kind == "other" and type(key_a) is tuple and len(key_a) == 8:   # bufkey.cai_key
+        named = cai_stream({"stream": key_a[6]})
+        if named is None:
+            return _cupy_current
+        return lambda device, s=named: s
     return None
 
 
@@ -206,15 +213,15 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
     for p in params:
         if type(p) not in _PLAIN:
             return None
-    default = _default_getter(a)
-    if stream is None and default is None:
-        return None
     try:
         ka = _KEYERS.get(type(a)) or keyer(type(a))
         key_a = ka(a)
         kb = None if b is None else (_KEYERS.get(type(b)) or keyer(type(b)))
         key_b = None if b is None else kb(b)
     except Exception:  # noqa: BLE001 - Uncacheable, or an object that cannot be read
+        return None
+    default = _default_getter(a, key_a)
+    if stream is None and default is None:
         return None
     fn, args = calls[0]
     nc = comm._nc

@@ -456,6 +456,12 @@ class CommLifecycle:
 
     def _free_owned(self) -> None:
         from .._nccl.cuda import cuda
+        captured, self._captured_events = getattr(self, "_captured_events", []), []
+        for ev in captured:               # events of captured calls (their Works keep none)
+            try:
+                cuda().event_destroy(ev)
+            except Exception as e:  # noqa: BLE001 - a context already gone
+                log.debug("destroying a captured call's event failed: %s", e)
         allocations = list(self._allocations)
         self._allocations.clear()
         self._barrier_buf = None
