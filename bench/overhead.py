@@ -1,29 +1,46 @@
 """``python -m bench.overhead``: host-side cost of one collective call for small messages.
 
-What it measures: the wall time the calling thread spends inside one call, i.e. until the call
-returns with the work enqueued on the stream, for 8 B ... 4 KiB messages, over many calls (the
-queue is drained outside the timed region every ``--batch`` calls so it never fills up), on
-ncclpy, raw CuPy (``cupy.cuda.nccl``, the floor) and torch.distributed.  Modes:
+What it measures: the wall time the calling thread spends inside one call, until the call
+returns with the work enqueued on the stream, for 8 B ... 4 KiB all_reduce (float32, in place),
+2 ranks (on one GPU where there is one), rank 0's figures.  The stream is drained every
+``--batch`` calls outside the timed region, so the launch queue never fills.
+
+Backends (``--backends``, default all but nccl4py, which joins them when it is installed):
+
+* ``ncclpy``: ncclpy with its defaults, as ``ncclpy.init`` runs it: the watchdog on (heartbeats
+  on the rendezvous store, which rank 0 hosts) and the flight recorder on;
+* ``ncclpy-bare``: ncclpy with both off (no watchdog, ``NCCLPY_TRACE_BUFFER=0``);
+* ``cupy``: the same NCCL call on ``cupy.cuda.nccl`` directly, the floor;
+* ``torch``: torch.distributed (ProcessGroupNCCL);
+* ``nccl4py``: NVIDIA's own binding (optional: ``pip install nccl4py==0.6.0``, or offline
+  ``bash bench/install_wheels.sh``); all_reduce only.
+
+Same stream and same memory for all: one non-blocking CuPy stream per rank whose raw handle
+(an int) ncclpy, ncclpy-bare, cupy and nccl4py are given, and which torch gets as its current
+stream (``torch.cuda.ExternalStream``: torch takes no stream argument); one set of CuPy buffers
+per size (torch: zero-copy tensors over them).  The backends take turns: ``--calls`` timed calls
+per case are split over ``--repeats`` rounds, each round runs every backend in turn (the order
+rotated each round), after ``--warmup`` untimed calls per backend; medians are over every call
+of every round.
+
+Modes (``--modes``):
 
 * ``eager``: the call itself;
-* ``prepared`` (asked for with ``--modes``): ncclpy's prepared call (``comm.prepare(...)`` once,
-  then ``p()`` per call, on the same stream and buffers); backends without prepared calls run
-  their eager call here, so ``ncclpy_minus_cupy_us`` of this mode is ncclpy prepared minus raw
-  CuPy;
-* ``capture``: the same call while the stream is capturing a CUDA graph (what building a graph
-  costs per call);
-* ``graph``: replaying a captured one-call graph (``cudaGraphLaunch``), what a graph-based
-  application pays per call instead of ``eager``.
+* ``prepared``: ncclpy's prepared call (``comm.prepare(...)`` once, ``p()`` per call) for both
+  ncclpy flavours; the other backends have none and run their eager call;
+* ``graph``: replaying a captured one-call graph, a barrier among the ranks (untimed) before
+  each replay; every backend replays the same kind of graph, so no ncclpy − cupy is derived;
+* ``capture``: the call while the stream captures a graph: a one-off cost of building a
+  graph, shown in its own section and not compared with the eager target.
 
-Reported per (backend, size, mode): median, p10, p90, mean and min in µs over ``--calls`` calls,
-and the derived numbers the targets are stated in (ncclpy − cupy, ncclpy − torch).  All ranks
-make the same calls; rank 0's timings are reported.  Needs a GPU: on a machine without one it
-says so and exits 2, unless ``--device cpu`` asks for torch/gloo's synchronous per-call time,
-shown for reference only (gloo has no stream to enqueue on).
+Derived (per call modes only): each ncclpy flavour's median minus cupy's, torch's and
+nccl4py's.  Needs a GPU: without one it says so and exits 2, unless ``--device cpu`` asks for
+torch/gloo's synchronous per-call time, for reference only (gloo has no stream to enqueue on).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -31,20 +48,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 from ncclpy.errors import ArgumentError
 
 from bench import output
-from bench.backends import get_backend
+from bench.backends import OVERHEAD_BACKEND_MODULES, get_backend
+from bench.overhead_report import (BUFFER_NOTE, MODES, SECTIONS, STREAM_NOTE, VARIANTS, derive,
+                                   render, rotation, split_calls, summarize)
 from bench.sweep import Coord, _make_store, _pick_device, _rendezvous, launched_world
 
 __all__ = ["OverheadConfig", "parse_args", "main", "summarize", "run_rank", "prepare_args",
-           "MODES"]
+           "MODES", "BACKENDS", "DEFAULT_BACKENDS", "parse_backends", "derive", "build_parser"]
 
 DEFAULT_SIZES = (8, 64, 512, 4096)
-#: every mode; the default leaves out ``prepared`` (ask for it: ``--modes eager,prepared``)
-MODES = ("eager", "prepared", "capture", "graph")
+#: every backend, in the order they run
+BACKENDS = tuple(OVERHEAD_BACKEND_MODULES)
+#: the default backends (nccl4py joins them where it is installed)
+DEFAULT_BACKENDS = ("ncclpy", "ncclpy-bare", "cupy", "torch")
+_ALIASES = {"cupy_raw": "cupy", "torch_dist": "torch", "ncclpy_bare": "ncclpy-bare"}
 
 
 @dataclass
@@ -54,25 +74,19 @@ class OverheadConfig:
     collective: str = "all_reduce"
     sizes: List[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
     calls: int = 2000
-    warmup: int = 50
+    graph_calls: int = 200
+    repeats: int = 5
+    warmup: int = 100
     batch: int = 50
-    backends: List[str] = field(default_factory=lambda: ["ncclpy", "cupy", "torch"])
-    modes: List[str] = field(default_factory=lambda: ["eager", "capture", "graph"])
+    backends: List[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    modes: List[str] = field(default_factory=lambda: list(MODES))
     device: str = "cuda"
     nproc: Optional[int] = 2
     json: Optional[str] = None
     timeout: float = 300.0
     argv: List[str] = field(default_factory=list)
-
-
-def summarize(ns: Sequence[int]) -> Dict[str, float]:
-    """median / p10 / p90 / mean / min in µs of per-call nanoseconds."""
-    a = np.asarray(ns, dtype=np.float64) / 1e3
-    if not a.size:
-        return {"median_us": 0.0, "p10_us": 0.0, "p90_us": 0.0, "mean_us": 0.0, "min_us": 0.0}
-    p10, p50, p90 = np.percentile(a, [10, 50, 90])
-    return {"median_us": float(p50), "p10_us": float(p10), "p90_us": float(p90),
-            "mean_us": float(a.mean()), "min_us": float(a.min())}
+    #: what the run says about itself (e.g. nccl4py left out because it is not installed)
+    notes: List[str] = field(default_factory=list)
 
 
 def _gpu_visible() -> bool:
@@ -85,12 +99,10 @@ def _gpu_visible() -> bool:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> OverheadConfig:
     """Parse ``python -m bench.overhead``'s command line (ArgumentError if invalid)."""
-    from bench.cli import parse_backends, parse_size
-    from ncclpy import registry
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     a = p.parse_args(argv)
-    return _config(p, a, argv, parse_backends, parse_size, registry)
+    return _config(p, a, argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,13 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collective", default="all_reduce", help="default all_reduce")
     p.add_argument("--sizes", default="8,64,512,4K", help="comma-separated sizes (default "
                    "8,64,512,4K; K = 1024)")
-    p.add_argument("--calls", type=int, default=2000, help="timed calls per case (default 2000)")
-    p.add_argument("--warmup", type=int, default=50, help="untimed calls first (default 50)")
+    p.add_argument("--calls", type=int, default=2000,
+                   help="timed calls per backend, size and per-call mode (default 2000)")
+    p.add_argument("--graph-calls", type=int, default=200,
+                   help="timed calls per backend and size in the graph and capture modes "
+                        "(default 200)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds the calls are split over, each running every backend in turn "
+                        "(default 5)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="untimed calls per backend, size and mode first (default 100)")
     p.add_argument("--batch", type=int, default=50,
                    help="drain the stream every this many calls, outside the timing (default 50)")
-    p.add_argument("--backend", default="ncclpy,cupy,torch", help="default ncclpy,cupy,torch")
-    p.add_argument("--modes", default="eager,capture,graph",
-                   help="of eager, prepared, capture, graph (default eager,capture,graph)")
+    p.add_argument("--backends", "--backend", dest="backends", default=None,
+                   help=f"comma-separated, of {', '.join(BACKENDS)} (default "
+                        f"{','.join(DEFAULT_BACKENDS)}, and nccl4py where it is installed)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"of {', '.join(MODES)} (default all)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="cpu: torch/gloo synchronous call time, for reference only")
     p.add_argument("--nproc", type=int, default=None,
@@ -117,38 +139,89 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(p: argparse.ArgumentParser, a: argparse.Namespace, argv: List[str],
-            parse_backends: Any, parse_size: Any, registry: Any) -> OverheadConfig:
+def parse_backends(text: Optional[str], flag: str = "--backends",
+                   collective: str = "all_reduce") -> Tuple[List[str], List[str]]:
+    """(backends, notes) from ``--backends`` (None: the default list, with nccl4py where it is
+    installed and times ``collective``).  An unknown name, or nccl4py asked for where it is not
+    installed or cannot time ``collective``, raises a one-line ArgumentError."""
+    from bench.backends import nccl4py
+    notes: List[str] = []
+    if text is None:
+        out = list(DEFAULT_BACKENDS)
+        why = nccl4py.missing()
+        if why is None and collective in nccl4py.COLLECTIVES:
+            out.append("nccl4py")
+        elif why is not None:
+            notes.append(f"nccl4py: not installed here ({why}), left out; "
+                         f"{nccl4py.INSTALL_HINT}")
+        return out, notes
+    out = []
+    for part in text.split(","):
+        key = _ALIASES.get(part.strip().lower(), part.strip().lower())
+        if key not in BACKENDS:
+            raise ArgumentError(f"{flag}: expected a comma-separated list of "
+                                f"{', '.join(BACKENDS)}; got {part.strip()!r}")
+        if key not in out:
+            out.append(key)
+    if "nccl4py" in out:
+        why = nccl4py.missing()
+        if why is not None:
+            raise ArgumentError(f"{flag}: nccl4py is not installed here ({why}); "
+                                f"{nccl4py.INSTALL_HINT}")
+        if collective not in nccl4py.COLLECTIVES:
+            raise ArgumentError(f"{flag}: nccl4py times {', '.join(nccl4py.COLLECTIVES)} only; "
+                                f"got --collective {collective}")
+    return out, notes
+
+
+def _config(p: Any, a: argparse.Namespace, argv: List[str]) -> OverheadConfig:
+    from bench.cli import parse_size
+    from ncclpy import registry
     coll = registry.get(a.collective)
     if not coll.data:
         raise ArgumentError(f"--collective: {coll.name} moves no data")
     sizes = [parse_size(s, "--sizes") for s in a.sizes.split(",") if s.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ArgumentError(f"--modes: expected {', '.join(MODES)}; got {', '.join(bad)}")
-    for name, v in (("--calls", a.calls), ("--batch", a.batch)):
-        if v < 1:
-            raise ArgumentError(f"{name}: expected >= 1, got {v}")
+    if bad or not modes:
+        raise ArgumentError(f"--modes: expected a comma-separated list of {', '.join(MODES)}; "
+                            f"got {a.modes!r}")
+    modes = [m for m in MODES if m in modes]
+    for dest, v, lo in (("calls", a.calls, 1), ("graph_calls", a.graph_calls, 1),
+                        ("repeats", a.repeats, 1), ("batch", a.batch, 1), ("warmup", a.warmup, 0)):
+        if v < lo:
+            raise ArgumentError(f"{p.flag(dest)}: expected >= {lo}, got {v}")
+    if a.json:
+        from ncclpy.cli_util import check_output_path
+        why = check_output_path(a.json)
+        if why:
+            raise ArgumentError(f"{p.flag('json')}: {why}")
     device = a.device
     if device == "auto":
         device = "cuda" if _gpu_visible() else "none"
-    backends = parse_backends(a.backend)
     if device == "cpu":
-        backends, modes = ["torch"], ["eager"]
+        backends, modes, notes = ["torch"], ["eager"], []
+    else:
+        backends, notes = parse_backends(a.backends, p.flag("backends"), coll.name)
     nproc = a.nproc if a.nproc is not None else (None if launched_world() else 2)
-    return OverheadConfig(collective=coll.name, sizes=sizes, calls=a.calls, warmup=a.warmup,
+    return OverheadConfig(collective=coll.name, sizes=sizes, calls=a.calls,
+                          graph_calls=a.graph_calls, repeats=a.repeats, warmup=a.warmup,
                           batch=a.batch, backends=backends, modes=modes, device=device,
                           nproc=nproc, json=a.json, timeout=a.timeout,
-                          argv=["python -m bench.overhead", *argv])
+                          argv=["python -m bench.overhead", *argv], notes=notes)
 
 
-def _time_calls(b, fn, calls: int, batch: int) -> List[int]:
+def _time_calls(b: Any, fn: Callable[[], Any], calls: int, batch: int,
+                before: Optional[Callable[[], None]] = None) -> List[int]:
+    """``calls`` timed calls of ``fn`` (ns each), the stream drained every ``batch`` outside
+    the timing; ``before`` (untimed) runs before each call."""
     out: List[int] = []
     clock = time.perf_counter_ns
     while len(out) < calls:
         b.sync()
         for _ in range(min(batch, calls - len(out))):
+            if before is not None:
+                before()
             t0 = clock()
             fn()
             out.append(clock() - t0)
@@ -156,81 +229,133 @@ def _time_calls(b, fn, calls: int, batch: int) -> List[int]:
     return out
 
 
+def _shared(device: Optional[int]) -> Any:
+    """The stream and buffer maker every backend shares (None on the CPU)."""
+    if device is None:
+        return None
+    from bench.backends._cuda import SharedCuda
+    return SharedCuda(device)
+
+
+def _row(b: Any, cfg: OverheadConfig, size: int, mode: str, ns: List[int],
+         rounds: List[List[int]]) -> Dict[str, Any]:
+    return {"backend": b.name, "label": b.label, "collective": cfg.collective, "size": size,
+            "mode": mode, "section": SECTIONS[mode], "calls": len(ns), "rounds": len(rounds),
+            "round_medians_us": [summarize(r)["median_us"] for r in rounds], **summarize(ns)}
+
+
+def _turns(cfg: OverheadConfig, coord: Any, backends: List[Any], mode: str, size: int,
+           bufs: Dict[str, Any], calls: Dict[str, Callable[[], None]],
+           say: Callable[[str], None]) -> List[Dict[str, Any]]:
+    """One per-call or graph mode at one size: every backend, round robin."""
+    fns: Dict[str, Callable[[], Any]] = {}
+    graphs: List[Tuple[Any, Any]] = []
+    try:
+        for b in backends:
+            if mode == "graph":
+                graphs.append((b, b.capture(calls[b.name])))
+                fns[b.name] = functools.partial(b.replay, graphs[-1][1])
+            elif mode == "prepared":
+                fns[b.name] = _prepared(b, cfg.collective, bufs[b.name], 0) or calls[b.name]
+            else:
+                fns[b.name] = calls[b.name]      # warmed up with the size already
+                continue
+            for _ in range(cfg.warmup):
+                fns[b.name]()
+            b.sync()
+        before = coord.barrier if mode == "graph" else None
+        n = cfg.graph_calls if mode == "graph" else cfg.calls
+        rounds: Dict[str, List[List[int]]] = {b.name: [] for b in backends}
+        for r, k in enumerate(split_calls(n, cfg.repeats)):
+            for b in rotation(backends, r):
+                coord.barrier()
+                rounds[b.name].append(_time_calls(b, fns[b.name], k, cfg.batch, before))
+    finally:
+        fns.clear()
+        for b, g in graphs:
+            b.release(g)
+        graphs.clear()               # a live graph makes NCCL's comm destroy wait forever
+    rows = []
+    for b in backends:
+        ns = [t for part in rounds[b.name] for t in part]
+        rows.append(_row(b, cfg, size, mode, ns, rounds[b.name]))
+        s = rows[-1]
+        say(f"{b.label:>12s} {mode:>8s} {size:>8d} B  median {s['median_us']:8.2f} us  "
+            f"p10 {s['p10_us']:8.2f}  p90 {s['p90_us']:8.2f}")
+    return rows
+
+
+def _capture(cfg: OverheadConfig, coord: Any, b: Any, size: int, call: Callable[[], None],
+             say: Callable[[str], None]) -> Dict[str, Any]:
+    """The one-off section: ``--graph-calls`` calls timed while the stream captures, in
+    graphs of ``--batch`` calls each replayed once (every rank's NCCL sequence matched) and
+    released at once."""
+    coord.barrier()
+    ns: List[int] = []
+    while len(ns) < cfg.graph_calls:
+        k = min(cfg.batch, cfg.graph_calls - len(ns))
+        clock, got = time.perf_counter_ns, []
+
+        def timed(got: List[int] = got, k: int = k) -> None:
+            for _ in range(k):
+                t0 = clock()
+                call()
+                got.append(clock() - t0)
+        g = b.capture(timed)
+        b.replay(g)
+        b.sync()
+        b.release(g)
+        del g                        # (as above: NCCL waits for its graphs at teardown)
+        ns += got
+    row = _row(b, cfg, size, "capture", ns, [ns])
+    say(f"{b.label:>12s}  capture {size:>8d} B  median {row['median_us']:8.2f} us (one-off)")
+    return row
+
+
 def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
     """Measure on this rank; returns the JSON document (meaningful on rank 0)."""
-    from ncclpy.dtypes import DTYPES
     rank, world, local_rank, ldev, info = _rendezvous()
     store = _make_store(info, cfg.timeout)
     coord = Coord(store, rank, world, cfg.timeout)
     device = _pick_device(cfg.device, local_rank, ldev)
-    results: List[Dict[str, object]] = []
-    backends = []
+    say: Callable[[str], None] = (lambda m: print(m, flush=True)) if rank == 0 else \
+        (lambda m: None)
+    results: List[Dict[str, Any]] = []
+    backends: List[Any] = []
     try:
+        shared = _shared(device)
         for name in cfg.backends:
-            b = get_backend(name)
+            b = get_backend(name, OVERHEAD_BACKEND_MODULES)
             b.setup(rank, world, device, store,
                     master_addr=info.master_addr if info is not None else "127.0.0.1",
                     timeout=cfg.timeout)
             backends.append(b)
-        item = DTYPES["float32"].itemsize
+            if shared is not None:
+                b.use_stream(shared.stream)
         for size in cfg.sizes:
-            for b in backends:
-                bufs = b.alloc(cfg.collective, max(size // item, 1), "float32")
-                root = 0
-
-                def call(b=b, bufs=bufs) -> None:
-                    b.run(cfg.collective, bufs, "sum", root, True)
-                for _ in range(cfg.warmup):
-                    call()
+            total = max(size // 4, 1)                    # float32 elements
+            if shared is not None:
+                base = shared.alloc(cfg.collective, total, "float32", world, rank)
+                bufs = {b.name: b.adopt(base) for b in backends}
+            else:
+                bufs = {b.name: b.alloc(cfg.collective, total, "float32") for b in backends}
+            calls = {b.name: functools.partial(b.run, cfg.collective, bufs[b.name], "sum", 0,
+                                               True) for b in backends}
+            for b in backends:              # every mode starts from a warm eager call (and NCCL
+                for _ in range(max(cfg.warmup, 1)):      # has connected before any capture)
+                    calls[b.name]()
                 b.sync()
-                for mode in cfg.modes:
-                    coord.barrier()
-                    if mode == "eager":
-                        ns = _time_calls(b, call, cfg.calls, cfg.batch)
-                    elif mode == "prepared":
-                        p = _prepared(b, cfg.collective, bufs, root) or call
-                        for _ in range(cfg.warmup):
-                            p()
-                        ns = _time_calls(b, p, cfg.calls, cfg.batch)
-                    elif mode == "capture":
-                        ns = []
-                        while len(ns) < cfg.calls:
-                            k = min(cfg.batch, cfg.calls - len(ns))
-                            clock, got = time.perf_counter_ns, []
-
-                            def timed(got=got, k=k, clock=clock) -> None:
-                                for _ in range(k):
-                                    t0 = clock()
-                                    call()
-                                    got.append(clock() - t0)
-                            g = b.capture(timed)
-                            b.replay(g)  # keep every rank's NCCL sequence matched
-                            b.sync()
-                            b.release(g)
-                            del g        # a live graph makes NCCL's comm destroy wait forever
-                            ns += got
-                    else:
-                        g = b.capture(call)
-                        for _ in range(cfg.warmup):
-                            b.replay(g)
-                        ns = _time_calls(b, lambda g=g, b=b: b.replay(g), cfg.calls, cfg.batch)
-                        b.release(g)
-                        del g            # (as above: NCCL waits for its graphs at teardown)
-                    s = summarize(ns)
-                    results.append({"backend": b.name, "label": b.label,
-                                    "collective": cfg.collective, "size": size, "mode": mode,
-                                    "calls": len(ns), **s})
-                    if rank == 0:
-                        print(f"{b.label:>12s} {mode:>8s} {size:>8d} B  median "
-                              f"{s['median_us']:8.2f} us  p10 {s['p10_us']:8.2f}  p90 "
-                              f"{s['p90_us']:8.2f}", flush=True)
-                del bufs
-        doc = {"start_time": output.now(), "args": cfg.argv, "world_size": world,
-               "device": cfg.device,
-               "device_info": backends[0].device_info() if backends else {},
-               "versions": _versions(backends), "calls": cfg.calls, "batch": cfg.batch,
-               "results": results, "derived": derive(results)}
+            for mode in cfg.modes:
+                if mode == "capture":
+                    results += [_capture(cfg, coord, b, size, calls[b.name], say)
+                                for b in backends]
+                else:
+                    results += _turns(cfg, coord, backends, mode, size, bufs, calls, say)
+            del bufs, calls
+        doc = _document(cfg, world, backends, results)
         coord.barrier()
+        if rank == 0:
+            print(render(doc), flush=True)
         return doc
     finally:
         for b in reversed(backends):
@@ -239,6 +364,24 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
             except Exception as e:  # pragma: no cover
                 print(f"[bench.overhead] {b.label} teardown: {e}", file=sys.stderr)
         store.close()
+
+
+def _document(cfg: OverheadConfig, world: int, backends: List[Any],
+              results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    cuda = cfg.device == "cuda"
+    return {"schema": "ncclpy-overhead/2", "start_time": output.now(), "args": cfg.argv,
+            "collective": cfg.collective, "world_size": world, "device": cfg.device,
+            "device_info": backends[0].device_info() if backends else {},
+            "versions": _versions(backends), "calls": cfg.calls, "graph_calls": cfg.graph_calls,
+            "batch": cfg.batch,
+            "method": {"rounds": cfg.repeats, "warmup": cfg.warmup,
+                       "order": "each round runs every backend in turn, rotated each round",
+                       "stream": STREAM_NOTE if cuda else "none (gloo runs on the CPU)",
+                       "buffers": BUFFER_NOTE if cuda else "torch's own CPU tensors"},
+            "backends": [{"name": b.name, "label": b.label, "defaults": b.defaults,
+                          "stream_form": b.stream_form if cuda else "none",
+                          "settings": b.settings()} for b in backends],
+            "notes": list(cfg.notes), "results": results, "derived": derive(results)}
 
 
 def prepare_args(collective: str, s: Any, r: Any, root: int, rank: int, world: int,
@@ -259,37 +402,25 @@ def prepare_args(collective: str, s: Any, r: Any, root: int, rank: int, world: i
 
 
 def _prepared(b: Any, collective: str, bufs: Any, root: int) -> Optional[Callable[[], Any]]:
-    """The ncclpy backend's call prepared once (in place, on its stream); None for a backend
+    """An ncclpy flavour's call prepared once (in place, on its stream); None for a backend
     without prepared calls."""
-    if b.name != "ncclpy":
+    if b.name not in VARIANTS:
         return None
     from bench.backends.ncclpy import call_args
     s, r = call_args(collective, bufs.extra["args"], True, b.rank, root)
     args, kwargs = prepare_args(collective, s, r, root, b.rank, b.world)
-    return b.comm.prepare(collective, *args, stream=b.stream, **kwargs)
+    return b.comm.prepare(collective, *args, stream=b.stream_arg, **kwargs)
 
 
-def derive(results: List[Dict[str, object]]) -> List[Dict[str, object]]:
-    """Per (size, mode): ncclpy's median minus cupy's and minus torch's (µs)."""
-    med = {(r["backend"], r["size"], r["mode"]): r["median_us"] for r in results}
-    out = []
-    for (bk, size, mode), v in sorted(med.items(), key=lambda x: (x[0][1], x[0][2])):
-        if bk != "ncclpy":
-            continue
-        row = {"size": size, "mode": mode, "ncclpy_median_us": v}
-        for other in ("cupy", "torch"):
-            if (other, size, mode) in med:
-                row[f"ncclpy_minus_{other}_us"] = v - med[(other, size, mode)]
-        out.append(row)
-    return out
-
-
-def _versions(backends) -> Dict[str, object]:
+def _versions(backends: List[Any]) -> Dict[str, object]:
     v: Dict[str, object] = {"python": platform.python_version()}
     for mod in ("ncclpy", "cupy", "torch", "numpy"):
         m = sys.modules.get(mod)
         if m is not None:
             v[mod] = getattr(m, "__version__", "?")
+    if any(b.name == "nccl4py" for b in backends):
+        from bench.backends.nccl4py import version_info
+        v["nccl4py"] = version_info()
     v["nccl"] = {b.name: b.nccl_version() for b in backends}
     return v
 
@@ -325,6 +456,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     if cfg.device == "cpu":
         print("# torch/gloo on cpu: synchronous per-call time (the whole collective), for "
               "reference only; not comparable with GPU enqueue overheads", flush=True)
+    for note in cfg.notes:
+        print(f"# {note}", flush=True)
     try:
         if cfg.nproc and cfg.nproc > 1 and not launched_world():
             from ncclpy.launch.spawn import spawn

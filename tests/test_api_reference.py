@@ -206,7 +206,8 @@ def test_reference_builds_with_warnings_as_errors(tmp_path):
     errs = (tmp_path / "html" / "api" / "errors.html").read_text()
     assert 'id="ncclpy.NcclTimeoutError"' in errs and 'id="ncclpy.CommAbortedError"' in errs
     for tool in ("ncclpy plan", "python -m ncclpy.selftest", "python -m bench.overhead",
-                 "python -m bench.host_overhead", "python -m bench.store_bench",
+                 "python -m bench.host_overhead", "python -m bench.cuda_costs",
+                 "python -m bench.store_bench",
                  "python -m bench.checked_bench", "python -m bench.scale"):
         assert f"usage: {tool}" in cli, tool          # every command line, with its help
     for flag in ("--require-ncclpy", "--nccl-version", "--calls K", "--worlds N,N,..."):

@@ -110,7 +110,8 @@ def test_overhead_prepared_mode_parses():
     from bench import overhead
     cfg = overhead.parse_args(["--modes", "eager,prepared", "--device", "cuda"])
     assert cfg.modes == ["eager", "prepared"]
-    assert overhead.parse_args(["--device", "cuda"]).modes == ["eager", "capture", "graph"]
+    assert overhead.parse_args(["--device", "cuda"]).modes == ["eager", "prepared", "graph",
+                                                                 "capture"]
     with pytest.raises(ArgumentError, match="prepared"):
         overhead.parse_args(["--modes", "eager,warp", "--device", "cuda"])
 
@@ -162,8 +163,8 @@ def test_overhead_derive_covers_the_prepared_mode():
             for b, m, v in (("ncclpy", "prepared", 9.5), ("cupy", "prepared", 9.0),
                             ("ncclpy", "eager", 10.0), ("cupy", "eager", 9.0))]
     d = {(x["mode"]): x for x in derive(rows)}
-    assert d["prepared"]["ncclpy_minus_cupy_us"] == pytest.approx(0.5)
-    assert d["eager"]["ncclpy_minus_cupy_us"] == pytest.approx(1.0)
+    assert d["prepared"]["minus_cupy_us"] == pytest.approx(0.5)
+    assert d["eager"]["minus_cupy_us"] == pytest.approx(1.0)
 
 
 # -- bench/overhead.py: no captured graph outlives its mode ------------------------------------
@@ -184,6 +185,10 @@ def test_overhead_drops_every_captured_graph_before_teardown(monkeypatch):
 
     class StandIn:                      # the bench backend interface, recording
         name = label = "standin"
+        defaults = stream_form = ""
+
+        def settings(self):
+            return {}
 
         def setup(self, *a, **k):
             pass
@@ -234,12 +239,14 @@ def test_overhead_drops_every_captured_graph_before_teardown(monkeypatch):
     monkeypatch.setattr(overhead, "_make_store", lambda info, timeout: Store())
     monkeypatch.setattr(overhead, "Coord", Coord)
     monkeypatch.setattr(overhead, "_pick_device", lambda *a: 0)
-    monkeypatch.setattr(overhead, "get_backend", lambda name: StandIn())
+    monkeypatch.setattr(overhead, "get_backend", lambda name, table=None: StandIn())
     monkeypatch.setattr(overhead, "_versions", lambda backends: {})
+    monkeypatch.setattr(overhead, "_shared", lambda device: None)
     cfg = overhead.parse_args(["--device", "cuda", "--backend", "ncclpy", "--calls", "7",
-                               "--batch", "3", "--warmup", "1", "--sizes", "8"])
+                               "--graph-calls", "7", "--batch", "3", "--warmup", "1",
+                               "--sizes", "8", "--modes", "eager,capture,graph"])
     doc = overhead.run_rank(cfg)
-    assert [r["mode"] for r in doc["results"]] == ["eager", "capture", "graph"]
-    assert len(seen["captured"]) == 3 + 1          # capture: ceil(7/3) graphs; graph: one
+    assert [r["mode"] for r in doc["results"]] == ["eager", "graph", "capture"]
+    assert len(seen["captured"]) == 1 + 3          # graph: one; capture: ceil(7/3) graphs
     assert seen["released"] == len(seen["captured"])
     assert seen["alive_at_teardown"] == 0

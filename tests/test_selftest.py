@@ -71,7 +71,11 @@ def test_list_shows_every_stage_in_order_with_bounds_and_commands():
     assert "--gpu-worlds 1,2 --gpu-shard 2/2 -m gpu" in p.stdout
     assert ("bench: python -m bench all_reduce -b 8 -e 256M -f 2 --nproc 2 --device cuda "
             f"--backend ncclpy,cupy,torch -J WORK/{_file('bench', 'json')}") in p.stdout
-    assert "overhead: python -m bench.overhead --nproc 2 --backend ncclpy,cupy,torch" in p.stdout
+    assert "overhead: bash bench/install_wheels.sh --optional --python python" in p.stdout
+    assert ("overhead: python -m bench.overhead --nproc 2 --modes eager,prepared,graph,capture "
+            f"-J WORK/{_file('overhead', 'json')}") in p.stdout
+    assert (f"overhead: python -m bench.cuda_costs --json WORK/"
+            f"{_file('overhead', 'cuda-costs.json')}") in p.stdout
 
 
 def test_stage_selection_keeps_the_fixed_order_and_adds_info():

@@ -169,6 +169,10 @@ def _work_with_samples(tmp_path: Path) -> S.Ctx:
     CR.write_json(str(w / "check-n2.json"), _check_doc())
     (w / _file("bench", "json")).write_text(json.dumps(_bench_doc()))
     (w / _file("overhead", "json")).write_text(json.dumps(_overhead_doc()))
+    (w / _file("overhead", S.CUDA_COSTS_SUFFIX)).write_text(json.dumps(
+        {"schema": "ncclpy-cuda-costs/1", "device": "NVIDIA H100 80GB HBM3",
+         "cuda_runtime": "13.0", "cupy": "14.2.0", "floor_ns": 31.0,
+         "costs_ns": {"cudaEventRecord": 1480.0, "cudaGetDevice": 95.0}}))
     (w / "01-info.json").write_text(json.dumps(_INFO))
     return ctx
 
@@ -279,6 +283,10 @@ def test_paste_block(tmp_path):
     assert "busbw GB/s at 256 MiB: ncclpy 20.0, cupy 20.4, torch 16.0" in bench
     over = next(ln for ln in lines if ln.startswith("- overhead "))
     assert "eager: ncclpy - cupy = 3.25 us (ncclpy 9.50, cupy 6.25, torch 14.00)" in over
+    assert "graph replay, the same kind of graph for all: ncclpy 10.50" in over
+    assert ("- CUDA calls' host cost, ns per call (median) on NVIDIA H100 80GB HBM3, CUDA "
+            "runtime 13.0, CuPy 14.2.0: cudaEventRecord 1480, cudaGetDevice 95 (Python loop "
+            "floor 31)") in lines
     assert ("- Failed tests: tests/gpu/test_check_gpu.py::test_check_on_one_gpu_is_bitwise[2], "
             "tests/gpu/test_fixes_gpu.py::test_nonblocking_split[2]") in lines
     assert "- Did not finish: worlds34" in lines

@@ -19,11 +19,20 @@ from ncclpy import registry
 from ncclpy.dtypes import DTYPES
 from ncclpy.errors import ArgumentError
 
-__all__ = ["Layout", "layout", "Buffers", "Backend", "get_backend", "host_dtype", "BACKEND_MODULES"]
+__all__ = ["Layout", "layout", "Buffers", "Backend", "get_backend", "host_dtype", "BACKEND_MODULES",
+           "OVERHEAD_BACKEND_MODULES"]
 
+#: the sweep's backends (``python -m bench``)
 BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyBackend",
                    "cupy": "bench.backends.cupy_raw:CupyBackend",
                    "torch": "bench.backends.torch_dist:TorchBackend"}
+#: ``python -m bench.overhead``'s backends: ncclpy twice (its defaults as ``ncclpy.init`` runs
+#: it, and with the watchdog and flight recorder off), the raw floor, torch and nccl4py
+OVERHEAD_BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyDefaultsBackend",
+                            "ncclpy-bare": "bench.backends.ncclpy:NcclpyBareBackend",
+                            "cupy": "bench.backends.cupy_raw:CupyBackend",
+                            "torch": "bench.backends.torch_dist:TorchBackend",
+                            "nccl4py": "bench.backends.nccl4py:Nccl4pyBackend"}
 
 
 def host_dtype(name: str) -> np.dtype:
@@ -99,6 +108,10 @@ class Backend:
     supports_graphs = False
     #: can time with CUDA events
     supports_events = False
+    #: what this backend runs with (bench.overhead's labels), e.g. "watchdog off"
+    defaults = ""
+    #: how ``run`` hands the stream to the library once :meth:`use_stream` was called
+    stream_form = "its own"
 
     def __init__(self) -> None:
         self.rank = 0
@@ -221,12 +234,29 @@ class Backend:
         """(start, stop) where stop() returns seconds between them measured on the stream."""
         raise ArgumentError(f"backend {self.label}: CUDA event timing is unsupported here")
 
+    # ---- one stream and one set of buffers for every backend (bench.overhead) -----------------
+    def use_stream(self, stream: Any) -> None:
+        """Enqueue every later call on ``stream`` (a CuPy stream the caller owns and shares
+        with the other backends), in the form :attr:`stream_form` says."""
+        raise ArgumentError(f"backend {self.label}: a shared CUDA stream is unsupported here")
 
-def get_backend(name: str) -> Backend:
-    """Instantiate a backend by name (its module is imported only now)."""
+    def adopt(self, bufs: Buffers) -> Buffers:
+        """This backend's native :class:`Buffers` over the memory of ``bufs`` (CuPy arrays the
+        caller allocated once for every backend): no copy, the same device pointers."""
+        raise ArgumentError(f"backend {self.label}: shared buffers are unsupported here")
+
+    def settings(self) -> Dict[str, Any]:
+        """What this backend's library actually runs with (reported beside its figures)."""
+        return {}
+
+
+def get_backend(name: str, table: Optional[Dict[str, str]] = None) -> Backend:
+    """Instantiate a backend by name from ``table`` (default :data:`BACKEND_MODULES`); its
+    module is imported only now."""
+    table = BACKEND_MODULES if table is None else table
     try:
-        mod, _, cls = BACKEND_MODULES[name].partition(":")
+        mod, _, cls = table[name].partition(":")
     except KeyError:
         raise ArgumentError(f"backend {name!r} is unknown; expected one of "
-                            f"{', '.join(BACKEND_MODULES)}") from None
+                            f"{', '.join(table)}") from None
     return getattr(importlib.import_module(mod), cls)()

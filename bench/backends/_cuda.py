@@ -1,4 +1,5 @@
-"""CuPy arrays, one non-blocking stream, graphs, events: shared by the ncclpy and cupy backends."""
+"""CuPy arrays, one non-blocking stream, graphs, events: shared by the ncclpy, cupy and nccl4py
+backends; :class:`SharedCuda`, the one stream and buffers bench.overhead gives every backend."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -9,9 +10,9 @@ from ncclpy.dtypes import DTYPES
 from ncclpy.errors import MissingDependencyError, UnsupportedError
 from ncclpy.ops import format_version
 
-from bench.backends import Backend, host_dtype
+from bench.backends import Backend, Buffers, host_dtype, layout
 
-__all__ = ["CupyStreamBackend", "import_cupy"]
+__all__ = ["CupyStreamBackend", "import_cupy", "SharedCuda"]
 
 
 def import_cupy():
@@ -35,15 +36,21 @@ class CupyStreamBackend(Backend):
 
     supports_graphs = True
     supports_events = True
+    stream_form = "the raw handle (int) of the stream"
     comm: Any = None
+    #: what ``run`` passes as the stream: ``self.stream`` itself for the sweep, its raw handle
+    #: after :meth:`use_stream`
+    stream_arg: Any = None
+    #: the generation of the unique id the communicator was made from (its store keys)
+    generation = 0
 
     def setup(self, rank: int, world: int, device: Optional[int], store: Any, *,
               master_addr: str = "127.0.0.1", timeout: float = 300.0) -> None:
         super().setup(rank, world, device, store, master_addr=master_addr, timeout=timeout)
         self._setup_device(device)
         from ncclpy.bootstrap import exchange_uid
-        uid, _ = exchange_uid(store, rank, name=f"bench-{self.name}", timeout=timeout,
-                              world_size=world)
+        uid, self.generation = exchange_uid(store, rank, name=f"bench-{self.name}",
+                                            timeout=timeout, world_size=world)
         self.comm = self.open_comm(uid)
 
     def open_comm(self, uid: bytes) -> Any:
@@ -66,6 +73,14 @@ class CupyStreamBackend(Backend):
         cp = self.cp = import_cupy()
         cp.cuda.Device(device).use()
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream_arg = self.stream
+
+    def use_stream(self, stream: Any) -> None:
+        self.stream = stream
+        self.stream_arg = int(stream.ptr)
+
+    def adopt(self, bufs: Buffers) -> Buffers:
+        return bufs
 
     def unsupported(self, collective: str, dtype: str, op: str) -> Optional[str]:
         need = DTYPES[dtype].min_nccl
@@ -134,3 +149,28 @@ class CupyStreamBackend(Backend):
             return cp.cuda.get_elapsed_time(start, end) / 1e3
 
         return begin, stop
+
+
+class SharedCuda:
+    """One non-blocking CuPy stream on ``device`` and the buffers of each size, made once per
+    rank and handed to every backend of ``python -m bench.overhead`` (:meth:`Backend.use_stream`,
+    :meth:`Backend.adopt`), so that no backend is timed on other memory or another stream."""
+
+    def __init__(self, device: int) -> None:
+        cp = self.cp = import_cupy()
+        cp.cuda.Device(device).use()
+        self.device = device
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def alloc(self, collective: str, total: int, dtype: str, world: int, rank: int) -> Buffers:
+        """Zeroed CuPy buffers laid out as :func:`bench.backends.layout` says (the in-place
+        sides are views of ``whole``)."""
+        lay = layout(collective, total, world, rank)
+        with self.stream:
+            send, recv, whole = (self.cp.zeros(max(n, 0), dtype=host_dtype(dtype))
+                                 for n in (lay.send, lay.recv, lay.whole))
+        self.stream.synchronize()
+        s0, sn = lay.ip_send
+        r0, rn = lay.ip_recv
+        return Buffers(collective, dtype, lay, send, recv, whole, whole[s0:s0 + sn],
+                       whole[r0:r0 + rn])

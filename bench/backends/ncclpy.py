@@ -3,17 +3,49 @@
 Buffers are CuPy arrays passed as they are; bfloat16 and float8 (which CuPy lacks) travel as
 ``ncclpy.Buffer(ptr, count, dtype, device)`` over a uint view.  In place uses ncclpy's documented
 forms (``recvbuf=None`` / ``sendbuf=None``) where it has them, NCCL's aliasing rules otherwise.
+
+Three flavours: :class:`NcclpyBackend` (the sweep's: ``ncclpy.Communicator(...)``, the flight
+recorder on, no watchdog), and for ``python -m bench.overhead`` :class:`NcclpyDefaultsBackend`
+(``ncclpy``: what ``ncclpy.init`` makes, ``Communicator.from_bootstrap`` with the watchdog on
+the rendezvous store and the recorder at its default size) and :class:`NcclpyBareBackend`
+(``ncclpy-bare``: both off).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import contextlib
+import os
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ncclpy.dtypes import DTYPES
 
 from bench.backends import Buffers
 from bench.backends._cuda import CupyStreamBackend
 
-__all__ = ["NcclpyBackend", "call_args"]
+__all__ = ["NcclpyBackend", "NcclpyDefaultsBackend", "NcclpyBareBackend", "call_args",
+           "environ"]
+
+#: the variables that change what a communicator runs with by default (left unset for the
+#: ``ncclpy`` flavour of bench.overhead, whatever the caller's environment says)
+DEFAULTS_ENV = ("NCCLPY_TRACE_BUFFER", "NCCLPY_NVTX", "NCCLPY_WATCHDOG", "NCCLPY_CHECKED")
+
+
+@contextlib.contextmanager
+def environ(**values: Optional[str]) -> Iterator[None]:
+    """Set (a str) or unset (None) environment variables for the block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class NcclpyBackend(CupyStreamBackend):
@@ -31,8 +63,16 @@ class NcclpyBackend(CupyStreamBackend):
         self.ncclpy = ncclpy
         if self.algorithm is not None:
             self._coll_config = ncclpy.CollConfig(algorithm=self.algorithm)
-        config = None if self.cta_policy is None else ncclpy.Config(cta_policy=self.cta_policy)
-        return ncclpy.Communicator(self.world, self.rank, uid, self.device, config)
+        return ncclpy.Communicator(self.world, self.rank, uid, self.device, self._config())
+
+    def _config(self) -> Any:
+        return None if self.cta_policy is None else self.ncclpy.Config(cta_policy=self.cta_policy)
+
+    def settings(self) -> Dict[str, Any]:
+        """Whether the communicator has a watchdog, and its flight recorder's size (0: off)."""
+        rec = getattr(self.comm, "_recorder", None)
+        return {"watchdog": getattr(self.comm, "_watchdog", None) is not None,
+                "flight_recorder_calls": int(getattr(rec, "capacity", 0) or 0)}
 
     def close_comm(self, comm: Any) -> None:
         comm.close()
@@ -63,8 +103,18 @@ class NcclpyBackend(CupyStreamBackend):
                                                         else r.handle))
                     self.registered_seen[1] += 1
         bufs.extra["regs"] = regs
+        return self._with_args(bufs)
+
+    def adopt(self, bufs: Buffers) -> Buffers:
+        return self._with_args(Buffers(bufs.collective, bufs.dtype, bufs.layout, bufs.send,
+                                       bufs.recv, bufs.whole, bufs.ip_send, bufs.ip_recv))
+
+    def _with_args(self, bufs: Buffers) -> Buffers:
+        """``bufs.extra["args"]``: what ``run`` hands ncclpy, the CuPy arrays themselves (raw
+        typed :class:`ncclpy.Buffer` for bfloat16 / float8, which CuPy lacks)."""
         keys = ("send", "recv", "whole", "ip_send", "ip_recv")
-        if DTYPES[dtype].numpy is None:  # bfloat16 / float8: hand ncclpy raw typed buffers
+        dtype = bufs.dtype
+        if DTYPES[dtype].numpy is None:
             B = self.ncclpy.Buffer
             bufs.extra["args"] = {k: B(getattr(bufs, k).data.ptr, int(getattr(bufs, k).size),
                                        dtype, self.device) for k in keys}
@@ -93,7 +143,7 @@ class NcclpyBackend(CupyStreamBackend):
 
     def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:
         s, r = call_args(collective, bufs.extra["args"], in_place, self.rank, root)
-        c, st, me, n = self.comm, self.stream, self.rank, self.world
+        c, st, me, n = self.comm, self.stream_arg, self.rank, self.world
         cfg = self._coll_config
         if collective == "all_reduce":
             c.all_reduce(s, r, op=op, stream=st, config=cfg)
@@ -115,6 +165,43 @@ class NcclpyBackend(CupyStreamBackend):
             c.send_recv(s, r, (me + 1) % n, (me - 1) % n, stream=st)
         else:  # pragma: no cover - the CLI only passes registry names with data
             raise ValueError(f"collective {collective!r} is not benchmarked")
+
+
+class NcclpyDefaultsBackend(NcclpyBackend):
+    """``ncclpy`` in bench.overhead: the communicator ``ncclpy.init`` makes --
+    ``Communicator.from_bootstrap`` on the harness's rendezvous store (rank 0 hosts it, as it
+    hosts ``ncclpy.init``'s), the watchdog on and the flight recorder at its default size, with
+    the ``NCCLPY_*`` variables that change those left unset while it is made."""
+
+    name = "ncclpy"
+    label = "ncclpy"
+    defaults = ("ncclpy.init's defaults: watchdog on (heartbeats on the rendezvous store), "
+                "flight recorder on (NCCLPY_TRACE_BUFFER unset: its default size)")
+
+    def open_comm(self, uid: bytes) -> Any:
+        import ncclpy
+        from ncclpy.bootstrap import Bootstrap
+        self.ncclpy = ncclpy
+        bs = Bootstrap(rank=self.rank, world_size=self.world, local_rank=self.rank,
+                       device=int(self.device), uid=uid, name=f"bench-{self.name}",
+                       generation=self.generation, store=self.store, info=None)
+        with environ(**{k: None for k in DEFAULTS_ENV}):
+            return ncclpy.Communicator.from_bootstrap(bs, self._config(), checked=False,
+                                                      watchdog=True)
+
+
+class NcclpyBareBackend(NcclpyBackend):
+    """``ncclpy-bare`` in bench.overhead: ``ncclpy.Communicator(...)`` made with
+    ``NCCLPY_TRACE_BUFFER=0`` (no flight recorder) and no watchdog (the constructor starts none):
+    what the defaults cost is ``ncclpy`` minus this."""
+
+    name = "ncclpy-bare"
+    label = "ncclpy-bare"
+    defaults = "watchdog off, flight recorder off (NCCLPY_TRACE_BUFFER=0)"
+
+    def open_comm(self, uid: bytes) -> Any:
+        with environ(NCCLPY_TRACE_BUFFER="0", NCCLPY_NVTX=None):
+            return super().open_comm(uid)
 
 
 def call_args(collective: str, a: Dict[str, Any], in_place: bool, rank: int,

@@ -4,6 +4,11 @@ torch's all_reduce, reduce and broadcast work in place only, so their out-of-pla
 a device copy into the output followed by the in-place call: what a torch user pays for
 out-of-place semantics.  The process group gets its own torch TCPStore (rank 0 picks a free port
 and publishes it through the harness's store), so no port is shared with ncclpy's store.
+
+In ``python -m bench.overhead`` torch gets the other backends' stream and memory in its own
+forms: the stream as torch's current stream (``torch.cuda.ExternalStream`` over the same
+handle; torch's collectives take no stream argument), the buffers as zero-copy tensors over
+the same CuPy arrays (:meth:`TorchBackend.adopt` checks the pointers).
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ _GLOO_NO_DTYPES = {"uint32", "uint64", "float8_e4m3", "float8_e5m2"}
 class TorchBackend(Backend):
     name = "torch"
     label = "torch"
+    defaults = "torch.distributed's defaults (ProcessGroupNCCL)"
+    stream_form = ("torch's current stream set to torch.cuda.ExternalStream(the same handle): "
+                   "torch takes no stream argument; ProcessGroupNCCL waits on it and runs NCCL "
+                   "on its own internal stream")
 
     def setup(self, rank, world, device, store, *, master_addr="127.0.0.1", timeout=300.0):
         super().setup(rank, world, device, store, master_addr=master_addr, timeout=timeout)
@@ -38,6 +47,8 @@ class TorchBackend(Backend):
         self.cuda = device is not None
         self.pg_backend = "nccl" if self.cuda else "gloo"
         self.label = f"torch/{self.pg_backend}"
+        self.defaults = (f"torch.distributed's defaults (ProcessGroup"
+                         f"{'NCCL' if self.cuda else 'Gloo'})")
         if self.cuda:
             torch.cuda.set_device(device)
             self.tdevice = torch.device("cuda", device)
@@ -67,6 +78,9 @@ class TorchBackend(Backend):
             self.sync()
             dist.destroy_process_group()
         self.tstore = None
+        if getattr(self, "ext_stream", None) is not None:   # the shared stream is not torch's
+            self.torch.cuda.set_stream(self.torch.cuda.default_stream(self.tdevice))
+            self.ext_stream = None
 
     def nccl_version(self) -> int:
         if not self.cuda:
@@ -141,6 +155,35 @@ class TorchBackend(Backend):
     def sync(self) -> None:
         if getattr(self, "cuda", False):
             self.torch.cuda.synchronize(self.device)
+
+    # ---- the shared stream and buffers of bench.overhead --------------------------------------
+    def use_stream(self, stream: Any) -> None:
+        if not self.cuda:
+            super().use_stream(stream)
+        torch = self.torch
+        self.ext_stream = torch.cuda.ExternalStream(int(stream.ptr), device=self.tdevice)
+        torch.cuda.set_stream(self.ext_stream)
+
+    def adopt(self, bufs: Buffers) -> Buffers:
+        if not self.cuda:
+            return super().adopt(bufs)
+        keys = ("send", "recv", "whole", "ip_send", "ip_recv")
+        tensors = {k: self._over(getattr(bufs, k), k) for k in keys}
+        out = Buffers(bufs.collective, bufs.dtype, bufs.layout, **tensors)
+        if bufs.collective in ("gather", "scatter"):
+            n = out.layout.count
+            for key, src in (("lists", out.recv if bufs.collective == "gather" else out.send),
+                             ("ip_lists", out.whole)):
+                out.extra[key] = [src[p * n:(p + 1) * n] for p in range(self.world)]
+        return out
+
+    def _over(self, arr: Any, what: str) -> Any:
+        """A tensor over CuPy array ``arr``'s memory (``__cuda_array_interface__``, no copy)."""
+        t = self.torch.as_tensor(arr, device=self.tdevice)
+        if int(arr.size) and int(t.data_ptr()) != int(arr.data.ptr):
+            raise RuntimeError(f"torch copied the {what} buffer ({t.data_ptr():#x} != "
+                               f"{int(arr.data.ptr):#x}): the backends would not share memory")
+        return t
 
     # ---- collectives ----------------------------------------------------------------------
     def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:

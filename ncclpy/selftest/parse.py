@@ -1,5 +1,6 @@
 """Read what the stages leave behind: pytest's junit XML (or its summary line), the ``ncclpy
-check`` JSON, the bench sweep JSON and the overhead JSON, into the few numbers a record needs.
+check`` JSON, the bench sweep JSON, the overhead JSON and the CUDA call costs, into the few
+numbers a record needs.
 
 Every reader takes a path (or text), returns None where the file is missing or unreadable, and
 never raises for a malformed file: a stage that was killed may leave half a file.
@@ -14,7 +15,7 @@ import xml.etree.ElementTree as ET
 from typing import Any, Dict, List, Optional
 
 __all__ = ["junit_counts", "merge_counts", "pytest_log_counts", "check_summary", "bench_figures",
-           "overhead_figures", "load_json", "BIG_BYTES", "MiB"]
+           "overhead_figures", "cuda_costs_figures", "load_json", "BIG_BYTES", "MiB"]
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,10 @@ def bench_figures(path: str, big: int = BIG_BYTES) -> Optional[Dict[str, Any]]:
 
 def overhead_figures(path: str, size: int = 8) -> Optional[Dict[str, Any]]:
     """From a ``python -m bench.overhead -J`` file: per mode at ``size`` bytes the medians of
-    every backend and ncclpy minus cupy / minus torch (µs)."""
+    every backend, and in the per-call modes (eager, prepared) each ncclpy flavour (``ncclpy``:
+    its defaults, ``ncclpy-bare``) minus cupy / minus torch / minus nccl4py (µs), keyed
+    ``<flavour>_minus_<other>_us``.  Graph replay and the one-off capture get no difference:
+    every backend replays the same kind of graph, and building one is not the eager target."""
     doc = load_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
         return None
@@ -209,11 +213,26 @@ def overhead_figures(path: str, size: int = 8) -> Optional[Dict[str, Any]]:
         except (KeyError, TypeError, ValueError):
             continue
     for mode, med in modes.items():
-        nc = med.get("ncclpy")
-        for other in ("cupy", "torch"):
-            if nc is not None and med.get(other) is not None:
-                med[f"ncclpy_minus_{other}_us"] = nc - med[other]
+        if mode not in ("eager", "prepared"):
+            continue
+        for flavour in ("ncclpy", "ncclpy-bare"):
+            nc = med.get(flavour)
+            for other in ("cupy", "torch", "nccl4py"):
+                if nc is not None and med.get(other) is not None:
+                    med[f"{flavour}_minus_{other}_us"] = nc - med[other]
     sizes: List[int] = sorted({int(r.get("size", 0)) for r in doc["results"]
                                if isinstance(r, dict)})
     return {"size": size, "modes": modes, "sizes": sizes, "calls": doc.get("calls"),
             "world_size": doc.get("world_size")}
+
+
+def cuda_costs_figures(path: str) -> Optional[Dict[str, Any]]:
+    """From a ``python -m bench.cuda_costs --json`` file: the device, versions and the median
+    host ns per call of each CUDA call (None: missing, unreadable or another schema)."""
+    doc = load_json(path)
+    if not isinstance(doc, dict) or doc.get("schema") != "ncclpy-cuda-costs/1" or \
+            not isinstance(doc.get("costs_ns"), dict):
+        return None
+    costs = {str(k): _num(v) for k, v in doc["costs_ns"].items()}
+    return {"device": doc.get("device"), "cuda_runtime": doc.get("cuda_runtime"),
+            "cupy": doc.get("cupy"), "costs_ns": costs, "floor_ns": _num(doc.get("floor_ns"))}

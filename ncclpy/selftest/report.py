@@ -202,18 +202,40 @@ def _figure_lines(stages: Sequence[StageResult]) -> List[str]:
                        f": {top or '?'}; #wrong {b.get('out_of_bounds')}")
         o = s.figures.get("overhead")
         if o:
-            modes = o.get("modes") or {}
-            parts = []
-            for mode in ("eager", "capture", "graph"):
-                m = modes.get(mode)
-                if not m:
-                    continue
-                parts.append(f"{mode}: ncclpy - cupy = {_fmt(m.get('ncclpy_minus_cupy_us'))} us"
-                             f" (ncclpy {_fmt(m.get('ncclpy'))}, cupy {_fmt(m.get('cupy'))}, "
-                             f"torch {_fmt(m.get('torch'))})")
-            out.append(f"- overhead all_reduce {o.get('size')} B, median per call, "
-                       f"{o.get('world_size')} ranks: {'; '.join(parts) or '?'}")
+            out.append(_overhead_line(o))
+        c = s.figures.get("cuda_costs")
+        if c:
+            costs = ", ".join(f"{k} {_fmt(v, '.0f')}" for k, v in (c.get("costs_ns") or {}).items())
+            out.append(f"- CUDA calls' host cost, ns per call (median) on {c.get('device')}, CUDA "
+                       f"runtime {c.get('cuda_runtime')}, CuPy {c.get('cupy')}: {costs or '?'} "
+                       f"(Python loop floor {_fmt(c.get('floor_ns'), '.0f')})")
     return out
+
+
+#: the overhead backends, in the order the report names them
+_OVERHEAD_BACKENDS = ("ncclpy", "ncclpy-bare", "cupy", "torch", "nccl4py")
+
+
+def _overhead_line(o: Dict[str, Any]) -> str:
+    """The overhead stage's line: per call modes with each ncclpy flavour minus cupy; graph
+    replay and the one-off capture with their medians only."""
+    modes = o.get("modes") or {}
+    parts = []
+    for mode in ("eager", "prepared", "graph", "capture"):
+        m = modes.get(mode)
+        if not m:
+            continue
+        med = ", ".join(f"{b} {_fmt(m.get(b))}" for b in _OVERHEAD_BACKENDS if b in m)
+        if mode in ("eager", "prepared"):
+            diffs = [f"{fl} - cupy = {_fmt(m.get(f'{fl}_minus_cupy_us'))} us"
+                     for fl in ("ncclpy", "ncclpy-bare") if f"{fl}_minus_cupy_us" in m]
+            parts.append(f"{mode}: {', '.join(diffs) or 'no ncclpy - cupy'} ({med})")
+        elif mode == "graph":
+            parts.append(f"graph replay, the same kind of graph for all: {med}")
+        else:
+            parts.append(f"capture, one-off per captured call: {med}")
+    return (f"- overhead all_reduce {o.get('size')} B, median per call, "
+            f"{o.get('world_size')} ranks: {'; '.join(parts) or '?'}")
 
 
 def _rerun(rec: RunRecord, names: Sequence[str]) -> str:

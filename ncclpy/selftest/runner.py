@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from . import parse as P
 from .report import StageResult
-from .stages import Ctx, Stage, prefix, shard_prefix
+from .stages import CUDA_COSTS_SUFFIX, Ctx, Stage, prefix, shard_prefix
 
 __all__ = ["analyse", "pack", "child_env", "GRACE_S"]
 
@@ -145,6 +145,12 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
             res.figures[stage.kind] = fig
             if fig.get("out_of_bounds"):
                 ok, reason = False, f"{fig['out_of_bounds']} results with wrong elements"
+        if stage.kind == "overhead":
+            costs = P.cuda_costs_figures(os.path.join(work, f"{p}.{CUDA_COSTS_SUFFIX}"))
+            if costs is not None:
+                res.figures["cuda_costs"] = costs
+            elif ok:
+                ok, reason = False, "bench.cuda_costs wrote no JSON"
     if interrupted:
         res.status = "interrupted"
     elif timed_out:

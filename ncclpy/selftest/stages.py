@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Cmd", "Ctx", "Stage", "STAGES", "NAMES", "DEFAULT_BUDGET_S", "RESERVE_S",
            "ARTIFACTS_ENV", "select", "decide", "commands", "shard_commands", "prefix",
-           "by_name", "stage_of", "TIMED"]
+           "by_name", "stage_of", "TIMED", "CUDA_COSTS_SUFFIX"]
 
 #: default global deadline (seconds): the whole proof in one device call, leaving time in a
 #: session's 15 minutes of device time for a second call that reruns what failed
@@ -30,6 +30,8 @@ DEFAULT_BUDGET_S = 480.0
 RESERVE_S = 25.0
 #: environment variable through which GPU tests leave artifacts (check JSON) for the report
 ARTIFACTS_ENV = "NCCLPY_GPU_ARTIFACTS"
+#: the overhead stage's second JSON, ``python -m bench.cuda_costs``'s, after the stage prefix
+CUDA_COSTS_SUFFIX = "cuda-costs.json"
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,16 @@ STAGES: Tuple[Stage, ...] = (
           150, 45, ranks=2, exclusive=True,
           args=("all_reduce", "-b", "8", "-e", "256M", "-f", "2", "--nproc", "2",
                 "--device", "cuda", "--backend", "ncclpy,cupy,torch")),
-    Stage("overhead", "host overhead per call, n=2, ncclpy/cupy/torch", "overhead", 120, 30,
-          ranks=2, exclusive=True, args=("--nproc", "2", "--backend", "ncclpy,cupy,torch")),
+    # ~25 s of set-up (2 processes, torch, 4-5 communicators each), ~25 s of timed calls
+    # (2 per-call modes x 4 sizes x 5 backends x 2,100 calls, plus 200 graph replays with a
+    # barrier each and 200 captured calls per backend and size), ~10 s for bench.cuda_costs,
+    # up to ~15 s for the offline install: ~75 s, bounded at twice that
+    Stage("overhead", "host overhead per call, n=2: ncclpy (defaults), ncclpy-bare, cupy, "
+          "torch, nccl4py where installed; CUDA calls' host cost", "overhead", 150, 60,
+          ranks=2, exclusive=True,
+          args=("--nproc", "2", "--modes", "eager,prepared,graph,capture"),
+          notes="bench/install_wheels.sh --optional first (nccl4py from wheels/, when carried "
+                "along), then bench.overhead, then bench.cuda_costs (its JSON beside)"),
 )
 NAMES: Tuple[str, ...] = tuple(s.name for s in STAGES)
 #: the stages whose result is a stage, not tests (the GPU ledger records them as items)
@@ -219,8 +229,11 @@ def shard_commands(stage: Stage, ctx: Ctx) -> List[List[Cmd]]:
     if stage.kind == "bench":
         return [[Cmd((py, "-m", "bench", *stage.args, "-J", os.path.join(work, f"{p}.json")))]]
     if stage.kind == "overhead":
-        return [[Cmd((py, "-m", "bench.overhead", *stage.args,
-                      "-J", os.path.join(work, f"{p}.json")))]]
+        return [[Cmd(("bash", "bench/install_wheels.sh", "--optional", "--python", py)),
+                 Cmd((py, "-m", "bench.overhead", *stage.args,
+                      "-J", os.path.join(work, f"{p}.json"))),
+                 Cmd((py, "-m", "bench.cuda_costs", "--json",
+                      os.path.join(work, f"{p}.{CUDA_COSTS_SUFFIX}")))]]
     if stage.kind == "cmd":           # ``python ARGS``: for stages made outside STAGES
         return [[Cmd((py, *stage.args))]]
     raise ValueError(f"stage {stage.name}: unknown kind {stage.kind!r}")

@@ -110,15 +110,53 @@ def test_torch_nccl_backend_and_events_timer(tmp_path):
 
 @requires_gpu
 def test_overhead_benchmark_runs(tmp_path):
+    """Every default backend (issue 37) on one shared stream and one set of buffers, every
+    mode; ncclpy with its watchdog and flight recorder, ncclpy-bare without."""
+    pytest.importorskip("torch")
     js = tmp_path / "o.json"
-    cp = _run("bench.overhead", "--backend", "ncclpy,cupy", "--calls", "200", "--sizes", "8,4K",
-              "-J", str(js))
+    names = ("ncclpy", "ncclpy-bare", "cupy", "torch")
+    cp = _run("bench.overhead", "--backends", ",".join(names), "--calls", "200",
+              "--graph-calls", "40", "--sizes", "8,4K", "-J", str(js))
     assert cp.returncode == 0, cp.stdout + cp.stderr
     doc = json.loads(js.read_text())
     modes = {(r["backend"], r["mode"]) for r in doc["results"]}
-    assert modes == {(b, m) for b in ("ncclpy", "cupy") for m in ("eager", "capture", "graph")}
+    assert modes == {(b, m) for b in names for m in ("eager", "prepared", "graph", "capture")}
     assert all(r["median_us"] > 0 for r in doc["results"])
-    assert {d["size"] for d in doc["derived"]} == {8, 4096}
+    assert {(d["backend"], d["size"]) for d in doc["derived"]} == {
+        (f, s) for f in ("ncclpy", "ncclpy-bare") for s in (8, 4096)}
+    assert {d["mode"] for d in doc["derived"]} == {"eager", "prepared"}
+    ran = {b["name"]: b["settings"] for b in doc["backends"]}
+    assert ran["ncclpy"]["watchdog"] and ran["ncclpy"]["flight_recorder_calls"] > 0
+    assert ran["ncclpy-bare"] == {"watchdog": False, "flight_recorder_calls": 0}
+    assert "## one-off" in cp.stdout and "## graph replay" in cp.stdout
+
+
+@requires_gpu
+def test_overhead_benchmark_nccl4py(tmp_path):
+    """nccl4py beside the raw floor, where it is installed (bench/install_wheels.sh)."""
+    from bench.backends.nccl4py import INSTALL_HINT, missing
+    if missing():
+        pytest.skip(f"nccl4py is not installed ({missing()}); {INSTALL_HINT}")
+    js = tmp_path / "o.json"
+    cp = _run("bench.overhead", "--backends", "cupy,nccl4py", "--calls", "100",
+              "--graph-calls", "20", "--sizes", "8", "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = json.loads(js.read_text())
+    assert {(r["backend"], r["mode"]) for r in doc["results"]} == {
+        (b, m) for b in ("cupy", "nccl4py") for m in ("eager", "prepared", "graph", "capture")}
+    assert doc["versions"]["nccl4py"]["nccl4py"] == "0.6.0", doc["versions"]
+
+
+@requires_gpu
+def test_cuda_costs_measures_every_call(tmp_path):
+    js = tmp_path / "c.json"
+    cp = _run("bench.cuda_costs", "--repeats", "50", "--json", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    doc = json.loads(js.read_text())
+    from bench.cuda_costs import CALLS, SCHEMA
+    assert doc["schema"] == SCHEMA and doc["device"] and doc["cuda_runtime"]
+    assert set(doc["costs_ns"]) == {n for n, _ in CALLS}, doc["not_measured"]
+    assert all(v > 0 for v in doc["costs_ns"].values()), doc["costs_ns"]
 
 
 @requires_gpu

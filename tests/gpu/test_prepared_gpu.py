@@ -311,23 +311,25 @@ def test_prepared_and_cached_calls(prepared_run, name):
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.gpu_world(2)
 def test_overhead_benchmark_prepared_mode(tmp_path):
-    """``bench.overhead --modes eager,prepared`` times ncclpy's prepared call beside raw CuPy."""
+    """``bench.overhead --modes eager,prepared`` times both ncclpy flavours' prepared calls
+    beside raw CuPy."""
     js = tmp_path / "o.json"
-    cp = subprocess.run([sys.executable, "-m", "bench.overhead", "--backend", "ncclpy,cupy",
-                         "--modes", "eager,prepared", "--calls", "200", "--sizes", "8",
-                         "-J", str(js)], cwd=ROOT, capture_output=True, text=True,
-                        timeout=TIMEOUT - 60)
+    flavours = ("ncclpy", "ncclpy-bare")
+    cp = subprocess.run([sys.executable, "-m", "bench.overhead", "--backends",
+                         "ncclpy,ncclpy-bare,cupy", "--modes", "eager,prepared", "--calls",
+                         "200", "--sizes", "8", "-J", str(js)], cwd=ROOT, capture_output=True,
+                        text=True, timeout=TIMEOUT - 60)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     doc = json.loads(js.read_text())
     res = {(r["backend"], r["mode"]): r for r in doc["results"]}
-    assert set(res) == {(b, m) for b in ("ncclpy", "cupy") for m in ("eager", "prepared")}
+    assert set(res) == {(b, m) for b in (*flavours, "cupy") for m in ("eager", "prepared")}
     for r in res.values():             # every call of every mode timed, and the figures hold
-        assert r["calls"] == 200 and r["size"] == 8, r
+        assert r["calls"] == 200 and r["size"] == 8 and r["rounds"] == 5, r
         assert 0 < r["min_us"] <= r["p10_us"] <= r["median_us"] <= r["p90_us"], r
-    # what the benchmark is for: ncclpy's cost over the raw CuPy call, per mode
-    derived = {d["mode"]: d for d in doc["derived"]}
-    assert set(derived) == {"eager", "prepared"}
-    for mode, d in derived.items():
-        want = res[("ncclpy", mode)]["median_us"] - res[("cupy", mode)]["median_us"]
-        assert d["ncclpy_minus_cupy_us"] == pytest.approx(want), (mode, d)
+    # what the benchmark is for: each flavour's cost over the raw CuPy call, per mode
+    derived = {(d["backend"], d["mode"]): d for d in doc["derived"]}
+    assert set(derived) == {(f, m) for f in flavours for m in ("eager", "prepared")}
+    for (fl, mode), d in derived.items():
+        want = res[(fl, mode)]["median_us"] - res[("cupy", mode)]["median_us"]
+        assert d["minus_cupy_us"] == pytest.approx(want), (fl, mode, d)
     assert doc["calls"] == 200 and doc["world_size"] == 2
