@@ -1,273 +1,243 @@
-"""``python -m bench.host_overhead``: the Python time of one call up to the NCCL function (CPU).
+"""``python -m bench.host_overhead``: the host time of a whole ncclpy call, on a CPU.
 
-Runs on a CPU machine (no GPU, no driver), but needs the CUDA extra (``pip install -e
-".[cu13]"``, or ``cu12``): the floor is a real call into libnccl and the ``cupy`` input a real
-``cupy.ndarray``.  Without libnccl it says so in one line and exits 2.
+Runs on a CPU machine (no GPU, no driver, no libnccl), but needs CuPy (the CUDA extra: ``pip
+install -e ".[cu13]"``) for its input, a real ``cupy.ndarray`` (over host memory it never
+touches); without CuPy it says so in one line and exits 2.
 
-What is timed, in one process and one run, for an in-place ``all_reduce`` (op sum) of one
-buffer of 2 float32 (8 bytes) on rank 0 of 2, through a real :class:`ncclpy.comm.resolver.Resolver`
-(no communicator, no GPU; the libnccl is the one CuPy loads):
+What is timed, in one process and one run, for an in-place ``all_reduce`` (op sum) of 2
+float32 (8 bytes) on rank 0 of 2: the complete ``comm.all_reduce(x, ...)`` of a real
+:class:`ncclpy.Communicator` standing on the null boundary (:mod:`bench.null_boundary`: every
+CUDA and NCCL call a no-op), against the **floor**: the same loop calling the no-op the way a
+raw CuPy user calls ``NcclCommunicator.allReduce(x.data.ptr, x.data.ptr, x.size, dtype, op,
+stream)``.  The paths (each a loop of ``--batch`` calls; a sample is its mean per call):
 
-* ``floor``: a bare ctypes call into the loaded libnccl, ``ncclGetVersion(byref(v))``;
-* ``cold``: a call seen for the first time: ``Resolver.resolve`` parses the buffer, plans with
-  every check, resolves the stream and keeps the result (a fresh object, at a fresh address,
-  for every call; the cache is emptied between samples, outside the clock);
-* ``cached``: the same call again: ``Resolver.resolve`` builds the key (reads the buffer's
-  pointer, count, dtype, device, layout; the stream; the op) and finds the result;
-* ``cached_rec``: ``cached`` plus the flight recorder's entry for the call
-  (:meth:`ncclpy.debug.recorder.Recorder.open`: its ring on by default, ``NCCLPY_TRACE_BUFFER``),
-  the call site found by walking out of ncclpy's frames;
-* ``prepared``: ``PreparedCall.bind()`` of a call prepared once (what ``p()`` does before its C
-  call: check the planning context, pick the stream and group state, hand over the call);
-* ``prepared_rec``: ``prepared`` plus the flight recorder's entry, as for ``cached_rec``.
+* ``eager``: ``comm.all_reduce(x, stream=h)`` with ncclpy's **defaults**: the flight recorder
+  on and the watchdog thread on (heartbeats to a real store this process hosts, as rank 0 does
+  under ``ncclpy.init``), its Works released by the watchdog's thread;
+* ``eager_none``: the same with ``stream=None`` (CuPy's current stream, looked up per call);
+* ``eager_bare``: ``comm.all_reduce(x, stream=h)`` with the watchdog and recorder off (its
+  Works released by the process's reaper thread);
+* ``prepared``, ``prepared_bare``: ``p()`` of ``comm.prepare("all_reduce", x, stream=h)``,
+  with the defaults and without.
 
-Each path ends where the communicator would call ``table[fn](*args, stream=s)`` with the final C
-arguments, checked before timing against the expected ``ncclAllReduce`` arguments.  Not in the
-figures: the communicator method's own frame and closed check (two attribute reads), the
-executor's loop over the resolved calls, the C call itself and the Work's event record (see
-``bench/overhead.py``, which times whole calls on a GPU).
+Everything the call does is in the figure: the background threads' work (they share the GIL
+with the caller), the garbage collector, the pool of events.  Paths interleave round by round
+after a warm-up; medians over ``--repeats`` samples; each path's median minus the floor's is
+its overhead, checked against the targets (eager ≤ 1.0 µs, prepared ≤ 0.4 µs over the floor).
 
-Inputs: ``Buffer`` (``ncclpy.Buffer``) and ``cupy`` (a real ``cupy.ndarray`` over
-``cupy.cuda.UnownedMemory`` at an address that is never dereferenced: CuPy builds the array
-without touching a device) run on an explicit stream handle, since CuPy cannot say its current
-stream without a CUDA driver; ``cai`` (an object exporting ``__cuda_array_interface__`` v3)
-names its own stream, so it takes the default-stream path.  torch is left out: a torch CUDA
-tensor cannot be made without a GPU, and a CPU tensor is host memory (refused).
-
-Statistics: a sample is the mean time per call over a batch of calls (``--batch``); ``--repeats``
-samples per path, the paths interleaved round by round so that machine noise hits them alike;
-min, median and p90 in ns, and each median over the floor's median.  ``--json PATH`` writes
-``{"floor_ns": ..., "results": [{"input", "path", "median_ns", "ratio_to_floor", "min_ns",
-"p90_ns"}, ...], ...}``; the table goes to stdout.  Exit 0, or 1 when a timed path does not
-produce the expected call, 2 when libnccl cannot be loaded or the command line is wrong.
+The second figure predicts the GPU: an untimed pass counts the CUDA runtime calls each path
+makes on the caller's thread, and each count is priced with the per-call costs measured on a
+GPU (``bench/cuda_costs.json``, written by ``python -m bench.cuda_costs --json`` on a GPU
+machine); without that file it says so and gives no prediction.  ``--breakdown`` times each
+step of the eager call on its own (:mod:`bench.breakdown`).  ``--json PATH`` writes it all.
+Exit 0; 1 when a path did not make the expected NCCL call; 2 on a usage error or no CuPy.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import platform
 import sys
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 if __package__ in (None, ""):  # run as ``python bench/host_overhead.py``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-__all__ = ["main", "build_parser", "make_inputs", "stats", "measure", "TARGETS", "PATHS"]
+__all__ = ["main", "build_parser", "measure", "stats", "table", "predict", "load_costs",
+           "PATHS", "TARGETS", "COSTS_FILE", "COST_KEYS"]
 
-PATHS = ("cold", "cached", "cached_rec", "prepared", "prepared_rec")
-#: the issue's targets on the CI machine: cached/prepared as ratios to the floor, cold in ns;
-#: *_rec: the same with the flight recorder on (its default), held to the same targets
-TARGETS = {"cached": ("ratio", 4.0), "cached_rec": ("ratio", 4.0), "prepared": ("ratio", 2.0),
-           "prepared_rec": ("ratio", 2.0), "cold": ("ns", 5000.0)}
-BASE = 0x7F00_0000_0000   # made-up device addresses: never dereferenced
-STREAM = 0x5EED           # a raw cudaStream_t handle, passed as an int
-COUNT = 2                 # float32 elements: 8 bytes
-_F32, _SUM = 7, 0         # ncclFloat32, ncclSum
-
-
-class CaiArray:
-    """A device array as a ``__cuda_array_interface__`` v3 producer exports it (numba-like)."""
-
-    def __init__(self, ptr: int, count: int, stream: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4",
-                                         "data": (ptr, False), "strides": None, "version": 3,
-                                         "stream": stream}
-
-
-def _buffer(ptr: int) -> Any:
-    from ncclpy.buffers import Buffer
-    return Buffer(ptr, COUNT, "float32", 0)
-
-
-def _cupy_maker() -> Tuple[Optional[Callable[[int], Any]], str]:
-    try:
-        import cupy
-    except Exception as e:  # pragma: no cover - cupy is a dependency
-        return None, f"CuPy unavailable ({type(e).__name__}: {e})"
-
-    def make(ptr: int) -> Any:
-        mem = cupy.cuda.UnownedMemory(ptr, COUNT * 4, None, 0)
-        return cupy.ndarray((COUNT,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
-    try:
-        make(BASE)
-    except Exception as e:  # pragma: no cover - a CuPy that touches the device here
-        return None, f"a cupy.ndarray could not be made without a GPU ({type(e).__name__}: {e})"
-    return make, ""
-
-
-def make_inputs() -> Tuple[Dict[str, Tuple[Callable[[int], Any], Optional[int]]],
-                           Dict[str, str]]:
-    """``{input: (make(ptr) -> object, stream or None for the object's own)}`` and
-    ``{input: why it is left out}``."""
-    inputs: Dict[str, Tuple[Callable[[int], Any], Optional[int]]] = {
-        "Buffer": (_buffer, STREAM),
-        "cai": (lambda ptr: CaiArray(ptr, COUNT, STREAM), None),
-    }
-    omitted: Dict[str, str] = {}
-    make, why = _cupy_maker()
-    if make is not None:
-        inputs["cupy"] = (make, STREAM)
-    else:
-        omitted["cupy"] = why
-    omitted["torch"] = ("a torch CUDA tensor cannot be made without a GPU, and a CPU tensor is "
-                        "host memory (refused); measured by bench/overhead.py on a GPU")
-    return inputs, omitted
-
-
-class _RecComm:
-    """What a flight recorder reads of its communicator (no NCCL handle behind it)."""
-
-    name, rank, world_size, device, nccl_version = "bench", 0, 2, 0, 0
+PATHS = ("eager", "eager_none", "eager_bare", "prepared", "prepared_bare")
+#: ns over the floor's median
+TARGETS = {"eager": 1000.0, "prepared": 400.0}
+COUNT = 2
+COSTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_costs.json")
+#: the boundary's calls (bench.null_boundary.CUDA_CALLS) -> bench.cuda_costs' names
+COST_KEYS = {"get_device": "cudaGetDevice", "set_device": "cudaSetDevice",
+             "stream_is_capturing": "cudaStreamIsCapturing",
+             "event_create": "cudaEventCreateWithFlags", "event_record": "cudaEventRecord",
+             "event_query": "cudaEventQuery", "event_destroy": "cudaEventDestroy",
+             "exchange_capture_mode": "cuThreadExchangeStreamCaptureMode",
+             "current_stream": "cupy.get_current_stream(dev).ptr"}
+_PROG = "python -m bench.host_overhead"
+_clock = time.perf_counter_ns
 
 
 def stats(samples: Sequence[float]) -> Dict[str, float]:
-    """min / median / p90 (nearest rank) of per-call nanoseconds."""
+    """min, median, p90 of per-call ns samples."""
     xs = sorted(samples)
-    if not xs:
-        return {"min_ns": 0.0, "median_ns": 0.0, "p90_ns": 0.0}
     n = len(xs)
-    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-    p90 = xs[min(n - 1, max(0, -(-9 * n // 10) - 1))]
-    return {"min_ns": float(xs[0]), "median_ns": float(mid), "p90_ns": float(p90)}
+    return {"min_ns": xs[0], "median_ns": (xs[(n - 1) // 2] + xs[n // 2]) / 2,
+            "p90_ns": xs[min(n - 1, int(0.9 * n))]}
 
 
-def _expect(r: Any, ptr: int, stream: int) -> None:
-    want = (("AllReduce", (ptr, ptr, COUNT, _F32, _SUM)),)
-    if r.calls != want or r.stream != stream:
-        raise AssertionError(f"resolved {r.calls!r} on stream {r.stream:#x}; expected {want!r} "
-                             f"on {stream:#x}")
+def _array(cupy: Any) -> Any:  # -> (array, the host memory it stands on)
+    """A real cupy.ndarray of COUNT float32 over host memory (never dereferenced)."""
+    import numpy as np
+    host = np.zeros(COUNT, np.float32)
+    mem = cupy.cuda.UnownedMemory(host.ctypes.data, host.nbytes, host, 0)
+    arr = cupy.ndarray((COUNT,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+    return arr, host
 
 
-def measure(repeats: int = 200, batch: int = 100, *, log: Optional[Callable[[str], None]] = None
-            ) -> Dict[str, Any]:
-    """Time every path (see the module docstring); returns the JSON document."""
-    from ncclpy._nccl.lib import get_lib
-    from ncclpy.plan.types import PlanContext
-    from ncclpy.comm.prepared import PreparedCall
-    from ncclpy.comm.resolver import Resolver
-    from ncclpy.debug.recorder import DEFAULT_BUFFER, Recorder
+def _samplers(comms: Dict[str, Any], x: Any, nccl: Any, batch: int,
+              stream: int) -> Dict[str, Callable[[], float]]:
+    from ncclpy.dtypes import DTYPES
+    dt, op = DTYPES["float32"].nccl, 0
+    out: Dict[str, Callable[[], float]] = {}
 
-    lib = get_lib()
-    get_version = lib.fn("ncclGetVersion")
-    v = ctypes.c_int(0)
-    byref = ctypes.byref
-    clock = time.perf_counter_ns
-    inputs, omitted = make_inputs()
-    ctx = PlanContext(0, 2, 0, lib.version)
-    op = "sum"
-    name = "all_reduce"
-
-    def floor_sample() -> float:
-        t0 = clock()
+    def floor() -> float:
+        ar = nccl.allReduce
+        t0 = _clock()
         for _ in range(batch):
-            get_version(byref(v))
-        return (clock() - t0) / batch
+            ar(x.data.ptr, x.data.ptr, x.size, dt, op, stream)
+        return (_clock() - t0) / batch
+    out["floor"] = floor
 
-    samplers: Dict[Tuple[str, str], Callable[[], float]] = {}
-    for inp, (make, own) in inputs.items():
-        stream = own
-        want_stream = STREAM
-        # cold: fresh objects at fresh addresses; the cache emptied before each batch
-        res_cold = Resolver(ctx, maxsize=batch + 1)
-        fresh = [make(BASE + 4096 * (i + 1)) for i in range(batch)]
-        _expect(res_cold.resolve(name, stream, fresh[0], None, (op,)), BASE + 4096, want_stream)
-
-        def cold(res: Resolver = res_cold, objs: List[Any] = fresh, s: Any = stream) -> float:
-            res.clear()
-            resolve = res.resolve
-            t0 = clock()
-            for x in objs:
-                resolve(name, s, x, None, (op,))
-            return (clock() - t0) / len(objs)
-
-        # cached: one object, resolved once before the clock
-        res_hot = Resolver(ctx)
-        x = make(BASE)
-        _expect(res_hot.resolve(name, stream, x, None, (op,)), BASE, want_stream)
-        if len(res_hot) != 1:
-            raise AssertionError(f"{inp}: the call was not cached")
-
-        def cached(res: Resolver = res_hot, x: Any = x, s: Any = stream) -> float:
-            resolve = res.resolve
-            t0 = clock()
+    def eager(ar: Any, s: Any) -> Callable[[], float]:
+        def sample() -> float:
+            t0 = _clock()
             for _ in range(batch):
-                resolve(name, s, x, None, (op,))
-            return (clock() - t0) / batch
+                ar(x, stream=s)
+            return (_clock() - t0) / batch
+        return sample
 
-        # cached_rec: the same, plus what the flight recorder adds to every call (its entry,
-        # with the call site found by walking out of ncclpy's frames)
-        rec = Recorder(_RecComm(), DEFAULT_BUFFER)
-
-        def cached_rec(res: Resolver = res_hot, x: Any = x, s: Any = stream,
-                       rec: Any = rec) -> float:
-            resolve, open_ = res.resolve, rec.open
-            t0 = clock()
+    def prepared(p: Any) -> Callable[[], float]:
+        def sample() -> float:
+            t0 = _clock()
             for _ in range(batch):
-                open_(resolve(name, s, x, None, (op,)))
-            return (clock() - t0) / batch
+                p()
+            return (_clock() - t0) / batch
+        return sample
+    d, b = comms["defaults"], comms["bare"]
+    out["eager"] = eager(d.all_reduce, stream)
+    out["eager_none"] = eager(d.all_reduce, None)
+    out["eager_bare"] = eager(b.all_reduce, stream)
+    out["prepared"] = prepared(d.prepare("all_reduce", x, stream=stream))
+    out["prepared_bare"] = prepared(b.prepare("all_reduce", x, stream=stream))
+    return out
 
-        # prepared: validated and planned once; bind() is what p() does before its C call
-        pc = PreparedCall(Resolver(ctx), name, x, None, (op,), stream=stream)
-        _expect(pc.bind(), BASE, want_stream)
 
-        def prepared(pc: PreparedCall = pc) -> float:
-            bind = pc.bind
-            t0 = clock()
-            for _ in range(batch):
-                bind()
-            return (clock() - t0) / batch
+def _check_call(comm: Any, x: Any, stream: int) -> None:
+    """The eager call resolves to exactly ncclAllReduce(x, x, 2, float32, sum) on ``stream``."""
+    r = comm._resolver.resolve("all_reduce", stream, x, None, ("sum",))
+    ptr = int(x.data.ptr)
+    want = (("AllReduce", (ptr, ptr, COUNT, 7, 0)),)
+    if r.calls != want or r.stream != stream:
+        raise AssertionError(f"all_reduce resolved to {r.calls!r} on {r.stream:#x}, expected "
+                             f"{want!r} on {stream:#x}")
 
-        samplers[(inp, "cold")] = cold
-        samplers[(inp, "cached")] = cached
-        samplers[(inp, "cached_rec")] = cached_rec
-        samplers[(inp, "prepared")] = prepared
 
-        def prepared_rec(pc: PreparedCall = pc, rec: Any = rec) -> float:
-            bind, open_ = pc.bind, rec.open
-            t0 = clock()
-            for _ in range(batch):
-                open_(bind())
-            return (clock() - t0) / batch
-        samplers[(inp, "prepared_rec")] = prepared_rec
+def _count(paths: Dict[str, Callable[[], float]], make_cuda: Callable[[], Any],
+           batch: int) -> Dict[str, Dict[str, float]]:
+    """The CUDA calls per call of each path, on the caller's thread (an untimed pass)."""
+    from ncclpy._nccl import cuda as cudamod
+    from bench.null_boundary import counts_per_call
+    out = {}
+    me = threading.get_ident()
+    for name, fn in paths.items():
+        cu = make_cuda()
+        counts = cu.counting(lambda: threading.get_ident() == me)
+        with cudamod.use(cu):
+            fn()                        # one batch after the warm-up: the steady state
+        out[name] = counts_per_call(counts, batch)
+    return out
 
-    for fn in (floor_sample, *samplers.values()):   # warm-up, outside the statistics
-        for _ in range(3):
-            fn()
-    floor: List[float] = []
-    got: Dict[Tuple[str, str], List[float]] = {k: [] for k in samplers}
-    gc_was = gc.isenabled()
-    gc.disable()
+
+def load_costs(path: str = COSTS_FILE) -> Optional[Dict[str, Any]]:
+    """The GPU-measured per-call costs (bench.cuda_costs' JSON), or None without the file."""
     try:
-        for rnd in range(repeats):
-            floor.append(floor_sample())
-            for k, fn in samplers.items():
-                got[k].append(fn())
-            if log is not None and repeats >= 10 and (rnd + 1) % max(repeats // 4, 1) == 0:
-                log(f"# {rnd + 1}/{repeats} rounds")
-    finally:
-        if gc_was:
-            gc.enable()
-    fs = stats(floor)
+        with open(path) as fh:
+            doc = json.load(fh)
+    except FileNotFoundError:
+        return None
+    if doc.get("schema") != "ncclpy-cuda-costs/1" or not isinstance(doc.get("costs_ns"), dict):
+        raise ValueError(f"{path}: not a bench.cuda_costs result (schema "
+                         f"{doc.get('schema')!r})")
+    return doc
+
+
+def predict(over_ns: float, counts: Dict[str, float], costs: Dict[str, Any]) -> Dict[str, Any]:
+    """``over_ns`` plus each counted CUDA call priced at its GPU-measured cost."""
+    add, priced, missing = 0.0, {}, []
+    for call, n in counts.items():
+        key = COST_KEYS.get(call)
+        c = costs["costs_ns"].get(key) if key else None
+        if c is None:
+            missing.append(call)
+            continue
+        priced[call] = round(n * float(c), 1)
+        add += n * float(c)
+    return {"predicted_ns": round(over_ns + add, 1), "cuda_ns": round(add, 1),
+            "priced": priced, "unpriced": missing}
+
+
+def measure(repeats: int = 40, batch: int = 2000, breakdown: bool = False,
+            log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """Run the bench (see the module docstring); the results as a dict."""
+    import cupy
+    from ncclpy._nccl import cuda as cudamod
+    from ncclpy.store import TCPStore
+    from bench.null_boundary import NullCuda, NullNccl, STREAM, make_comm, stop
+    x, _host = _array(cupy)
+    store = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
+    cu = NullCuda()
+    with cudamod.use(cu):
+        comms = {"defaults": make_comm(True, store), "bare": make_comm(False)}
+        try:
+            for c in comms.values():
+                _check_call(c, x, STREAM)
+            paths = _samplers(comms, x, NullNccl(), batch, STREAM)
+            for _ in range(5):                       # warm-up: entries, events in flight
+                for fn in paths.values():
+                    fn()
+            time.sleep(0.3)                          # the trackers release the warm-up
+            got: Dict[str, List[float]] = {k: [] for k in paths}
+            for rnd in range(repeats):
+                for k, fn in paths.items():
+                    got[k].append(fn())
+                if log is not None and (rnd + 1) % max(repeats // 4, 1) == 0:
+                    log(f"# {rnd + 1}/{repeats} rounds")
+            counted = _count({k: v for k, v in paths.items() if k != "floor"}, NullCuda,
+                             batch)
+            steps = None
+            if breakdown:
+                from bench.breakdown import time_steps
+                steps = time_steps(comms["defaults"], x, STREAM, repeats, batch)
+        finally:
+            for c in comms.values():
+                stop(c)
+            store.close()
+    fs = stats(got.pop("floor"))
+    costs = load_costs()
     results = []
-    for (inp, path), xs in got.items():
+    for path, xs in got.items():
         s = stats(xs)
-        results.append({"input": inp, "path": path, "median_ns": round(s["median_ns"], 1),
-                        "ratio_to_floor": round(s["median_ns"] / fs["median_ns"], 2),
-                        "min_ns": round(s["min_ns"], 1), "p90_ns": round(s["p90_ns"], 1)})
+        over = s["median_ns"] - fs["median_ns"]
+        row = {"path": path, "median_ns": round(s["median_ns"], 1),
+               "over_floor_ns": round(over, 1), "min_ns": round(s["min_ns"], 1),
+               "p90_ns": round(s["p90_ns"], 1), "cuda_calls": counted[path]}
+        if path in TARGETS:
+            row["target_ns"] = TARGETS[path]
+            row["target_met"] = over <= TARGETS[path]
+        if costs is not None:
+            row["gpu"] = predict(over, counted[path], costs)
+        results.append(row)
     return {
+        "schema": "ncclpy-host-overhead/2",
         "floor_ns": round(fs["median_ns"], 1),
+        "floor": {"call": "NcclCommunicator.allReduce(x.data.ptr, x.data.ptr, x.size, dtype, "
+                          "op, stream) as a no-op (bench.null_boundary.NullNccl)",
+                  "min_ns": round(fs["min_ns"], 1), "p90_ns": round(fs["p90_ns"], 1)},
         "results": results,
-        "floor": {"call": "ncclGetVersion(byref(v)) via ctypes", "libnccl": lib.path,
-                  "nccl_version": lib.version, "min_ns": round(fs["min_ns"], 1),
-                  "p90_ns": round(fs["p90_ns"], 1)},
-        "call": {"collective": name, "op": op, "in_place": True, "count": COUNT,
-                 "dtype": "float32", "rank": 0, "world_size": 2},
-        "omitted": omitted,
-        "targets": {k: {"kind": kind, "value": val} for k, (kind, val) in TARGETS.items()},
+        "breakdown": steps,
+        "costs": None if costs is None else {"file": os.path.relpath(COSTS_FILE),
+                                             "device": costs.get("device"),
+                                             "date": costs.get("date")},
+        "call": {"collective": "all_reduce", "op": "sum", "in_place": True, "count": COUNT,
+                 "dtype": "float32", "rank": 0, "world_size": 2, "input": "cupy.ndarray"},
         "repeats": repeats, "batch": batch,
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count()},
@@ -275,86 +245,92 @@ def measure(repeats: int = 200, batch: int = 100, *, log: Optional[Callable[[str
     }
 
 
-def _target_note(path: str, median: float, ratio: float) -> str:
-    kind, val = TARGETS[path]
-    ok = ratio <= val if kind == "ratio" else median <= val
-    want = f"<= {val:g}x floor" if kind == "ratio" else f"<= {val:g} ns"
-    return f"{'met' if ok else 'NOT met'} ({want})"
-
-
 def table(doc: Dict[str, Any]) -> str:
-    """The results as a text table."""
+    """The results as text."""
     f = doc["floor"]
-    lines = [f"# ncclpy host overhead: in-place all_reduce of {COUNT} float32, Python time up "
-             f"to the NCCL call",
-             f"# floor: {f['call']} on {f['libnccl']} (NCCL "
-             f"{_version(f['nccl_version'])})",
-             f"{'input':<8} {'path':<9} {'min_ns':>9} {'median_ns':>10} {'p90_ns':>9} "
-             f"{'x_floor':>8}  target",
-             f"{'floor':<8} {'-':<9} {f['min_ns']:>9.1f} {doc['floor_ns']:>10.1f} "
-             f"{f['p90_ns']:>9.1f} {1.0:>8.2f}"]
+    lines = [f"# ncclpy host overhead (CPU, null boundary): the whole comm.all_reduce of "
+             f"{COUNT} float32 in place, rank 0 of 2, vs the floor",
+             f"# floor: {f['call']}",
+             f"{'path':<14} {'min_ns':>8} {'median_ns':>10} {'p90_ns':>8} {'over_floor':>11}"
+             f"  target / CUDA calls per call",
+             f"{'floor':<14} {f['min_ns']:>8.0f} {doc['floor_ns']:>10.0f} {f['p90_ns']:>8.0f} "
+             f"{0.0:>11.0f}"]
     for r in doc["results"]:
-        lines.append(f"{r['input']:<8} {r['path']:<9} {r['min_ns']:>9.1f} "
-                     f"{r['median_ns']:>10.1f} {r['p90_ns']:>9.1f} {r['ratio_to_floor']:>8.2f}"
-                     f"  {_target_note(r['path'], r['median_ns'], r['ratio_to_floor'])}")
-    for inp, why in doc["omitted"].items():
-        lines.append(f"# {inp}: not measured: {why}")
+        note = ""
+        if "target_ns" in r:
+            note = (f"target <= {r['target_ns']:.0f} ns over: "
+                    f"{'met' if r['target_met'] else 'NOT met'}; ")
+        calls = ", ".join(f"{k} {v:g}" for k, v in r["cuda_calls"].items()) or "none"
+        lines.append(f"{r['path']:<14} {r['min_ns']:>8.0f} {r['median_ns']:>10.0f} "
+                     f"{r['p90_ns']:>8.0f} {r['over_floor_ns']:>11.0f}  {note}{calls}")
+    if doc["costs"] is None:
+        lines.append(f"# GPU prediction: none -- no GPU-measured CUDA call costs in the "
+                     f"repository yet ({os.path.relpath(COSTS_FILE)}: run python -m "
+                     f"bench.cuda_costs --json {os.path.relpath(COSTS_FILE)} on a GPU)")
+    else:
+        c = doc["costs"]
+        lines.append(f"# GPU prediction (CUDA calls priced from {c['file']}, {c['device']}, "
+                     f"{c['date']}): over raw CuPy on that GPU")
+        for r in doc["results"]:
+            g = r["gpu"]
+            extra = f"; unpriced: {', '.join(g['unpriced'])}" if g["unpriced"] else ""
+            lines.append(f"#   {r['path']:<14} {g['predicted_ns']:>8.0f} ns "
+                         f"(+{g['cuda_ns']:.0f} ns of CUDA calls{extra})")
+    if doc.get("breakdown"):
+        from bench.breakdown import table as steps_table
+        lines.append(steps_table(doc["breakdown"]))
     return "\n".join(lines)
-
-
-def _version(code: Any) -> str:
-    """``2.32.3`` for 23203, as every other ncclpy tool prints NCCL's version."""
-    from ncclpy.ops import format_version
-    try:
-        return format_version(int(code))
-    except (TypeError, ValueError):
-        return str(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ncclpy.cli_util import OneLineParser
-    p = OneLineParser(prog="python -m bench.host_overhead",
-                                description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON")
-    p.add_argument("--repeats", type=int, default=200, help="samples per path (default 200)")
-    p.add_argument("--batch", type=int, default=100, help="calls per sample (default 100)")
+    p.add_argument("--repeats", type=int, default=40, help="samples per path (default 40)")
+    p.add_argument("--batch", type=int, default=2000, help="calls per sample (default 2000)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each step of the eager call on its own")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point (exit codes in the module docstring); Ctrl-C: 130, a closed pipe: 141."""
     from ncclpy.cli_util import run_main
-    return run_main("python -m bench.host_overhead", lambda: _main(argv))
+    return run_main(_PROG, lambda: _main(argv))
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     for flag, val in (("--repeats", a.repeats), ("--batch", a.batch)):
         if val < 1:
-            print(f"python -m bench.host_overhead: error: {flag}: expected an integer >= 1, got "
-                  f"{val}", file=sys.stderr)
+            print(f"{_PROG}: error: {flag}: expected an integer >= 1, got {val}",
+                  file=sys.stderr)
             return 2
     if a.json:
         from ncclpy.cli_util import check_output_path
         why = check_output_path(a.json)
         if why:
-            print(f"python -m bench.host_overhead: error: --json: {why}", file=sys.stderr)
+            print(f"{_PROG}: error: --json: {why}", file=sys.stderr)
             return 2
     try:
-        from ncclpy._nccl.lib import get_lib
-        get_lib()
-    except Exception as e:
-        print(f"python -m bench.host_overhead: needs libnccl (the CUDA extra: pip install "
-              f"'ncclpy[cu13]' or 'ncclpy[cu12]'; no GPU needed) for the floor and the "
-              f"resolver's NCCL version: {type(e).__name__}: {e}", file=sys.stderr)
+        import cupy  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - said in one line
+        print(f"{_PROG}: needs CuPy (the CUDA extra: pip install 'ncclpy[cu13]' or "
+              f"'ncclpy[cu12]'; no GPU needed) for its cupy.ndarray input: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     try:
-        doc = measure(a.repeats, a.batch, log=lambda m: print(m, file=sys.stderr, flush=True))
+        load_costs()
+    except (ValueError, OSError) as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        doc = measure(a.repeats, a.batch, a.breakdown,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
     except AssertionError as e:
-        print(f"python -m bench.host_overhead: a timed path is wrong: {e}", file=sys.stderr)
+        print(f"{_PROG}: a timed path is wrong: {e}", file=sys.stderr)
         return 1
-    doc["args"] = ["python -m bench.host_overhead", *(argv if argv is not None
-                                                      else sys.argv[1:])]
+    doc["args"] = [_PROG, *(argv if argv is not None else sys.argv[1:])]
     print(table(doc), flush=True)
     if a.json:
         with open(a.json, "w") as fh:

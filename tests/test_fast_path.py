@@ -232,21 +232,20 @@ class _C:
 def test_the_trackers_release_a_completed_prefix_with_log_n_queries():
     from ncclpy._nccl import cuda as cudamod
     c = _C()
-    works = collections.deque(new_work(c, 7, 5, None, ("buf",), ev) for ev in range(1000))
+    works = [new_work(c, 7, 5, None, ("buf",), ev) for ev in range(1000)]
     cu = _Cu(done=700)
     with cudamod.use(cu):
         assert release_done(works) == 700
     assert cu.queries <= 12 and len(works) == 300 and works[0]._event == 700
     assert event_pool(7).free[-700:] == list(range(700))
     del event_pool(7).free[:]
-    # two communicators on one stream: each run is searched on its own, in order
-    c2 = _C()
-    mixed = collections.deque([new_work(c, 7, 5, None, (), 1), new_work(c2, 7, 5, None, (), 2),
-                               new_work(c, 7, 5, None, (), 9)])
+    # two streams: each run is searched on its own, in order
+    mixed = [new_work(c, 7, 5, None, (), 1), new_work(c, 7, 6, None, (), 2),
+             new_work(c, 7, 5, None, (), 9)]
     with cudamod.use(_Cu(done=5)):
         assert release_done(mixed) == 2 and mixed[0]._event == 9
     # the newest call was captured: learned from its event, let go; the rest released
-    cap = collections.deque(new_work(c, 7, 5, None, (), ev) for ev in range(4))
+    cap = [new_work(c, 7, 5, None, (), ev) for ev in range(4)]
     with cudamod.use(_Cu(done=10, captured={3})):
         assert release_done(cap) == 4
     assert c._captured_calls == 1 and c._captured_events == [3]
@@ -258,7 +257,7 @@ def test_a_released_work_is_complete_and_its_event_is_reused():
     c = _C()
     w = new_work(c, 8, 5, None, ("kept",), 42)
     with cudamod.use(_Cu(done=100)):
-        release_done(collections.deque([w]))
+        release_done([w])
     assert w._done and w._keep == () and w.event is None and w.is_completed()
     assert event_pool(8).free == [42]
     del event_pool(8).free[:]

@@ -25,7 +25,7 @@ import time
 from typing import Any, Deque, List, Optional
 
 from .._nccl.cuda import cuda
-from .work import release_done
+from .work import release_done, take
 
 __all__ = ["Reaper", "reaper", "TICK", "GIVE_UP"]
 
@@ -44,7 +44,7 @@ class Reaper:
 
     def __init__(self, tick: float = TICK) -> None:
         self.tick_s = float(tick)
-        self.lanes: List[List[Any]] = []  # [deque the call path appends to, held Works]
+        self.lanes: List[List[Any]] = []  # [deque the call path appends to, list taken]
         self.failed = 0                   # consecutive failed looks at one lane's oldest
         self.ticks = 0
         self._thread: Optional[threading.Thread] = None
@@ -55,9 +55,7 @@ class Reaper:
     def lane(self) -> Deque[Any]:
         """A new lane's deque (a communicator's ``_watch``)."""
         q: Deque[Any] = collections.deque()
-        with self._lock:
-            self.lanes.append([q, collections.deque()])
-        self.start()
+        self.adopt(q, [])
         return q
 
     def start(self) -> "Reaper":
@@ -110,11 +108,7 @@ class Reaper:
         gone = []
         for lane in list(self.lanes):
             q, pend = lane
-            while q:
-                try:
-                    pend.append(q.popleft())
-                except IndexError:
-                    break
+            take(q, pend)
             if pend:
                 self._look(pend)
             held += len(pend)
@@ -132,7 +126,7 @@ class Reaper:
             self.lanes = [ln for ln in self.lanes
                           if ln[0] or ln[1] or sys.getrefcount(ln[0]) > 2]
 
-    def _look(self, pend: Deque[Any]) -> None:
+    def _look(self, pend: List[Any]) -> None:
         try:
             release_done(pend, raising=True)
             self.failed = 0
@@ -140,17 +134,17 @@ class Reaper:
             self.failed += 1
             if self.failed >= GIVE_UP:
                 self.failed = 0
-                w = pend.popleft()
+                w = pend.pop(0)
                 log.warning("reaper: the event of a %s could not be queried for %d ticks "
                             "(%s); its buffers are let go",
                             getattr(getattr(w, "plan", None), "collective", "call"), GIVE_UP, e)
 
-    def adopt(self, works: Any) -> Deque[Any]:
-        """A new lane holding Works another tracker held (a watchdog that stopped); its
-        deque (the communicator's ``_watch`` from now on)."""
-        q = self.lane()
-        q.extend(works)
-        return q
+    def adopt(self, q: Deque[Any], pending: List[Any]) -> None:
+        """Track deque ``q`` (the call path appends to it) and the Works ``pending`` already
+        taken from it, oldest first (a watchdog that stopped hands over its own)."""
+        with self._lock:
+            self.lanes.append([q, pending])
+        self.start()
 
 
 _reaper: Optional[Reaper] = None

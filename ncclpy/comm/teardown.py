@@ -377,8 +377,7 @@ class CommLifecycle:
         """Stop the watchdog; ``closed``: tell the peers this rank closed; ``verdict`` (a
         :class:`~ncclpy.debug.verdicts.Published`): tell them it aborted, and why, so that
         they follow that verdict (a communicator one member aborted completes no call)."""
-        wd, self._watchdog = self._watchdog, None
-        self._watch = None
+        wd, self._watchdog = self._watchdog, None      # (its deque goes to the reaper)
         if wd is not None:
             try:
                 wd.stop(closed=closed, verdict=verdict)

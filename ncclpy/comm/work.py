@@ -28,15 +28,18 @@ and ``is_completed()`` with a precise error, as does a host wait while its strea
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Dict, List, Optional
 
 from .._nccl.cuda import LEGACY_STREAMS, CapturedEventError, cuda, status_of, INVALID_HANDLE
 from ..errors import NcclpyError, NcclTimeoutError
 
-__all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done"]
+__all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done", "take"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,8 @@ def new_work(comm: Any, device: int, stream: int, plan: Any, keep: Any, event: i
 
 
 _new = object.__new__
+_popleft = collections.deque.popleft
+_stream_of = attrgetter("_stream")
 
 
 class Work:
@@ -422,71 +427,79 @@ class Work:
         return f"<ncclpy.Work {name} stream={self._stream:#x} {state}>"
 
 
-def release_done(pending: Any, raising: bool = False) -> int:
-    """Release the Works at the front of ``pending`` (a deque, oldest first) that completed,
-    up to the first that has not; how many were released.
+def take(q: Any, into: List[Any]) -> int:
+    """Move everything in deque ``q`` to the end of list ``into``, oldest first, in C (each
+    ``popleft`` is atomic: safe while the call path appends); how many."""
+    k = len(q)
+    if k:
+        into.extend(map(_popleft, repeat(q, k)))
+    return k
 
-    Works reach a tracker in the order their events were recorded on each communicator (the
+
+def release_done(pending: List[Any], raising: bool = False) -> int:
+    """Release the Works at the front of ``pending`` (a list, oldest first) that completed,
+    up to the first that has not, and delete them from it; how many were released.
+
+    A tracker gets each communicator's Works in the order their events were recorded (the
     record and the append are made under the communicator's API lock), so along a run of
-    Works of one communicator and one stream, completion is a prefix (stream order): a binary
-    search finds its end with O(log n) event queries, and the prefix is released in one
-    pass (``_done``, its events back to the pool, the recorder's entries stamped).  Anything
-    else -- another kind of Work, a nonblocking communicator's (its async error is checked),
-    one without an event, one captured into a graph -- gets its own :meth:`Work._reap`
-    (``raising``: a failed query raises instead of letting the Work go)."""
+    Works on one stream completion is a prefix (stream order): a binary search finds its end
+    with O(log n) event queries, and the prefix is released in one pass (``_done``, the
+    events back to the pool, the recorder's entries stamped).  Anything else -- another kind
+    of Work, a nonblocking communicator's (its async error is checked), one without an event,
+    one captured into a graph -- gets its own :meth:`Work._reap` (``raising``: a failed query
+    raises instead of letting the Work go).  One tracker's Works are one communicator's."""
     cu = cuda()
-    released = 0
-    while pending:
-        w0 = pending[0]
-        c = w0._comm if type(w0) is Work else None
-        if c is None or w0._event is None or w0._owned or w0._done or \
-                w0._error is not None or c._nonblocking:
-            if not w0._reap(raising):
-                return released
-            pending.popleft()
-            released += 1
-            continue
-        s = w0._stream
-        run = []
-        for w in pending:
-            if type(w) is not Work or w._stream != s or w._comm is not c or w._event is None \
-                    or w._owned or w._error is not None:
+    done = 0
+    n = len(pending)
+    try:
+        while done < n:
+            w0 = pending[done]
+            c = w0._comm if type(w0) is Work else None
+            if c is None or w0._event is None or w0._owned or w0._done or \
+                    w0._error is not None or c._nonblocking:
+                if not w0._reap(raising):
+                    break
+                done += 1
+                continue
+            s = w0._stream
+            end = n
+            rest = pending[done:]
+            if list(map(_stream_of, rest)).count(s) != n - done:   # several streams
+                end = done + next(i for i, w in enumerate(rest) if w._stream != s)
+            lo, hi = done, end
+            try:
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    w = pending[mid]
+                    if w._done or cu.event_query(w._event):
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            except CapturedEventError:   # a capture on this stream: one Work at a time
+                if not w0._reap(raising):
+                    break
+                done += 1
+                continue
+            if lo > done:
+                _release_run(pending, done, lo)
+                done = lo
+            if lo < end:
                 break
-            run.append(w)
-        lo, hi = 0, len(run)
-        try:
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                w = run[mid]
-                if w._done or cu.event_query(w._event):
-                    lo = mid + 1
-                else:
-                    hi = mid
-        except CapturedEventError:   # a capture began on this stream: one Work at a time
-            if not w0._reap(raising):
-                return released
-            pending.popleft()
-            released += 1
-            continue
-        if lo:
-            _release_run(run, lo)
-            for _ in range(lo):
-                pending.popleft()
-            released += lo
-        if lo < len(run):
-            return released
-    return released
+    finally:
+        if done:
+            del pending[:done]
+    return done
 
 
-def _release_run(run: List["Work"], k: int) -> None:
-    """The first ``k`` Works of ``run`` completed: what :meth:`Work._completed` does, for all
-    of them at once (one device: one communicator's)."""
+def _release_run(run: List["Work"], start: int, end: int) -> None:
+    """``run[start:end]`` completed: what :meth:`Work._completed` does, for all of them at
+    once (one communicator's: one device's pool)."""
     now = time.time()
     evs = []
     with _release_lock:
-        for i in range(k):
+        for i in range(start, end):
             w = run[i]
-            if w._done:
+            if w._done or w._owned:
                 continue
             w._done = True
             w._keep = ()
@@ -495,7 +508,7 @@ def _release_run(run: List["Work"], k: int) -> None:
             if e is not None and e[6] == "issued":     # [5] t_done, [6] state (recorder.py)
                 e[5], e[6] = now, "completed"
     if evs:
-        pool = event_pool(run[0]._device)
+        pool = event_pool(run[start]._device)
         if len(pool.free) + len(evs) <= _POOL_MAX:
             pool.free.extend(evs)
         else:

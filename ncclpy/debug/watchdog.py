@@ -106,7 +106,7 @@ class Watchdog:
         self.confirms = 0                 # fresh reads a silence asked for
         #: Works not seen complete, oldest first (``issued - len(pending)``: the oldest's
         #: sequence number); ``_seen``: (issued count, when) of each drain that took Works
-        self.pending: Deque[Any] = collections.deque()
+        self.pending: List[Any] = []
         self._seen: Deque[Tuple[int, float]] = collections.deque()
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
@@ -144,10 +144,10 @@ class Watchdog:
         this rank closed the communicator, so its silence is not a death; ``verdict``: this
         rank aborted it (peers follow that verdict)."""
         self._stop.set()
-        self._hand_over()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
+        self._hand_over()           # after the thread's last drain
         if verdict is not None:
             self.publish(verdict)
         elif closed:
@@ -193,38 +193,22 @@ class Watchdog:
         return self.decision
 
     def _hand_over(self) -> None:
-        """The Works this watchdog still holds go to the process's reaper, which releases
-        them once complete (so does every later Work of the communicator)."""
+        """The Works this watchdog still holds, and its deque (the communicator keeps
+        appending to it), go to the process's reaper, which releases them once complete."""
         from ..comm.reaper import reaper
-        q = self.queue
-        works = list(self.pending)
-        self.pending = collections.deque()
-        while q:
-            try:
-                works.append(q.popleft())
-            except IndexError:
-                break
-        self.comm._watch = reaper().adopt(works)
+        pending, self.pending = self.pending, []
+        reaper().adopt(self.queue, pending)
 
     # -- one tick (driven by the thread; callable directly) ----------------------------------
     def drain(self, now: float) -> None:
-        """Take the newly issued Works, drop completed ones from the front."""
-        q = self.queue
+        """Take the newly issued Works, release the completed ones at the front."""
+        from ..comm.work import release_done, take   # (the call path imports this module)
         p = self.pending
-        n = 0
-        w = None
-        while q:
-            try:
-                w = q.popleft()
-            except IndexError:
-                break
-            p.append(w)
-            n += 1
+        n = take(self.queue, p)
         if n:
             self.issued += n
-            self._last = w.plan
+            self._last = p[-1].plan
             self._seen.append((self.issued, now))   # Works up to this count: first seen now
-        from ..comm.work import release_done   # (the call path imports this module)
         release_done(p)             # a captured call is learned here, then let go (a replay
         seen = self._seen           # is the user's stream sync, not a Work)
         head = self.issued - len(p)
