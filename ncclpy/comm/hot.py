@@ -23,6 +23,7 @@ dropped with the resolver's cache (context change, close, abort, split).
 from __future__ import annotations
 
 import sys
+from functools import partial
 from operator import attrgetter
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
@@ -34,29 +35,36 @@ from ..bufkey import _KEYERS, keyer
 from .execute import _aborted, issue
 from .lifecycle import ABORTED, ABORTING, USABLE
 from .streams import cai_stream, stream_handle, torch_stream
-from .work import event_pool, new_work, record_event
+from .work import Work, event_pool, record_event
 
 __all__ = ["make_hot", "Entry", "MAX_ENTRIES", "entry_of"]
 
 #: entries kept per communicator (all dropped when full)
 MAX_ENTRIES = 256
 _PLAIN = frozenset((str, int, type(None)))
+_P2P = frozenset(("send", "recv"))
 _getframe = sys._getframe
+_new = object.__new__
 
 
 class Entry:
-    """One hot call: its resolved call, the NCCL function and final arguments, the stream
-    handle, and what its buffers' keys were."""
+    """One hot call: its resolved call, the NCCL call ready to make (``call()``: CuPy's
+    bound method or the ctypes function with every argument and the stream bound), the
+    stream handle, what its buffers' keys were, and whether it is point-to-point (the
+    recorder numbers collectives only)."""
 
-    __slots__ = ("r", "plan", "method", "fn", "args", "s", "ka", "key_a", "kb", "key_b",
-                 "default")
+    __slots__ = ("r", "plan", "call", "method", "fn", "args", "s", "ka", "key_a", "kb",
+                 "key_b", "default", "p2p")
 
     def __init__(self, r: Any, method: Any, fn: Any, args: Tuple[Any, ...], ka: Any,
                  key_a: Hashable, kb: Any, key_b: Hashable, default: Any) -> None:
         self.r, self.plan, self.s = r, r.plan, r.stream
         self.method, self.fn, self.args = method, fn, args
+        self.call = partial(method, *args, r.stream) if method is not None else \
+            partial(fn, *args, stream=r.stream)
         self.ka, self.key_a, self.kb, self.key_b = ka, key_a, kb, key_b
         self.default = default
+        self.p2p = r.plan.collective in _P2P
 
 
 def _cupy_current(device: int) -> int:
@@ -133,39 +141,69 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
             hit = False
         if not hit:
             e = _miss(key, name, a, b, params, stream)
-        if e is None or type(e) is not Entry:
-            return e                        # the general path's Work, or None
-        return fire(e, (a, b), _getframe(1))
-
-    def fire(e: Entry, keep: Any, frame: Any) -> Any:
-        """Issue entry ``e``: the recorder's slot, the NCCL call, the event record and the
-        Work's hand-over to its tracker, under the API lock with the in-call marker set."""
-        rec = comm._recorder
-        ent = None if rec is None else rec.open_at(e.r, frame)
+            if e is None or type(e) is not Entry:
+                return e                    # the general path's Work, or None
+        rec = comm._recorder                # -- from here on: fire(e), inlined
+        ent = None if rec is None else rec.open_at(e.r, _getframe(2), e.p2p)
         api.acquire()
         life.hot = e                        # before the state check: an abort sees it
+        if life.state is not USABLE:
+            return _refused(life, api, rec, ent, name)
+        life.hot_n += 1
+        try:
+            e.call()                        # the NCCL call
+            try:
+                ev = free.pop()
+            except IndexError:              # the pool is empty: a new event
+                ev = _record_slow(None, pool, None, e.s)
+            else:
+                try:
+                    _cudamod._backend.event_record(ev, e.s)     # the one CUDA call
+                except BaseException:  # noqa: B902 - another device current, or a failure
+                    ev = _record_slow(None, pool, ev, e.s)
+            w = _new(Work)
+            w._comm, w._device, w._stream, w._event, w.plan, w._keep, w._rec = \
+                comm, dev, e.s, ev, e.plan, (a, b), ent
+            w._owned = w._done = False
+            w._error = None
+            comm._watch.append(w)           # to its tracker, in record order
+        except BaseException as x:  # noqa: B902 - said precisely, then raised
+            life.hot = None
+            api.release()
+            raise _failed(comm, lib, life, rec, ent, e, x) from None
+        life.hot = None
+        api.release()
+        if life.state is not USABLE:
+            _after_abort(life, w, name)
+        return w
+
+    def fire(e: Entry, keep: Any, frame: Any) -> Any:
+        """Issue entry ``e`` (a prepared call's): what :func:`hot` does once it found it."""
+        rec = comm._recorder
+        ent = None if rec is None else rec.open_at(e.r, frame, e.p2p)
+        api.acquire()
+        life.hot = e
         if life.state is not USABLE:
             return _refused(life, api, rec, ent, e.plan.collective)
         life.hot_n += 1
         try:
-            if e.method is not None:
-                e.method(*e.args, e.s)
-            else:
-                e.fn(*e.args, stream=e.s)
-            cu = _cudamod._backend
+            e.call()
             try:
                 ev = free.pop()
-            except IndexError:              # the pool is empty: a new event
-                ev = _record_slow(cu, pool, None, e.s)
+            except IndexError:
+                ev = _record_slow(None, pool, None, e.s)
             else:
                 try:
-                    cu.event_record(ev, e.s)
-                except BaseException:  # noqa: B902 - another device current, or a failure
-                    ev = _record_slow(cu, pool, ev, e.s)
-            w = new_work(comm, dev, e.s, e.plan, keep, ev)
-            w._rec = ent
+                    _cudamod._backend.event_record(ev, e.s)
+                except BaseException:  # noqa: B902
+                    ev = _record_slow(None, pool, ev, e.s)
+            w = _new(Work)
+            w._comm, w._device, w._stream, w._event, w.plan, w._keep, w._rec = \
+                comm, dev, e.s, ev, e.plan, keep, ent
+            w._owned = w._done = False
+            w._error = None
             comm._watch.append(w)
-        except BaseException as x:  # noqa: B902 - said precisely, then raised
+        except BaseException as x:  # noqa: B902
             life.hot = None
             api.release()
             raise _failed(comm, lib, life, rec, ent, e, x) from None

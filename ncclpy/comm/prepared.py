@@ -26,7 +26,7 @@ import sys
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .._nccl.group import group_depth
+from .._nccl.group import OPEN, group_depth
 from .execute import issue
 from .hot import entry_of
 from .lifecycle import USABLE
@@ -131,6 +131,11 @@ class PreparedCall:
         self._entries: Dict[Tuple[int, bool], Resolved] = {}
 
     @property
+    def fixed_stream(self) -> bool:
+        """Whether the stream was fixed by ``prepare(..., stream=s)``."""
+        return self._stream is not None
+
+    @property
     def specs(self) -> Tuple[Any, ...]:
         """The parsed buffers the call was planned on."""
         return self._specs
@@ -193,7 +198,7 @@ class Prepared:
     watchdog's CommAbortedError with its reason after a watchdog abort, else NcclpyError).
     """
 
-    __slots__ = ("_comm", "_call", "_keep", "_fast", "__weakref__")
+    __slots__ = ("_comm", "_call", "_keep", "_fast", "_gen", "_fire", "__weakref__")
 
     def __init__(self, comm: Any, name: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  stream: Any = None) -> None:
@@ -201,7 +206,10 @@ class Prepared:
         self._call = PreparedCall(comm._resolver, name, a, b, params, stream)
         self._keep = (a, b, _memory_owners(self._call.specs))
         self._comm = comm
-        self._fast: Any = None           # the fast path's entry of the last bound call
+        self._fast: Any = None           # the fast path's entry for the prepared stream
+        self._gen = -1                   # the resolver's generation it was made under
+        hot = comm._hot
+        self._fire = None if hot is None else hot.fire
 
     @property
     def name(self) -> str:
@@ -214,13 +222,17 @@ class Prepared:
         life = comm._life
         if life.state is not USABLE:   # the eager methods' refusal: the watchdog's error too
             raise life.refusal(f"prepared {self.name}")
+        e = self._fast                 # its stream fixed by prepare(), no group, same plan
+        if e is not None and stream is None and not OPEN[0] and comm._checker is None and \
+                self._gen == comm._resolver.generation:
+            return self._fire(e, self._keep, _getframe(1))
         r = self._call.bind(stream)
-        if comm._checker is None and not r.in_group:    # the fast path (ncclpy.comm.hot)
-            e = self._fast
-            if e is None or e.r is not r:
-                e = self._fast = entry_of(comm, r)
+        if comm._checker is None and not r.in_group and self._fire is not None:
+            e = entry_of(comm, r)      # the fast path (ncclpy.comm.hot)
             if e is not None:
-                return comm._hot.fire(e, self._keep, _getframe(1))
+                if stream is None and self._call.fixed_stream:
+                    self._fast, self._gen = e, comm._resolver.generation
+                return self._fire(e, self._keep, _getframe(1))
         return issue(comm, r, self._keep)
 
     def __repr__(self) -> str:

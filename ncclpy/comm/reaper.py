@@ -27,7 +27,7 @@ from typing import Any, Deque, List, Optional
 from .._nccl.cuda import cuda
 from .work import release_done, take
 
-__all__ = ["Reaper", "reaper", "TICK", "GIVE_UP"]
+__all__ = ["Reaper", "reaper", "TICK", "GIVE_UP", "BUSY"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 TICK = 0.1
 #: failed ticks after which a Work whose event cannot be queried is let go
 GIVE_UP = 50
+#: Works held at which the next look comes ten times sooner: a busy caller's Works are let go
+#: young (before the garbage collector's oldest generation holds them and every full
+#: collection walks them)
+BUSY = 256
 
 
 class Reaper:
@@ -47,6 +51,7 @@ class Reaper:
         self.lanes: List[List[Any]] = []  # [deque the call path appends to, list taken]
         self.failed = 0                   # consecutive failed looks at one lane's oldest
         self.ticks = 0
+        self.taken = 0                    # Works the last look took (many: look sooner)
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()
@@ -79,7 +84,7 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.tick_s)
+            time.sleep(self.tick_s if self.taken < BUSY else self.tick_s / 10)
             try:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - the thread must outlive one bad tick
@@ -104,16 +109,17 @@ class Reaper:
                 cu.thread_capture_mode_local()
             except Exception as e:  # noqa: BLE001 - queries may then be prohibited
                 log.debug("reaper: no thread-local capture mode: %s", e)
-        held = 0
+        held = taken = 0
         gone = []
         for lane in list(self.lanes):
             q, pend = lane
-            take(q, pend)
+            taken += take(q, pend)
             if pend:
                 self._look(pend)
             held += len(pend)
             if not pend and not q and sys.getrefcount(q) <= 3:   # its communicator is gone
                 gone.append(lane)
+        self.taken = taken
         if gone:
             with self._lock:
                 self.lanes = [ln for ln in self.lanes if all(ln is not g for g in gone)]

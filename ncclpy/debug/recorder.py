@@ -159,16 +159,20 @@ class Recorder:
             f = _getframe(1)
         return self.open_at(r, f)
 
-    def open_at(self, r: Any, f: Any) -> list:
+    def open_at(self, r: Any, f: Any, p2p: Optional[bool] = None) -> list:
         """:meth:`open` from frame ``f`` (the fast path's caller): the user's call site is
-        ``f`` or the first frame above it outside ncclpy's call path."""
+        ``f`` or the first frame above it outside ncclpy's call path; ``p2p``: whether the
+        call is point-to-point (not numbered among the collectives), None: read it from
+        the plan."""
         code = f.f_code
         while _inside.get(code.co_filename, None) is not False and _is_inside(code.co_filename):
             b = f.f_back
             if b is None:
                 break
             f, code = b, b.f_code
-        if r.plan.collective in _P2P:
+        if p2p is None:
+            p2p = r.plan.collective in _P2P
+        if p2p:
             k = -1
         else:
             k = self.colls

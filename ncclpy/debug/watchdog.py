@@ -37,7 +37,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["default_timeout", "env_flag", "WatchState", "Decision", "Peer", "Published",
            "Watchdog", "heartbeat_key", "dead_key", "peers_from_beat", "report_after",
-           "QUEUE_MAX", "INTERVAL", "BLIND_LOG_EVERY"]
+           "QUEUE_MAX", "INTERVAL", "BLIND_LOG_EVERY", "BUSY"]
 
 from .. import errors as _errors
 from . import deaths as _deaths
@@ -55,6 +55,9 @@ QUEUE_MAX = None
 INTERVAL = 1.0
 #: seconds between two "the watchdog is blind" warnings (the failed ticks between are counted)
 BLIND_LOG_EVERY = 60.0
+#: Works taken by a drain at which the next tick comes ten times sooner: a busy caller's Works
+#: are let go young (before the garbage collector's oldest generation holds them)
+BUSY = 256
 
 
 def heartbeat_key(group: str, rank: int) -> str:
@@ -107,6 +110,7 @@ class Watchdog:
         #: Works not seen complete, oldest first (``issued - len(pending)``: the oldest's
         #: sequence number); ``_seen``: (issued count, when) of each drain that took Works
         self.pending: List[Any] = []
+        self.taken = 0                    # Works the last drain took (many: drain sooner)
         self._seen: Deque[Tuple[int, float]] = collections.deque()
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
@@ -204,7 +208,7 @@ class Watchdog:
         """Take the newly issued Works, release the completed ones at the front."""
         from ..comm.work import release_done, take   # (the call path imports this module)
         p = self.pending
-        n = take(self.queue, p)
+        n = self.taken = take(self.queue, p)
         if n:
             self.issued += n
             self._last = p[-1].plan
@@ -472,7 +476,7 @@ class Watchdog:
             log.debug("watchdog: could not set up its CUDA thread state", exc_info=True)
         if self._client is None and self._store is not None:
             self._connect()
-        while not self._stop.wait(self.tick):
+        while not self._stop.wait(self.tick if self.taken < BUSY else self.tick / 10):
             now = self.clock()
             try:
                 self.drain(now)
