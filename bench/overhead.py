@@ -87,6 +87,8 @@ class OverheadConfig:
     argv: List[str] = field(default_factory=list)
     #: what the run says about itself (e.g. nccl4py left out because it is not installed)
     notes: List[str] = field(default_factory=list)
+    #: also time each step of ncclpy's eager call (bench.breakdown), on the first size
+    breakdown: bool = False
 
 
 def _gpu_visible() -> bool:
@@ -134,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default 2 unless run under a launcher)")
     p.add_argument("-J", "--json", default=None, metavar="FILE", help="write results as JSON")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each step of ncclpy's eager all_reduce (resolve, lock and "
+                        "marker, recorder, NCCL call, event record, Work): bench.breakdown")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the other ranks at set-up (default 300)")
     return p
@@ -203,12 +208,19 @@ def _config(p: Any, a: argparse.Namespace, argv: List[str]) -> OverheadConfig:
         backends, modes, notes = ["torch"], ["eager"], []
     else:
         backends, notes = parse_backends(a.backends, p.flag("backends"), coll.name)
+    if a.breakdown and (device != "cuda" or coll.name != "all_reduce" or
+                        not any(b.startswith("ncclpy") for b in backends)):
+        raise ArgumentError(f"{p.flag('breakdown')}: times the steps of ncclpy's eager "
+                            f"all_reduce on a GPU: needs --collective all_reduce, a GPU "
+                            f"(--device cuda) and an ncclpy backend; got --collective "
+                            f"{coll.name}, --device {device}, --backends {','.join(backends)}")
     nproc = a.nproc if a.nproc is not None else (None if launched_world() else 2)
     return OverheadConfig(collective=coll.name, sizes=sizes, calls=a.calls,
                           graph_calls=a.graph_calls, repeats=a.repeats, warmup=a.warmup,
                           batch=a.batch, backends=backends, modes=modes, device=device,
                           nproc=nproc, json=a.json, timeout=a.timeout,
-                          argv=["python -m bench.overhead", *argv], notes=notes)
+                          argv=["python -m bench.overhead", *argv], notes=notes,
+                          breakdown=bool(a.breakdown))
 
 
 def _time_calls(b: Any, fn: Callable[[], Any], calls: int, batch: int,
@@ -322,6 +334,7 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
         (lambda m: None)
     results: List[Dict[str, Any]] = []
     backends: List[Any] = []
+    steps: Dict[str, Any] = {}
     try:
         shared = _shared(device)
         for name in cfg.backends:
@@ -351,8 +364,16 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
                                 for b in backends]
                 else:
                     results += _turns(cfg, coord, backends, mode, size, bufs, calls, say)
+            if cfg.breakdown and size == cfg.sizes[0]:
+                steps.update(_breakdown(cfg, coord, backends, bufs, rank))
             del bufs, calls
         doc = _document(cfg, world, backends, results)
+        if steps:
+            doc["breakdown"] = {"size": cfg.sizes[0], "by_backend": steps}
+            if rank == 0:
+                from bench.breakdown import table as steps_table
+                for name, bd in steps.items():
+                    print(f"# {name} ({cfg.sizes[0]} B)\n" + steps_table(bd), flush=True)
         coord.barrier()
         if rank == 0:
             print(render(doc), flush=True)
@@ -364,6 +385,25 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
             except Exception as e:  # pragma: no cover
                 print(f"[bench.overhead] {b.label} teardown: {e}", file=sys.stderr)
         store.close()
+
+
+def _breakdown(cfg: OverheadConfig, coord: Any, backends: List[Any], bufs: Dict[str, Any],
+               rank: int) -> Dict[str, Any]:
+    """``--breakdown``: each ncclpy backend's eager all_reduce timed step by step
+    (bench.breakdown), on every rank alike (its steps make matching NCCL calls)."""
+    from bench.backends.ncclpy import call_args
+    from bench.breakdown import time_steps
+    out = {}
+    for b in backends:
+        if not b.name.startswith("ncclpy"):
+            continue
+        b.sync()
+        coord.barrier()
+        x = call_args("all_reduce", bufs[b.name].extra["args"], True, rank, 0)[0]
+        out[b.name] = time_steps(b.comm, x, b.stream_arg, max(cfg.repeats * 4, 10), cfg.batch)
+        b.sync()
+        coord.barrier()
+    return out
 
 
 def _document(cfg: OverheadConfig, world: int, backends: List[Any],

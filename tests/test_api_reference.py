@@ -27,6 +27,8 @@ INTERNAL_EXCEPTIONS = {
     "ncclpy.bufkey.Uncacheable": "control flow inside the call cache, always caught",
     "ncclpy.check.session.OutputClosed": "the check report's EPIPE signal, always caught",
     "ncclpy.store.protocol.KeyCountError": "store server request parsing, always caught",
+    "ncclpy._nccl.cuda.CapturedEventError": "how a Work learns its call was captured into a "
+                                            "graph; always caught (users get NcclpyError)",
     "ncclpy.selftest.debt.CollectError": "the GPU tests could not be collected: always caught "
                                          "by the selftest (exit 2, or the fixed stage order)",
 }

@@ -41,6 +41,8 @@ def test_bench_never_says_ok_for_what_it_did_not_do(tmp_path):
 @pytest.mark.parametrize("module, args, words", [
     ("bench.overhead", ["--calls", "0"], "--calls: expected >= 1, got 0"),
     ("bench.overhead", ["--calls", "x"], "--calls: invalid int value: 'x'"),
+    ("bench.overhead", ["--breakdown", "--device", "cpu"],
+     "--breakdown: times the steps of ncclpy's eager all_reduce on a GPU"),
     ("bench.checked_bench", ["--worlds", "1"], "--worlds: expected world sizes >= 2"),
     ("bench.checked_bench", ["--json", "/nonexistent-ncclpy/x.json"], "--json: cannot write"),
     ("bench.host_overhead", ["--batch", "0"], "--batch: expected an integer >= 1, got 0"),

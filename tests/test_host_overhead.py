@@ -1,7 +1,10 @@
-"""The benchmarks of issue 14, on the CPU: ``python -m bench.host_overhead`` runs end to end
-(table, JSON shape, what each path times) and ``bench.overhead``'s prepared mode parses and
-maps every collective onto ``comm.prepare`` as the ncclpy backend calls it eagerly.  No timing
-is asserted: the figures and targets live in docs/performance.md."""
+"""The CPU benchmark of the whole call (issue 37): ``python -m bench.host_overhead`` runs end to
+end (table, JSON), times the complete ``comm.all_reduce`` of a real Communicator with the defaults
+on the null boundary against the floor, counts each path's CUDA calls on the caller's thread
+(one: the record), prices them only with GPU-measured costs, and ``--breakdown`` splits the call
+into its steps; ``bench.overhead``'s prepared mode parses and maps every collective onto
+``comm.prepare`` as the ncclpy backend calls it eagerly.  No timing is asserted: the figures and
+targets live in docs/performance.md."""
 from __future__ import annotations
 
 import json
@@ -12,10 +15,10 @@ import sys
 import pytest
 
 from ncclpy.buffers import Buffer
-from ncclpy.errors import ArgumentError
-from ncclpy.plan.types import PlanContext
 from ncclpy.comm.prepared import PreparedCall, bind_call
 from ncclpy.comm.resolver import Resolver
+from ncclpy.errors import ArgumentError
+from ncclpy.plan.types import PlanContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,84 +28,72 @@ def _run(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
-def _nccl_or_skip():
-    try:
-        from ncclpy._nccl.lib import get_lib
-        return get_lib()
-    except Exception as e:  # pragma: no cover - the test extra installs the NCCL wheel
-        pytest.skip(f"libnccl unavailable: {e}")
-
-
-def test_host_overhead_runs_and_writes_the_issue_json(tmp_path):
-    _nccl_or_skip()
+def test_host_overhead_times_the_whole_call_and_writes_its_json(tmp_path):
+    pytest.importorskip("cupy")
     js = tmp_path / "h.json"
-    cp = _run("bench.host_overhead", "--repeats", "5", "--batch", "5", "--json", str(js))
+    cp = _run("bench.host_overhead", "--repeats", "3", "--batch", "200", "--breakdown",
+              "--json", str(js))
     assert cp.returncode == 0, cp.stderr
     doc = json.loads(js.read_text())
-    assert doc["floor_ns"] > 0
-    inputs = {r["input"] for r in doc["results"]}
-    assert {"Buffer", "cai"} <= inputs and "torch" not in inputs and "torch" in doc["omitted"]
+    assert doc["schema"] == "ncclpy-host-overhead/2" and doc["floor_ns"] > 0
+    paths = [r["path"] for r in doc["results"]]
+    assert paths == ["eager", "eager_none", "eager_bare", "prepared", "prepared_bare"]
     for r in doc["results"]:
-        assert {"input", "path", "median_ns", "ratio_to_floor"} <= set(r)
-        assert r["path"] in ("cold", "cached", "cached_rec", "prepared", "prepared_rec")
         assert 0 < r["min_ns"] <= r["median_ns"] <= r["p90_ns"]
-        assert r["ratio_to_floor"] == pytest.approx(r["median_ns"] / doc["floor_ns"], abs=0.01)
-    for inp in inputs:
-        assert sorted(r["path"] for r in doc["results"] if r["input"] == inp) == \
-            ["cached", "cached_rec", "cold", "prepared", "prepared_rec"]
-    assert doc["call"]["collective"] == "all_reduce" and doc["repeats"] == 5
-    lines = cp.stdout.splitlines()
-    assert any(line.startswith("floor ") for line in lines)
-    assert sum(1 for line in lines if line.split()[:1] in (["Buffer"], ["cai"], ["cupy"])) == \
-        len(doc["results"])
-    assert "# torch: not measured" in cp.stdout
-    from ncclpy.ops import format_version      # NCCL's version as every tool prints it
-    floor = next(ln for ln in lines if ln.startswith("# floor: "))
-    assert floor.endswith(f"(NCCL {format_version(doc['floor']['nccl_version'])})"), floor
+        assert r["over_floor_ns"] == pytest.approx(r["median_ns"] - doc["floor_ns"], abs=0.2)
+        calls = dict(r["cuda_calls"])
+        assert calls.pop("event_record") == 1.0, r      # the one CUDA call of the budget
+        if r["path"] == "eager_none":
+            assert calls.pop("current_stream") == 1.0  # CuPy's thread-local, not CUDA
+        assert calls == {}, r
+        assert ("target_ns" in r) == (r["path"] in ("eager", "prepared"))
+    b = doc["breakdown"]
+    assert set(b["steps_ns"]) == {"nccl_call", "record", "lock_marker", "recorder",
+                                  "work_tracker", "lookup_glue"}
+    assert b["recorder"] and b["watchdog"] and b["whole_ns"] > 0
+    out = cp.stdout
+    assert out.splitlines()[0].startswith("# ncclpy host overhead (CPU, null boundary)")
+    assert "# breakdown of one eager all_reduce" in out
+    if doc["costs"] is None:      # no GPU figures in the repository: no prediction, said so
+        assert "# GPU prediction: none -- no GPU-measured CUDA call costs" in out
+        assert all("gpu" not in r for r in doc["results"])
 
 
 def test_host_overhead_bad_arguments_exit_2():
     cp = _run("bench.host_overhead", "--repeats", "0")
-    assert cp.returncode == 2 and "--repeats" in cp.stderr
+    assert cp.returncode == 2 and "--repeats: expected an integer >= 1, got 0" in cp.stderr
 
 
-def test_host_overhead_says_it_needs_the_cuda_extra():
-    """Documented as a CPU benchmark: it is one, but it needs libnccl (the CUDA extra)."""
-    from bench import host_overhead
-    assert "needs the CUDA extra" in host_overhead.__doc__
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy.cuda'] = None\n"
+def test_host_overhead_says_it_needs_cupy():
+    code = ("import sys; sys.modules['cupy'] = None; "
             "from bench.host_overhead import main; sys.exit(main(['--repeats', '1']))")
-    cp = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=120)
-    assert cp.returncode == 2 and cp.stdout == "" and "Traceback" not in cp.stderr, cp.stderr
-    assert cp.stderr.startswith("python -m bench.host_overhead: needs libnccl (the CUDA extra: "
+    cp = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+    assert cp.returncode == 2, cp.stderr
+    assert cp.stderr.startswith("python -m bench.host_overhead: needs CuPy (the CUDA extra: "
                                 "pip install 'ncclpy[cu13]'"), cp.stderr
+    assert "Traceback" not in cp.stderr
 
 
-def test_host_overhead_times_the_real_paths():
-    """What each sampler times produces the expected ncclAllReduce call (the bench checks this
-    itself before timing; here the same functions are driven directly)."""
-    lib = _nccl_or_skip()
-    from bench import host_overhead as H
-    inputs, omitted = H.make_inputs()
-    res = Resolver(PlanContext(0, 2, 0, lib.version))
-    for name, (make, stream) in inputs.items():
-        x = make(H.BASE)
-        r = res.resolve("all_reduce", stream, x, None, ("sum",))
-        H._expect(r, H.BASE, H.STREAM)
-        H._expect(PreparedCall(res, "all_reduce", x, None, ("sum",), stream=stream).bind(),
-                  H.BASE, H.STREAM)
-        with pytest.raises(AssertionError):
-            H._expect(r, H.BASE + 4, H.STREAM)
-    assert "torch" in omitted
+def test_the_gpu_prediction_prices_each_counted_call(tmp_path):
+    from bench.host_overhead import load_costs, predict
+    costs = {"costs_ns": {"cudaEventRecord": 1500.0, "cudaGetDevice": 40.0}}
+    got = predict(700.0, {"event_record": 1.0, "get_device": 0.5, "mystery": 2.0}, costs)
+    assert got == {"predicted_ns": 2220.0, "cuda_ns": 1520.0,
+                   "priced": {"event_record": 1500.0, "get_device": 20.0},
+                   "unpriced": ["mystery"]}
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"schema": "something-else", "costs_ns": {}}))
+    with pytest.raises(ValueError, match="not a bench.cuda_costs result"):
+        load_costs(str(f))
+    assert load_costs(str(tmp_path / "absent.json")) is None
 
 
-def test_stats_nearest_rank():
+def test_stats_median_and_p90():
     from bench.host_overhead import stats
     s = stats([5.0, 1.0, 3.0, 2.0, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0])
-    assert (s["min_ns"], s["median_ns"], s["p90_ns"]) == (1.0, 5.5, 9.0)
-    assert stats([])["median_ns"] == 0.0 and stats([2.0])["p90_ns"] == 2.0
+    assert (s["min_ns"], s["median_ns"], s["p90_ns"]) == (1.0, 5.5, 10.0)
+    assert stats([2.0]) == {"min_ns": 2.0, "median_ns": 2.0, "p90_ns": 2.0}
 
 
 # -- bench/overhead.py: the prepared mode ------------------------------------------------------

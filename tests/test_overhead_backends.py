@@ -232,7 +232,7 @@ def test_the_overhead_stage_installs_nccl4py_then_runs_both_benchmarks():
     assert len(cmds) == 1 and [c.argv for c in cmds[0]] == [
         ("bash", "bench/install_wheels.sh", "--optional", "--python", "py"),
         ("py", "-m", "bench.overhead", "--nproc", "2", "--modes", "eager,prepared,graph,capture",
-         "-J", f"W/{p}.json"),
+         "--breakdown", "-J", f"W/{p}.json"),
         ("py", "-m", "bench.cuda_costs", "--json", f"W/{p}.cuda-costs.json")]
     assert st.exclusive and st.timeout_s == 150 and st.min_s == 60
     # the bench's own defaults: every backend but nccl4py, which joins where installed

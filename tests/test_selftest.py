@@ -73,7 +73,7 @@ def test_list_shows_every_stage_in_order_with_bounds_and_commands():
             f"--backend ncclpy,cupy,torch -J WORK/{_file('bench', 'json')}") in p.stdout
     assert "overhead: bash bench/install_wheels.sh --optional --python python" in p.stdout
     assert ("overhead: python -m bench.overhead --nproc 2 --modes eager,prepared,graph,capture "
-            f"-J WORK/{_file('overhead', 'json')}") in p.stdout
+            f"--breakdown -J WORK/{_file('overhead', 'json')}") in p.stdout
     assert (f"overhead: python -m bench.cuda_costs --json WORK/"
             f"{_file('overhead', 'cuda-costs.json')}") in p.stdout
 

@@ -8,8 +8,8 @@ found by the identity of the buffer objects and the plain arguments (name, ``id(
 stream handle -- so a reused id, a re-pointed tensor or another current stream is a miss,
 never a stale plan.  A miss resolves the call (:class:`~ncclpy.comm.resolver.Resolver`, every
 check) and keeps an entry when the call is one final NCCL call; anything else (a group, checked
-mode, scratch, copies, a PreMulSum op, several NCCL calls, a nonblocking communicator) takes
-the general path (:func:`ncclpy.comm.execute.issue`).
+mode, scratch, copies, a PreMulSum op, several NCCL calls, a nonblocking communicator, NVTX
+ranges asked for) takes the general path (:func:`ncclpy.comm.execute.issue`).
 
 A hot call, with the defaults (watchdog and flight recorder on): the recorder's ring slot, the
 API lock with the in-call marker (``life.hot``, what an abort and the watchdog see), the NCCL
@@ -236,6 +236,9 @@ def entry_of(comm: Any, r: Any) -> Optional[Entry]:
     calls = r.calls
     if calls is None or len(calls) != 1 or r.group or r.in_group:
         return None
+    rec = comm._recorder
+    if rec is not None and rec.nvtx is not None:   # NCCLPY_NVTX=1: ranges around each call
+        return None
     fn, args = calls[0]
     nc = comm._nc
     method = getattr(nc, CUPY_METHODS[fn]) if nc is not None and fn in CUPY_METHODS else None
@@ -247,6 +250,9 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
     """The hot entry of resolved call ``r``, or None when it must take the general path."""
     calls = r.calls
     if calls is None or len(calls) != 1 or r.group or r.in_group:
+        return None
+    rec = comm._recorder
+    if rec is not None and rec.nvtx is not None:   # NCCLPY_NVTX=1: ranges around each call
         return None
     for p in params:
         if type(p) not in _PLAIN:

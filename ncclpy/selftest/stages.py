@@ -143,7 +143,7 @@ STAGES: Tuple[Stage, ...] = (
     Stage("overhead", "host overhead per call, n=2: ncclpy (defaults), ncclpy-bare, cupy, "
           "torch, nccl4py where installed; CUDA calls' host cost", "overhead", 150, 60,
           ranks=2, exclusive=True,
-          args=("--nproc", "2", "--modes", "eager,prepared,graph,capture"),
+          args=("--nproc", "2", "--modes", "eager,prepared,graph,capture", "--breakdown"),
           notes="bench/install_wheels.sh --optional first (nccl4py from wheels/, when carried "
                 "along), then bench.overhead, then bench.cuda_costs (its JSON beside)"),
 )
