@@ -23,7 +23,9 @@ stream)``.  The paths (each a loop of ``--batch`` calls; a sample is its mean pe
 Everything the call does is in the figure: the background threads' work (they share the GIL
 with the caller), the garbage collector, the pool of events.  Paths interleave round by round
 after a warm-up; medians over ``--repeats`` samples; each path's median minus the floor's is
-its overhead, checked against the targets (eager ≤ 1.0 µs, prepared ≤ 0.4 µs over the floor).
+its overhead -- the median of the per-round differences, each path's sample minus the floor's
+of the same round (a machine whose speed drifts slows both alike) -- checked against the
+targets (eager ≤ 1.0 µs, prepared ≤ 0.4 µs over the floor).
 
 The second figure predicts the GPU: an untimed pass counts the CUDA runtime calls each path
 makes on the caller's thread, and each count is priced with the per-call costs measured on a
@@ -211,12 +213,15 @@ def measure(repeats: int = 40, batch: int = 2000, breakdown: bool = False,
             for c in comms.values():
                 stop(c)
             store.close()
-    fs = stats(got.pop("floor"))
+    floor = got.pop("floor")
+    fs = stats(floor)
     costs = load_costs()
     results = []
     for path, xs in got.items():
         s = stats(xs)
-        over = s["median_ns"] - fs["median_ns"]
+        # paired by round (the floor's sample and the path's were taken a few ms apart): a
+        # machine whose speed drifts slowly slows both alike
+        over = stats([x - f for x, f in zip(xs, floor)])["median_ns"]
         row = {"path": path, "median_ns": round(s["median_ns"], 1),
                "over_floor_ns": round(over, 1), "min_ns": round(s["min_ns"], 1),
                "p90_ns": round(s["p90_ns"], 1), "cuda_calls": counted[path]}

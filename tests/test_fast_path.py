@@ -262,3 +262,39 @@ def test_a_released_work_is_complete_and_its_event_is_reused():
     assert event_pool(8).free == [42]
     del event_pool(8).free[:]
     assert isinstance(w, Work)
+
+
+def test_a_cupy_array_found_again_is_the_whole_check_and_another_one_is_read():
+    """A C-contiguous cupy.ndarray cannot be re-pointed (data, size, dtype, strides are
+    read-only): the entry keeps a weak reference and finding the same object is the check;
+    any other array (a new object, perhaps at the same address) has its key read again."""
+    cupy = pytest.importorskip("cupy")
+    import weakref
+
+    def arr(host, r):
+        mem = cupy.cuda.UnownedMemory(host.ctypes.data, host.nbytes, host, r)
+        return cupy.ndarray(host.shape, cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+    with standin() as eng:
+        c0, c1 = _pair("cupy")
+        h0, h1 = np.array([1.0, 2.0, 3.0, 4.0], np.float32), np.ones(4, np.float32)
+        x0, x1 = arr(h0, 0), arr(h1, 1)
+        for _ in range(2):
+            w0, w1 = _both(eng, c0, c1, lambda c: c.all_reduce(x0, stream=0),
+                           lambda c: c.all_reduce(x1, stream=0))
+            w0.wait(), w1.wait()
+        e = next(iter(c0._resolver.hot.values()))
+        assert isinstance(e.wa, weakref.ref) and e.wa() is x0
+        x0.shape = (2, 2)                            # in place: still contiguous, same plan
+        x1.shape = (2, 2)
+        w0, w1 = _both(eng, c0, c1, lambda c: c.all_reduce(x0, stream=0),
+                       lambda c: c.all_reduce(x1, stream=0))
+        w0.wait(), w1.wait()
+        assert h0.tolist() == [8.0, 12.0, 16.0, 20.0] and len(c0._resolver.hot) == 1
+        g0, g1 = np.full(4, 5.0, np.float32), np.full(4, 1.0, np.float32)
+        y0, y1 = arr(g0, 0), arr(g1, 1)              # other objects, other memory: read
+        w0, w1 = _both(eng, c0, c1, lambda c: c.all_reduce(y0, stream=0),
+                       lambda c: c.all_reduce(y1, stream=0))
+        w0.wait(), w1.wait()
+        assert g0.tolist() == [6.0] * 4 and h0.tolist() == [8.0, 12.0, 16.0, 20.0]
+        c0.abort(), c1.abort()
+    assert eng.violations == []

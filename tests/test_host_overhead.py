@@ -40,7 +40,7 @@ def test_host_overhead_times_the_whole_call_and_writes_its_json(tmp_path):
     assert paths == ["eager", "eager_none", "eager_bare", "prepared", "prepared_bare"]
     for r in doc["results"]:
         assert 0 < r["min_ns"] <= r["median_ns"] <= r["p90_ns"]
-        assert r["over_floor_ns"] == pytest.approx(r["median_ns"] - doc["floor_ns"], abs=0.2)
+        assert r["over_floor_ns"] < r["median_ns"]     # paired per round, below the median
         calls = dict(r["cuda_calls"])
         assert calls.pop("event_record") == 1.0, r      # the one CUDA call of the budget
         if r["path"] == "eager_none":

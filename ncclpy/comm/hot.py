@@ -23,6 +23,7 @@ dropped with the resolver's cache (context change, close, abort, split).
 from __future__ import annotations
 
 import sys
+import weakref
 from functools import partial
 from operator import attrgetter
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
@@ -54,7 +55,7 @@ class Entry:
     recorder numbers collectives only)."""
 
     __slots__ = ("r", "plan", "call", "method", "fn", "args", "s", "ka", "key_a", "kb",
-                 "key_b", "default", "p2p")
+                 "key_b", "wa", "wb", "default", "p2p")
 
     def __init__(self, r: Any, method: Any, fn: Any, args: Tuple[Any, ...], ka: Any,
                  key_a: Hashable, kb: Any, key_b: Hashable, default: Any) -> None:
@@ -63,8 +64,28 @@ class Entry:
         self.call = partial(method, *args, r.stream) if method is not None else \
             partial(fn, *args, stream=r.stream)
         self.ka, self.key_a, self.kb, self.key_b = ka, key_a, kb, key_b
+        self.wa = self.wb = _NOBODY      # the same object, unchangeable: see _same()
         self.default = default
         self.p2p = r.plan.collective in _P2P
+
+
+def _NOBODY() -> None:       # a weak reference to nothing: the key is read again
+    return None
+
+
+def _same(obj: Any, key: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj`` when its key can never change while it lives -- a
+    C-contiguous ``cupy.ndarray``, whose pointer, size, dtype, strides and device are
+    read-only (only its shape can be set, in place, which keeps it contiguous and its plan
+    the same): finding it again is then the whole check.  Anything else (a torch tensor can be
+    re-pointed with ``set_``, a Buffer's fields or an export can change): :func:`_NOBODY`."""
+    if key is None or type(key) is not tuple or len(key) != 5 or key[0] is not type(obj) or \
+            type_kind(type(obj)) != "cupy":
+        return _NOBODY
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _NOBODY
 
 
 def _cupy_current(device: int) -> int:
@@ -136,7 +157,8 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 s = stream
             else:
                 s = (_HANDLES.get(type(stream)) or _handle_of(type(stream)))(stream)
-            hit = s == e.s and e.ka(a) == e.key_a and (b is None or e.kb(b) == e.key_b)
+            hit = s == e.s and (e.wa() is a or e.ka(a) == e.key_a) and \
+                (b is None or e.wb() is b or e.kb(b) == e.key_b)
         except Exception:   # noqa: BLE001 - not seen (KeyError), an odd object: resolve it
             hit = False
         if not hit:
@@ -270,7 +292,11 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
     fn, args = calls[0]
     nc = comm._nc
     method = getattr(nc, CUPY_METHODS[fn]) if nc is not None and fn in CUPY_METHODS else None
-    return Entry(r, method, comm._dispatch[fn], args, ka, key_a, kb, key_b, default)
+    e = Entry(r, method, comm._dispatch[fn], args, ka, key_a, kb, key_b, default)
+    e.wa = _same(a, key_a)
+    if b is not None:
+        e.wb = _same(b, key_b)
+    return e
 
 
 def _refused(life: Any, api: Any, rec: Any, ent: Any, name: str) -> Any:
