@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 from .._nccl import cuda as _cudamod
 from .._nccl.dispatch import CUPY_METHODS, cupy_status
-from .._nccl.group import OPEN, group_depth
+from .._nccl.group import OPEN
 from ..buffers import type_kind
 from ..bufkey import _KEYERS, keyer
 from .execute import _aborted, issue
@@ -145,9 +145,8 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
     lib = comm._lib
 
     def hot(name: str, a: Any, b: Any, params: Tuple[Any, ...], stream: Any) -> Any:
-        if life.state is not USABLE or comm._checker is not None or \
-                (OPEN[0] and group_depth()):
-            return None
+        if life.state is not USABLE or comm._checker is not None or OPEN[0]:
+            return None                     # (a group open on any thread: the general path)
         key = (name, id(a), id(b), params)
         try:
             e = cache[key]
@@ -336,8 +335,8 @@ def _record_slow(cu: Any, pool: Any, ev: Optional[int], stream: int) -> int:
     event's device is not current for a default stream (:func:`record_event` retries)."""
     if cu is None:
         cu = _cudamod.cuda()
-    if ev is not None:
-        pool.give(ev)
+    if ev is not None:                  # the fast record failed: record_event retries it
+        pool.free.append(ev)
     return record_event(cu, pool, stream)
 
 

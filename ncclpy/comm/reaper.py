@@ -56,6 +56,7 @@ class Reaper:
         self._lock = threading.Lock()
         self._tick_lock = threading.Lock()
         self._runtime: Any = None
+        self._device: Any = None          # the device current on this thread (set by it)
 
     def lane(self) -> Deque[Any]:
         """A new lane's deque (a communicator's ``_watch``)."""
@@ -105,6 +106,7 @@ class Reaper:
         cu = cuda()
         if cu is not self._runtime:        # this thread's capture mode, once per runtime
             self._runtime = cu
+            self._device = None
             try:
                 cu.thread_capture_mode_local()
             except Exception as e:  # noqa: BLE001 - queries may then be prohibited
@@ -115,6 +117,11 @@ class Reaper:
             q, pend = lane
             taken += take(q, pend)
             if pend:
+                dev = getattr(pend[0], "_device", None)
+                if dev is not None and dev != self._device and \
+                        threading.current_thread() is self._thread:   # its own thread: never
+                    cu.set_device(dev)          # a context on GPU 0 for another device's events
+                    self._device = dev
                 self._look(pend)
             held += len(pend)
             if not pend and not q and sys.getrefcount(q) <= 3:   # its communicator is gone

@@ -36,7 +36,8 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any, Dict, List, Optional
 
-from .._nccl.cuda import LEGACY_STREAMS, CapturedEventError, cuda, status_of, INVALID_HANDLE
+from .._nccl.cuda import (CAPTURE_MODE_THREAD_LOCAL, LEGACY_STREAMS, CapturedEventError,
+                          cuda)
 from ..errors import NcclpyError, NcclTimeoutError
 
 __all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done", "take"]
@@ -112,10 +113,9 @@ def _destroy(ev: int) -> None:
 
 def record_event(cu: Any, pool: EventPool, stream: int) -> int:
     """Take an event of ``pool`` and record it on ``stream``: one ``cudaEventRecord``.  A
-    record refused because the stream belongs to another device than the event (a legacy or
-    per-thread default stream while another device is current: ``cudaErrorInvalidResource
-    Handle``) is made again with the event's device current; any other failure gives the
-    event back and raises."""
+    record on a legacy or per-thread default stream that fails (another device current: CUDA
+    documents a failure, ``cudaErrorInvalidResourceHandle``) is made again with the event's
+    device current; any other failure gives the event back and raises."""
     try:
         ev = pool.free.pop()
     except IndexError:
@@ -123,7 +123,7 @@ def record_event(cu: Any, pool: EventPool, stream: int) -> int:
     try:
         cu.event_record(ev, stream)
     except BaseException as e:
-        if stream in LEGACY_STREAMS and status_of(e) == INVALID_HANDLE:
+        if stream in LEGACY_STREAMS and isinstance(e, Exception):   # (400 expected; any
             try:
                 _record_on(cu, pool.device, ev, stream)
                 return ev
@@ -263,11 +263,13 @@ class Work:
         capture mode): True once nothing is left to watch -- completed (released here),
         failed, captured into a graph, or an event query that fails (its error reaches
         whoever waits on the Work; ``raising``: raised instead, the Work stays held)."""
-        if self._done or self._owned or self._error is not None:
+        if self._done or self._owned:
             return True
         ev = self._event
-        if ev is None:              # inside a group that has not ended yet
-            return False
+        if ev is None:              # failed before its record, or a group not ended yet
+            return self._error is not None
+        # (an error with an event -- an abort that waited for the call -- still has its
+        # buffers kept until the GPU is done with them)
         comm = self._comm
         try:
             if comm is not None and comm._nonblocking:
@@ -323,7 +325,10 @@ class Work:
         if stream is not None:
             if ev is not None:     # done already: any stream is ordered after it
                 from .streams import as_stream_handle
-                cuda().stream_wait_event(as_stream_handle(stream), ev)
+                h = as_stream_handle(stream)
+                with _release_lock:    # not an event the tracker released meanwhile
+                    if not self._done:
+                        cuda().stream_wait_event(h, ev)
             return
         if ev is not None:
             if not self._first_query(ev, "wait()"):
@@ -385,11 +390,7 @@ class Work:
             capturing = True
         if capturing:
             raise self._capturing_error(what)
-        try:
-            return cu.event_query(ev)
-        except CapturedEventError:
-            self._captured()
-            raise self._captured_error(what) from None
+        return self._query(ev, what)
 
     def _capturing_error(self, what: str) -> NcclpyError:
         name = getattr(self.plan, "collective", "the call")
@@ -408,12 +409,23 @@ class Work:
             f"; inside the same capture, work.wait(other_stream) orders another stream after "
             f"it")
 
-    def _query(self, ev: int) -> bool:
+    def _query(self, ev: int, what: str = "wait()") -> bool:
+        """Query the event unless its tracker already saw completion (under the release lock:
+        a released event may be re-recorded by another call at once), in the thread-local
+        capture mode (never prohibited by, nor invalidating, another thread's capture)."""
+        cu = cuda()
+        prev = cu.exchange_capture_mode(CAPTURE_MODE_THREAD_LOCAL)
         try:
-            return cuda().event_query(ev)
+            with _release_lock:
+                if self._done:
+                    return True
+                return cu.event_query(ev)
         except CapturedEventError:
             self._captured()
-            raise self._captured_error("wait()") from None
+            raise self._captured_error(what) from None
+        finally:
+            if prev is not None:
+                cu.exchange_capture_mode(prev)
 
     def _check_comm(self) -> None:
         comm = self._comm

@@ -111,6 +111,7 @@ class Watchdog:
         #: sequence number); ``_seen``: (issued count, when) of each drain that took Works
         self.pending: List[Any] = []
         self.taken = 0                    # Works the last drain took (many: drain sooner)
+        self._hand_over_at_exit = False   # stop() timed out joining: the thread hands over
         self._seen: Deque[Tuple[int, float]] = collections.deque()
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
@@ -151,7 +152,10 @@ class Watchdog:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=5.0)
-        self._hand_over()           # after the thread's last drain
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            self._hand_over_at_exit = True     # the thread hands over after its last drain
+        else:
+            self._hand_over()
         if verdict is not None:
             self.publish(verdict)
         elif closed:
@@ -431,6 +435,8 @@ class Watchdog:
             self._loop()
         finally:
             self._decided.set()       # a host wait in verdict_on never outwaits the thread
+            if self._hand_over_at_exit:
+                self._hand_over()
 
     def _connect(self) -> None:
         """Use the process's store client; the heartbeat table where the store serves it."""
