@@ -161,8 +161,9 @@ def test_the_watchdogs_drain_and_a_wait_never_poll_one_handle_at_once():
 def test_a_call_on_another_stream_during_a_global_capture_keeps_the_capture_and_the_buffers():
     """torch.cuda.graph captures in the global mode: a cudaEventQuery from a thread in the
     global mode is prohibited then and invalidates the capture.  A call on another stream
-    sweeps the dropped Works (event queries): it must neither invalidate the capture nor,
-    when a query fails, release the buffers of a Work that may still run."""
+    makes no query (its one CUDA call, the record, is allowed) and the trackers query in the
+    thread-local mode: the capture stays valid, and a Work that may still run keeps its
+    buffers."""
     def rank(r: int):
         c = _comm(r)
         try:
@@ -172,7 +173,7 @@ def test_a_call_on_another_stream_during_a_global_capture_keeps_the_capture_and_
                 time.sleep(0.2)                      # rank 1's side waits: still running
             s = eng.cuda.new_stream()
             eng.cuda.begin_capture(s)                # global mode, this thread
-            w = c.all_reduce(_arr([3.0], r), stream=eng.cuda.new_stream())   # sweeps
+            w = c.all_reduce(_arr([3.0], r), stream=eng.cuda.new_stream())
             eng.cuda.end_capture(s)                  # raises if it was invalidated
             w.wait()                                 # (after the capture: allowed)
             return True
