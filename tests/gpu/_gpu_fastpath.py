@@ -17,16 +17,7 @@ import time
 from typing import Any
 
 from _gpu_common import Session, Skip
-
-
-def _torch(s: Session) -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise Skip("torch is not installed") from None
-    if not torch.cuda.is_available():
-        raise Skip("this torch build has no CUDA")
-    return torch
+from _gpu_lifecycle import _torch   # torch, or Skip with the reason
 
 
 def chk_repointed_tensor(s: Session) -> None:
