@@ -484,7 +484,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("query-while-in-progress", "C4/Q1", ("ncclCommCount",), s_query_in_progress,
              {"during": INVALID_ARG, "after": OK, "count": 1}),
     Scenario("collective-while-in-progress", "C4/E1", ("ncclMemAlloc",),
-             s_collective_in_progress, {"during": INVALID_ARG, "final": OK}),
+             s_collective_in_progress, {"during": INVALID_ARG, "final": INVALID_ARG}),
     Scenario("destroy-while-in-progress", "G4", ("ncclCommInitRankConfig",),
              s_destroy_in_progress, {"during": INVALID_ARG, "depth_left": 1, "after": OK}),
     Scenario("queries", "Q1", ("ncclCommCuDevice",), s_queries, [[0, 1], [0, 0], [0, 0]]),

@@ -127,6 +127,7 @@ class _Comm:
     device: int
     nonblocking: bool
     async_state: int = SUCCESS
+    async_shown: int = 0            # set during an operation in progress (ncclCommSetAsyncError)
     polls_left: int = 0
     freed: str = ""                 # "", "aborted", "destroyed"
     finalized: bool = False
@@ -332,6 +333,11 @@ class StandIn:
 
 
 # -- the CUDA runtime ---------------------------------------------------------------------------
+def _captured(deps: Any) -> bool:
+    """An event's state says it was last recorded in a capture: ("captured", its capture)."""
+    return type(deps) is tuple and len(deps) == 2 and deps[0] == "captured"
+
+
 class StandInCuda:
     """``ncclpy._nccl.cuda``'s object, on host memory and queues (see the module docstring)."""
 
@@ -374,7 +380,11 @@ class StandInCuda:
         return self.e.tls().stream
 
     def stream_is_capturing(self, stream: int) -> bool:
-        return self.e.skey(stream) in self.e.capturing
+        key = self.e.skey(stream)
+        if int(stream or 0) == 2:      # cudaStreamPerThread: the calling thread's own stream
+            info = self.captures.get(key)
+            return info is not None and info["thread"] == threading.get_ident()
+        return key in self.e.capturing
 
     def begin_capture(self, stream: int, mode: int = 0) -> None:
         """cudaStreamBeginCapture in ``mode`` (0 global: torch.cuda.graph's default)."""
@@ -435,8 +445,9 @@ class StandInCuda:
                                    f"{self.event_device[event]} on the default stream of "
                                    f"device {e.tls().device}", 400)
         with e.lock:
-            if e.skey(stream) in e.capturing:
-                e.events[event] = "captured"
+            key = e.skey(stream)
+            if key in e.capturing:
+                e.events[event] = ("captured", self.captures.get(key))
                 return
             q = e.streams[e.skey(stream)]
             e.events[event] = tuple(it for it in q if not it.done)
@@ -448,9 +459,19 @@ class StandInCuda:
             deps = e.events.get(event)
             if deps is None:
                 raise StandInCudaError(f"cudaErrorInvalidResourceHandle: event {event}")
-            if deps == "captured":     # cudaErrorCapturedEvent (907): last recorded in a
-                raise CapturedEventError(        # capturing stream
-                    "cudaErrorCapturedEvent: the event was last recorded in a capturing stream")
+            if _captured(deps):
+                # last recorded in a capturing stream.  While that capture is under way: 907,
+                # and the capture is invalidated, whatever the thread's mode (an H200, CUDA
+                # 13.0: a watchdog's query in the thread-local mode broke torch.cuda.graph's
+                # capture, docs/gpu-runs.md 2026-11-26); once it ended: cudaErrorInvalidValue
+                info = deps[1]
+                if info is not None and any(i is info for i in self.captures.values()):
+                    info["invalid"] = info["invalid"] or "cudaEventQuery of an event " \
+                        "recorded in this capture"
+                    raise CapturedEventError("cudaErrorCapturedEvent: the event was last "
+                                             "recorded in a capturing stream")
+                raise CapturedEventError("cudaErrorInvalidValue: the event was last recorded "
+                                         "in a stream capture that has ended", 1)
             e.progress()
             return all(it.done for it in deps)
 
@@ -459,7 +480,7 @@ class StandInCuda:
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         deps = self.e.events.get(event, ())
-        if deps == "captured":
+        if _captured(deps):
             deps = ()
         self.e.enqueue(stream, lambda: _Item("wait", ready=lambda: all(i.done for i in deps)))
 

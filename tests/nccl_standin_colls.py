@@ -52,6 +52,8 @@ class StandInColls:
             code = self._args_check(c, fn, args)
             if code and c.nonblocking:
                 c.async_state = code
+        elif c.nonblocking:                  # fail: ncclCommSetAsyncError(comm, ret), even
+            self._set_async(c, code)         # while an init is in progress (C4)
         if code:
             return self._group_err(code)
         if fn in ("Send", "Recv"):

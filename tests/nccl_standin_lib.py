@@ -186,15 +186,29 @@ class StandInNccl(StandInColls, StandInPart2, _lib.NcclLib):
                     out[0] = IN_PROGRESS
                     return SUCCESS
             if c.async_state == IN_PROGRESS:
+                shown = c.async_shown
                 if len(c.world.joined) < c.world.nranks:
-                    out[0] = IN_PROGRESS
+                    out[0] = shown or IN_PROGRESS
                     return SUCCESS
                 if c.polls_left > 0:
                     c.polls_left -= 1
-                else:
-                    c.async_state = SUCCESS
+                    out[0] = shown or IN_PROGRESS
+                    return SUCCESS
+                c.async_state, c.async_shown = SUCCESS, 0
             out[0] = c.async_state
         return SUCCESS
+
+    def _set_async(self, c: _Comm, code: int) -> None:
+        """init.cc ncclCommSetAsyncError (2.28.9): the state becomes ``code`` at once.  While
+        an operation is in progress its thread still runs, and writes its own result when it
+        ends (group.cc groupLaunch: ``ncclCommSetAsyncError(job->comm, ret)``): a poll meanwhile
+        reads ``code`` (real NCCL 2.28.9 on an H200: a collective refused during a nonblocking
+        init, then a poll reads 4; docs/gpu-runs.md 2026-11-26)."""
+        with self.e.lock:
+            if c.async_state == IN_PROGRESS:
+                c.async_shown = code
+            else:
+                c.async_state = code
 
     def _in_progress(self, c: _Comm) -> int:
         if c.nonblocking:

@@ -18,6 +18,7 @@ costs nothing else (issue 37), on the STAND-IN for libnccl and CUDA:
 from __future__ import annotations
 
 import collections
+import threading
 import time
 
 import numpy as np
@@ -164,6 +165,17 @@ def test_an_abort_waits_for_a_fast_call_inside_nccl_and_the_watchdog_times_it():
     assert eng.violations == []
 
 
+def _tick_elsewhere(eng) -> None:
+    """One reaper look from another thread in the thread-local capture mode (the reaper's own
+    thread's state): its calls are not prohibited by this thread's capture."""
+    def look() -> None:
+        eng.cuda.exchange_capture_mode(1)
+        reaper().tick()
+    t = threading.Thread(target=look)
+    t.start()
+    t.join(10)
+
+
 def test_a_captured_call_is_learned_from_its_event_and_counted():
     with standin() as eng:
         c0, c1 = _pair()
@@ -175,12 +187,15 @@ def test_a_captured_call_is_learned_from_its_event_and_counted():
         w = c0.all_reduce(x0, stream=s)
         with pytest.raises(errors.NcclpyError, match="is capturing a CUDA graph"):
             w.wait()                                 # refused without a query
+        _tick_elsewhere(eng)                         # the tracker asks the stream first
+        assert not w._owned and reaper().held() >= 1
         graph = eng.cuda.end_capture(s)              # not invalidated
         with pytest.raises(errors.NcclpyError, match="captured into a CUDA graph"):
-            w.is_completed()                         # learned from cudaErrorCapturedEvent
+            w.is_completed()                         # learned from cudaErrorInvalidValue
         assert c0._captured_calls == 1 and w._owned
         eng.cuda.begin_capture(s)
         w2 = c0.all_reduce(x0, stream=s)
+        _tick_elsewhere(eng)
         eng.cuda.end_capture(s)
         reaper().tick()                              # the tracker learns it too
         assert c0._captured_calls == 2 and w2._owned
@@ -212,8 +227,15 @@ def test_a_record_on_a_default_stream_with_another_device_current_is_made_again(
 class _Cu:
     """A CUDA runtime whose events are done below ``done`` (by event number); counts queries."""
 
-    def __init__(self, done: int, captured=()) -> None:
+    def __init__(self, done: int, captured=(), capturing=()) -> None:
         self.done, self.captured, self.queries = done, set(captured), 0
+        self.capturing, self.asked = set(capturing), []
+
+    def stream_is_capturing(self, stream: int) -> bool:
+        self.asked.append(stream)
+        if stream == 0 and self.capturing:
+            raise RuntimeError("cudaErrorStreamCaptureImplicit")
+        return stream in self.capturing
 
     def event_query(self, ev: int) -> bool:
         self.queries += 1
@@ -249,6 +271,32 @@ def test_the_trackers_release_a_completed_prefix_with_log_n_queries():
     with cudamod.use(_Cu(done=10, captured={3})):
         assert release_done(cap) == 4
     assert c._captured_calls == 1 and c._captured_events == [3]
+    del event_pool(7).free[:]
+
+
+def test_a_tracker_never_queries_the_events_of_a_stream_that_captures():
+    """A query of an event recorded in a capture under way invalidates the capture (CUDA 13 on
+    an H200): the tracker asks the stream first and leaves its Works for a later look; the
+    legacy stream's error during another capture counts as capturing; the per-thread default
+    stream (only its own thread can ask) is never asked about by a tracker."""
+    from ncclpy._nccl import cuda as cudamod
+    c = _C()
+    held = [new_work(c, 7, 5, None, (), ev) for ev in range(3)]
+    cu = _Cu(done=10, capturing={5})
+    with cudamod.use(cu):
+        assert release_done(held) == 0 and len(held) == 3
+        assert cu.queries == 0 and cu.asked == [5]
+        assert not held[0]._reap() and cu.queries == 0
+        cu.capturing = set()                         # the capture ended
+        assert release_done(held) == 3 and held == []
+    legacy = [new_work(c, 7, 0, None, (), 4)]
+    cu2 = _Cu(done=10, capturing={9})
+    with cudamod.use(cu2):
+        assert release_done(legacy) == 0 and cu2.queries == 0
+    per_thread = [new_work(c, 7, 2, None, (), 6)]
+    cu3 = _Cu(done=10, capturing={2})
+    with cudamod.use(cu3):
+        assert release_done(per_thread) == 1 and cu3.asked == []
     del event_pool(7).free[:]
 
 

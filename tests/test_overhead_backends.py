@@ -283,3 +283,43 @@ def test_the_overhead_stage_reports_both_flavours_and_the_cuda_costs(tmp_path):
     assert "graph replay, the same kind of graph for all: ncclpy 10.50" in line
     assert "capture, one-off per captured call: ncclpy 9.50" in line
     assert P.cuda_costs_figures(str(tmp_path / "missing.json")) is None
+
+
+# -- the sweep's ncclpy backend: send_recv in place ---------------------------------------------
+def test_ncclpy_backend_times_send_recv_in_place_as_nccl_tests_does():
+    """In place, nccl-tests' sendrecv sends and receives one buffer in a group; ncclpy's
+    send_recv refuses overlapping buffers (a race), so the backend issues the grouped send and
+    recv itself (a GPU run failed here: 2026-11-26).  Two ranks on the stand-in."""
+    from bench.backends import Buffers, layout
+    from bench.backends.ncclpy import NcclpyBareBackend
+    from ncclpy.store import TCPStore
+    from nccl_standin import DevArray, run_ranks, standin
+    store = TCPStore("127.0.0.1", 0, timeout=20, is_server=True)
+    uid = bytes([7]) * 128
+
+    def rank(r: int):
+        b = NcclpyBareBackend()
+        b.rank, b.world, b.device, b.store = r, 2, r, store
+        b.comm = b.open_comm(uid)
+        b.stream_arg = eng.cuda.new_stream()
+        send = DevArray(np.full(4, 10.0 + r, np.float32), device=r)
+        recv = DevArray(np.zeros(4, np.float32), device=r)
+        whole = DevArray(np.full(4, 20.0 + r, np.float32), device=r)
+        bufs = b.adopt(Buffers("send_recv", "float32", layout("send_recv", 4, 2, r),
+                               send, recv, whole, whole, whole))
+        before = len([c for c in eng.calls if c[0] == "ncclGroupEnd"])
+        b.run("send_recv", bufs, "none", -1, False)
+        b.run("send_recv", bufs, "none", -1, True)
+        eng.cuda.synchronize(b.stream_arg)
+        ends = len([c for c in eng.calls if c[0] == "ncclGroupEnd"]) - before
+        b.close_comm(b.comm)
+        return recv.a.tolist(), whole.a.tolist(), ends
+    try:
+        with standin() as eng:
+            got = run_ranks(2, rank)
+        assert eng.violations == []
+    finally:
+        store.close()
+    assert got[0][0] == [11.0] * 4 and got[1][0] == [10.0] * 4       # out of place: shifted
+    assert {got[0][1][0], got[1][1][0]} <= {20.0, 21.0}               # in place: one buffer
+    assert got[0][2] >= 2 and got[1][2] >= 2                        # both ran as groups

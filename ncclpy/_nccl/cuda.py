@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _NOT_READY = 600                  # cudaErrorNotReady
 CAPTURED_EVENT = 907              # cudaErrorCapturedEvent: last recorded in a capturing stream
+INVALID_VALUE = 1                 # cudaErrorInvalidValue: a captured event once its capture ended
 INVALID_HANDLE = 400              # cudaErrorInvalidResourceHandle (event and stream: 2 contexts)
 #: handles that name a stream of the *current* device: the legacy default stream (0) and the
 #: per-thread default stream (2); a record on them needs the event's device current
@@ -41,10 +42,17 @@ _MEMCPY_D2D = 3                   # cudaMemcpyDeviceToDevice
 
 
 class CapturedEventError(RuntimeError):
-    """``cudaErrorCapturedEvent`` (907): the event was last recorded in a capturing stream, so
-    the call it follows was captured into a CUDA graph (and runs at each replay)."""
+    """A query of an event last recorded in a capturing stream: the call it follows was
+    captured into a CUDA graph (and runs at each replay).  CUDA answers
+    ``cudaErrorCapturedEvent`` (907) while the capture is under way and
+    ``cudaErrorInvalidValue`` (1) once it has ended (seen on an H200, driver 580, CUDA 13.0,
+    2026-11-26: ``docs/gpu-runs.md``); ``status`` says which."""
 
     status = CAPTURED_EVENT
+
+    def __init__(self, message: str, status: int = CAPTURED_EVENT) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def status_of(exc: BaseException) -> Optional[int]:
@@ -110,6 +118,10 @@ class CupyRuntime:
             if status == CAPTURED_EVENT:
                 raise CapturedEventError("cudaErrorCapturedEvent: the event was last recorded "
                                          "in a capturing stream") from None
+            if status == INVALID_VALUE:   # a pooled event is never destroyed while queried:
+                raise CapturedEventError(   # recorded in a capture that has ended
+                    "cudaErrorInvalidValue: the event was last recorded in a stream capture "
+                    "that has ended", INVALID_VALUE) from None
             raise
         return False                   # pragma: no cover
 

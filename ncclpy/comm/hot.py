@@ -16,8 +16,10 @@ API lock with the in-call marker (``life.hot``, what an abort and the watchdog s
 call (CuPy's bound method, or the ctypes function), the record of a pooled event on the stream
 (the one CUDA runtime call), the Work, and one append to its tracker (the watchdog, or the
 reaper: they release what completed, off the caller's thread).  No ``cudaGetDevice``, no
-capture query, no event creation once the pool holds what is in flight, no event query
-(docs/reference/concepts/streams.rst and graphs.rst say what this means).  The entries are
+capture query (the tracker asks whether a stream captures before it queries the stream's
+events; a call on the per-thread default stream, which only its own thread can ask about,
+takes the general path), no event creation once the pool holds what is in flight, no event
+query (docs/reference/concepts/streams.rst and graphs.rst say what this means).  The entries are
 dropped with the resolver's cache (context change, close, abort, split).
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..bufkey import _KEYERS, keyer
 from .execute import _aborted, issue
 from .lifecycle import ABORTED, ABORTING, USABLE
 from .streams import cai_stream, stream_handle, torch_stream
-from .work import Work, event_pool, record_event
+from .work import PER_THREAD_STREAM, Work, event_pool, record_event
 
 __all__ = ["make_hot", "Entry", "MAX_ENTRIES", "entry_of"]
 
@@ -255,7 +257,8 @@ def entry_of(comm: Any, r: Any) -> Optional[Entry]:
     if comm._hot is None:
         return None
     calls = r.calls
-    if calls is None or len(calls) != 1 or r.group or r.in_group:
+    if calls is None or len(calls) != 1 or r.group or r.in_group or \
+            r.stream == PER_THREAD_STREAM:    # checked for a capture when recorded
         return None
     rec = comm._recorder
     if rec is not None and rec.nvtx is not None:   # NCCLPY_NVTX=1: ranges around each call
@@ -270,7 +273,8 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
            stream: Any) -> Optional[Entry]:
     """The hot entry of resolved call ``r``, or None when it must take the general path."""
     calls = r.calls
-    if calls is None or len(calls) != 1 or r.group or r.in_group:
+    if calls is None or len(calls) != 1 or r.group or r.in_group or \
+            r.stream == PER_THREAD_STREAM:    # checked for a capture when recorded
         return None
     rec = comm._recorder
     if rec is not None and rec.nvtx is not None:   # NCCLPY_NVTX=1: ranges around each call

@@ -40,7 +40,8 @@ from .._nccl.cuda import (CAPTURE_MODE_THREAD_LOCAL, LEGACY_STREAMS, CapturedEve
                           cuda)
 from ..errors import NcclpyError, NcclTimeoutError
 
-__all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done", "take"]
+__all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done", "take",
+           "PER_THREAD_STREAM"]
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,24 @@ def new_work(comm: Any, device: int, stream: int, plan: Any, keep: Any, event: i
     return w
 
 
+#: ``cudaStreamPerThread``: the *calling* thread's default stream, so a tracker cannot ask
+#: whether another thread's captures; a call on it is checked when it is recorded
+PER_THREAD_STREAM = 2
+
+
+def _capturing(cu: Any, stream: int) -> bool:
+    """Whether ``stream`` is capturing now (a tracker asks before it queries events recorded
+    on it): a query of an event recorded in a capture still under way invalidates that
+    capture, even from a thread in the thread-local mode (an H200, CUDA 13.0, 2026-11-26: a
+    watchdog's query broke torch.cuda.graph's capture; ``docs/gpu-runs.md``), so a capturing
+    stream's Works wait for the capture to end.  An error (the legacy stream while another
+    stream captures: ``cudaErrorStreamCaptureImplicit``) counts as capturing."""
+    try:
+        return bool(cu.stream_is_capturing(stream))
+    except Exception:  # noqa: BLE001 - said above
+        return True
+
+
 _new = object.__new__
 _popleft = collections.deque.popleft
 _stream_of = attrgetter("_stream")
@@ -193,7 +212,15 @@ class Work:
         """Take a pooled event and record it on the call's stream (:func:`record_event`),
         then hand the Work to its tracker (``comm._watch``) -- both with the communicator's
         API lock held, so a tracker gets each communicator's Works in record order."""
-        self._event = record_event(cuda(), event_pool(self._device), self._stream)
+        cu = cuda()
+        self._event = record_event(cu, event_pool(self._device), self._stream)
+        if self._stream == PER_THREAD_STREAM:   # (a tracker cannot ask about this thread's)
+            try:
+                captured = cu.stream_is_capturing(PER_THREAD_STREAM)
+            except Exception:  # noqa: BLE001 - unknown: the Work stays waitable
+                captured = False
+            if captured:
+                self._captured()
         comm = self._comm
         if comm is not None:
             watch = comm._watch
@@ -274,7 +301,11 @@ class Work:
         try:
             if comm is not None and comm._nonblocking:
                 self._check_comm()  # a nonblocking communicator's async error, or verdict
-            done = cuda().event_query(ev)
+            cu = cuda()
+            s = self._stream
+            if s != PER_THREAD_STREAM and _capturing(cu, s):
+                return False        # a capture under way: its events are not queried
+            done = cu.event_query(ev)
         except CapturedEventError:
             self._captured()
             return True
@@ -474,6 +505,8 @@ def release_done(pending: List[Any], raising: bool = False) -> int:
                 done += 1
                 continue
             s = w0._stream
+            if s != PER_THREAD_STREAM and _capturing(cu, s):
+                break               # its capture is under way: no query until it ends
             end = n
             rest = pending[done:]
             if list(map(_stream_of, rest)).count(s) != n - done:   # several streams

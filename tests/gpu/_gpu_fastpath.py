@@ -4,8 +4,9 @@ which the CPU stand-in can only model.
 * a torch tensor re-pointed in place (``set_``: the same Python object, new memory) is a miss:
   the call reduces the new memory and leaves the old alone;
 * a call captured on a CuPy stream: a host wait during the capture is refused without
-  invalidating it, the graph replays correctly, and after the capture the Work is learned
-  captured from CUDA's own answer (``cudaErrorCapturedEvent``, 907) and counted;
+  invalidating it (the tracker leaves a capturing stream's events alone), the graph replays
+  correctly, and after the capture the Work is learned captured from CUDA's own answer to the
+  event's query (``cudaErrorInvalidValue`` once the capture ended) and counted;
 * a steady loop with ncclpy's defaults creates no event once the pool holds what is in
   flight, and its Works' buffers are released by the tracker within ticks, not by later calls;
 * a record on the legacy default stream with another device current is made again with the
@@ -40,7 +41,7 @@ def chk_repointed_tensor(s: Session) -> None:
 
 
 def chk_captured_learned(s: Session) -> None:
-    """cudaErrorCapturedEvent is how a Work learns its call was captured."""
+    """The event's query after the capture is how a Work learns its call was captured."""
     import cupy
     st = cupy.cuda.Stream(non_blocking=True)
     x = cupy.full(256, s.rank + 1, dtype=cupy.float32)

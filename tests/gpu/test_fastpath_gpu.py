@@ -37,7 +37,7 @@ def test_a_tensor_re_pointed_in_place_is_a_miss(fast_run):
 
 @requires_gpu
 @pytest.mark.gpu_world(2)
-def test_a_captured_call_is_learned_from_cuda_error_907(fast_run):
+def test_a_captured_call_is_learned_from_its_event_after_the_capture(fast_run):
     feature(fast_run, "captured_learned", 2)
 
 

@@ -78,7 +78,24 @@ def _job(scenario: str) -> Dict[int, dict]:
             rank = int(line.split("]", 1)[0].split()[-1])
             out[rank] = json.loads(line.split("RESULT ", 1)[1])
     out[-1] = {"rc": p.returncode, "stderr": p.stderr[-4000:], "stdout": p.stdout[-4000:]}
+    _keep_logs(scenario, p)
     return out
+
+
+def _keep_logs(scenario: str, p: "subprocess.CompletedProcess[str]") -> None:
+    """The job's whole output and its trace folder (``ncclpy trace`` reads it) in the selftest's
+    artifacts (NCCLPY_GPU_ARTIFACTS), when there are any: a failure is read from them."""
+    art = os.environ.get("NCCLPY_GPU_ARTIFACTS")
+    if not art:
+        return
+    import re
+    import shutil
+    with open(os.path.join(art, f"part2-{scenario}.log"), "w") as f:
+        f.write(f"rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}\n")
+    m = re.search(r"ncclpy trace (\S+)", p.stderr)
+    if m and os.path.isdir(m.group(1)):
+        shutil.copytree(m.group(1), os.path.join(art, f"part2-{scenario}-trace"),
+                        dirs_exist_ok=True)
 
 
 def _skip_if(res: Dict[int, dict], ranks: List[int]) -> None:
