@@ -59,6 +59,7 @@ COSTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_cost
 #: the boundary's calls (bench.null_boundary.CUDA_CALLS) -> bench.cuda_costs' names
 COST_KEYS = {"get_device": "cudaGetDevice", "set_device": "cudaSetDevice",
              "stream_is_capturing": "cudaStreamIsCapturing",
+             "capture_status": "cudaStreamIsCapturing",
              "event_create": "cudaEventCreateWithFlags", "event_record": "cudaEventRecord",
              "event_query": "cudaEventQuery", "event_destroy": "cudaEventDestroy",
              "exchange_capture_mode": "cuThreadExchangeStreamCaptureMode",

@@ -33,8 +33,8 @@ __all__ = ["NullCuda", "NullNccl", "NullLib", "make_comm", "stop", "counts_per_c
 #: the raw stream handle every timed call runs on (and the null runtime's current stream)
 STREAM = 0x5EED
 #: the CUDA runtime calls of the call path's boundary (ncclpy/_nccl/cuda.py)
-CUDA_CALLS = ("get_device", "set_device", "stream_is_capturing", "event_create",
-              "event_record", "event_query", "event_destroy", "stream_wait_event",
+CUDA_CALLS = ("get_device", "set_device", "stream_is_capturing", "capture_status",
+              "event_create", "event_record", "event_query", "event_destroy", "stream_wait_event",
               "exchange_capture_mode", "memcpy_async", "current_stream")
 
 
@@ -53,6 +53,7 @@ class NullCuda:
         self.get_device = int                                    # device 0 is current
         self.set_device = id
         self.stream_is_capturing = callable                      # never: False for ints
+        self.capture_status = {}.get                             # never: None (falsy)
         self.exchange_capture_mode = int
         self.current_stream = {0: STREAM}.get
         self.memcpy_async = _nothing                             # (not on the timed path)

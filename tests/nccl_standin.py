@@ -380,11 +380,21 @@ class StandInCuda:
         return self.e.tls().stream
 
     def stream_is_capturing(self, stream: int) -> bool:
+        return self._capturing(stream)
+
+    def _capturing(self, stream: int) -> bool:
         key = self.e.skey(stream)
         if int(stream or 0) == 2:      # cudaStreamPerThread: the calling thread's own stream
             info = self.captures.get(key)
             return info is not None and info["thread"] == threading.get_ident()
         return key in self.e.capturing
+
+    def capture_status(self, stream: int) -> int:
+        """cudaStreamIsCapturing's status (0 none, 1 active, 2 invalidated)."""
+        if not self._capturing(stream):
+            return 0
+        info = self.captures.get(self.e.skey(stream))
+        return 2 if info is not None and info["invalid"] else 1
 
     def begin_capture(self, stream: int, mode: int = 0) -> None:
         """cudaStreamBeginCapture in ``mode`` (0 global: torch.cuda.graph's default)."""

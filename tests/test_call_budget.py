@@ -1,9 +1,11 @@
 """The boundary budget of a steady-state eager call (issue 37), through the STAND-IN for
 libnccl and CUDA (tests/nccl_standin.py, entered through ncclpy's own ctypes declarations):
 with ncclpy's defaults (``ncclpy.init``: watchdog and flight recorder on), a repeated call
-makes, on the caller's thread, exactly one NCCL call and one CUDA runtime call -- the event
-record -- and nothing else: no ``cudaGetDevice``, no capture query, no event creation once the
-pool holds what is in flight, no event query (the trackers' threads make those).  Checked for
+makes, on the caller's thread, exactly one NCCL call and two CUDA runtime calls -- the event
+record and the capture query (``cudaStreamIsCapturing``: a captured call's event must never be
+queried during its capture, which a tracker could otherwise do; ncclpy/comm/work.py
+``captures``) -- and nothing else: no ``cudaGetDevice``, no event creation once the pool holds
+what is in flight, no event query (the trackers' threads make those).  Checked for
 an explicit stream handle, a stream object, ``stream=None`` (CuPy's current stream, or the
 stream a ``__cuda_array_interface__`` export names), each collective kind with one NCCL call,
 send/recv, CuPy arrays and prepared calls.
@@ -29,8 +31,8 @@ from ncclpy.rendezvous import free_port
 from nccl_standin import DevArray, run_ranks, standin
 
 #: the stand-in CUDA object's methods that are CUDA runtime (or driver) calls
-CUDA_CALLS = ("get_device", "set_device", "stream_is_capturing", "event_create",
-              "event_record", "event_query", "event_destroy", "stream_wait_event",
+CUDA_CALLS = ("get_device", "set_device", "stream_is_capturing", "capture_status",
+              "event_create", "event_record", "event_query", "event_destroy", "stream_wait_event",
               "memcpy_async", "malloc_async", "free_async", "exchange_capture_mode",
               "thread_capture_mode_local")
 WARM, CALLS = 60, 50     # steady: the warm-up had more calls in flight than are measured
@@ -103,7 +105,7 @@ def _run(call: Callable[[Any, int], Any], want_nccl: List[str]) -> None:
         assert o["nccl"] == o["want"], o["nccl"][:6]
         cuda = dict(o["cuda"])
         cuda.pop("current_stream", None)          # CuPy's thread-local, not a CUDA call
-        assert cuda == {"event_record": CALLS}, cuda
+        assert cuda == {"event_record": CALLS, "capture_status": CALLS}, cuda
 
 
 def _dev(r: int, n: int = 4) -> DevArray:
@@ -122,7 +124,7 @@ def _buf(r: int, key: str, n: int = 4) -> DevArray:
 
 
 @pytest.mark.parametrize("form", ["int", "object", "none"])
-def test_a_steady_all_reduce_makes_one_nccl_and_one_cuda_call(form):
+def test_a_steady_all_reduce_makes_one_nccl_call_and_two_cuda_calls(form):
     _X.clear()
 
     class S:                                      # a stream object (the CUDA stream protocol)
@@ -165,7 +167,7 @@ def test_every_one_call_collective_and_send_recv_keep_the_budget():
         assert o["nccl"] == (want + [p2p]) * CALLS, o["nccl"][:6]
         cuda = dict(o["cuda"])
         cuda.pop("current_stream", None)
-        assert cuda == {"event_record": 5 * CALLS}, cuda
+        assert cuda == {"event_record": 5 * CALLS, "capture_status": 5 * CALLS}, cuda
 
 
 def test_cupy_arrays_on_cupys_current_stream_keep_the_budget():

@@ -42,7 +42,8 @@ def test_host_overhead_times_the_whole_call_and_writes_its_json(tmp_path):
         assert 0 < r["min_ns"] <= r["median_ns"] <= r["p90_ns"]
         assert r["over_floor_ns"] < r["median_ns"]     # paired per round, below the median
         calls = dict(r["cuda_calls"])
-        assert calls.pop("event_record") == 1.0, r      # the one CUDA call of the budget
+        assert calls.pop("event_record") == 1.0, r      # the two CUDA calls of the budget:
+        assert calls.pop("capture_status") == 1.0, r    # the record and the capture query
         if r["path"] == "eager_none":
             assert calls.pop("current_stream") == 1.0  # CuPy's thread-local, not CUDA
         assert calls == {}, r

@@ -161,9 +161,9 @@ def test_the_watchdogs_drain_and_a_wait_never_poll_one_handle_at_once():
 def test_a_call_on_another_stream_during_a_global_capture_keeps_the_capture_and_the_buffers():
     """torch.cuda.graph captures in the global mode: a cudaEventQuery from a thread in the
     global mode is prohibited then and invalidates the capture.  A call on another stream
-    makes no query (its one CUDA call, the record, is allowed) and the trackers query in the
-    thread-local mode: the capture stays valid, and a Work that may still run keeps its
-    buffers."""
+    makes no query (its CUDA calls, the record and the capture query, are allowed) and the
+    trackers query in the thread-local mode: the capture stays valid, and a Work that may
+    still run keeps its buffers."""
     def rank(r: int):
         c = _comm(r)
         try:

@@ -73,8 +73,9 @@ class CupyRuntime:
         self.rt = runtime
         self._driver: Any = None
         self._get_current_stream: Any = None
-        #: CuPy's Cython binding itself: the one CUDA call a steady-state call makes
+        #: CuPy's Cython bindings themselves: the two CUDA calls a steady-state call makes
         self.event_record = runtime.eventRecord
+        self.capture_status = runtime.streamIsCapturing   # cudaStreamCaptureStatus: 0 none
 
     # -- devices ----------------------------------------------------------------------------
     def device_count(self) -> int:
@@ -99,6 +100,10 @@ class CupyRuntime:
     # -- streams and events -----------------------------------------------------------------
     def stream_is_capturing(self, stream: int) -> bool:
         return bool(self.rt.streamIsCapturing(stream))
+
+    def capture_status(self, stream: int) -> int:   # replaced in __init__
+        """``cudaStreamIsCapturing``: 0 none, 1 active, 2 invalidated."""
+        return int(self.rt.streamIsCapturing(stream))
 
     def event_create(self) -> int:
         return self.rt.eventCreateWithFlags(self.rt.eventDisableTiming)

@@ -1,4 +1,4 @@
-"""The fast path: a repeated eager call makes one NCCL call and one CUDA call, nothing else.
+"""The fast path: a repeated eager call makes one NCCL call and two CUDA calls, nothing else.
 
 Each communicator method tries its fast path first (``comm._hot``, made here per blocking
 communicator).  A call is *hot* when it was seen before with the same objects: the entry is
@@ -14,13 +14,14 @@ ranges asked for) takes the general path (:func:`ncclpy.comm.execute.issue`).
 A hot call, with the defaults (watchdog and flight recorder on): the recorder's ring slot, the
 API lock with the in-call marker (``life.hot``, what an abort and the watchdog see), the NCCL
 call (CuPy's bound method, or the ctypes function), the record of a pooled event on the stream
-(the one CUDA runtime call), the Work, and one append to its tracker (the watchdog, or the
-reaper: they release what completed, off the caller's thread).  No ``cudaGetDevice``, no
-capture query (the tracker asks whether a stream captures before it queries the stream's
-events; a call on the per-thread default stream, which only its own thread can ask about,
-takes the general path), no event creation once the pool holds what is in flight, no event
-query (docs/reference/concepts/streams.rst and graphs.rst say what this means).  The entries are
-dropped with the resolver's cache (context change, close, abort, split).
+and the capture query (``cudaStreamIsCapturing``: the two CUDA runtime calls), the Work, and
+one append to its tracker (the watchdog, or the reaper: they release what completed, off the
+caller's thread).  The capture query is the price of never querying a captured call's event
+during its capture, which invalidates the capture (:func:`ncclpy.comm.work.captures`; a
+tracker asking instead could meet a stream already destroyed: it crashed, on an H200,
+2026-11-26).  No ``cudaGetDevice``, no event creation once the pool holds what is in flight,
+no event query (docs/reference/concepts/streams.rst and graphs.rst say what this means).  The
+entries are dropped with the resolver's cache (context change, close, abort, split).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from ..bufkey import _KEYERS, keyer
 from .execute import _aborted, issue
 from .lifecycle import ABORTED, ABORTING, USABLE
 from .streams import cai_stream, stream_handle, torch_stream
-from .work import PER_THREAD_STREAM, Work, event_pool, record_event
+from .work import Work, captures, event_pool, record_event
 
 __all__ = ["make_hot", "Entry", "MAX_ENTRIES", "entry_of"]
 
@@ -181,7 +182,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 ev = _record_slow(None, pool, None, e.s)
             else:
                 try:
-                    _cudamod._backend.event_record(ev, e.s)     # the one CUDA call
+                    _cudamod._backend.event_record(ev, e.s)     # the first CUDA call
                 except BaseException:  # noqa: B902 - another device current, or a failure
                     ev = _record_slow(None, pool, ev, e.s)
             w = _new(Work)
@@ -189,6 +190,8 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 comm, dev, e.s, ev, e.plan, (a, b), ent
             w._owned = w._done = False
             w._error = None
+            if captures(_cudamod._backend, e.s):    # the second CUDA call
+                w._captured()               # before a tracker sees it: never queried
             comm._watch.append(w)           # to its tracker, in record order
         except BaseException as x:  # noqa: B902 - said precisely, then raised
             life.hot = None
@@ -225,6 +228,8 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 comm, dev, e.s, ev, e.plan, keep, ent
             w._owned = w._done = False
             w._error = None
+            if captures(_cudamod._backend, e.s):
+                w._captured()
             comm._watch.append(w)
         except BaseException as x:  # noqa: B902
             life.hot = None
@@ -257,8 +262,7 @@ def entry_of(comm: Any, r: Any) -> Optional[Entry]:
     if comm._hot is None:
         return None
     calls = r.calls
-    if calls is None or len(calls) != 1 or r.group or r.in_group or \
-            r.stream == PER_THREAD_STREAM:    # checked for a capture when recorded
+    if calls is None or len(calls) != 1 or r.group or r.in_group:
         return None
     rec = comm._recorder
     if rec is not None and rec.nvtx is not None:   # NCCLPY_NVTX=1: ranges around each call
@@ -273,8 +277,7 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
            stream: Any) -> Optional[Entry]:
     """The hot entry of resolved call ``r``, or None when it must take the general path."""
     calls = r.calls
-    if calls is None or len(calls) != 1 or r.group or r.in_group or \
-            r.stream == PER_THREAD_STREAM:    # checked for a capture when recorded
+    if calls is None or len(calls) != 1 or r.group or r.in_group:
         return None
     rec = comm._recorder
     if rec is not None and rec.nvtx is not None:   # NCCLPY_NVTX=1: ranges around each call

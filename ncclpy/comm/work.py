@@ -41,7 +41,7 @@ from .._nccl.cuda import (CAPTURE_MODE_THREAD_LOCAL, LEGACY_STREAMS, CapturedEve
 from ..errors import NcclpyError, NcclTimeoutError
 
 __all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done", "take",
-           "PER_THREAD_STREAM"]
+           "captures"]
 
 log = logging.getLogger(__name__)
 
@@ -155,20 +155,18 @@ def new_work(comm: Any, device: int, stream: int, plan: Any, keep: Any, event: i
     return w
 
 
-#: ``cudaStreamPerThread``: the *calling* thread's default stream, so a tracker cannot ask
-#: whether another thread's captures; a call on it is checked when it is recorded
-PER_THREAD_STREAM = 2
-
-
-def _capturing(cu: Any, stream: int) -> bool:
-    """Whether ``stream`` is capturing now (a tracker asks before it queries events recorded
-    on it): a query of an event recorded in a capture still under way invalidates that
-    capture, even from a thread in the thread-local mode (an H200, CUDA 13.0, 2026-11-26: a
-    watchdog's query broke torch.cuda.graph's capture; ``docs/gpu-runs.md``), so a capturing
-    stream's Works wait for the capture to end.  An error (the legacy stream while another
-    stream captures: ``cudaErrorStreamCaptureImplicit``) counts as capturing."""
+def captures(cu: Any, stream: int) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph, asked by the call itself right after it
+    recorded its event (the stream is alive then; ``cudaStreamIsCapturing``).  A captured
+    call's Work is marked captured before any tracker sees it, so its event is never queried
+    while the capture is under way: such a query invalidates the capture whatever the
+    querying thread's capture mode (tests/gpu/probe_capture_events.py on an H200, CUDA 13.0,
+    2026-11-26: 907 for the query, then cudaErrorStreamCaptureInvalidated at the end; a
+    watchdog's query broke torch.cuda.graph's capture).  An error (the legacy stream while
+    another stream captures: ``cudaErrorStreamCaptureImplicit``) counts as capturing: the
+    event is then never queried, the Work says why it cannot be waited on."""
     try:
-        return bool(cu.stream_is_capturing(stream))
+        return bool(cu.capture_status(stream))
     except Exception:  # noqa: BLE001 - said above
         return True
 
@@ -209,18 +207,15 @@ class Work:
 
     # -- set up by the executor ---------------------------------------------------------
     def _record(self) -> None:
-        """Take a pooled event and record it on the call's stream (:func:`record_event`),
-        then hand the Work to its tracker (``comm._watch``) -- both with the communicator's
-        API lock held, so a tracker gets each communicator's Works in record order."""
+        """Take a pooled event and record it on the call's stream (:func:`record_event`), ask
+        whether the stream captures (:func:`captures`: a captured call's Work is marked so
+        before a tracker sees it), then hand the Work to its tracker (``comm._watch``) -- all
+        with the communicator's API lock held, so a tracker gets each communicator's Works in
+        record order."""
         cu = cuda()
         self._event = record_event(cu, event_pool(self._device), self._stream)
-        if self._stream == PER_THREAD_STREAM:   # (a tracker cannot ask about this thread's)
-            try:
-                captured = cu.stream_is_capturing(PER_THREAD_STREAM)
-            except Exception:  # noqa: BLE001 - unknown: the Work stays waitable
-                captured = False
-            if captured:
-                self._captured()
+        if captures(cu, self._stream):
+            self._captured()
         comm = self._comm
         if comm is not None:
             watch = comm._watch
@@ -301,11 +296,7 @@ class Work:
         try:
             if comm is not None and comm._nonblocking:
                 self._check_comm()  # a nonblocking communicator's async error, or verdict
-            cu = cuda()
-            s = self._stream
-            if s != PER_THREAD_STREAM and _capturing(cu, s):
-                return False        # a capture under way: its events are not queried
-            done = cu.event_query(ev)
+            done = cuda().event_query(ev)
         except CapturedEventError:
             self._captured()
             return True
@@ -505,8 +496,6 @@ def release_done(pending: List[Any], raising: bool = False) -> int:
                 done += 1
                 continue
             s = w0._stream
-            if s != PER_THREAD_STREAM and _capturing(cu, s):
-                break               # its capture is under way: no query until it ends
             end = n
             rest = pending[done:]
             if list(map(_stream_of, rest)).count(s) != n - done:   # several streams

@@ -4,9 +4,8 @@ which the CPU stand-in can only model.
 * a torch tensor re-pointed in place (``set_``: the same Python object, new memory) is a miss:
   the call reduces the new memory and leaves the old alone;
 * a call captured on a CuPy stream: a host wait during the capture is refused without
-  invalidating it (the tracker leaves a capturing stream's events alone), the graph replays
-  correctly, and after the capture the Work is learned captured from CUDA's own answer to the
-  event's query (``cudaErrorInvalidValue`` once the capture ended) and counted;
+  invalidating it (the call marked its Work captured: no tracker queries its event), the graph
+  replays correctly, and the Work is counted as captured;
 * a steady loop with ncclpy's defaults creates no event once the pool holds what is in
   flight, and its Works' buffers are released by the tracker within ticks, not by later calls;
 * a record on the legacy default stream with another device current is made again with the
@@ -41,7 +40,9 @@ def chk_repointed_tensor(s: Session) -> None:
 
 
 def chk_captured_learned(s: Session) -> None:
-    """The event's query after the capture is how a Work learns its call was captured."""
+    """The call asks whether its stream captures: the Work is marked captured at once, and a
+    host wait or query is refused (during the capture and after it) without touching the
+    event, so the capture stays valid; the graph replays correctly."""
     import cupy
     st = cupy.cuda.Stream(non_blocking=True)
     x = cupy.full(256, s.rank + 1, dtype=cupy.float32)
@@ -53,7 +54,7 @@ def chk_captured_learned(s: Session) -> None:
         try:
             w.wait()
         except s.ncclpy.NcclpyError as e:
-            assert "is capturing a CUDA graph" in str(e), e
+            assert "captured into a CUDA graph" in str(e), e
         else:
             raise AssertionError("a host wait during the capture was not refused")
         graph = st.end_capture()                 # raises if the capture was invalidated
