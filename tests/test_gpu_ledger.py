@@ -322,6 +322,7 @@ def test_a_run_adds_its_results_to_the_ledger_and_says_the_debt_after(tmp_path):
     assert json.loads((out / "gpu-ledger.json").read_text()) == doc
     (run_id, run), = doc["runs"].items()
     assert run["commit"] == "abc1234" and "tests/gpu/_helper.py" in run["files"]
+    assert "UTC" not in run_id and run_id.split(" ")[0].count("T") == 1   # 2026-11-26T21:50
     assert {i.split("::")[1]: e["last"]["outcome"] for i, e in doc["items"].items()} == {
         "test_uses_helper_and_fixture": "passed", "test_uses_fixture_only": "passed",
         "test_plain_pass": "passed", "test_needs_newer_nccl": "skipped", "test_fails": "failed"}

@@ -188,6 +188,83 @@ def test_revoke_then_shrink_to_the_survivors_and_carry_on():
         ["ncclCommShrink:2"] * 2
 
 
+def _voting(c, store, timeout: float = 10.0, gen: int = 0):
+    """Give a bare stand-in Communicator the rendezvous store ncclpy.init gives its own."""
+    from ncclpy.comm.objects import ObjectExchange
+    c._objects = ObjectExchange(store, c.rank, c.world_size, f"ncclpy/vote/{gen}/obj", timeout)
+    c._timeout = timeout
+    return c
+
+
+def test_a_survivor_nccl_refuses_to_shrink_fails_every_survivor_at_once():
+    """Rank 2 died; rank 0's parent keeps its proxy's network error through the revoke (NCCL
+    2.28.9's ncclCommEnsureReady then refuses its ncclCommShrink, and rank 1 waited in its own
+    shrink for ever: a GPU run, 2026-11-26).  The survivors vote first: both raise the same
+    NcclRemoteError naming rank 0, and neither enters ncclCommShrink."""
+    from ncclpy.store import TCPStore
+    store = TCPStore("127.0.0.1", 0, timeout=20, is_server=True)
+
+    def one(r: int, n: int):
+        c = _comm(n, r)
+        if r == 2:
+            c.abort()
+            return None
+        _voting(c, store)
+        c.revoke()
+        if r == 0:
+            eng.async_fail[c._handle] = 6                 # the proxy's ncclRemoteError
+        with pytest.raises(errors.NcclRemoteError) as ei:
+            c.shrink([2])
+        c.close()
+        return str(ei.value)
+    try:
+        with standin(version=NEW) as eng:
+            got = run_ranks(3, one, 3)
+    finally:
+        store.close()
+    for msg in got[:2]:
+        assert "ncclCommShrink failed: ncclRemoteError (6): not called" in msg, msg
+        assert "on rank(s) [0] (rank 0: ncclRemoteError (6))" in msg, msg
+    assert [c for c in eng.calls if c[0].startswith("ncclCommShrink")] == []
+    assert eng.violations == []
+
+
+def test_survivors_that_can_shrink_vote_and_shrink_and_one_that_never_comes_is_named():
+    from ncclpy.store import TCPStore
+    store = TCPStore("127.0.0.1", 0, timeout=20, is_server=True)
+
+    def one(r: int, n: int):
+        c = _voting(_comm(n, r), store)
+        if r == 2:
+            c.abort()
+            return None
+        child = c.shrink([2])
+        x = DevArray(np.full(2, r + 1, np.float32), device=r)
+        child.all_reduce(x).wait()
+        child.close()
+        c.close()
+        return x.a.tolist()
+
+    def alone(r: int, n: int):
+        c = _voting(_comm(n, r), store, timeout=1.0, gen=1)
+        if r != 0:
+            c.abort()                                   # rank 1 never calls shrink
+            return None
+        with pytest.raises(errors.NcclTimeoutError, match=r"rank 1 did not reach shrink\("
+                                                          r"exclude=\[2\]\) within 1 s"):
+            c.shrink([2])
+        c.abort()
+        return True
+    try:
+        with standin(version=NEW) as eng:
+            assert run_ranks(3, one, 3)[:2] == [[3.0, 3.0], [3.0, 3.0]]
+        assert eng.violations == []
+        with standin(version=NEW) as eng:
+            assert run_ranks(3, alone, 3)[0] is True
+    finally:
+        store.close()
+
+
 def test_shrink_with_abort_revokes_the_parent():
     """Rank 2 leaves; the survivors shrink it out with abort=True (a config given: its
     address reaches NCCL -- issue 35's defect 2 failed in ctypes here)."""
@@ -251,8 +328,12 @@ def test_shrink_arguments_are_refused_precisely():
         run_ranks(2, old, 2)
 
 
-def test_a_revoking_watchdog_names_the_suspects_and_leaves_the_handle_for_shrink():
+def test_a_revoking_watchdog_names_the_suspects_and_leaves_the_handle_for_shrink(caplog):
+    """... and its log line says what it did: revoked, not aborted (a GPU run's log said
+    "aborted (ncclCommAbort)" for a revoke, 2026-11-26)."""
+    import logging
     from ncclpy.debug.watchdog import Watchdog
+    caplog.set_level(logging.ERROR, logger="ncclpy.debug.watchdog")
 
     def one(r: int, n: int):
         c = _comm(n, r, timeout=1.0)
@@ -271,6 +352,9 @@ def test_a_revoking_watchdog_names_the_suspects_and_leaves_the_handle_for_shrink
         err = run_ranks(2, one, 2)[0]
     assert err.reason == "timeout" and list(err.suspects) == [1]
     assert "was revoked (ncclCommRevoke; on_failure='revoke')" in str(err)
+    said = [r.getMessage() for r in caplog.records if r.name == "ncclpy.debug.watchdog"]
+    assert said and all("was revoked (ncclCommRevoke" in m and "was aborted" not in m
+                        for m in said), said
     assert len(_calls(eng, "ncclCommRevoke")) == 1 and eng.violations == []
 
 

@@ -24,7 +24,10 @@ risks.
 
 The recovery recipe (docs/reference/concepts/recovery.rst): ``comm.on_failure = "revoke"``
 makes the watchdog revoke instead of abort; its CommAbortedError names the suspects; every
-survivor calls ``comm.shrink(exclude=err.suspects)`` and carries on with the child.
+survivor calls ``comm.shrink(exclude=err.suspects)`` and carries on with the child.  Before
+``ncclCommShrink`` the survivors agree through the store that each can shrink
+(:mod:`ncclpy.comm.shrinkvote`): NCCL refuses a parent whose async error is set, and the
+others would wait for the refused rank for ever.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from .._nccl.lib import NCCL_IN_PROGRESS, require_version
 from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError,
                       NcclpyError, NcclTimeoutError, as_int)
 from .lifecycle import REVOKED, USABLE
+from .shrinkvote import survivors_ready
 
 __all__ = ["CommMembership", "ON_FAILURE", "check_on_failure", "exclude_list"]
 
@@ -213,6 +217,7 @@ class CommMembership:
         lib = self._lib
         require_version("ncclCommShrink", lib.version, lib.path)
         ranks = exclude_list(exclude, self.rank, self.world_size)
+        survivors_ready(self, ranks, (REVOKED,))   # a refused survivor fails them all at once
         struct = self._child_struct("shrink", config)
         cfg = _address(struct)
         if abort and life.state is USABLE:

@@ -399,12 +399,9 @@ class CommLifecycle:
         """The watchdog's verdict: every blocked or later call raises CommAbortedError (its
         message names the flight-recorder dump written first)."""
         msg = decision.message
+        from ..debug.verdicts import carried_out
         revoke = getattr(self, "_on_failure", "abort") == "revoke"
-        if revoke:       # comm.on_failure = "revoke": the handle stays for shrink
-            msg = msg.replace("was aborted (ncclCommAbort)",
-                              "was revoked (ncclCommRevoke; on_failure='revoke'): shrink it "
-                              "to the survivors (comm.shrink(exclude=err.suspects)), or close "
-                              "it")
+        msg = carried_out(msg, revoke)   # on_failure = "revoke": the handle stays for shrink
         rec = getattr(self, "_recorder", None)
         if rec is not None:
             path = rec.try_dump(f"watchdog {'revoke' if revoke else 'abort'} "

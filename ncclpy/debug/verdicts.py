@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["Peer", "Decision", "Published", "WatchState", "CONFIRM", "report_after",
-           "peers_from_beat", "waits_on", "ranks_text"]
+           "peers_from_beat", "waits_on", "ranks_text", "carried_out"]
 
 #: what :meth:`WatchState.step` returns when a silence would be a verdict: read the table once
 #: more (fresh ages), then step again with ``confirmed=True``
@@ -277,3 +277,13 @@ def ranks_text(rs: Sequence[int], most: int = 32) -> str:
     if len(items) > most:
         return ", ".join(items[:most]) + f", ... ({len(rs)} ranks in all)"
     return ", ".join(items)
+
+
+def carried_out(message: str, revoke: bool) -> str:
+    """A verdict's message as carried out: with ``on_failure = "revoke"`` the communicator is
+    revoked (its handle kept for shrink), not aborted -- the log and the error say so alike."""
+    if not revoke:
+        return message
+    return message.replace("was aborted (ncclCommAbort)",
+                           "was revoked (ncclCommRevoke; on_failure='revoke'): shrink it to "
+                           "the survivors (comm.shrink(exclude=err.suspects)), or close it")

@@ -43,8 +43,8 @@ from .. import errors as _errors
 from . import deaths as _deaths
 from .deaths import dead_key
 from .heartbeat import Heart, Throttle, on_time_limit
-from .verdicts import (CONFIRM, Decision, Peer, Published, WatchState, peers_from_beat,
-                       report_after, waits_on)
+from .verdicts import (CONFIRM, Decision, Peer, Published, WatchState, carried_out,
+                       peers_from_beat, report_after, waits_on)
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,8 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the abort matters more
             log.debug("watchdog: could not publish the verdict", exc_info=True)
         self.decision = d
-        log.error("%s", d.message)
+        log.error("%s", carried_out(d.message,
+                                    getattr(self.comm, "_on_failure", "abort") == "revoke"))
         try:
             self.comm._watchdog_abort(d)
         except Exception:

@@ -92,7 +92,10 @@ def run_entry(rec: RunRecord, root: str, commit: str) -> Tuple[str, Dict[str, An
     """(run id, the ledger's record of the run): date, commit, GPU and versions, the command,
     and the blob hash of every tracked file at the run."""
     v = versions(rec.info)
-    rid = (rec.date or "?").replace(" ", "T") + " " + v["gpu"].split(" (")[0]
+    date = rec.date or "?"
+    if date.endswith(" UTC"):           # "2026-11-26 21:50 UTC" -> "2026-11-26T21:50"
+        date = date[:-4]
+    rid = date.replace(" ", "T") + " " + v["gpu"].split(" (")[0]
     nccl = v["nccl"].split(" (")[0]
     entry = {"date": rec.date, "commit": commit or "unknown", "gpu": v["gpu"],
              "driver": v["driver"], "nccl": nccl, "cupy": v["cupy"], "torch": v["torch"],

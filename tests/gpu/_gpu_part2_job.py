@@ -5,7 +5,8 @@ in test_part2_gpu.py): ``python _gpu_part2_job.py SCENARIO``.
   SIGKILL; ranks 0 and 1 (``comm.on_failure = "revoke"``) reduce again, the launcher publishes
   the death, the watchdog revokes and the wait raises CommAbortedError naming rank 2; they shrink
   it out, reduce on the 2-rank child, close the child, then the parent (aborted, never
-  destroyed).
+  destroyed).  Where NCCL refuses the shrink on a survivor whose proxy saw the death
+  (ncclCommEnsureReady: its async error), every survivor says so instead (``refused``).
 * ``grow``: ranks 0 and 1 form a 2-rank communicator; rank 0 makes the grow id and hands it to
   rank 2 through the store; ranks 0 and 1 grow, rank 2 joins (``ncclpy.grow_join``); all three
   reduce on the grown communicator.
@@ -41,12 +42,18 @@ def recover() -> dict:
     except ncclpy.CommAbortedError as e:
         err = e
     took = time.monotonic() - t0
-    child = comm.shrink(exclude=err.suspects)
+    out = {"rank": r, "reason": err.reason, "suspects": list(err.suspects),
+           "detect_s": round(took, 2), "message": str(err)[:300]}
+    try:
+        child = comm.shrink(exclude=err.suspects)
+    except ncclpy.NcclError as e:   # NCCL refuses a parent whose proxy saw the death
+        out["refused"] = str(e)[:600]
+        comm.close()
+        out["parent_state"] = comm.state
+        return out
     y = cupy.full(1024, r + 1, cupy.float32)
     child.all_reduce(y).wait(timeout=60)
-    out = {"rank": r, "reason": err.reason, "suspects": list(err.suspects),
-           "detect_s": round(took, 2), "child": [child.rank, child.world_size],
-           "sum": float(y[0]), "message": str(err)[:300]}
+    out.update({"child": [child.rank, child.world_size], "sum": float(y[0])})
     child.close()
     comm.close()
     out["parent_state"] = comm.state
