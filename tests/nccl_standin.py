@@ -383,11 +383,7 @@ class StandInCuda:
         return self._capturing(stream)
 
     def _capturing(self, stream: int) -> bool:
-        key = self.e.skey(stream)
-        if int(stream or 0) == 2:      # cudaStreamPerThread: the calling thread's own stream
-            info = self.captures.get(key)
-            return info is not None and info["thread"] == threading.get_ident()
-        return key in self.e.capturing
+        return self.e.skey(stream) in self.e.capturing
 
     def capture_status(self, stream: int) -> int:
         """cudaStreamIsCapturing's status (0 none, 1 active, 2 invalidated)."""

@@ -217,15 +217,16 @@ class StandInPart2(StandInWindows):
         if c.rank in gone:
             e.violations.append(f"ncclCommShrink called by excluded rank {c.rank}")
             return INVALID_ARG
-        code = self._ready(c)      # then EnsureReady
-        if code:
-            return code
-        if flags & 1:              # NCCL_SHRINK_ABORT: abort flags set, device synced, reset;
-            c.abort_flag = True    # the parent is not revoked (ncclpy closes it with abort)
-            c.shrink_aborted = True
+        if flags & 1:              # init.cc ncclCommShrink: NCCL_SHRINK_ABORT first sets the
+            c.abort_flag = True    # abort flags, syncs the device stream, resets the flags;
+            c.shrink_aborted = True   # the parent is not revoked (ncclpy closes it with abort)
             quiesced = _quiesce(c)
             while quiesced() == IN_PROGRESS:
                 time.sleep(0.002)
+            c.abort_flag = False
+        code = self._ready(c)      # then ncclCommInitChildComm: EnsureReady (an async error
+        if code:                   # set, the proxy's included, refuses the shrink)
+            return code
         # the child's mode: the given config's, else the parent's (copyCommConfig)
         child_nb = (_config(cfg).blocking == 0) if cfg else c.nonblocking
         with e.lock:

@@ -4,7 +4,8 @@ with ncclpy's defaults (``ncclpy.init``: watchdog and flight recorder on), a rep
 makes, on the caller's thread, exactly one NCCL call and two CUDA runtime calls -- the event
 record and the capture query (``cudaStreamIsCapturing``: a captured call's event must never be
 queried during its capture, which a tracker could otherwise do; ncclpy/comm/work.py
-``captures``) -- and nothing else: no ``cudaGetDevice``, no event creation once the pool holds
+``captures``; on the legacy default stream, which cannot be captured, the record only) -- and
+nothing else: no ``cudaGetDevice``, no event creation once the pool holds
 what is in flight, no event query (the trackers' threads make those).  Checked for
 an explicit stream handle, a stream object, ``stream=None`` (CuPy's current stream, or the
 stream a ``__cuda_array_interface__`` export names), each collective kind with one NCCL call,
@@ -94,7 +95,9 @@ def _budget(r: int, port: int, eng: Any, counts: Dict[int, collections.Counter],
         comm.close()
 
 
-def _run(call: Callable[[Any, int], Any], want_nccl: List[str]) -> None:
+def _run(call: Callable[[Any, int], Any], want_nccl: List[str], legacy: bool = False) -> None:
+    """``legacy``: the calls run on the legacy default stream (0), which cannot be captured:
+    no capture query."""
     port = free_port()
     with standin() as eng:
         counts = _count_cuda(eng.cuda)
@@ -105,7 +108,9 @@ def _run(call: Callable[[Any, int], Any], want_nccl: List[str]) -> None:
         assert o["nccl"] == o["want"], o["nccl"][:6]
         cuda = dict(o["cuda"])
         cuda.pop("current_stream", None)          # CuPy's thread-local, not a CUDA call
-        assert cuda == {"event_record": CALLS, "capture_status": CALLS}, cuda
+        want = {"event_record": CALLS} if legacy else \
+            {"event_record": CALLS, "capture_status": CALLS}
+        assert cuda == want, cuda
 
 
 def _dev(r: int, n: int = 4) -> DevArray:
@@ -141,8 +146,8 @@ def test_a_steady_all_reduce_makes_one_nccl_call_and_two_cuda_calls(form):
             return comm.all_reduce(x, stream=streams[r])
         if form == "object":
             return comm.all_reduce(x, stream=S(streams[r]))
-        return comm.all_reduce(x)
-    _run(call, ["ncclAllReduce"])
+        return comm.all_reduce(x)                 # (the stand-in's current stream: 0)
+    _run(call, ["ncclAllReduce"], legacy=form == "none")
 
 
 def test_every_one_call_collective_and_send_recv_keep_the_budget():
@@ -167,7 +172,7 @@ def test_every_one_call_collective_and_send_recv_keep_the_budget():
         assert o["nccl"] == (want + [p2p]) * CALLS, o["nccl"][:6]
         cuda = dict(o["cuda"])
         cuda.pop("current_stream", None)
-        assert cuda == {"event_record": 5 * CALLS, "capture_status": 5 * CALLS}, cuda
+        assert cuda == {"event_record": 5 * CALLS}, cuda      # the legacy stream: no query
 
 
 def test_cupy_arrays_on_cupys_current_stream_keep_the_budget():
@@ -184,7 +189,7 @@ def test_cupy_arrays_on_cupys_current_stream_keep_the_budget():
         if r not in xs:
             xs[r] = arr(r)
         return comm.all_reduce(xs[r])             # stream=None: CuPy's current stream
-    _run(call, ["ncclAllReduce"])
+    _run(call, ["ncclAllReduce"], legacy=True)    # (CuPy's null stream: the legacy one)
 
 
 def test_a_prepared_call_keeps_the_budget():

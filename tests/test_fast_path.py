@@ -227,7 +227,7 @@ class _Cu:
 
     def __init__(self, done: int, captured=(), capturing=()) -> None:
         self.done, self.captured, self.queries = done, set(captured), 0
-        self.capturing, self.asked = set(capturing), []
+        self.capturing, self.asked, self.queried = set(capturing), [], []
 
     def stream_is_capturing(self, stream: int) -> bool:
         self.asked.append(stream)
@@ -237,6 +237,7 @@ class _Cu:
 
     def event_query(self, ev: int) -> bool:
         self.queries += 1
+        self.queried.append(ev)
         if ev in self.captured:
             raise CapturedEventError("captured")
         return ev < self.done
@@ -289,16 +290,50 @@ def test_the_call_asks_whether_its_stream_captures_and_counts_an_error_as_captur
     from ncclpy.comm.work import captures
 
     class Status:
-        def __init__(self, answer):
-            self.answer = answer
+        def __init__(self, answer, device=0):
+            self.answer, self.device, self.asked = answer, device, []
+
+        def get_device(self):
+            return self.device
+
+        def set_device(self, d):
+            self.device = d
 
         def capture_status(self, stream):
+            self.asked.append((stream, self.device))
             if isinstance(self.answer, Exception):
                 raise self.answer
             return self.answer
-    assert captures(Status(0), 5) is False
-    assert captures(Status(1), 5) is True and captures(Status(2), 5) is True   # invalidated
-    assert captures(Status(RuntimeError("cudaErrorStreamCaptureImplicit")), 0) is True
+    assert captures(Status(0), 5, 0) is False
+    assert captures(Status(1), 5, 0) is True and captures(Status(2), 5, 0) is True  # invalid
+    assert captures(Status(RuntimeError("cudaErrorStreamCaptureInvalidated")), 5, 0) is True
+    legacy = Status(1)
+    assert captures(legacy, 0, 0) is False and captures(legacy, 1, 0) is False
+    assert legacy.asked == []                 # the legacy stream cannot be captured: not asked
+    per_thread = Status(1, device=3)          # another device current: asked on the Work's
+    assert captures(per_thread, 2, 1) is True
+    assert per_thread.asked == [(2, 1)] and per_thread.device == 3      # and restored
+
+
+def test_a_tracker_never_queries_a_captured_work_in_a_run_of_its_stream():
+    """An eager call, then a call captured on the same stream, both seen in one tick: the
+    binary search stops at the captured Work (its query would invalidate the capture)."""
+    from ncclpy._nccl import cuda as cudamod
+    c = _C()
+    eager = new_work(c, 7, 5, None, (), 1)
+    cap = new_work(c, 7, 5, None, (), 2)
+    cap._captured()
+    later = new_work(c, 7, 5, None, (), 3)
+    cu = _Cu(done=0)
+    with cudamod.use(cu):
+        assert release_done([eager, cap, later]) == 0
+    assert 2 not in cu.queried and cu.queried == [1]
+    cu = _Cu(done=10)
+    pending = [eager, cap, later]
+    with cudamod.use(cu):
+        assert release_done(pending) == 3 and pending == []
+    assert 2 not in cu.queried and c._captured_calls == 1
+    del event_pool(7).free[:]
 
 
 def test_a_released_work_is_complete_and_its_event_is_reused():

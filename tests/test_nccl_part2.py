@@ -241,9 +241,25 @@ def test_survivors_that_can_shrink_vote_and_shrink_and_one_that_never_comes_is_n
         child = c.shrink([2])
         x = DevArray(np.full(2, r + 1, np.float32), device=r)
         child.all_reduce(x).wait()
+        assert child.all_gather_object(r * 10) == [0, 10]    # the child has the store too
         child.close()
         c.close()
         return x.a.tolist()
+
+    def differ(r: int, n: int):
+        c = _voting(_comm(n, r), store, gen=2)
+        if r == 2:
+            c.abort()
+            return None
+        if r == 1:                  # excludes rank 0 too: it reads no vote, shrinks alone
+            c.shrink([0, 2]).close()
+            c.close()
+            return True
+        with pytest.raises(errors.ArgumentError, match=r"different exclude lists: rank 0: "
+                                                       r"\[2\], rank 1: \[0, 2\]"):
+            c.shrink([2])           # reads rank 1's vote: raises, never waits in NCCL
+        c.abort()
+        return True
 
     def alone(r: int, n: int):
         c = _voting(_comm(n, r), store, timeout=1.0, gen=1)
@@ -261,6 +277,8 @@ def test_survivors_that_can_shrink_vote_and_shrink_and_one_that_never_comes_is_n
         assert eng.violations == []
         with standin(version=NEW) as eng:
             assert run_ranks(3, alone, 3)[0] is True
+        with standin(version=NEW) as eng:
+            assert run_ranks(3, differ, 3)[:2] == [True, True]
     finally:
         store.close()
 

@@ -190,7 +190,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 comm, dev, e.s, ev, e.plan, (a, b), ent
             w._owned = w._done = False
             w._error = None
-            if captures(_cudamod._backend, e.s):    # the second CUDA call
+            if captures(_cudamod._backend, e.s, dev):   # the second CUDA call
                 w._captured()               # before a tracker sees it: never queried
             comm._watch.append(w)           # to its tracker, in record order
         except BaseException as x:  # noqa: B902 - said precisely, then raised
@@ -228,7 +228,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 comm, dev, e.s, ev, e.plan, keep, ent
             w._owned = w._done = False
             w._error = None
-            if captures(_cudamod._backend, e.s):
+            if captures(_cudamod._backend, e.s, dev):
                 w._captured()
             comm._watch.append(w)
         except BaseException as x:  # noqa: B902

@@ -41,7 +41,7 @@ from .._nccl.lib import NCCL_IN_PROGRESS, require_version
 from ..errors import (ArgumentError, ArgumentTypeError, CommAbortedError, NcclError,
                       NcclpyError, NcclTimeoutError, as_int)
 from .lifecycle import REVOKED, USABLE
-from .shrinkvote import survivors_ready
+from .shrinkvote import child_objects, survivors_ready
 
 __all__ = ["CommMembership", "ON_FAILURE", "check_on_failure", "exclude_list"]
 
@@ -217,8 +217,8 @@ class CommMembership:
         lib = self._lib
         require_version("ncclCommShrink", lib.version, lib.path)
         ranks = exclude_list(exclude, self.rank, self.world_size)
-        survivors_ready(self, ranks, (REVOKED,))   # a refused survivor fails them all at once
-        struct = self._child_struct("shrink", config)
+        struct = self._child_struct("shrink", config)   # (a bad config: before the vote)
+        vote = survivors_ready(self, ranks, (REVOKED,))  # a refused survivor fails them all
         cfg = _address(struct)
         if abort and life.state is USABLE:
             life.begin_revoke(CommAbortedError(
@@ -229,10 +229,12 @@ class CommMembership:
         arr = (ctypes.c_int * max(len(ranks), 1))(*ranks)
         flags = SHRINK_ABORT if abort else SHRINK_DEFAULT
         tag = "shrink-" + "-".join(map(str, ranks)) if ranks else "shrink"
-        return self._make_child("ncclCommShrink", f"{self.name}/{tag}", config, struct,
-                                lambda slot: lib.ncclCommShrink(
-                                    self._handle, arr, len(ranks), ctypes.byref(slot),
-                                    cfg, flags))
+        child = self._make_child("ncclCommShrink", f"{self.name}/{tag}", config, struct,
+                                 lambda slot: lib.ncclCommShrink(
+                                     self._handle, arr, len(ranks), ctypes.byref(slot),
+                                     cfg, flags))
+        child_objects(self, child, vote)
+        return child
 
     # -- grow ---------------------------------------------------------------------------------
     def grow_unique_id(self) -> bytes:

@@ -1,8 +1,8 @@
 """``Work``: the handle every communicator call returns, built on a pooled CUDA event.
 
 The event is recorded on the call's stream right after the NCCL work was enqueued (for calls
-made inside ``group()``: right after the outermost group end): the one CUDA runtime call a
-steady-state call makes besides NCCL's own.  ``wait()`` blocks the host on it, ``wait(stream)``
+made inside ``group()``: right after the outermost group end), then the stream is asked whether
+it captures: the two CUDA runtime calls a steady-state call makes besides NCCL's own.  ``wait()`` blocks the host on it, ``wait(stream)``
 makes another stream wait for it (no host block), ``is_completed()`` queries it.
 
 Who releases what (docs/reference/concepts/streams.rst): every Work goes to a tracker -- the
@@ -20,11 +20,12 @@ created only when the pool is empty.  Re-recording an event later is safe: whate
 waited on it (``wait(stream)``) captured its state at that moment.
 
 Graphs (docs/reference/concepts/graphs.rst): the record is made whether or not the stream is
-capturing -- no capture query per call.  A call made while its stream captured a CUDA graph is
-learned from its event at the first query (``cudaErrorCapturedEvent``): the Work is then
-marked captured, keeps its event (never pooled again: a ``wait(other_stream)`` inside the
-capture is a graph edge to it; destroyed at the communicator's close), and refuses ``wait()``
-and ``is_completed()`` with a precise error, as does a host wait while its stream is capturing.
+capturing, then the call asks (:func:`captures`).  A call made while its stream captured a CUDA
+graph has its Work marked captured before a tracker sees it: its event is never queried (a
+query during the capture invalidates it), never pooled again (a ``wait(other_stream)`` inside
+the capture is a graph edge to it; destroyed at the communicator's close), and ``wait()`` and
+``is_completed()`` refuse with a precise error.  The trackers query events only, under the
+release lock, and never a stream (a stream may be destroyed once its calls are issued).
 """
 from __future__ import annotations
 
@@ -155,17 +156,28 @@ def new_work(comm: Any, device: int, stream: int, plan: Any, keep: Any, event: i
     return w
 
 
-def captures(cu: Any, stream: int) -> bool:
+def captures(cu: Any, stream: int, device: int) -> bool:
     """Whether ``stream`` is capturing a CUDA graph, asked by the call itself right after it
     recorded its event (the stream is alive then; ``cudaStreamIsCapturing``).  A captured
     call's Work is marked captured before any tracker sees it, so its event is never queried
     while the capture is under way: such a query invalidates the capture whatever the
     querying thread's capture mode (tests/gpu/probe_capture_events.py on an H200, CUDA 13.0,
     2026-11-26: 907 for the query, then cudaErrorStreamCaptureInvalidated at the end; a
-    watchdog's query broke torch.cuda.graph's capture).  An error (the legacy stream while
-    another stream captures: ``cudaErrorStreamCaptureImplicit``) counts as capturing: the
-    event is then never queried, the Work says why it cannot be waited on."""
+    watchdog's query broke torch.cuda.graph's capture).  The legacy default stream (0, 1)
+    cannot be captured: not asked.  The per-thread default stream (2) is the current device's:
+    asked with ``device`` current.  An error (an invalidated capture: CuPy raises) counts as
+    capturing: the event is then never queried."""
+    if stream == 0 or stream == 1:
+        return False
     try:
+        if stream == 2:
+            prev = cu.get_device()
+            if prev != device:
+                cu.set_device(device)
+                try:
+                    return bool(cu.capture_status(stream))
+                finally:
+                    cu.set_device(prev)
         return bool(cu.capture_status(stream))
     except Exception:  # noqa: BLE001 - said above
         return True
@@ -174,6 +186,9 @@ def captures(cu: Any, stream: int) -> bool:
 _new = object.__new__
 _popleft = collections.deque.popleft
 _stream_of = attrgetter("_stream")
+_owned_of = attrgetter("_owned")
+_error_of = attrgetter("_error")
+_event_of = attrgetter("_event")
 
 
 class Work:
@@ -214,7 +229,7 @@ class Work:
         record order."""
         cu = cuda()
         self._event = record_event(cu, event_pool(self._device), self._stream)
-        if captures(cu, self._stream):
+        if captures(cu, self._stream, self._device):
             self._captured()
         comm = self._comm
         if comm is not None:
@@ -296,7 +311,10 @@ class Work:
         try:
             if comm is not None and comm._nonblocking:
                 self._check_comm()  # a nonblocking communicator's async error, or verdict
-            done = cuda().event_query(ev)
+            with _release_lock:     # a caller's completion may give the event back meanwhile
+                if self._done or self._owned:
+                    return True
+                done = cuda().event_query(ev)
         except CapturedEventError:
             self._captured()
             return True
@@ -496,16 +514,26 @@ def release_done(pending: List[Any], raising: bool = False) -> int:
                 done += 1
                 continue
             s = w0._stream
-            end = n
-            rest = pending[done:]
-            if list(map(_stream_of, rest)).count(s) != n - done:   # several streams
-                end = done + next(i for i, w in enumerate(rest) if w._stream != s)
+            rest = pending[done:]   # the run: plain Works of one stream, up to the first
+            end = n                 # other (a captured Work's event is never queried)
+            if list(map(_stream_of, rest)).count(s) != n - done or any(map(_owned_of, rest)) \
+                    or any(map(_error_of, rest)) or None in list(map(_event_of, rest)) \
+                    or set(map(type, rest)) != {Work}:
+                end = done + 1      # (in C above; a walk only when the run ends early)
+                while end < n:
+                    w = pending[end]
+                    if w._stream != s or w._owned or w._event is None or \
+                            w._error is not None or type(w) is not Work:
+                        break
+                    end += 1
             lo, hi = done, end
             try:
                 while lo < hi:
                     mid = (lo + hi) >> 1
                     w = pending[mid]
-                    if w._done or cu.event_query(w._event):
+                    with _release_lock:     # never a query of an event given back meanwhile
+                        ok = w._done or (not w._owned and cu.event_query(w._event))
+                    if ok:
                         lo = mid + 1
                     else:
                         hi = mid

@@ -217,8 +217,8 @@ class Watchdog:
             self.issued += n
             self._last = p[-1].plan
             self._seen.append((self.issued, now))   # Works up to this count: first seen now
-        release_done(p)             # a captured call is learned here, then let go (a replay
-        seen = self._seen           # is the user's stream sync, not a Work)
+        release_done(p)             # (a captured call, marked by the call, is let go: a
+        seen = self._seen           # replay is the user's stream sync, not a Work)
         head = self.issued - len(p)
         while seen and seen[0][0] <= head:
             seen.popleft()
