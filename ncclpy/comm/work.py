@@ -2,8 +2,9 @@
 
 The event is recorded on the call's stream right after the NCCL work was enqueued (for calls
 made inside ``group()``: right after the outermost group end), then the stream is asked whether
-it captures: the two CUDA runtime calls a steady-state call makes besides NCCL's own.  ``wait()`` blocks the host on it, ``wait(stream)``
-makes another stream wait for it (no host block), ``is_completed()`` queries it.
+it captures: the two CUDA runtime calls a steady-state call makes besides NCCL's own.
+``wait()`` blocks the host on it, ``wait(stream)`` makes another stream wait for it (no host
+block), ``is_completed()`` queries it.
 
 Who releases what (docs/reference/concepts/streams.rst): every Work goes to a tracker -- the
 communicator's watchdog, or the process's reaper (:mod:`ncclpy.comm.reaper`) when the watchdog
