@@ -361,3 +361,27 @@ def test_probe_on_this_machine(tmp_path):
     assert probe.main([]) == 2
 
 
+
+
+def test_a_device_wide_fault_is_flagged_in_each_stage_and_the_block_names_the_first(tmp_path):
+    """2026-11-26: one rank killed with a kernel in flight faulted every MPS client; the
+    stages that failed on it read as failures of their own.  The block now says so."""
+    ctx = _ctx(tmp_path)
+    (Path(ctx.work) / "07-check4.log").write_text(
+        "rank 1: CUDA error: an illegal memory access was encountered\nmore\n")
+    (Path(ctx.work) / "10-forensics.s1.log").write_text(
+        "cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are busy or unavailable\n")
+    (Path(ctx.work) / "02-gpu2.s1.log").write_text("1 failed\nAssertionError: wrong sum\n")
+    stages = []
+    for name, start in (("check4", 128.0), ("forensics", 189.0), ("gpu2", 12.0)):
+        r = R.StageResult(name, name, commands=[_cmd(1)], seconds=60.0, start_s=start)
+        RN.analyse(S.by_name(name), r, ctx)
+        stages.append(r)
+    got = {r.name: r.figures.get("device_fault") for r in stages}
+    assert got == {"check4": "rank 1: CUDA error: an illegal memory access was encountered",
+                   "forensics": "cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are "
+                                "busy or unavailable", "gpu2": None}
+    block = R.paste_block(R.RunRecord("today", "cmd", 540, stages))
+    line = next(x for x in block.splitlines() if x.startswith("- A device-wide CUDA fault"))
+    assert "shows in check4, forensics" in line and "illegal memory access" in line, line
+    assert "check4)" in line and "may share one cause" in line, line

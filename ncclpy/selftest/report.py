@@ -276,6 +276,14 @@ def paste_block(rec: RunRecord) -> str:
              for k in (s.counts or {}).get("skipped_checks", [])]
     if inner:                 # checks that did not run inside tests that passed
         lines.append(f"- Checks skipped inside passing tests: {'; '.join(inner[:6])}")
+    faults = [s for s in rec.stages if s.figures.get("device_fault")]
+    if faults:                # one fault under MPS reaches every process on the GPU
+        first = min(faults, key=lambda s: s.start_s + s.seconds)
+        lines.append(f"- A device-wide CUDA fault shows in {', '.join(s.name for s in faults)} "
+                     f"(\"{first.figures['device_fault'][:120]}\", {first.name}): under MPS one "
+                     f"process's fault, or a rank killed with a kernel in flight, reaches every "
+                     f"process on the GPU, so these failures may share one cause -- find the "
+                     f"first failure before them")
     unfinished = [s.name for s in rec.stages if s.status in ("did not finish", "interrupted")]
     not_run = [s.name for s in rec.stages if s.status == "not run"]
     if unfinished:

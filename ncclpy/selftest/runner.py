@@ -18,7 +18,7 @@ from . import parse as P
 from .report import StageResult
 from .stages import CUDA_COSTS_SUFFIX, Ctx, Stage, prefix, shard_prefix
 
-__all__ = ["analyse", "pack", "child_env", "GRACE_S"]
+__all__ = ["analyse", "pack", "child_env", "GRACE_S", "DEVICE_FAULTS", "device_fault"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,23 @@ def _logs(work: str, p: str) -> str:
     paths = sorted(glob.glob(os.path.join(glob.escape(work), f"{glob.escape(p)}.log")) +
                    glob.glob(os.path.join(glob.escape(work), f"{glob.escape(p)}.s*.log")))
     return "".join(_read(path) for path in paths)
+
+
+#: CUDA errors that one process's fault spreads to every process on the GPU under MPS (a rank
+#: killed with a kernel in flight did it on 2026-11-26): a stage showing one may fail for
+#: another stage's cause
+DEVICE_FAULTS = ("an illegal memory access was encountered", "cudaErrorIllegalAddress",
+                 "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA-capable device(s) is/are busy or unavailable",
+                 "cudaErrorDevicesUnavailable", "unspecified launch failure")
+
+
+def device_fault(text: str) -> str:
+    """The first line of ``text`` naming a device-wide CUDA fault (:data:`DEVICE_FAULTS`), or
+    ''."""
+    for line in text.splitlines():
+        if any(f in line for f in DEVICE_FAULTS):
+            return line.strip()[:200]
+    return ""
 
 
 def _tail(text: str, lines: int = 25, chars: int = 3000) -> str:
@@ -161,8 +178,13 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
             bad = [rc for rc in rcs if rc != 0]
             reason = f"exit status {bad[0]}" if bad and stage.kind != "pytest" else ""
     res.reason = reason if res.status == "failed" else ""
-    if res.status != "passed" and not (res.counts or {}).get("failures"):
-        res.log_tail = _tail(_logs(work, p))
+    if res.status != "passed":
+        text = _logs(work, p)
+        fault = device_fault(text)
+        if fault:
+            res.figures["device_fault"] = fault
+        if not (res.counts or {}).get("failures"):
+            res.log_tail = _tail(text)
 
 
 def pack(work: str, outdir: str, name: str = "stages.tar.gz") -> str:
