@@ -39,6 +39,16 @@ def chk_repointed_tensor(s: Session) -> None:
     assert bool((old == want).all())
 
 
+def _refused_as_captured(s: Session, call: Any, what: str) -> None:
+    """``call()`` raises NcclpyError saying its Work was captured into a CUDA graph."""
+    try:
+        call()
+    except s.ncclpy.NcclpyError as e:
+        assert "captured into a CUDA graph" in str(e), e
+    else:
+        raise AssertionError(f"{what} was not refused")
+
+
 def chk_captured_learned(s: Session) -> None:
     """The call asks whether its stream captures: the Work is marked captured at once, and a
     host wait or query is refused (during the capture and after it) without touching the
@@ -51,19 +61,9 @@ def chk_captured_learned(s: Session) -> None:
     with st:
         st.begin_capture()
         w = s.comm.all_reduce(x, stream=st)
-        try:
-            w.wait()
-        except s.ncclpy.NcclpyError as e:
-            assert "captured into a CUDA graph" in str(e), e
-        else:
-            raise AssertionError("a host wait during the capture was not refused")
+        _refused_as_captured(s, w.wait, "a host wait during the capture")
         graph = st.end_capture()                 # raises if the capture was invalidated
-    try:
-        w.is_completed()
-    except s.ncclpy.NcclpyError as e:
-        assert "captured into a CUDA graph" in str(e), e
-    else:
-        raise AssertionError("is_completed() of a captured call answered")
+    _refused_as_captured(s, w.is_completed, "is_completed() of a captured call")
     assert s.comm._captured_calls == before + 1 and w._owned
     for k in (1, 2):
         x.fill(k * (s.rank + 1))
