@@ -184,3 +184,31 @@ def test_run_environment_without_a_gpu_sets_no_cta_limit_and_no_daemon(monkeypat
     assert gpuenv.default_jobs(16) == 8 and gpuenv.default_jobs(2) == 1
     assert gpuenv.default_capacity(16) == 14 and gpuenv.default_capacity(2) == 4
     json.dumps(env.notes)
+
+
+def test_a_stage_that_kills_ranks_runs_outside_the_shared_mps_server():
+    # 2026-11-27, H200: a rank SIGKILLed with a kernel in flight (worlds34) faulted every
+    # client of the run's one MPS server; such stages get a pipe folder with no daemon in it
+    env = gpuenv.RunEnv(4, 12, shared_env={"NCCL_MAX_CTAS": "4"},
+                        all_env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/d/pipe",
+                                 "CUDA_MPS_LOG_DIRECTORY": "/tmp/d/log"},
+                        unset=("CUDA_VISIBLE_DEVICES",))
+    shared = env.env_for(False)
+    assert shared["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/d/pipe" and "NCCLPY_MPS" not in shared
+    own = env.env_for(False, kills_ranks=True)
+    empty = own["CUDA_MPS_PIPE_DIRECTORY"]
+    assert empty != "/tmp/d/pipe" and os.path.isdir(empty) and os.listdir(empty) == []
+    assert own["CUDA_MPS_LOG_DIRECTORY"] is None and own["NCCLPY_MPS"] == "off"
+    assert own["NCCL_MAX_CTAS"] == "4" and own["CUDA_VISIBLE_DEVICES"] is None
+    assert env.env_for(False, kills_ranks=True)["CUDA_MPS_PIPE_DIRECTORY"] == empty   # one folder
+    env.close()
+    assert not os.path.exists(empty) and env.no_mps_dir is None
+    killers = {s.name for s in S.STAGES if s.kills_ranks}
+    assert killers == {"worlds34", "part2", "forensics"}
+    for test_id, worlds in (
+            ("tests/gpu/test_watchdog_gpu.py::test_killed_rank_aborts_the_others_with_a_named_"
+             "error", [3]),
+            ("tests/gpu/test_part2_gpu.py::test_shrink_after_a_sigkilled_rank_and_carry_on", [3]),
+            ("tests/gpu/test_forensics_gpu.py::test_gpu_a_stopped_rank_is_suspected_and_its_dump_"
+             "missing", [3])):
+        assert S.stage_of(test_id, worlds) in killers, test_id

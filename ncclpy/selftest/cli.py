@@ -191,7 +191,7 @@ def execute(stages: Sequence[Stage], outdir: str, budget_s: float, *, command: s
                     outdir=os.path.abspath(outdir), setup=dict(renv.notes))
 
     def env_for(stage: Stage) -> Dict[str, str]:
-        env = renv.env_for(stage.exclusive)
+        env = renv.env_for(stage.exclusive, stage.kills_ranks)
         if ledger is not None:
             env.update(trace_env(work, root, stage.name, stage.kind == "pytest"))
         return env

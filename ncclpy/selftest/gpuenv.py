@@ -9,11 +9,20 @@ communicators per rank; the user's own value is kept), and one MPS daemon serves
 the run (each ``ncclpy run`` / ``ncclpy.spawn`` then finds it through ``CUDA_MPS_PIPE_DIRECTORY``
 and starts none of its own; the daemon's ``CUDA_VISIBLE_DEVICES`` is not the ranks').  One
 daemon also means one fault domain: a fatal GPU error in one client reaches every client of the
-server; ``--mps off`` runs without it.  The timed stages (bench, overhead) run alone, without the CTA limit.
+server (2026-11-26 and 27 on an H200: a rank SIGKILLed with a kernel in flight left every other
+client with ``cudaErrorIllegalAddress``, then ``cudaErrorMpsServerNotReady``).  So a stage whose
+tests kill ranks (``Stage.kills_ranks``) runs outside it, in a fault domain of its own:
+``CUDA_MPS_PIPE_DIRECTORY`` names an empty folder, where the CUDA driver finds no daemon and
+runs the process without MPS (NVIDIA's ``nvidia-cuda-mps-control`` manual: "If the connection
+attempt fails, the program continues to run as it normally would without MPS"), and
+``NCCLPY_MPS=off`` keeps its jobs from starting daemons of their own.  ``--mps off`` runs
+every stage without MPS.  The timed stages (bench, overhead) run alone, without the CTA limit.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -46,19 +55,30 @@ class RunEnv:
     mps: Any = None
     #: variables the stages must not inherit (the MPS daemon's CUDA_VISIBLE_DEVICES)
     unset: Tuple[str, ...] = ()
+    #: the empty folder the stages that kill ranks get as CUDA_MPS_PIPE_DIRECTORY (made once)
+    no_mps_dir: Optional[str] = None
 
-    def env_for(self, exclusive: bool) -> Dict[str, Optional[str]]:
-        """A stage's additions to its environment (None: a variable it must not inherit)."""
+    def env_for(self, exclusive: bool, kills_ranks: bool = False) -> Dict[str, Optional[str]]:
+        """A stage's additions to its environment (None: a variable it must not inherit).
+        ``kills_ranks``: the stage runs outside any MPS server (the module's docstring)."""
         out: Dict[str, Optional[str]] = dict(self.all_env)
         if not exclusive:
             out.update(self.shared_env)
         out.update({k: None for k in self.unset})
+        if kills_ranks:
+            if self.no_mps_dir is None:
+                self.no_mps_dir = tempfile.mkdtemp(prefix="ncclpy-no-mps-")
+            out.update(NCCLPY_MPS="off", CUDA_MPS_PIPE_DIRECTORY=self.no_mps_dir,
+                       CUDA_MPS_LOG_DIRECTORY=None)
         return out
 
     def close(self, failed: bool = False) -> None:
         mps, self.mps = self.mps, None
         if mps is not None:
             mps.stop(failed=failed)
+        empty, self.no_mps_dir = self.no_mps_dir, None
+        if empty is not None:
+            shutil.rmtree(empty, ignore_errors=True)
 
 
 def prepare(jobs: int, capacity: int, env: Optional[Mapping[str, str]] = None,

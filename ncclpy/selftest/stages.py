@@ -64,7 +64,8 @@ class Stage:
     """A stage: ``timeout_s`` bounds it; it is not started with less than ``min_s`` left.
 
     ``ranks``: the most ranks it runs at once (per shard); ``exclusive``: it times something
-    and runs alone; ``shards``: a pytest stage's tests split over this many pytest processes
+    and runs alone; ``kills_ranks``: its tests kill ranks that may have kernels in flight, so it
+    runs outside the run's MPS server (:mod:`ncclpy.selftest.gpuenv`); ``shards``: a pytest stage's tests split over this many pytest processes
     that run at once (``--gpu-shard K/N``).  A pytest stage selects ``paths`` minus ``ignore``,
     keeping the tests whose largest world size is in ``worlds`` (all when empty)."""
 
@@ -78,6 +79,7 @@ class Stage:
     notes: str = ""
     ranks: int = 1
     exclusive: bool = False
+    kills_ranks: bool = False
     shards: int = 1
     paths: Tuple[str, ...] = ()
     ignore: Tuple[str, ...] = ()
@@ -107,11 +109,11 @@ STAGES: Tuple[Stage, ...] = (
           notes="CUDA_VISIBLE_DEVICES=0 (both ranks on one GPU), JSON kept; injected "
                 "corruption must fail; --window"),
     Stage("worlds34", "GPU tests at world sizes 3-4", "pytest", 240, 60, ranks=4,
-          paths=(_GPU,), ignore=_OWN, worlds=(3, 4),
+          kills_ranks=True, paths=(_GPU,), ignore=_OWN, worlds=(3, 4),
           notes="collective matrix at 3 and 4 ranks, split, nonblocking split, the "
                 "watchdog's aborts (3-rank jobs)"),
     Stage("part2", "NCCL 2.27-2.32 part 2: windows, RMA, shrink, grow, suspend", "pytest",
-          300, 60, ranks=3, paths=(_PART2,),
+          300, 60, ranks=3, kills_ranks=True, paths=(_PART2,),
           notes="window collectives vs the reference, put/signal/wait, suspend/resume with "
                 "memory statistics, revoke+shrink; 3-rank jobs: shrink after a SIGKILLed rank, "
                 "grow 2 -> 3"),
@@ -128,7 +130,7 @@ STAGES: Tuple[Stage, ...] = (
     Stage("benchtests", "bench GPU tests (every collective, dtypes, graphs, torch)", "pytest",
           360, 90, ranks=2, shards=2, paths=(_BENCH,)),
     Stage("forensics", "hang forensics: flight recorder, ncclpy trace, ncclpy status", "pytest",
-          300, 90, ranks=3, shards=2, paths=(_FORENSICS,),
+          300, 90, ranks=3, shards=2, kills_ranks=True, paths=(_FORENSICS,),
           notes="3-rank jobs on one GPU: a skipped collective, a send without its recv (and "
                 "the status table showing it blocked), a SIGSTOPped rank, the status table "
                 "while a job hangs"),
