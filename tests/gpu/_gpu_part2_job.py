@@ -43,11 +43,11 @@ def recover() -> dict:
         err = e
     took = time.monotonic() - t0
     out = {"rank": r, "reason": err.reason, "suspects": list(err.suspects),
-           "detect_s": round(took, 2), "message": str(err)[:300]}
+           "detect_s": round(took, 2), "message": str(err)}
     try:
         child = comm.shrink(exclude=err.suspects)
     except ncclpy.NcclError as e:   # NCCL refuses a parent whose proxy saw the death
-        out["refused"] = str(e)[:600]
+        out["refused"] = str(e)
         comm.close()
         out["parent_state"] = comm.state
         return out

@@ -53,7 +53,22 @@ def main(mode: str, outdir: str) -> None:
         comm.abort()
     except Exception:
         pass
+    if rank == 0:
+        _outlive_the_others(outdir, n, mode, timeout)
     os._exit(0)
+
+
+def _outlive_the_others(outdir: str, n: int, mode: str, timeout: float) -> None:
+    """Rank 0 hosts the store (as torch's TCPStore master does): it stays until every other
+    survivor has written its result, so that no survivor's verdict is judged without the store
+    (2026-11-27, H200: rank 0 timed out first, exited, and rank 1 could only say "the store did
+    not say in time").  Bounded: three timeouts."""
+    others = range(1, n - 1 if mode == "kill" else n)
+    deadline = time.monotonic() + 3 * timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(outdir, f"rank{r}.json")) for r in others):
+            return
+        time.sleep(0.1)
 
 
 def checked(comm, x, rank: int, n: int, out: dict) -> None:
