@@ -2,7 +2,9 @@
 
 :func:`load` reads dump files (:mod:`ncclpy.debug.recorder`'s JSON lines) from files and
 directories, tolerating dumps cut short (a crashed rank): it keeps what parsed and says where
-it stopped.  :func:`analyze` then, per communicator:
+it stopped; what a rank did past the end of its cut-short dump is unknown, never "not issued".
+A dump of a schema this ncclpy does not read (:data:`SUPPORTED_SCHEMAS`) is refused.
+:func:`analyze` then, per communicator:
 
 * the ranks whose dump is missing or cut short;
 * the first collective (by its number among the communicator's collectives, ``cseq``) where the
@@ -23,10 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .checked import FIELDS
+from .recorder import SCHEMA
 from ..errors import ArgumentError
 
 __all__ = ["Dump", "load", "analyze", "Finding", "CommReport",
-           "call_text", "MARKED"]
+           "call_text", "MARKED", "SUPPORTED_SCHEMAS", "UNKNOWN_CUT_SHORT"]
+
+#: the dump schemas this ncclpy reads (a dump of another is refused, never guessed at)
+SUPPORTED_SCHEMAS: Tuple[str, ...] = (SCHEMA,)
+#: what a rank did past the end of its cut-short dump
+UNKNOWN_CUT_SHORT = "unknown (dump cut short)"
 
 #: the fields compared between ranks (checked mode's, without the sequence number)
 MARKED = tuple(k for k in FIELDS if k != "seq")
@@ -84,6 +92,10 @@ def _read(path: str) -> Tuple[Optional[Dump], str]:
     if not isinstance(head, dict) or head.get("kind") != "header" or \
             not str(head.get("schema", "")).startswith("ncclpy-trace/"):
         return None, "not a flight-recorder dump (no ncclpy-trace header)"
+    if head["schema"] not in SUPPORTED_SCHEMAS:
+        raise ArgumentError(f"{path}: a dump of schema {head['schema']!r}, which this ncclpy "
+                            f"cannot read; it reads {', '.join(map(repr, SUPPORTED_SCHEMAS))} "
+                            f"(read it with the ncclpy that wrote it)")
     d = Dump(path, head, [])
     ended = False
     for i, line in enumerate(lines[1:], 2):
@@ -108,7 +120,8 @@ def _read(path: str) -> Tuple[Optional[Dump], str]:
 def load(paths: Sequence[str]) -> Tuple[List[Dump], List[Tuple[str, str]]]:
     """The dumps under ``paths`` (files or directories, several hosts' included) and the files
     that are not dumps, with why.  Of two dumps of the same rank, the later one counts.
-    ArgumentError: a path that does not exist, or no readable dump."""
+    ArgumentError: a path that does not exist, no readable dump, or a dump whose schema is
+    not one of :data:`SUPPORTED_SCHEMAS` (its calls would be misread)."""
     files = _files(paths)
     if not files:
         raise ArgumentError(f"{', '.join(paths)}: no flight-recorder dump "
@@ -204,16 +217,24 @@ def _collectives(dumps: Dict[int, Dump]) -> List[Finding]:
     end = max(hi for _, hi in have.values())
     for k in range(start, end + 1):
         issued = sorted(r for r in by if k in by[r])
-        never = sorted(r for r in by if have[r][1] < k)
+        past = [r for r in by if have[r][1] < k]          # k is past the end of their dump
+        never = sorted(r for r in past if not dumps[r].truncated)
+        unknown = sorted(r for r in past if dumps[r].truncated)
         if never:
             e = by[issued[0]][k]
             lines = [f"collective #{k} ({call_text(e)}) was issued by rank(s) {_ranks(issued)} "
-                     f"but never by rank(s) {_ranks(never)}:"]
+                     f"but never by rank(s) {_ranks(never)}"
+                     + (f"; by rank(s) {_ranks(unknown)}: {UNKNOWN_CUT_SHORT}" if unknown
+                        else "") + ":"]
             lines += [f"  rank {r} issued it at {by[r][k].get('site') or '?'} "
                       f"({by[r][k].get('state')})" for r in issued[:8]]
             for r in never:
                 calls = dumps[r].calls
                 lines.append(f"  rank {r} never issued it; its last call: "
+                             f"{_where(calls[-1] if calls else None)}")
+            for r in unknown:
+                calls = dumps[r].calls
+                lines.append(f"  rank {r}: {UNKNOWN_CUT_SHORT}; the last call read: "
                              f"{_where(calls[-1] if calls else None)}")
             return [Finding("never_issued", lines, never)]
         ref_rank = issued[0]
@@ -252,6 +273,8 @@ def _p2p(dumps: Dict[int, Dump], world: int) -> List[Finding]:
         for i in range(max(len(s), len(rv))):
             x = s[i] if i < len(s) else None
             y = rv[i] if i < len(rv) else None
+            if (y is None and dumps[b].truncated) or (x is None and dumps[a].truncated):
+                continue          # past the end of a cut-short dump: unknown, not unmatched
             if x is not None and y is not None:
                 if (x[1], x[2]) != (y[1], y[2]):
                     lines.append(f"  send #{i} from rank {a} to rank {b} ({x[1]}x{x[2]}, at "
@@ -289,11 +312,15 @@ def _unfinished(dumps: Dict[int, Dump], missing: Sequence[int] = ()) -> List[Fin
     states: Dict[int, str] = {}
     for r, d in dumps.items():
         e = next((c for c in d.calls if int(c.get("cseq", -1)) == k), None)
-        states[r] = "not issued" if e is None else str(e.get("state"))
+        past = e is None and d.truncated and \
+            all(int(c.get("cseq", -1)) < k for c in d.calls)
+        states[r] = (UNKNOWN_CUT_SHORT if past else "not issued") if e is None \
+            else str(e.get("state"))
     done = [r for r, s in states.items() if s == "completed"]
     notdone = sorted(r for r, s in states.items() if s != "completed")
     kind = "stuck" if not done and not missing and \
-        all(s != "not issued" for s in states.values()) else "not_completed"
+        all(s not in ("not issued", UNKNOWN_CUT_SHORT) for s in states.values()) \
+        else "not_completed"
     head = (f"collective #{k} ({call_text(first[1])}) was issued by every rank and completed "
             f"on none: stuck inside NCCL (a stopped or hung rank, a kernel that cannot "
             f"finish, the network)" if kind == "stuck"
@@ -307,7 +334,7 @@ def _unfinished(dumps: Dict[int, Dump], missing: Sequence[int] = ()) -> List[Fin
 def _timeline(d: Dump, last: int) -> List[str]:
     t0 = float(d.header.get("time", 0.0))
     out = []
-    for e in d.calls[-last:]:
+    for e in (d.calls[-last:] if last > 0 else []):     # calls[-0:] would be every call
         ago = t0 - float(e.get("t_issue") or t0)
         out.append(f"#{e.get('seq'):<5} {call_text(e):<48} {str(e.get('state')):<9} "
                    f"-{ago:.1f}s  {e.get('site') or ''}")

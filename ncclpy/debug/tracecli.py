@@ -3,7 +3,8 @@
 First thing on the screen, per communicator: the problems :func:`ncclpy.debug.trace.analyze`
 found (missing or cut-short dumps, the first collective the ranks disagree on, unmatched
 send/recv, where the first unfinished call completed), then a compact per-rank timeline.
-Exit status 0 when nothing is wrong, 1 when a problem was found, 2 for bad input (one line);
+Exit status 0 when nothing is wrong, 1 when a problem was found, 2 for bad input (one line:
+among it a dump of a schema this ncclpy does not read, which is refused, never guessed at);
 ``--json`` for tools.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ def build_parser() -> OneLineParser:
                    help="dump directories or files (give every host's directory)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--last", type=int_at_least(0, "a number of calls >= 0"), default=5,
-                   metavar="N", help="calls per rank in the timeline (default 5)")
+                   metavar="N", help="calls per rank in the timeline (default 5; 0: no "
+                                     "timeline, only the problems)")
     return p
 
 
