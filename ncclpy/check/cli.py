@@ -3,7 +3,9 @@
 ``main(argv) -> int``.  Without RANK/WORLD_SIZE in the environment it starts ``-n`` ranks itself
 (:func:`ncclpy.spawn`, bounded by ``--run-timeout``); under ``ncclpy run`` or torchrun it runs as
 the rank the environment names (under torchrun, which places nothing, the placement of
-``ncclpy run`` is applied first: :func:`ncclpy.check.fairness.apply_launcher_placement`).  With a
+``ncclpy run`` is applied first: :func:`ncclpy.check.fairness.apply_launcher_placement`), and
+says so at once, first on stderr; a failure to meet the other ranks is one line, exit status 2
+(:mod:`ncclpy.check.launched`: the variables are often left over from another job).  With a
 GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one torch's
 gloo backend is checked against the reference on CPU.
 
@@ -286,10 +288,9 @@ def _result(path: str) -> Dict[str, Any]:
 def _main(argv: List[str]) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    n = ns.nprocs if ns.nprocs is not None else (
-        int(os.environ["WORLD_SIZE"]) if launched else 2)
-    if launched and int(os.environ["WORLD_SIZE"]) != n:
+    job = _launched_job(ns)
+    n = ns.nprocs if ns.nprocs is not None else (job.world_size if job else 2)
+    if job is not None and job.world_size != n:
         parser.error(f"{parser.flag('nprocs')} {n} disagrees with "
                      f"WORLD_SIZE={os.environ['WORLD_SIZE']} set by the launcher")
     if ns.json and ns.json != "-":
@@ -320,12 +321,33 @@ def _main(argv: List[str]) -> int:
                          f"backend can run on {plural(n, 'rank')} "
                          f"({plural(len(skipped), 'combination')} skipped; see --list-skips)\n")
         return 2
-    if launched:
+    if job is not None:
+        from .launched import store_problem
+        why = store_problem(job)
+        if why:
+            sys.stderr.write(f"{PROG}: error: {why}\n")
+            return 2
         from .session import worker
         if backend == "nccl":
             cfg["placement"] = apply_launcher_placement()
-        return worker(int(os.environ["RANK"]), cfg)
+        cfg["launched"] = job.to_cfg()
+        return worker(job.rank, cfg)
     return _spawn(n, cfg)
+
+
+def _launched_job(ns: argparse.Namespace) -> Any:
+    """The launched job RANK/WORLD_SIZE name (None: none, check starts its ranks); said at
+    once on stderr, before anything waits (a leftover environment waited silently)."""
+    from .launched import announce, from_env
+    try:
+        job = from_env(os.environ)
+    except ValueError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        raise SystemExit(2) from None
+    if job is not None and not (ns.list or ns.list_skips):
+        sys.stderr.write(announce(job, ns.timeout) + "\n")
+        sys.stderr.flush()
+    return job
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

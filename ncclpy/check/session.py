@@ -3,8 +3,9 @@ comparison fair, walk the matrix, and (rank 0) print the table, the summary and 
 
 Exit codes (the same on every rank): 0 every counted case passed; 1 a mismatch or an error, or
 the comparison is unfair (torch and ncclpy on different libnccl files or versions), or ncclpy
-could not start on a GPU run; 2 nothing to run, a bad ``NCCLPY_CHECK_INJECT`` or a ``--json``
-file that could not be written.  With ``--json -`` the JSON is the only thing on stdout and the
+could not start on a GPU run; 2 nothing to run, a bad ``NCCLPY_CHECK_INJECT``, a ``--json``
+file that could not be written, or the ranks could not meet (torch's store: one line per
+rank, :mod:`.launched`).  With ``--json -`` the JSON is the only thing on stdout and the
 report goes to stderr.
 
 What rank 0 prints (:mod:`.overview`): the header, a progress line on a terminal's stderr, the
@@ -229,7 +230,20 @@ def worker(rank: int, cfg: Dict[str, Any]) -> int:
         inject = parse_inject(os.environ.get(INJECT_ENV))
     except (ValueError, KeyError) as e:
         return _fatal(cfg, None, rank, f"bad {INJECT_ENV}: {e}", 2)
-    ctx = _setup_torch(rank, cfg)
+    from .launched import held_stderr
+    msg: Optional[str] = None
+    with held_stderr() as held:     # torch's C++ log of a failed wait: one line says it all
+        try:
+            ctx = _setup_torch(rank, cfg)
+        except Exception as e:  # noqa: BLE001 - not meeting the peers: one line, no traceback
+            msg = _rendezvous_failure(e, rank, cfg)
+            if msg is None:
+                raise
+            held.keep = bool(cfg.get("verbose"))
+    if msg is not None:
+        if rank != 0:               # _fatal speaks for rank 0
+            sys.stderr.write(f"ncclpy check: {msg}\n")
+        return _fatal(cfg, None, rank, msg, 2)
     ctx["inject"] = inject
     h = ctx["header"]
     if any(side == "ncclpy" for _, _, side, _ in inject) and ctx.get("comm") is None:
@@ -256,6 +270,13 @@ def worker(rank: int, cfg: Dict[str, Any]) -> int:
         if out is not None and out.progress is not None:
             out.progress.clear()
         raise
+
+
+def _rendezvous_failure(e: BaseException, rank: int, cfg: Dict[str, Any]) -> Optional[str]:
+    """One line when torch could not meet the peers (:mod:`.launched`), else None."""
+    from .launched import rendezvous_failure
+    return rendezvous_failure(e, rank, int(cfg["world_size"]), float(cfg.get("timeout", 300)),
+                              cfg.get("launched"))
 
 
 def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Case],
