@@ -321,6 +321,7 @@ def _main(argv: List[str]) -> int:
                          f"backend can run on {plural(n, 'rank')} "
                          f"({plural(len(skipped), 'combination')} skipped; see --list-skips)\n")
         return 2
+    _refuse_what_cannot_fit(parser, ns, cases, n, backend, job)
     if job is not None:
         from .launched import store_problem
         why = store_problem(job)
@@ -333,6 +334,22 @@ def _main(argv: List[str]) -> int:
         cfg["launched"] = job.to_cfg()
         return worker(job.rank, cfg)
     return _spawn(n, cfg)
+
+
+def _refuse_what_cannot_fit(parser: OneLineParser, ns: argparse.Namespace, cases: List[Any],
+                            n: int, backend: str, job: Any) -> None:
+    """A usage error (one line naming --sizes as typed) when the largest case needs more
+    memory than this machine has (:mod:`ncclpy.check.memory`), before any rank starts."""
+    from .memory import check_memory
+    local = n
+    if job is not None:         # under a launcher: the ranks on this host
+        text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        local = min(int(text), n) if text.isdigit() and int(text) >= 1 else n
+    value = ns.sizes if ns.sizes is not None else \
+        f"(default {C.DEFAULT_SIZES_GPU if backend == 'nccl' else C.DEFAULT_SIZES_CPU})"
+    why = check_memory(cases, n, backend, parser.flag("sizes"), value, local)
+    if why:
+        parser.error(why)
 
 
 def _launched_job(ns: argparse.Namespace) -> Any:
