@@ -6,7 +6,6 @@ its GPU half is computed without a GPU from the GPU's size."""
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path

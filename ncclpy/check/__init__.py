@@ -7,7 +7,9 @@ Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (one 
 :mod:`.compare` (byte and ULP comparison), :mod:`.report` (table rows, summary and JSON),
 :mod:`.overview` (progress line, collective x dtype matrix, what did not pass),
 :mod:`ncclpy.check.cli` (``main(argv)``), :mod:`.seed_examples` (the seed tutorials' examples
-as data), ``schema.json`` (the ``--json`` file's schema).  ``session``
+as data), :mod:`.launched` (under a launcher: what it read, said first; not meeting the peers
+in one line), :mod:`.memory` (sizes that cannot fit refused before any rank starts),
+``schema.json`` (the ``--json`` file's schema).  ``session``
 imports ``runner``, never the reverse.
 Importing this package imports neither torch nor CuPy.
 """

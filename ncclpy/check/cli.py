@@ -89,7 +89,8 @@ def build_parser() -> OneLineParser:
                         f"the reducing collectives run (data movement has no op)")
     p.add_argument("--sizes", default=None,
                    help=f"comma list of element counts or byte sizes with a unit (default CPU "
-                        f"{C.DEFAULT_SIZES_CPU}; GPU {C.DEFAULT_SIZES_GPU})")
+                        f"{C.DEFAULT_SIZES_CPU}; GPU {C.DEFAULT_SIZES_GPU}); sizes whose largest "
+                        f"case cannot fit in this machine's memory are refused before the run")
     p.add_argument("--roots", default=None, help="comma list of roots (default 0 and n-1)")
     p.add_argument("--inplace", choices=("both", "yes", "no", "auto"), default="auto",
                    help="in-place variants (auto: where they differ for the side tested)")

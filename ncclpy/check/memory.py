@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import LOGICAL
 from . import cases as C
