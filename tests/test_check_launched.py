@@ -108,8 +108,8 @@ def test_no_store_address_is_refused_before_anything_waits():
     assert lines == [
         "ncclpy check: running as rank 0 of 1 of a launched job: RANK=0 WORLD_SIZE=1 set, by "
         "no launcher ncclpy knows (left over from another job?) (" + UNSET + " ranks)",
-        "ncclpy check: error: MASTER_ADDR and MASTER_PORT are not set: rank 0 of 1 meets the "
-        "other ranks through torch's store at MASTER_ADDR:MASTER_PORT; set MASTER_ADDR and "
+        "ncclpy check: error: MASTER_ADDR and MASTER_PORT are not set: rank 0 of 1 still "
+        "needs torch's store at MASTER_ADDR:MASTER_PORT; set MASTER_ADDR and "
         "MASTER_PORT, or " + UNSET + " ranks"], p.stderr
 
 

@@ -105,9 +105,10 @@ def store_problem(job: Launched) -> str:
     addr, port = job.store
     missing = [k for k in STORE_VARS if not job.read.get(k, "").strip()]
     if missing:
+        meets = "meets the other ranks through" if job.world_size > 1 else "still needs"
         return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: rank "
-                f"{job.rank} of {job.world_size} meets the other ranks through torch's store "
-                f"at MASTER_ADDR:MASTER_PORT; set {' and '.join(missing)}, or {UNSET_HINT}")
+                f"{job.rank} of {job.world_size} {meets} torch's store at "
+                f"MASTER_ADDR:MASTER_PORT; set {' and '.join(missing)}, or {UNSET_HINT}")
     p = port.strip()
     if not p.isdigit() or not 1 <= int(p) <= 65535:
         return (f"MASTER_PORT={port!r} in the environment is not a port; expected an integer "
