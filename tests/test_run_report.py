@@ -130,7 +130,7 @@ def test_status_finds_the_token_of_a_running_single_node_job_by_its_port(tmp_pat
 
 
 # ------------------------------------------------------------------ item 16: run --timeout
-@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc", "-inf"])
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e400", "-inf"])
 def test_run_timeout_out_of_range_is_one_line_naming_flag_value_and_what_is_accepted(value):
     # "-inf" after a space would be read as an option by argparse: the = form passes it
     flag = ["--timeout=-inf"] if value == "-inf" else ["--timeout", value]
@@ -140,6 +140,14 @@ def test_run_timeout_out_of_range_is_one_line_naming_flag_value_and_what_is_acce
         f"ncclpy run: error: --timeout: expected seconds > 0, got {value!r} (for no limit, leave "
         f"--timeout out) (see 'ncclpy run -h')"], r.stderr
     assert "None" not in r.stderr
+
+
+def test_run_timeout_not_a_number_is_one_line_saying_what_is_accepted():
+    r = _ncclpy("run", "-n", "1", "--timeout", "soon", sys.executable, "-c", "pass", timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.splitlines() == [
+        "ncclpy run: error: --timeout: invalid float value: 'soon' (expected seconds > 0; for no "
+        "limit, leave --timeout out) (see 'ncclpy run -h')"], r.stderr
 
 
 def test_launch_timeout_in_python_names_none_for_no_limit():

@@ -22,7 +22,8 @@ def _timeout_seconds(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
-        v = float("nan")
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r} (expected seconds > 0; "
+                                         f"for no limit, leave --timeout out)") from None
     if not 0 < v < float("inf"):
         raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r} (for no limit, "
                                          f"leave --timeout out)")
