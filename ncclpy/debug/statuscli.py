@@ -7,8 +7,8 @@ It reads the progress every rank's watchdog publishes with its heartbeat
 ``ncclpy run`` (``--job PID`` when there are several).  The token: ``NCCLPY_STORE_TOKEN``, else
 the one a running single-node ``ncclpy run`` of this user recorded for that store (its job
 file, :mod:`ncclpy.launch.jobfile`); a store that wants one and got none is one line saying
-where a job's token is.  ``--watch SECONDS`` refreshes it until
-Ctrl-C.  A wrong address, port or token is one line (exit 2).
+where a job's token is.  ``--watch SECONDS`` refreshes it until Ctrl-C.  A wrong address, port
+or token is one line (exit 2).
 """
 from __future__ import annotations
 

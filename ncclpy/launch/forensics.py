@@ -4,8 +4,9 @@
   so all of a job's flight-recorder dumps land in one directory.
 * On SIGUSR1 the launcher prints the status table (:mod:`ncclpy.debug.status`) to stderr and
   asks each rank for its dump; when ``--timeout`` fires or a rank fails, it does the same before
-  stopping the others (the table only when a communicator registered one), waits up to :data:`DUMP_WAIT` seconds for the dumps, and names the
-  directory (``ncclpy trace DIR``).
+  stopping the others (the table only when a communicator registered one: a job that failed
+  before making one gets no table), waits up to :data:`DUMP_WAIT` seconds for the dumps, and
+  names the directory (``ncclpy trace DIR``).
 * A rank is sent the dump signal only when its heartbeat says it handles it (a process
   without the handler would be killed by it): the signal is ``NCCLPY_TRACE_SIGNAL``'s.
 """

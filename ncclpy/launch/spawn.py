@@ -386,10 +386,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     ``master_port`` None picks two free ports, ncclpy's store on the first and torch's
     ``MASTER_PORT`` on the second (not necessarily P+1); a given P uses P and P+1.  The store
     is hosted here, in the calling process, from before the first child starts until the last
-    one ended (see the module docstring); a port it cannot bind is a :class:`LaunchError`.  ``env`` adds
-    variables for every child (the
-    rendezvous variables always win).  ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R
-    ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
+    one ended (see the module docstring); a port it cannot bind is a :class:`LaunchError`.
+    ``env`` adds variables for every child (the rendezvous variables always win).
+    ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
     chosen is stated in one line on stderr.  ``mps`` is ``ncclpy run --mps`` (``"auto"``,
     ``"on"``, ``"off"``; None: ``NCCLPY_MPS``, else ``"auto"``): a CUDA MPS daemon for children
     sharing a GPU, stopped when they have all ended.  ``checked`` is ``ncclpy run --checked``:
