@@ -41,6 +41,11 @@ _LAZY = {
     "Buffer": "ncclpy.buffers",
 }
 
+# public names that are their module itself: ``ncclpy.bootstrap`` is the module (callable: it
+# calls ``ncclpy.bootstrap.bootstrap``), so ``ncclpy.bootstrap.bootstrap`` and
+# ``ncclpy.bootstrap(...)`` both work, whether or not ``import ncclpy.bootstrap`` ran first
+_MODULES = frozenset({"bootstrap"})
+
 __all__ = ["__version__", *_LAZY]
 
 
@@ -48,7 +53,8 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ncclpy' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
+    module = importlib.import_module(mod)
+    value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value
     return value
 

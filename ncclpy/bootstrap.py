@@ -25,6 +25,7 @@ log says which one was used and why.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import logging
 import numbers
@@ -582,12 +583,15 @@ def bootstrap(name: str = "default", *, store: Any = None, timeout: float = 300.
 
 
 class _CallableModule(types.ModuleType):
-    """``import ncclpy.bootstrap`` makes ``ncclpy.bootstrap`` this module, shadowing the lazily
-    exported function of the same name; calling the module calls the function, so
-    ``ncclpy.bootstrap(...)`` works either way."""
+    """``ncclpy.bootstrap`` is this module (``ncclpy.__getattr__`` hands out the module, as
+    ``import ncclpy.bootstrap`` does), so ``ncclpy.bootstrap.bootstrap`` and every other name
+    here are reachable from ``import ncclpy``; calling the module calls :func:`bootstrap`, so
+    ``ncclpy.bootstrap(...)`` works too."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Bootstrap:
         return bootstrap(*args, **kwargs)
 
 
+#: what ``inspect.signature(ncclpy.bootstrap)`` (the called module) shows: the function's
+__signature__ = inspect.signature(bootstrap)
 sys.modules[__name__].__class__ = _CallableModule

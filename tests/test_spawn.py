@@ -29,7 +29,7 @@ def _bootstrap_child(rank: int, outdir: str) -> None:
         json.dump({"rank": boot.rank, "world": boot.world_size, "local": boot.local_rank,
                    "device": boot.device, "uid": boot.uid.hex(), "source": boot.info.source,
                    "env": env}, f)
-    barrier(boot.store, boot.rank, boot.world_size, timeout=30)  # rank 0 hosts the store
+    barrier(boot.store, boot.rank, boot.world_size, timeout=30)  # the parent hosts the store
 
 
 def _write_pid(outdir: str, rank: int) -> None:

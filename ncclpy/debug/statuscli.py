@@ -4,8 +4,11 @@ It reads the progress every rank's watchdog publishes with its heartbeat
 (:mod:`ncclpy.debug.status`) from the job's store: ``--master-addr``/``--master-port`` and
 ``NCCLPY_STORE_TOKEN`` as for ``ncclpy run`` (or ``NCCLPY_MASTER_ADDR``/``MASTER_ADDR``,
 ``NCCLPY_MASTER_PORT``/``MASTER_PORT``); without a port, the job of this user's running
-``ncclpy run`` (``--job PID`` when there are several).  ``--watch SECONDS`` refreshes it until
-Ctrl-C.  A wrong address, port or token is one line (exit 2).
+``ncclpy run`` (``--job PID`` when there are several).  The token: ``NCCLPY_STORE_TOKEN``, else
+the one a running single-node ``ncclpy run`` of this user recorded for that store (its job
+file, :mod:`ncclpy.launch.jobfile`); a store that wants one and got none is one line saying
+where a job's token is.  ``--watch SECONDS`` refreshes it until Ctrl-C.  A wrong address, port
+or token is one line (exit 2).
 """
 from __future__ import annotations
 
@@ -65,21 +68,43 @@ def build_parser() -> OneLineParser:
     return p
 
 
+def _token_hint() -> str:
+    """Where a job's store token is, for the errors about it."""
+    from ..launch.jobfile import jobs_dir
+    return (f"the job's token is in every rank's environment as NCCLPY_STORE_TOKEN (multi-node: "
+            f"the value exported on every node); a single-node ncclpy run records it in its job "
+            f"file in {jobs_dir()}, which {PROG} reads by itself")
+
+
+def _job_token(addr: str, port: int) -> Optional[str]:
+    """The token of this user's running ``ncclpy run`` whose store is ``addr:port``, if any."""
+    from ..launch.jobfile import live_jobs
+    for j in live_jobs():
+        if int(j.get("port", -1)) == port and str(j.get("addr")) in (addr, "127.0.0.1",
+                                                                       "localhost"):
+            return j.get("token") or None
+    return None
+
+
 def _target(p: OneLineParser, ns: Any) -> Tuple[str, int, Optional[str], str]:
-    """(addr, port, token, where it came from)."""
+    """(addr, port, token, where it came from).  The token: ``NCCLPY_STORE_TOKEN``, else that of
+    this user's running ``ncclpy run`` whose store it is (its job file)."""
     env = os.environ
     port_txt = env.get("NCCLPY_MASTER_PORT") or env.get("MASTER_PORT")
     addr = ns.master_addr or env.get("NCCLPY_MASTER_ADDR") or env.get("MASTER_ADDR")
     token = env.get("NCCLPY_STORE_TOKEN") or None
     if ns.master_port is not None:
-        return addr or "127.0.0.1", ns.master_port, token, f"{p.flag('master_port')}"
+        addr = addr or "127.0.0.1"
+        return (addr, ns.master_port, token or _job_token(addr, ns.master_port),
+                f"{p.flag('master_port')}")
     if port_txt and ns.job is None:
         try:
             port = _port(port_txt)
         except Exception:
             p.exit(2, f"{PROG}: error: MASTER_PORT / NCCLPY_MASTER_PORT: expected a port "
                       f"1..65535, got {port_txt!r}\n")
-        return addr or "127.0.0.1", port, token, "the environment"
+        addr = addr or "127.0.0.1"
+        return addr, port, token or _job_token(addr, port), "the environment"
     from ..launch.jobfile import jobs_dir, live_jobs
     jobs = live_jobs()
     if ns.job is not None:
@@ -120,7 +145,14 @@ def _main(argv: List[str]) -> int:
     try:
         store = TCPStore(addr, port, token=token, timeout=5.0, connect_timeout=2.0)
     except StoreAuthError as e:
-        p.exit(2, f"{PROG}: error: the store at {where} (from {src}) refused the token: {e}\n")
+        if token is None:
+            p.exit(2, f"{PROG}: error: the store at {where} (from {src}) requires the job's "
+                      f"token and none was given (set NCCLPY_STORE_TOKEN): {_token_hint()}\n")
+        why = str(e).split(": ", 1)[-1]     # the store's reason, without the address again
+        given = ("NCCLPY_STORE_TOKEN" if token == os.environ.get("NCCLPY_STORE_TOKEN")
+                 else "the job file of the ncclpy run using that port")
+        p.exit(2, f"{PROG}: error: the store at {where} (from {src}) refused the token from "
+                  f"{given}: {why}; {_token_hint()}\n")
     except (StoreError, OSError) as e:
         p.exit(2, f"{PROG}: error: cannot reach the job's store at {where} (from {src}): "
                   f"{e}\n")

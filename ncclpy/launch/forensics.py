@@ -4,8 +4,9 @@
   so all of a job's flight-recorder dumps land in one directory.
 * On SIGUSR1 the launcher prints the status table (:mod:`ncclpy.debug.status`) to stderr and
   asks each rank for its dump; when ``--timeout`` fires or a rank fails, it does the same before
-  stopping the others, waits up to :data:`DUMP_WAIT` seconds for the dumps, and names the
-  directory (``ncclpy trace DIR``).
+  stopping the others (the table only when a communicator registered one: a job that failed
+  before making one gets no table), waits up to :data:`DUMP_WAIT` seconds for the dumps, and
+  names the directory (``ncclpy trace DIR``).
 * A rank is sent the dump signal only when its heartbeat says it handles it (a process
   without the handler would be killed by it): the signal is ``NCCLPY_TRACE_SIGNAL``'s.
 """
@@ -64,11 +65,15 @@ class Forensics:
                       f"{self.addr}:{self.port}: {type(e).__name__}: {e}")
             return None
 
-    def show(self, why: str) -> Optional[List[Dict[str, Any]]]:
-        """Print the status table (``why`` in its first line); the snapshot."""
+    def show(self, why: str, only_registered: bool = False) -> Optional[List[Dict[str, Any]]]:
+        """Print the status table (``why`` in its first line); the snapshot.
+        ``only_registered``: print nothing when no communicator registered its table (a job that
+        failed before making one: the table would only say there is none)."""
         from ..debug.status import format_snapshot
         snap = self.snapshot()
-        if snap is not None:
+        if snap is not None and not snap and only_registered:
+            log.debug("ncclpy run: %s; no communicator registered its progress: no table", why)
+        elif snap is not None:
             self.line(f"ncclpy run: {why}; where every rank is (ncclpy status):")
             for ln in format_snapshot(snap).splitlines():
                 self.line("  " + ln)
@@ -111,8 +116,9 @@ class Forensics:
             time.sleep(0.05)
 
     def collect(self, why: str, pids: Mapping[int, int]) -> None:
-        """The job hangs or failed: the table, then every rank's dump (bounded)."""
-        snap = self.show(why)
+        """The job hangs or failed: the table (when a communicator registered one), then every
+        rank's dump (bounded)."""
+        snap = self.show(why, only_registered=True)
         self.wait_dumps(self.request_dumps(snap, pids))
 
     def on_signal(self, pids: Mapping[int, int]) -> None:

@@ -267,8 +267,9 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
         raise ArgumentError(f"{N('grace')}: expected seconds >= 0, got {grace!r}")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 < timeout < float("inf")):
-        raise ArgumentError(f"{N('timeout')}: expected seconds > 0 (or no limit: None), "
-                            f"got {timeout!r}")
+        raise ArgumentError(f"{N('timeout')}: expected seconds > 0, got {timeout!r} ("
+                            + (f"for no limit, leave {N('timeout')} out)" if "timeout" in fl
+                               else "or None for no limit)"))
     if ranks_per_gpu is not None and (isinstance(ranks_per_gpu, bool)
                                       or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1):
         raise ArgumentError(f"{N('ranks_per_gpu')}: expected a positive int, "

@@ -17,6 +17,19 @@ from .mps import MPS_ENV, MPS_MODES
 __all__ = ["add_run_arguments", "run_from_args"]
 
 
+def _timeout_seconds(text: str) -> float:
+    """``--timeout``'s value: seconds > 0 (finite); no limit is the flag left out."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r} (expected seconds > 0; "
+                                         f"for no limit, leave --timeout out)") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r} (for no limit, "
+                                         f"leave --timeout out)")
+    return v
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``ncclpy run``'s options to ``p`` (torchrun's names where the concept is the same)."""
     p.add_argument("-n", "--nproc-per-node", "--nproc_per_node", "--nprocs", "--nproc",
@@ -43,7 +56,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
                    help=f"seconds between SIGTERM and SIGKILL when stopping ranks "
                         f"(default {DEFAULT_GRACE:g})")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=_timeout_seconds, default=None, metavar="SECONDS",
                    help=f"stop the job when ranks are still running SECONDS after the start; "
                         f"the summary names them; exit code {EXIT_TIMEOUT} (default: no limit)")
     p.add_argument("--checked", action="store_true",

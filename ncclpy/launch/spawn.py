@@ -20,6 +20,13 @@ placement is ``ncclpy run``'s (:mod:`ncclpy.launch.placement`, ``ranks_per_gpu``
 when ranks share a GPU the same one-line mode statement goes to stderr, CUDA MPS included
 (``mps=``, as ``ncclpy run --mps``; :mod:`ncclpy.launch.mps`): a daemon started for the children
 is stopped once they have all ended, whatever the outcome.
+
+The job's ncclpy store lives in the parent, as ``ncclpy run``'s launcher hosts it: it listens
+before the first child starts (``NCCLPY_STORE_HOSTED_BY=launcher``: rank 0 joins it as a
+client), so a child may connect any store client to the rendezvous address at once
+(``ncclpy.TCPStore(info.master_addr, info.master_port)``, the token from
+``NCCLPY_STORE_TOKEN``), whichever rank starts first; its connection limit is sized for the
+children, and it closes once they have all ended.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from ncclpy.errors import ArgumentError, ArgumentTypeError, LaunchError, Process
 from ncclpy.launch._pdeath import die_with_parent
 from ncclpy.launch.env import rank_env
 from ncclpy.launch.mps import MpsSetup, resolve_mode, setup_mps
+from ncclpy.launch.launcher import HOSTED_ENV
 from ncclpy.launch.ports import check_local
 
 __all__ = ["spawn", "SpawnContext", "TERM_GRACE_S"]
@@ -132,6 +140,19 @@ def _two_free_ports(host: str) -> tuple[int, int]:
     return a, b
 
 
+def _host_store(addr: str, port: int, token: str, nprocs: int) -> Any:
+    """The job's store server, here in the parent (as ``ncclpy run``'s launcher hosts it), its
+    connection limit sized for ``nprocs`` ranks."""
+    from ncclpy.store import StoreServer
+    from ncclpy.store.limits import StoreLimits
+    try:
+        return StoreServer(addr, port, token=token or None,
+                           limits=StoreLimits.for_world(nprocs)).start()
+    except Exception as e:  # noqa: BLE001 - the port is taken, or the address not this host's
+        raise LaunchError(f"spawn: could not host the job's store at {addr}:{port} "
+                          f"(master_addr/master_port): {type(e).__name__}: {e}") from e
+
+
 def _stderr_line(line: str) -> None:
     try:
         sys.stderr.write(line + "\n")
@@ -204,13 +225,21 @@ class SpawnContext:
     """The running children of one :func:`spawn` call (what ``join=False`` returns)."""
 
     def __init__(self, processes: list, envs: list[dict[str, str]],
-                 mps: Optional[MpsSetup] = None) -> None:
+                 mps: Optional[MpsSetup] = None, server: Any = None) -> None:
         self.processes = processes
         self.envs = envs
         self._conns: dict[int, Any] = {}
         self._tracebacks: dict[int, str] = {}
         self._done = False
         self._mps = mps
+        self._server = server   # the job's store, hosted here until every child ended
+
+    def _end(self) -> None:
+        """Every child has ended: close the job's store and stop the MPS daemon."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self._end_mps()
 
     def _end_mps(self) -> None:
         """Stop the MPS daemon started for these children (once they all ended); keep its logs
@@ -281,7 +310,7 @@ class SpawnContext:
         for rank in list(self._conns):
             self._read(rank)
         if not any(p.is_alive() for p in self.processes):
-            self._end_mps()
+            self._end()
 
     def _fail(self, rank: int) -> None:
         p = self.processes[rank]
@@ -325,7 +354,7 @@ class SpawnContext:
                     if p.exitcode != 0:
                         self._fail(r)
                 self._done = True
-                self._end_mps()
+                self._end()
                 return True
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait([*running, *conns], timeout=wait_s)
@@ -355,10 +384,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     """Run ``fn(rank, *args)`` in ``nprocs`` processes of one node with the rendezvous env set.
 
     ``master_port`` None picks two free ports, ncclpy's store on the first and torch's
-    ``MASTER_PORT`` on the second (not necessarily P+1); a given P uses P and P+1.  ``env`` adds
-    variables for every child (the
-    rendezvous variables always win).  ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R
-    ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
+    ``MASTER_PORT`` on the second (not necessarily P+1); a given P uses P and P+1.  The store
+    is hosted here, in the calling process, from before the first child starts until the last
+    one ended (see the module docstring); a port it cannot bind is a :class:`LaunchError`.
+    ``env`` adds variables for every child (the rendezvous variables always win).
+    ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
     chosen is stated in one line on stderr.  ``mps`` is ``ncclpy run --mps`` (``"auto"``,
     ``"on"``, ``"off"``; None: ``NCCLPY_MPS``, else ``"auto"``): a CUDA MPS daemon for children
     sharing a GPU, stopped when they have all ended.  ``checked`` is ``ncclpy run --checked``:
@@ -416,15 +446,17 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     try:
         envs = [{k: v for k, v in {**user_env, **rank_env(
                     r, nprocs, r, nprocs, master_addr, master_port, token, device=devices[r],
-                    extra=extras[r], torch_master_port=torch_port)}.items() if k not in unset}
+                    extra=extras[r], torch_master_port=torch_port),
+                    HOSTED_ENV: "launcher"}.items() if k not in unset}
                 for r in range(nprocs)]
+        server = _host_store(master_addr, master_port, token, nprocs)
     except BaseException:
         mps_setup.stop()
         raise
-    log.debug("spawn: %d ranks, store %s:%d", nprocs, master_addr, master_port)
+    log.debug("spawn: %d ranks, store %s:%d (hosted here)", nprocs, master_addr, master_port)
 
     processes: list = []
-    context = SpawnContext(processes, envs, mps_setup)
+    context = SpawnContext(processes, envs, mps_setup, server)
     # a forkserver child's parent is the fork server (which dies with this process), not us
     parent = None if start_method == "forkserver" else os.getpid()
     try:
