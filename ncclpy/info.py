@@ -10,13 +10,15 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import re
 import sys
 from typing import Any, Mapping, Optional
 
 from .rendezvous import ENV_VARS as _RENDEZVOUS_VARS
 
 __all__ = ["collect", "format_info", "loaded_library_path", "rendezvous_env", "ENV_NAMES",
-           "ENV_PREFIXES", "MASKED", "no_gpu_reason", "gpu_device_reason", "NO_DRIVER"]
+           "ENV_PREFIXES", "MASKED", "no_gpu_reason", "gpu_device_reason", "NO_DRIVER",
+           "torch_build"]
 
 #: Exact variable names reported: every variable :func:`ncclpy.rendezvous.resolve` reads
 #: (torchrun, Open MPI, MPICH/PMI/PMIx, SLURM, ``NCCLPY_*``) plus device selection.
@@ -220,25 +222,71 @@ def _cuda_section() -> dict[str, Any]:
     return d
 
 
+def torch_build(version_file: Optional[str] = None) -> dict[str, Optional[str]]:
+    """torch's own version (``torch.__version__``, with the wheel's local tag: ``2.15.0+cu132``,
+    ``2.13.0+cpu``) and what it was built for, read from ``torch/version.py`` without importing
+    torch.  pip's version of the wheel (its metadata) may lack the local tag (the package
+    index's CUDA wheel of 2.15 says ``2.15.0``), so it is reported apart, never used as torch's.
+    Keys: version, cuda, hip (None where unknown or absent), build ("CUDA 13.2", "ROCm 6.4",
+    "CPU")."""
+    out: dict[str, Optional[str]] = {"version": None, "cuda": None, "hip": None, "build": None}
+    if version_file is None:
+        spec = importlib.util.find_spec("torch")
+        locs = list(spec.submodule_search_locations or []) if spec is not None else []
+        version_file = os.path.join(locs[0], "version.py") if locs else None
+    try:
+        with open(version_file or "", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return out
+    for key in ("__version__", "cuda", "hip"):
+        m = re.search(rf"^{key}\s*(?::[^=]*)?=\s*['\"]([^'\"]*)['\"]", text, re.M)
+        out[key.strip("_")] = m.group(1) if m else None
+    out["build"] = (f"CUDA {out['cuda']}" if out["cuda"] else f"ROCm {out['hip']}" if out["hip"]
+                    else "CPU" if out["version"] else None)
+    return out
+
+
 def _torch_section(import_torch: bool) -> dict[str, Any]:
     d: dict[str, Any] = {"installed": importlib.util.find_spec("torch") is not None}
     if not d["installed"]:
         return d
-    d["version"] = _dist_version("torch")
+    b = torch_build()
+    d["wheel_version"] = _dist_version("torch")          # pip's view; may lack "+cu132"
+    d["version"] = b["version"] or d["wheel_version"]
+    d["build"] = b["build"]
     if import_torch:
         try:
             import torch
             d["version"] = torch.__version__
             d["cuda_available"] = bool(torch.cuda.is_available())
             d["cuda"] = torch.version.cuda
-            try:
-                v = torch.cuda.nccl.version()
-                d["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-            except Exception as e:
-                d["nccl"] = f"unavailable ({type(e).__name__})"
+            d["build"] = (f"CUDA {torch.version.cuda}" if torch.version.cuda else
+                          f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None)
+                          else "CPU")
+            d.update(_torch_nccl(torch))
         except Exception as e:
             d["error"] = f"import torch failed: {type(e).__name__}: {e}"
     return d
+
+
+def _torch_nccl(torch: Any) -> dict[str, Any]:
+    """torch's NCCL: its version and the libnccl file it calls (a CUDA wheel carries one, also
+    on a machine without a GPU; a CPU wheel none, which is said, never guessed)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return {"nccl": "none (this torch is built without NCCL)", "libnccl": None}
+    out: dict[str, Any] = {}
+    try:
+        v = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as e:
+        out["nccl"] = f"unavailable ({type(e).__name__})"
+    from .check.fairness import torch_libnccl
+    out["libnccl"], how = torch_libnccl()
+    if out["libnccl"] is None:
+        out["libnccl_note"] = how
+    return out
 
 
 def _safe(fn: Any) -> dict[str, Any]:
@@ -327,10 +375,15 @@ def format_info(d: Mapping[str, Any]) -> str:
         row("torch", "not installed")
     else:
         extra = []
+        if t.get("build"):
+            extra.append(f"{t['build']} build")
+        if t.get("wheel_version") and t["wheel_version"] != t.get("version"):
+            extra.append(f"pip: {t['wheel_version']}")
         if "cuda_available" in t:
             extra.append(f"CUDA available: {t['cuda_available']}")
-            extra.append(f"CUDA {t.get('cuda')}")
             extra.append(f"NCCL {t.get('nccl')}")
+            if t.get("libnccl"):
+                extra.append(f"libnccl {t['libnccl']}")
         if t.get("error"):
             extra.append(t["error"])
         suffix = f" ({', '.join(extra)})" if extra else ""

@@ -2,6 +2,7 @@
 processes (2, 3 and 4 ranks), plus the harness's parts."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -366,12 +367,30 @@ def test_libnccl_identification():
     assert L._pick(["/x/libnccl.so.2", "/y/libnccl.so.2"], None) == "/x/libnccl.so.2"
     from ncclpy.ops import format_version
     ver = format_version(lib.version)
-    rep = F.libnccl_report(tuple(int(x) for x in ver.split(".")), lib.path, ver)
+    torch = pytest.importorskip("torch")         # loaded, as in a check's rank
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_nccl_available():
+        # a CUDA wheel (the package index's torch 2.15 is one) carries its libnccl, also on a
+        # machine without a GPU: the report names that file, whatever ncclpy bound
+        tver = ".".join(map(str, torch.cuda.nccl.version()))
+        rep = F.libnccl_report(torch.cuda.nccl.version(), lib.path, ver)
+        tpath = rep["torch_libnccl"]
+        assert tpath and os.path.isfile(tpath), rep
+        v = ctypes.c_int()
+        assert ctypes.CDLL(tpath).ncclGetVersion(ctypes.byref(v)) == 0
+        assert format_version(v.value) == tver == rep["torch_nccl_version"]
+        same_file = os.path.samefile(tpath, lib.path)
+        assert rep["same"] == (same_file and tver == ver), rep
+        if not same_file:
+            assert any(f"torch calls {tpath}" in p for p in rep["problems"]), rep
+        assert os.path.realpath(lib.path) in rep["all_libnccl"]
+    else:
+        # a CPU wheel has no NCCL of its own: the report must say so, never claim "same"
+        rep = F.libnccl_report(tuple(int(x) for x in ver.split(".")), lib.path, ver)
+        assert rep["torch_libnccl"] is None and not rep["same"]
+        assert any("cannot tell which libnccl torch calls" in p for p in rep["problems"])
+        assert rep["all_libnccl"] == [os.path.realpath(lib.path)]
     assert rep["ncclpy_libnccl"] == os.path.realpath(lib.path)
-    assert rep["all_libnccl"] == [os.path.realpath(lib.path)]
-    # this CPU torch has no NCCL of its own: the report must say so, never claim "same"
-    assert rep["torch_libnccl"] is None and not rep["same"]
-    assert any("cannot tell which libnccl torch calls" in p for p in rep["problems"])
     bad = F.libnccl_report((2, 0, 0), lib.path, ver)
     assert any("torch reports NCCL 2.0.0" in p for p in bad["problems"])
 

@@ -154,8 +154,8 @@ def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
     assert len(table) == sum(c["case"]["collective"] in ("all_reduce", "broadcast")
                              for c in a["cases"])
     assert a["cases"] == b["cases"] and a["summary"] == b["summary"] and \
-        set(a) == set(b) == {"header", "summary", "exit_code", "problems", "compared", "seconds",
-                             "cases", "skipped", "timing"}
+        set(a) == set(b) == {"header", "summary", "by_torch_backend", "exit_code", "problems",
+                             "compared", "seconds", "cases", "skipped", "timing"}
     t = a["timing"]                    # where the time went, in the JSON and with -v
     assert t["cases"] == len(a["cases"]) and t["walk_s"] > 0 and t["verdict_batch"] >= 1
     assert set(t["phases_s"]) == {"inputs", "reference", "torch", "ncclpy", "compare", "sync"}

@@ -138,12 +138,38 @@ def test_info_does_not_import_torch():
 @pytest.mark.slow
 def test_info_torch_flag():
     pytest.importorskip("torch")
+    """torch's own version (with the wheel's local tag: 2.15.0+cu132 for the package index's
+    CUDA wheel, 2.13.0+cpu for a CPU wheel), pip's version apart, the build, and torch's NCCL:
+    its libnccl for a CUDA wheel (even without a GPU), none for a CPU wheel; the same version
+    with and without --torch (without, torch is not imported)."""
+    import importlib.metadata
+    import torch
+    import torch.distributed as dist
     cp = _info("--torch", "--json")
     assert cp.returncode == 0, cp.stderr
     t = json.loads(cp.stdout)["torch"]
-    import importlib.metadata
-    assert t["version"] == importlib.metadata.version("torch")
+    assert t["version"] == torch.__version__
+    assert t["wheel_version"] == importlib.metadata.version("torch")
+    assert t["version"].split("+")[0] == t["wheel_version"].split("+")[0]
+    assert t["build"] == (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU")
     assert isinstance(t["cuda_available"], bool)
+    if dist.is_available() and dist.is_nccl_available():      # a CUDA wheel: its own libnccl
+        assert t["nccl"] == ".".join(map(str, torch.cuda.nccl.version()))
+        assert t["libnccl"] and os.path.basename(t["libnccl"]).startswith("libnccl")
+        lib = ctypes.CDLL(t["libnccl"])
+        v = ctypes.c_int()
+        assert lib.ncclGetVersion(ctypes.byref(v)) == 0
+        major, minor, patch = torch.cuda.nccl.version()
+        assert v.value == major * 10000 + minor * 100 + patch     # the very NCCL torch reports
+    else:                                                      # a CPU wheel: none, said so
+        assert t["libnccl"] is None and t["nccl"].startswith("none")
+    plain = _info("--json")
+    assert plain.returncode == 0, plain.stderr
+    p = json.loads(plain.stdout)["torch"]
+    assert (p["version"], p["wheel_version"], p["build"]) == \
+        (t["version"], t["wheel_version"], t["build"])
+    text = _info("--torch").stdout
+    assert f"torch:                {torch.__version__} ({t['build']} build" in text
 
 
 def test_console_script_if_installed():

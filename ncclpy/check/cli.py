@@ -27,6 +27,7 @@ from ..cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path, int_
                         run_main, silence_stdout)
 from ..errors import ArgumentError, ArgumentTypeError
 from . import cases as C
+from . import torch_backends as TB
 from .fairness import PINS, apply_launcher_placement, fairness_env
 from .report import plural
 
@@ -80,6 +81,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="torch backend: nccl (GPU, with the ncclpy column) or gloo (CPU); "
                         "auto picks nccl when a GPU is visible")
+    p.add_argument("--torch-backend", default=None, metavar="NAMES",
+                   help=f"GPU: torch's NCCL backends to check, each against ncclpy and the "
+                        f"reference (comma list of {', '.join(TB.TORCH_NCCL_BACKENDS)}; default "
+                        f"{TB.DEFAULT}); torch 2.15's nccl is a new implementation and "
+                        f"nccl-legacy its previous one: --torch-backend nccl,nccl-legacy")
     p.add_argument("--collectives", default=None,
                    help=f"comma list (default all: {','.join(C.COLLECTIVES)})")
     p.add_argument("--dtypes", default=None, help="comma list (default: every dtype the backend "
@@ -190,6 +196,29 @@ def _roots(parser: OneLineParser, text: Optional[str], n: int) -> Optional[List[
                          f"({plural(n, 'rank')})")
         out.append(r)
     return out
+
+
+def _torch_backends(parser: OneLineParser, ns: argparse.Namespace, backend: str,
+                    why: str) -> Optional[List[str]]:
+    """The checked ``--torch-backend`` list (default: torch's ``nccl`` on a GPU run; None on
+    gloo): names torch's NCCL backends, each one this torch offers, on a GPU run."""
+    text = ns.torch_backend
+    if text is None:
+        return [TB.DEFAULT] if backend == "nccl" else None
+    flag = parser.flag("torch_backend")
+    try:
+        names = TB.parse_torch_backends(text)
+    except ValueError as e:
+        parser.error(f"{flag}: {e}")
+    version, offered = TB.offered_backends()
+    bad = TB.refusal(names, version, offered)
+    if bad:
+        parser.error(f"{flag} {text}: {bad}")
+    if backend != "nccl":
+        because = "--backend gloo" if ns.backend == "gloo" else (why or "no GPU")
+        parser.error(f"{flag} {text}: torch's NCCL backends run on a GPU (--backend nccl); "
+                     f"this run's backend is gloo ({because})")
+    return names
 
 
 def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
@@ -310,7 +339,9 @@ def _main(argv: List[str]) -> int:
             sys.stderr.write(f"{PROG}: FAILED: {parser.flag('require_ncclpy')}: ncclpy cannot run "
                              f"on this machine ({why}); nothing was run\n")
             return 1
+    torch_backends = _torch_backends(parser, ns, backend, why)
     cfg = _config(parser, ns, n, backend, "" if backend == "nccl" else (why or "backend gloo"))
+    cfg["torch_backends"] = torch_backends
     if ns.list or ns.list_skips:
         return _list(cfg, ns.list_skips)
     cases, skipped = C.build_matrix(

@@ -35,7 +35,7 @@ from ..dtypes import dtype_name
 from . import cases as C
 
 __all__ = ["Comparison", "compare", "flip_one_bit", "corrupt", "judge", "merge", "INJECT_ENV",
-           "INJECT_SIDES", "INJECT_KINDS"]
+           "INJECT_SIDES", "INJECT_KINDS", "with_side", "backend_parts"]
 
 #: the test-only corruption hook, honoured by :mod:`ncclpy.check.runner` (never the library)
 INJECT_ENV = "NCCLPY_CHECK_INJECT"
@@ -140,6 +140,23 @@ def _ranks(parts: List[Dict[str, Any]], cmps: List[Comparison]) -> List[int]:
 def _close(cmps: List[Comparison], exact: bool, tol: float) -> bool:
     """Every compared rank equal, or (not ``exact``) within ``tol`` ULPs."""
     return all(judge(c, exact, tol) is not False for c in cmps)
+
+
+def with_side(p: Dict[str, Any], side: Dict[str, Any]) -> Dict[str, Any]:
+    """A rank's verdicts ``p`` with one torch backend's verdicts ``side`` put in (their
+    ``barrier`` times joined with ncclpy's); ``p`` itself is not changed."""
+    q = {k: v for k, v in p.items() if k != "by_torch_backend"}
+    for k, v in side.items():
+        q[k] = {**q.get(k, {}), **v} if k == "barrier" else v
+    return q
+
+
+def backend_parts(parts: List[Dict[str, Any]], name: str) -> List[Dict[str, Any]]:
+    """Every rank's verdicts as seen through torch backend ``name`` (a run with
+    ``--torch-backend a,b`` keeps each backend's under ``by_torch_backend``; a run with one
+    torch side has them in place and comes back unchanged)."""
+    return [with_side(p, p["by_torch_backend"][name]) if "by_torch_backend" in p else p
+            for p in parts]
 
 
 def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dict[str, Any]:

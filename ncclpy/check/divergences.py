@@ -26,12 +26,19 @@ thread, not the communicator, so every later NCCL call of the thread (ncclpy's i
 only queued, never launched, and every later case reads stale buffers (seen on an H100 with
 torch 2.11 and NCCL 2.28.9, 2026-11-25: all scatter and send_recv cases after the first uint32
 scatter failed).  Such a case runs on ncclpy's side only and is "unsupported" for torch.
+
+*Validated with* (:data:`VALIDATED`): these tables (and the gloo ones in
+:mod:`ncclpy.check.cases`) were found by running the check on given torch versions and backend
+implementations.  :func:`tables_status` says whether a run's torch is one of them; on another
+torch the check still applies the tables (a divergence is reported only where torch's bytes
+equal its prediction) but says that the divergences and refusals it lists were found on this
+torch, not known from a validated one.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -40,7 +47,7 @@ from ..dtypes import LOGICAL
 
 __all__ = ["Divergence", "DIVERGENCES", "divergence", "predicted_outputs", "Refusal",
            "KNOWN_REFUSALS", "known_refusal", "NOT_CALLED", "not_called",
-           "REDUCING_COLLECTIVES"]
+           "REDUCING_COLLECTIVES", "VALIDATED", "torch_minor", "tables_status"]
 
 REDUCING_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter")
 _FLOATS = ("float16", "float32", "float64", "bfloat16", "complex32", "complex64", "complex128")
@@ -227,3 +234,40 @@ def known_refusal(backend: str, case: Any, message: str) -> Optional[str]:
                 re.search(r.pattern, message or ""):
             return r.reason
     return None
+
+
+# -- the torch versions the tables were validated with --------------------------------------
+#: per table family (``"nccl"``: every NCCL implementation of torch; ``"gloo"``), the (backend
+#: implementation, torch major.minor) pairs with which the check ran and its tables held
+VALIDATED: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    # the GPU runs of 2026-11-25..27 (docs/gpu-runs.md): torch 2.11.0+cu130, NCCL 2.28.9
+    "nccl": (("ProcessGroupNCCL", "2.11"),),
+    # the CPU matrix (tests/test_check_gloo.py): torch 2.13.0+cpu and 2.15.0+cu132
+    "gloo": (("ProcessGroupGloo", "2.13"), ("ProcessGroupGloo", "2.15")),
+}
+
+
+def torch_minor(version: str) -> str:
+    """``"2.15.0+cu132"`` -> ``"2.15"`` (the version without patch level or local tag)."""
+    parts = str(version).split("+")[0].split(".")
+    return ".".join(parts[:2])
+
+
+def tables_status(torch_version: str, family: str, implementation: str) -> Dict[str, Any]:
+    """Whether the tables of ``family`` were validated with this torch (its major.minor and its
+    backend ``implementation``), as the check's header records it: ``validated``,
+    ``validated_with`` (["ProcessGroupNCCL torch 2.11", ...]), ``torch`` and ``note`` (the line
+    the report prints)."""
+    minor = torch_minor(torch_version)
+    pairs = VALIDATED.get(family, ())
+    ok = (implementation, minor) in pairs
+    impls = sorted({i for i, _ in pairs})
+    versions = ", ".join(v for _, v in pairs)
+    same_impl = impls == [implementation]
+    said = (f"tables validated with torch {versions}" + ("" if same_impl else
+                                                        f" ({', '.join(impls)})")
+            if pairs else f"tables validated with no torch for backend {family}")
+    this = f"this is torch {minor}" + ("" if same_impl else f" ({implementation})")
+    note = f"{said}; {this}" + ("" if ok else ": divergences listed as found, not as known")
+    return {"validated": ok, "validated_with": [f"{i} torch {v}" for i, v in pairs],
+            "torch": minor, "implementation": implementation, "note": note}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -30,11 +30,11 @@ from .. import registry
 from ..dtypes import LOGICAL
 from . import cases as C
 from . import divergences as D
-from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt
+from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt, with_side
 
 __all__ = ["run_case_torch", "windowed", "WINDOW_COLLECTIVES", "to_torch", "from_torch",
            "case_inputs", "reference_outputs", "INJECT_ENV", "parse_inject", "run_case",
-           "run_case_ncclpy", "PHASES"]
+           "run_case_ncclpy", "PHASES", "torch_groups"]
 
 
 # -- numpy <-> torch ------------------------------------------------------------------------
@@ -156,58 +156,61 @@ def _torch_op(dist: Any, case: C.Case) -> Any:
 
 
 def run_case_torch(torch: Any, dist: Any, case: C.Case, inp: np.ndarray, rank: int, n: int,
-                   device: Any, timeout: float = 300.0) -> Optional[np.ndarray]:
+                   device: Any, timeout: float = 300.0, group: Any = None) -> Optional[np.ndarray]:
     """Run ``case`` through torch.distributed on this rank; its output (None: no output).
-    Blocking calls are bounded by the process group's timeout, the p2p waits by ``timeout``."""
+    ``group``: the process group (None: the default one; ``--torch-backend`` runs one group per
+    backend, each over every rank, so global ranks are group ranks).  Blocking calls are bounded
+    by the process group's timeout, the p2p waits by ``timeout``."""
     name, c = case.dtype, case.count
+    g = {"group": group}
     t = to_torch(torch, inp, name, device)
     empty = (lambda k: torch.empty(k, dtype=t.dtype, device=t.device))
     coll = case.collective
     if coll == "all_reduce":
-        dist.all_reduce(t, op=_torch_op(dist, case))
+        dist.all_reduce(t, op=_torch_op(dist, case), **g)
         out = t
     elif coll == "reduce":
-        dist.reduce(t, dst=case.root, op=_torch_op(dist, case))
+        dist.reduce(t, dst=case.root, op=_torch_op(dist, case), **g)
         out = t
     elif coll == "broadcast":
-        dist.broadcast(t, src=case.root)
+        dist.broadcast(t, src=case.root, **g)
         out = t
     elif coll == "all_gather":
         out = empty(n * c)
         if case.in_place:
             mine = out[rank * c:(rank + 1) * c]
             mine.copy_(t)
-            dist.all_gather_into_tensor(out, mine)
+            dist.all_gather_into_tensor(out, mine, **g)
         else:
-            dist.all_gather_into_tensor(out, t)
+            dist.all_gather_into_tensor(out, t, **g)
     elif coll == "reduce_scatter":
         if case.in_place:
             out = t[rank * c:(rank + 1) * c]
         else:
             out = empty(c)
-        dist.reduce_scatter_tensor(out, t, op=_torch_op(dist, case))
+        dist.reduce_scatter_tensor(out, t, op=_torch_op(dist, case), **g)
     elif coll == "all_to_all":
         if case.variant == "uneven":
             counts = C.uneven_counts(c, n)
             send = counts[rank]
             recv = [counts[s][rank] for s in range(n)]
             out = empty(sum(recv))
-            dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send)
+            dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send, **g)
         else:
             out = empty(n * c)
-            dist.all_to_all_single(out, t)
+            dist.all_to_all_single(out, t, **g)
     elif coll == "gather":
         lst = [empty(c) for _ in range(n)] if rank == case.root else None
-        dist.gather(t, gather_list=lst, dst=case.root)
+        dist.gather(t, gather_list=lst, dst=case.root, **g)
         out = torch.cat(lst) if lst is not None else None
     elif coll == "scatter":
         out = empty(c)
         lst = [t[i * c:(i + 1) * c] for i in range(n)] if rank == case.root else None
-        dist.scatter(out, scatter_list=lst, src=case.root)
+        dist.scatter(out, scatter_list=lst, src=case.root, **g)
     elif coll == "send_recv":
         out = empty(c)
-        ops = [dist.P2POp(dist.isend, t, (rank + 1) % n),
-               dist.P2POp(dist.irecv, out, (rank - 1) % n)]
+        ops = [dist.P2POp(dist.isend, t, (rank + 1) % n, **g),
+               dist.P2POp(dist.irecv, out, (rank - 1) % n, **g)]
         for w in dist.batch_isend_irecv(ops):
             w.wait(datetime.timedelta(seconds=timeout))
     else:
@@ -412,18 +415,24 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
         # them as scratch (undefined in torch's contract)
         torch_ref = ins[rank] if ctx["backend"] == "nccl" else None
     true_torch_ref = torch_ref          # kept from the reference-side corruption below
-    t_out = n_out = None
+    n_out = None
     skip = D.not_called(ctx["backend"], case)
+    sides: Dict[str, List[Any]] = {}    # torch backend -> [its output, its verdicts]
     t = clock()
-    if skip is not None:
-        res["torch_not_called"] = skip
-    else:
-        try:
-            t_out = run_case_torch(torch, dist, case, ins[rank], rank, n, ctx["device"], tmo)
-        except Exception as e:  # noqa: BLE001 - classified at rank 0 (known refusal or error)
-            res["torch_exc"] = _short(e)
-            if ctx.get("verbose"):
-                traceback.print_exc()
+    for bname, group in torch_groups(ctx):
+        part: Dict[str, Any] = {}
+        t_out = None
+        if skip is not None:
+            part["torch_not_called"] = skip
+        else:
+            try:
+                t_out = run_case_torch(torch, dist, case, ins[rank], rank, n, ctx["device"], tmo,
+                                       group)
+            except Exception as e:  # noqa: BLE001 - classified at rank 0 (refusal or error)
+                part["torch_exc"] = _short(e)
+                if ctx.get("verbose"):
+                    traceback.print_exc()
+        sides[bname] = [t_out, part]
     t1 = clock()
     ph["torch"] += t1 - t
     if ctx.get("comm") is not None:
@@ -440,8 +449,10 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
     for coll, rk, side, how in ctx["inject"]:
         if coll != case.collective or rk not in (None, rank):
             continue
-        if side == "torch" and t_out is not None and t_out.size:
-            t_out = corrupt(t_out, how)
+        if side == "torch" and any(o is not None and o.size for o, _ in sides.values()):
+            for sd in sides.values():
+                if sd[0] is not None and sd[0].size:
+                    sd[0] = corrupt(sd[0], how)
         elif side == "ncclpy" and n_out is not None and n_out.size:
             n_out = corrupt(n_out, how)
         elif side == "reference" and ref is not None and ref.size:
@@ -452,39 +463,65 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             continue
         res["injected"] = f"{side}:{how}"
     name = case.dtype
-    res["t_ref"] = compare(t_out, torch_ref, name).as_dict()
     div = D.divergence(ctx["backend"], case, n)
-    if div is not None and t_out is not None:
-        pred = D.predicted_outputs(div, case, ins, n, ctx["backend"], rank=rank)[rank]
-        res["t_pred"] = compare(t_out, pred, name).as_dict()
-        # whether the divergence shows on these inputs at all (prediction != NCCL semantics)
-        res["p_ref"] = compare(pred, true_torch_ref, name).as_dict()
+    predicted = div is not None and any(o is not None for o, _ in sides.values())
+    pred = D.predicted_outputs(div, case, ins, n, ctx["backend"], rank=rank)[rank] \
+        if predicted else None          # None also where the prediction leaves it undefined
+    for t_out, part in sides.values():
+        part["t_ref"] = compare(t_out, torch_ref, name).as_dict()
+        if predicted and t_out is not None:
+            part["t_pred"] = compare(t_out, pred, name).as_dict()
+            # whether the divergence shows on these inputs at all (prediction != NCCL semantics)
+            part["p_ref"] = compare(pred, true_torch_ref, name).as_dict()
+        if ctx.get("comm") is not None:
+            # only where both sides have a defined output (e.g. not an out-of-place reduce's
+            # non-root buffer, which NCCL never writes)
+            both = ref is not None and torch_ref is not None
+            part["n_t"] = compare(n_out if both else None, t_out, name).as_dict()
     if ctx.get("comm") is not None:
         res["n_ref"] = compare(n_out, ref, name).as_dict()
-        # only where both sides have a defined output (e.g. not an out-of-place reduce's
-        # non-root buffer, which NCCL never writes)
-        both = ref is not None and torch_ref is not None
-        res["n_t"] = compare(n_out if both else None, t_out, name).as_dict()
+    _put_sides(res, {b: sd[1] for b, sd in sides.items()})
     ph["compare"] += clock() - t
     return res
 
 
+def torch_groups(ctx: Dict[str, Any]) -> List[Tuple[str, Any]]:
+    """(torch backend name, process group) of every torch side of the run: the default group
+    alone, or with ``--torch-backend a,b`` one group per backend (the session sets them)."""
+    return ctx.get("torch_groups") or [(ctx["backend"], None)]
+
+
+def _put_sides(res: Dict[str, Any], parts: Dict[str, Dict[str, Any]]) -> None:
+    """One torch side: its verdicts in ``res`` itself (as before ``--torch-backend``); several:
+    under ``res["by_torch_backend"][name]`` (:func:`ncclpy.check.compare.backend_parts`
+    takes them apart at rank 0)."""
+    if len(parts) == 1:
+        res.update(with_side(res, next(iter(parts.values()))))
+    else:
+        res["by_torch_backend"] = parts
+
+
 def _run_barrier(ctx: Dict[str, Any]) -> Dict[str, Any]:
-    """E29's check: rank r arrives r*50 ms late; nobody may leave before the last arrival."""
+    """E29's check: rank r arrives r*50 ms late; nobody may leave before the last arrival
+    (through every torch backend of the run, then ncclpy)."""
     dist, rank = ctx["dist"], ctx["rank"]
     res: Dict[str, Any] = {"rank": rank, "barrier": {}}
-    for side in ("torch", "ncclpy"):
-        if side == "ncclpy" and ctx.get("comm") is None:
-            continue
+    parts: Dict[str, Dict[str, Any]] = {}
+    sides: List[Tuple[str, str, Any]] = [("torch", b, g) for b, g in torch_groups(ctx)]
+    if ctx.get("comm") is not None:
+        sides.append(("ncclpy", "", None))
+    for side, bname, group in sides:
+        into = parts.setdefault(bname, {"barrier": {}}) if side == "torch" else res
         time.sleep(0.05 * rank)
         t_in = time.time()
         try:
             if side == "torch":
-                dist.barrier()
+                dist.barrier(group=group)
             else:
                 ctx["comm"].barrier()
         except Exception as e:  # noqa: BLE001
-            res[f"{side}_error"] = _short(e)
-        res["barrier"][side] = (t_in, time.time())
+            into[f"{side}_error"] = _short(e)
+        into["barrier"][side] = (t_in, time.time())
         dist.barrier(group=ctx["ctrl"])
+    _put_sides(res, parts)
     return res

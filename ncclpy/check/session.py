@@ -12,21 +12,31 @@ What rank 0 prints (:mod:`.overview`): the header, a progress line on a terminal
 collective x dtype matrix, the cases that did not pass with their reasons, the summary; ``-v``
 adds the full table, one row per case, as the cases run.  When the reader of its output goes
 away (``ncclpy check | head``) rank 0 stops the run at once, quietly, with exit status 141.
+
+torch's side runs on one backend (gloo, or torch's ``nccl``), or with ``--torch-backend a,b``
+on each of several of torch's NCCL backends (one process group each, every case through each):
+every case then has one record per torch backend, and the report a matrix, a list and a
+summary per backend.  The header names, per backend, the implementation torch really ran and
+whether the divergence and refusal tables were validated with this torch
+(:func:`ncclpy.check.divergences.tables_status`); when not, the summary says so.
 """
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from ..cli_util import EXIT_CLOSED_PIPE, silence_stdout, stdout_reader_gone
 from . import cases as C
+from . import divergences as D
 from . import overview as O
 from . import report as R
-from .compare import INJECT_ENV, merge
-from .runner import PHASES, _short, parse_inject, run_case
+from . import torch_backends as TB
+from .compare import INJECT_ENV, backend_parts, merge
+from .runner import PHASES, _short, parse_inject, run_case, torch_groups
 
 __all__ = ["worker", "spawn_entry", "OutputClosed", "Output", "VERDICT_BATCH", "BATCH_ENV",
            "verdict_batch"]
@@ -105,6 +115,7 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     if backend != "nccl":
         dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timeout)
         ctx["ctrl"] = dist.group.WORLD
+        _torch_sides(ctx, [("gloo", None)])
         header["ncclpy_error"] = cfg.get("no_gpu_reason") or "no GPU: the ncclpy column needs one"
         return ctx
     ndev = torch.cuda.device_count()
@@ -112,12 +123,20 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     torch.cuda.set_device(dev)
     ctx["device"] = torch.device("cuda", dev)
     ctx["gpu_cc"] = tuple(torch.cuda.get_device_capability(dev))
-    dist.init_process_group("nccl", rank=rank, world_size=n, timeout=timeout,
+    names = list(cfg.get("torch_backends") or [TB.DEFAULT])
+    dist.init_process_group(names[0], rank=rank, world_size=n, timeout=timeout,
                             device_id=ctx["device"])
     ctx["ctrl"] = dist.new_group(backend="gloo", timeout=timeout)
-    x = torch.ones(1, device=ctx["device"])
-    dist.all_reduce(x)
+    groups: List[Tuple[str, Any]] = [(names[0], None)]
+    kw = {"device_id": ctx["device"]} if "device_id" in inspect.signature(
+        dist.new_group).parameters else {}
+    for b in names[1:]:               # --torch-backend a,b: one group per further backend
+        groups.append((b, dist.new_group(backend=b, timeout=timeout, **kw)))
+    for _, g in groups:
+        x = torch.ones(1, device=ctx["device"])
+        dist.all_reduce(x, group=g)
     torch.cuda.synchronize()
+    _torch_sides(ctx, groups)
     header["device"] = torch.cuda.get_device_name(dev)
     header["compute_capability"] = "%d.%d" % ctx["gpu_cc"]
     ok = True
@@ -148,6 +167,21 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     return ctx
 
 
+def _torch_sides(ctx: Dict[str, Any], groups: List[Tuple[str, Any]]) -> None:
+    """Record the run's torch backends (``ctx["torch_groups"]``) and, per backend, in the
+    header: its name, the implementation torch really ran (its backend's class) and whether
+    the divergence and refusal tables were validated with this torch (``torch_backends``)."""
+    torch, dist = ctx["torch"], ctx["dist"]
+    ctx["torch_groups"] = groups
+    rows = []
+    for name, g in groups:
+        impl = TB.implementation(g if g is not None else dist.group.WORLD,
+                                 torch.device(ctx["device"]))
+        rows.append({"name": name, "implementation": impl,
+                     "tables": D.tables_status(torch.__version__, ctx["backend"], impl)})
+    ctx["header"]["torch_backends"] = rows
+
+
 def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases: int,
                   skipped: List[dict]) -> None:
     h = ctx["header"]
@@ -160,6 +194,9 @@ def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases:
          f"skipped{gloo_note}")
     if h.get("placement"):
         out.lines(_wrapped(f"  {h['placement']}"))
+    for tb in h.get("torch_backends") or []:
+        out.lines(_wrapped(f"  torch backend {tb['name']}: {tb['implementation']}; "
+                           f"{tb['tables']['note']}"))
     if h["backend"] == "nccl":
         lib = h["libnccl"]
         emit(f"  device: {h.get('device')} (compute capability {h.get('compute_capability')})")
@@ -287,6 +324,9 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
     if out is not None:
         _print_header(out, cfg, ctx, len(cases), skipped)
         out.progress = O.Progress(len(cases))
+    names = [b for b, _ in torch_groups(ctx)]
+    multi = len(names) > 1
+    by_backend: Dict[str, List[Dict[str, Any]]] = {b: [] for b in names}
     records: List[Dict[str, Any]] = []
     failed = 0
     t_walk = time.time()
@@ -305,11 +345,14 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
             assert parts is not None and out.progress is not None
             first = i + 1 - len(pending)
             for j, c in enumerate(cases[first:i + 1]):
-                rec = merge(c, [p[j] for p in parts], ctx)
-                records.append(rec)
-                failed += O.symbol_of(rec["status"]) == "X"
-                if verbose and (not quiet or rec["status"] != "pass"):
-                    out.line(R.format_row(rec))
+                for b in names:
+                    rec = merge(c, backend_parts([p[j] for p in parts], b), ctx)
+                    rec["torch_backend"] = b
+                    records.append(rec)
+                    by_backend[b].append(rec)
+                    failed += O.symbol_of(rec["status"]) == "X"
+                    if verbose and (not quiet or rec["status"] != "pass"):
+                        out.line((f"{b}: " if multi else "") + R.format_row(rec))
                 out.progress.update(first + j + 1, failed, c.collective)
             out.check_reader()
         pending = []
@@ -319,13 +362,13 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
         assert out.progress is not None
         out.progress.clear()
         counts = R.summarize(records, len(skipped))
+        by_counts = {b: R.summarize(by_backend[b], len(skipped)) for b in names}
         problems = _run_problems(h, counts, bool(cfg.get("require_ncclpy")))
         rc = 1 if counts["failed"] or problems else 0
-        if not quiet:
-            out.lines(O.matrix_lines(records, skipped))
-        out.lines(O.problem_lines(records, skipped, ctx["backend"]))
-        out.lines([""] + R.summary_lines(counts, time.time() - t0, ctx["backend"], ctx["n"],
-                                         h.get("ncclpy_error") or ""))
+        _report(out, h, by_backend, by_counts, skipped, quiet, time.time() - t0, ctx)
+        if multi:
+            out.lines(_wrapped(f"ncclpy check: torch backends {', '.join(names)} each against "
+                               f"ncclpy and the reference: {counts['failed']} failed in all"))
         for p in problems:
             out.lines(_wrapped(f"ncclpy check: FAILED: {p}"))
         if h.get("window"):            # what NCCL actually registered, never more
@@ -335,8 +378,8 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
                 f"--window: NCCL registered {sum(seen)} of the {len(seen)} windows on rank 0"
                 + ("" if all(seen) else "; where it registered none (no symmetric support, "
                                         "e.g. ranks sharing a GPU) the regular kernels ran")))
-        doc = {"header": h, "summary": counts, "exit_code": rc, "problems": problems,
-               "compared": _compared(counts, ctx["backend"]),
+        doc = {"header": h, "summary": counts, "by_torch_backend": by_counts, "exit_code": rc,
+               "problems": problems, "compared": _compared(counts, ", ".join(names)),
                "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped,
                "timing": _timing(t_walk - t0, walk_s, len(cases), phases, batch)}
         if verbose:
@@ -356,6 +399,29 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
     dist.broadcast_object_list(box, src=0, group=ctx["ctrl"])
     _close(ctx)
     return int(box[0])
+
+
+def _report(out: Output, h: Dict[str, Any], by_backend: Dict[str, List[Dict[str, Any]]],
+            by_counts: Dict[str, Dict[str, int]], skipped: List[dict], quiet: bool,
+            seconds: float, ctx: Dict[str, Any]) -> None:
+    """Per torch backend: its matrix (not with -q), what did not pass and its summary; where
+    the tables were not validated with this torch, the summary says so (its last line)."""
+    tables = {tb["name"]: tb for tb in h.get("torch_backends") or []}
+    multi = len(by_backend) > 1
+    for i, (b, recs) in enumerate(by_backend.items()):
+        tb = tables.get(b) or {}
+        validated = bool((tb.get("tables") or {}).get("validated", True))
+        if multi:
+            out.lines(["", f"== torch backend {b} ({tb.get('implementation', '?')}) vs ncclpy "
+                           f"and the reference =="])
+        if not quiet:
+            out.lines(O.matrix_lines(recs, skipped))
+        out.lines(O.problem_lines(recs, skipped if i == 0 else [], ctx["backend"],
+                                  validated=validated))
+        out.lines([""] + R.summary_lines(by_counts[b], seconds, b, ctx["n"],
+                                         h.get("ncclpy_error") or ""))
+        if not validated:
+            out.lines(_wrapped(f"  {tb['tables']['note']}"))
 
 
 def _timing(setup_s: float, walk_s: float, ncases: int, phases: Dict[str, float],

@@ -172,3 +172,64 @@ def test_check_on_symmetric_windows_is_bitwise(tmp_path):
         in p.stdout, out
     ran = {c["case"]["collective"] for c in doc["cases"] if c["status"] == "pass"}
     assert ran >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "gather"}, ran
+
+
+def _nccl_legacy_reason() -> str:
+    """'' when torch can run both of its NCCL backends here, else why not."""
+    why = _torch_cuda_reason()
+    if why:
+        return why
+    from ncclpy.check import torch_backends as TB
+    version, offered = TB.offered_backends()
+    if "nccl-legacy" not in offered:
+        return (f"torch {version} has no nccl-legacy backend (torch 2.15 and newer have it; "
+                f"its NCCL backends: {', '.join(offered)})")
+    return ""
+
+
+@requires_gpu
+@pytest.mark.timeout(SMALL_TEST_S)
+@pytest.mark.gpu_world(2)
+def test_check_compares_each_torch_nccl_backend(tmp_path):
+    """``--torch-backend nccl,nccl-legacy`` (torch >= 2.15: "nccl" is a new implementation,
+    "nccl-legacy" the previous one): every case through both, each against ncclpy and the
+    reference; the header names the implementation torch really ran and whether the tables
+    were validated with it; the previous implementation passes as the tables say."""
+    why = _nccl_legacy_reason()
+    if why:
+        pytest.skip(why)
+    import torch.distributed as dist
+    from ncclpy.check import divergences as D
+    p, doc = _check(2, tmp_path, "--torch-backend", "nccl,nccl-legacy", "--dtypes",
+                    "float32,bfloat16,int32", "--sizes", "0,7,4100",
+                    timeout=SMALL_SUBPROCESS_S, run_timeout=SMALL_RUN_S)
+    out = p.stdout[-6000:] + p.stderr[-3000:]
+    assert doc is not None, out
+    h = doc["header"]
+    assert "ncclpy_error" not in h and h["libnccl"]["same"], out
+    tbs = {t["name"]: t for t in h["torch_backends"]}
+    assert list(tbs) == ["nccl", "nccl-legacy"], tbs
+    assert tbs["nccl-legacy"]["implementation"] == "ProcessGroupNCCL", tbs
+    new = hasattr(dist, "ProcessGroupNCCL2") and os.environ.get("TORCH_DIST_USE_NCCL2") != "0"
+    assert tbs["nccl"]["implementation"] == ("ProcessGroupNCCL2" if new else
+                                             "ProcessGroupNCCL"), tbs
+    for name, t in tbs.items():
+        assert t["tables"] == D.tables_status(h["torch"], "nccl", t["implementation"]), t
+        assert f"torch backend {name}: {t['implementation']}; " in p.stdout, out
+        if not t["tables"]["validated"]:
+            assert t["tables"]["note"].endswith("divergences listed as found, not as known")
+    by = doc["by_torch_backend"]
+    assert set(by) == set(tbs) and by["nccl"]["cases"] == by["nccl-legacy"]["cases"] > 0, by
+    for name in tbs:
+        recs = [c for c in doc["cases"] if c["torch_backend"] == name]
+        assert len(recs) == by[name]["cases"] and by[name]["ncclpy_cases"] == len(recs), name
+        # ncclpy itself is right in every record, whichever torch it is compared with
+        assert all(c["ncclpy_ref"] is not False for c in recs), \
+            [c["key"] for c in recs if c["ncclpy_ref"] is False]
+        for c in recs:
+            if c["status"] == "fail":          # a failure can only be torch's
+                assert "ncclpy != reference" not in c.get("reason", ""), c
+    legacy = by["nccl-legacy"]
+    assert legacy["failed"] == 0 and legacy["within_ulp"] == 0, out
+    assert (p.returncode == 0) == (doc["summary"]["failed"] == 0 and not doc["problems"]), out
+    assert "torch backends nccl, nccl-legacy each against ncclpy and the reference:" in p.stdout
