@@ -183,6 +183,9 @@ def dtype_name(obj: Any) -> str:
         obj = getattr(obj, "__name__", str(obj))
     s = str(getattr(obj, "name", None) or obj) if not isinstance(obj, str) else obj
     s = s.strip().lower()
+    hit = _NAMES.get(s)
+    if hit is not None:        # the common case: a name of the table
+        return hit
     if _TYPESTR.match(s):      # '<i8': numpy's typestr, byte counts (CUDA array interface)
         s = _numpy_typestr(obj, s)
     if s.startswith("torch."):
