@@ -64,7 +64,9 @@ def build_parser() -> OneLineParser:
     """The ``ncclpy plan`` parser."""
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("collective", help=f"one of {', '.join(X.COLLECTIVES)} (nccl-tests stems "
-                                      f"and NCCL names work too)")
+                                      f"such as all_gather_perf and NCCL names such as "
+                                      f"ncclAllGather work too; a barrier is NCCL's 1-element "
+                                      f"float32 all_reduce, whatever --count/--dtype/--op)")
     p.add_argument("-n", "--nprocs", "--nproc", dest="nprocs",
                    type=int_at_least(1, "a number of ranks >= 1"), default=2, metavar="N",
                    help="world size (default 2)")
