@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence
 from ncclpy import registry
 from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path, run_main,
                              silence_stdout, stdout_reader_gone)
-from ncclpy.dtypes import DTYPES, dtype_name
+from ncclpy.dtypes import DTYPES, SHORT_NAMES, TESTS_NAMES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
 from bench.sweep import SweepConfig, launched_world
@@ -24,13 +24,9 @@ __all__ = ["parse_size", "size_list", "build_parser", "parse_args", "main",
            "TESTS_TYPE_NAMES", "parse_collectives", "parse_dtypes", "parse_ops",
            "parse_backends", "BACKENDS"]
 
-#: ncclpy dtype name -> nccl-tests' type name (the "type" column and ``-d`` values)
-TESTS_TYPE_NAMES = {
-    "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
-    "uint64": "uint64", "float16": "half", "float32": "float", "float64": "double",
-    "bfloat16": "bfloat16", "float8_e4m3": "f8e4m3", "float8_e5m2": "f8e5m2",
-}
-_FROM_TESTS = {v: k for k, v in TESTS_TYPE_NAMES.items()}
+#: ncclpy dtype name -> nccl-tests' type name (the "type" column and ``-d`` values): the one
+#: table of :mod:`ncclpy.dtypes`, which parses each of them back
+TESTS_TYPE_NAMES = dict(TESTS_NAMES)
 OPS = ("sum", "prod", "max", "min", "avg")
 BACKENDS = ("ncclpy", "cupy", "torch")
 _BACKEND_ALIASES = {"cupy_raw": "cupy", "torch_dist": "torch", "gloo": "torch",
@@ -90,20 +86,20 @@ def parse_collectives(text: str) -> List[str]:
 
 
 def parse_dtypes(text: str) -> List[str]:
-    """``-d`` values: nccl-tests names (float, half, f8e4m3, ...), ncclpy names, ``all``."""
+    """``-d`` values: nccl-tests names (float, half, f8e4m3, ...), ncclpy names and short names
+    (float32, f32, bf16, i8 = int8, ...: :mod:`ncclpy.dtypes`' one table), ``all``."""
     if text.strip().lower() == "all":
         return list(DTYPES)
     out = []
     for part in text.split(","):
-        key = part.strip()
-        key = _FROM_TESTS.get(key.lower(), key)
         try:
-            name = dtype_name(key)
+            name = dtype_name(part.strip())
         except NcclpyError as e:
             raise ArgumentError(f"-d/--datatype: {e}") from None
         if name not in DTYPES:
             raise ArgumentError(f"-d/--datatype: {part!r} is not an NCCL type; expected one of "
-                                f"{', '.join(TESTS_TYPE_NAMES.values())} or all")
+                                f"{', '.join(TESTS_TYPE_NAMES.values())} (or ncclpy's names: "
+                                f"{', '.join(SHORT_NAMES[d] for d in DTYPES)}) or all")
         out.append(name)
     return out
 
@@ -169,7 +165,8 @@ def build_parser() -> OneLineParser:
                    help="sum, prod, max, min, avg or all (default sum)")
     g.add_argument("-d", "--datatype", default="float",
                    help="nccl-tests type name (int8 uint8 int32 uint32 int64 uint64 half float "
-                        "double bfloat16 f8e4m3 f8e5m2), ncclpy name, or all (default float)")
+                        "double bfloat16 f8e4m3 f8e5m2), ncclpy name (float32, f32, bf16, i8 = "
+                        "int8, ...), or all (default float)")
     g.add_argument("-r", "--root", default="0", help="root rank, or all (default 0)")
     g.add_argument("-G", "--cudagraph", type=_int, default=0,
                    help="capture the iterations into a CUDA graph and replay it this many times "

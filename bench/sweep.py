@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ncclpy import registry
-from ncclpy.dtypes import DTYPES
+from ncclpy.dtypes import DTYPES, TESTS_NAMES
 from ncclpy.errors import ArgumentError
 
 from bench import output, verify
@@ -31,10 +31,7 @@ __all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "
            "launched_world", "per_collective_path", "timed_calls", "per_call_seconds"]
 
 AVERAGE_NAMES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
-_TYPE_NAMES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32",
-               "int64": "int64", "uint64": "uint64", "float16": "half", "float32": "float",
-               "float64": "double", "bfloat16": "bfloat16", "float8_e4m3": "f8e4m3",
-               "float8_e5m2": "f8e5m2"}
+_TYPE_NAMES = TESTS_NAMES    # nccl-tests' type names (ncclpy.dtypes' one table)
 
 
 @dataclass

@@ -100,28 +100,38 @@ def _info_all_ranks(as_json: bool) -> int:
 
 
 def _info_params(as_json: bool) -> int:
-    """``ncclpy info --params``: NCCL's parameters (0), or one line why not (2)."""
-    from ._nccl.params import has_param_api, nccl_params
+    """``ncclpy info --params``: NCCL's parameters (0), or one line why not (2).  A value NCCL
+    cannot give is said as what it is ("not set", a refused environment value); the footer
+    says what the list holds and what NCCL_PARAM_DUMP_ALL=true adds."""
+    from ._nccl.params import has_param_api, param_rows, private_keys
     from .errors import MissingDependencyError, NcclError, VersionError
+    from .ops import format_version
     try:
         from ._nccl.lib import get_lib
         lib = get_lib()
         if not has_param_api(lib):
-            from .ops import format_version
             raise VersionError(f"the loaded NCCL {format_version(lib.version)} ({lib.path}) has "
                                f"no parameter API; it needs NCCL >= 2.30.4")
-        params = nccl_params(lib=lib)
+        rows = param_rows(lib=lib)
+        private = private_keys(lib=lib)
     except (MissingDependencyError, VersionError, NcclError) as e:
         print(f"ncclpy info --params: {e}", file=sys.stderr)
         return 2
     if as_json:
-        print(json.dumps(params, indent=1))
-    else:
-        width = max((len(k) for k in params), default=0)
-        for k, v in params.items():
-            print(f"{k:<{width}} = {v}")
-        print(f"# {len(params)} parameters from {lib.path} (more after a communicator's init; "
-              f"all with NCCL_PARAM_DUMP_ALL=true)")
+        print(json.dumps({r.key: r.value for r in rows}, indent=1))
+        return 0
+    width = max((len(r.key) for r in rows), default=0)
+    for r in rows:
+        print(f"{r.key:<{width}} = {r.shown}")
+    what = (f"{len(rows)} parameters, published and private (NCCL_PARAM_DUMP_ALL is set),"
+            if private is None else f"{len(rows)} published parameters")
+    more = ("" if private is None else
+            f"; NCCL_PARAM_DUMP_ALL=true adds its {len(private)} private one"
+            f"{'s' if len(private) != 1 else ''}" + (f": {', '.join(private)}" if private else ""))
+    print(f"# {what} of the parameter registry of NCCL {format_version(lib.version)} "
+          f"({lib.path}){more}")
+    print("# NCCL reads its other NCCL_* variables (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) outside "
+          "this registry: 'ncclpy info' lists those set")
     return 0
 
 

@@ -117,10 +117,12 @@ _ONE_RANK_NO_FP8 = frozenset({"avg", "premul_sum"})
 _FP8_WIRES = frozenset({"float8_e4m3", "float8_e5m2"})
 
 
-def effective_op(op: Any, dtype: Any, nccl_version: int = 0, world_size: int = 0) -> RedOp:
+def effective_op(op: Any, dtype: Any, nccl_version: int = 0, world_size: int = 0,
+                 version_note: str = "the loaded NCCL is {}") -> RedOp:
     """The op NCCL actually runs for ``op`` on logical ``dtype`` (torch's bool and complex
     rules), or a precise UnsupportedError.  ``world_size`` (0: unknown) adds what NCCL refuses
-    on a communicator of that size (float8 avg/premul_sum on one rank)."""
+    on a communicator of that size (float8 avg/premul_sum on one rank); ``version_note`` says
+    in an error what ``nccl_version`` is (``{}``: its number)."""
     o = parse_op(op)
     lg: Logical = logical(dtype)
     if lg.ops is not None and o.name not in lg.ops:
@@ -131,8 +133,8 @@ def effective_op(op: Any, dtype: Any, nccl_version: int = 0, world_size: int = 0
         o = RedOp(lg.op_map[o.name])
     need = op_min_version(o)
     if nccl_version and need > nccl_version:
-        raise UnsupportedError(f"op {o.name} needs NCCL >= {format_version(need)}; the loaded "
-                               f"NCCL is {format_version(nccl_version)}")
+        raise UnsupportedError(f"op {o.name} needs NCCL >= {format_version(need)}; "
+                               f"{version_note.format(format_version(nccl_version))}")
     if world_size == 1 and o.name in _ONE_RANK_NO_FP8 and lg.wire.name in _FP8_WIRES:
         raise UnsupportedError(
             f"op {o.name} on {lg.name} with a 1-rank communicator: NCCL's one-rank path "

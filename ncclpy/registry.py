@@ -141,15 +141,20 @@ COLLECTIVES: Dict[str, Collective] = {c.name: c for c in (
 
 
 def get(name: str) -> Collective:
-    """The registry entry for ``name`` (also accepts nccl-tests stems and NCCL names)."""
+    """The registry entry for ``name`` (also accepts nccl-tests stems and NCCL names, with or
+    without their ``nccl`` prefix: ``all_reduce_perf``, ``AllGather``, ``ncclAllGather``)."""
     key = name.strip().lower().replace("-", "_")
     if key in COLLECTIVES:
         return COLLECTIVES[key]
+    bare = key[len("nccl"):] if key.startswith("nccl") else None
     for c in COLLECTIVES.values():
-        if key in (c.tests_name, c.nccl.lower(), c.tests_name + "_perf"):
+        if key in (c.tests_name, c.nccl.lower(), c.tests_name + "_perf") or \
+                (bare is not None and bare == c.nccl.lower()):
             return c
     from .errors import ArgumentError
-    raise ArgumentError(f"collective {name!r} is unknown; expected one of {', '.join(COLLECTIVES)}")
+    raise ArgumentError(f"collective {name!r} is unknown; expected one of {', '.join(COLLECTIVES)} "
+                        f"(or an nccl-tests stem such as all_reduce_perf, or an NCCL name such "
+                        f"as ncclAllReduce)")
 
 
 def names(data_only: bool = True) -> Tuple[str, ...]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -89,13 +90,76 @@ def test_info_params_prints_them_without_a_gpu():
     lines = r.stdout.strip().splitlines()
     assert any(x.split("=")[0].strip() == "NCCL_DEBUG" and x.split("=", 1)[1].strip() == "WARN"
                for x in lines), r.stdout
-    assert lines[-1].startswith("# ") and "parameters from" in lines[-1]
+    assert lines[-2].startswith("# ") and "parameters of the parameter registry" in lines[-2]
     r = _py("import sys; from ncclpy.cli import main; sys.exit(main(['info', '--params', "
             "'--json']))")
     assert r.returncode == 0 and "NCCL_DEBUG" in json.loads(r.stdout)
     r = _py("import sys; from ncclpy.cli import main; sys.exit(main(['info', '--params', "
             "'--all-ranks']))")
     assert r.returncode == 2 and "separate reports" in r.stderr and "Traceback" not in r.stderr
+
+
+def _info_params(*extra: str, **env: str) -> subprocess.CompletedProcess:
+    return _py("import sys; from ncclpy.cli import main; "
+               f"sys.exit(main(['info', '--params', *{list(extra)!r}]))", **env)
+
+
+def _listed(out: str) -> dict:
+    return {ln.split(" = ", 1)[0].strip(): ln.split(" = ", 1)[1]
+            for ln in out.splitlines() if " = " in ln and not ln.startswith("#")}
+
+
+def test_info_params_says_what_a_value_nccl_cannot_give_is():
+    _lib_or_skip()
+    r = _info_params()                                 # no NCCL_* variable set
+    assert r.returncode == 0, r.stderr
+    rows = _listed(r.stdout)
+    assert rows["NCCL_DEBUG"] == "not set" and rows["NCCL_DEBUG_FILE"] == "not set"
+    assert "<unknown>" not in r.stdout
+    assert rows["NCCL_DEBUG_TIMESTAMP_FORMAT"] == "'[%F %T] '"      # its trailing space shown
+    doc = json.loads(_info_params("--json").stdout)
+    assert doc["NCCL_DEBUG"] is None and doc["NCCL_DEBUG_FILE"] is None
+    # set: the value NCCL resolved; set but refused by NCCL: said, with NCCL's default
+    r = _info_params(NCCL_DEBUG="INFO", NCCL_DEBUG_FILE="", NCCL_SET_THREAD_NAME="maybe")
+    rows = _listed(r.stdout)
+    assert rows["NCCL_DEBUG"] == "INFO" and rows["NCCL_DEBUG_FILE"] == "''"
+    assert rows["NCCL_SET_THREAD_NAME"] == ("FALSE (NCCL's default - NCCL_SET_THREAD_NAME='maybe' "
+                                            "in the environment is not a value NCCL accepts)")
+    rows = _listed(_info_params(NCCL_DEBUG="LOUD").stdout)
+    assert rows["NCCL_DEBUG"] == ("NCCL's default - NCCL_DEBUG='LOUD' in the environment is not a "
+                                  "value NCCL accepts")
+
+
+def test_info_params_footer_promises_what_nccl_param_dump_all_gives():
+    _lib_or_skip()
+    r = _info_params()
+    assert r.returncode == 0, r.stderr
+    published = set(_listed(r.stdout))
+    foot = [ln for ln in r.stdout.splitlines() if ln.startswith("# ")]
+    assert foot[0].startswith(f"# {len(published)} published parameters of the parameter "
+                              f"registry of NCCL ")
+    assert "more after" not in r.stdout
+    m = re.search(r"NCCL_PARAM_DUMP_ALL=true adds its (\d+) private ones?(?:: (.*))?$", foot[0])
+    assert m, foot[0]
+    private = set(m.group(2).split(", ")) if m.group(2) else set()
+    assert len(private) == int(m.group(1))
+    r = _info_params(NCCL_PARAM_DUMP_ALL="true")
+    assert r.returncode == 0, r.stderr
+    assert set(_listed(r.stdout)) == published | private            # exactly what it promised
+    assert f"# {len(published | private)} parameters, published and private" in r.stdout
+    # every private one reads by name without the variable
+    got = json.loads(_py("import json, ncclpy; print(json.dumps(ncclpy.nccl_params("
+                         f"{sorted(private)!r})))").stdout.strip().splitlines()[-1])
+    assert set(got) == private
+
+
+def test_param_rows_name_nccls_own_text():
+    lib = _lib_or_skip()
+    from ncclpy._nccl.params import NOT_SET, UNNAMED, param_rows
+    rows = {r.key: r for r in param_rows(lib)}
+    d = rows["NCCL_DEBUG"]
+    if os.environ.get("NCCL_DEBUG") is None:
+        assert (d.nccl_text, d.value, d.shown, d.set_by) == (UNNAMED, None, NOT_SET, "Default")
 
 
 # -- ncclSetEncryption, real libnccl ----------------------------------------------------------

@@ -102,3 +102,75 @@ def test_mistakes_are_one_line_naming_the_flag(args, words):
     assert cp.returncode == 2 and cp.stdout == "", cp.stdout
     assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
     assert cp.stderr.startswith(f"ncclpy plan: error: {words}"), cp.stderr
+
+
+# -- what the header, the refusals and the names say (issue 38, item 11) -----------------------
+
+def test_a_barrier_is_headed_with_what_it_plans(tmp_path):
+    cp = plan_cli("barrier")
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+    lines = cp.stdout.splitlines()
+    assert lines[0].startswith("ncclpy plan: barrier (a 1-element float32 all_reduce), 2 ranks; ")
+    assert "1048576" not in cp.stdout and "count=1, datatype=ncclFloat32 (7)" in lines[2]
+    cp = plan_cli("barrier", "--count", "1M", "--dtype", "i8")     # said, not silently dropped
+    assert cp.returncode == 0
+    assert cp.stderr == ("ncclpy plan: note: --count, --dtype do not apply to a barrier (a "
+                         "1-element float32 all_reduce)\n")
+    assert cp.stdout.splitlines()[0].startswith("ncclpy plan: barrier (a 1-element float32 ")
+    out = tmp_path / "b.json"
+    assert plan_cli("barrier", "--json", str(out)).returncode == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert (cfg["count"], cfg["dtype"], cfg["op"]) == (1, "float32", "sum")
+
+
+def test_the_header_counts_and_names_what_is_planned():
+    cp = plan_cli("all_reduce", "--count", "1", "--dtype", "f16")
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.startswith("ncclpy plan: all_reduce of 1 element, float16, 2 ranks; ")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["all_reduce", "--dtype", "e4m3", "--nccl-version", "2.10.0"],
+     "all_reduce: dtype 'float8_e4m3' needs NCCL >= 2.24.0; the planned NCCL is 2.10.0 "
+     "(--nccl-version)"),
+    (["all_reduce", "--op", "avg", "--nccl-version", "2.9.0"],
+     "all_reduce: op avg needs NCCL >= 2.10.0; the planned NCCL is 2.9.0 (--nccl-version)"),
+    (["all_reduce", "--op", "premul_sum"],
+     "--op: 'premul_sum' needs its scalar: write premul_sum:X with a number X (e.g. "
+     "premul_sum:0.5)"),
+    (["all_reduce", "--op", "foo"],
+     "--op: unknown reduction 'foo'; expected sum, prod, max, min, avg or premul_sum:X"),
+    (["all_reduce", "--op", "premul_sum:x"], "--op: 'premul_sum:x': expected premul_sum:X"),
+    (["ncclAllGatherz"], "collective 'ncclAllGatherz' is unknown; expected one of all_reduce"),
+])
+def test_refusals_speak_of_the_plan_and_the_cli(args, words):
+    cp = plan_cli(*args)
+    assert cp.returncode == 2 and cp.stdout == "", cp.stdout
+    assert cp.stderr.count("\n") == 1 and cp.stderr.startswith(f"ncclpy plan: error: {words}"), \
+        cp.stderr
+    assert "loaded NCCL" not in cp.stderr and "ncclpy.premul_sum" not in cp.stderr
+
+
+def test_the_library_still_names_the_loaded_nccl():
+    from ncclpy import errors
+    from ncclpy.dtypes import nccl_dtype
+    from ncclpy.ops import effective_op
+    with pytest.raises(errors.UnsupportedError, match="needs NCCL >= 2.24.0; the loaded NCCL is "
+                                                      "2.10.0$"):
+        nccl_dtype("float8_e4m3", 21000)
+    with pytest.raises(errors.UnsupportedError, match="the loaded NCCL is 2.9.0$"):
+        effective_op("avg", "float32", 20900)
+    with pytest.raises(errors.UnsupportedError, match="the planned NCCL is 2.10.0$"):
+        X.rank_plans("all_reduce", 2, 4, "e4m3", nccl_version=21000)
+
+
+@pytest.mark.parametrize("nccl_name, coll", [
+    ("ncclAllGather", "all_gather"), ("ncclAllReduce", "all_reduce"), ("ncclAlltoAll", "all_to_all"),
+    ("NCCLREDUCESCATTER", "reduce_scatter"), ("ncclBroadcast", "broadcast"), ("AllGather", "all_gather"),
+    ("all_gather_perf", "all_gather"), ("ncclSend", "send_recv")])
+def test_nccl_names_work_as_the_help_says(nccl_name, coll):
+    from ncclpy import registry
+    assert registry.get(nccl_name).name == coll
+    assert X.rank_plans(nccl_name, 2, 4)[0].plan.collective == coll
+    cp = plan_cli(nccl_name, "--count", "4", "--list")
+    assert cp.returncode == 0 and cp.stdout == plan_cli(coll, "--count", "4", "--list").stdout

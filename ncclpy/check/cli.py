@@ -88,8 +88,9 @@ def build_parser() -> OneLineParser:
                         f"nccl-legacy its previous one: --torch-backend nccl,nccl-legacy")
     p.add_argument("--collectives", default=None,
                    help=f"comma list (default all: {','.join(C.COLLECTIVES)})")
-    p.add_argument("--dtypes", default=None, help="comma list (default: every dtype the backend "
-                                                  "supports)")
+    p.add_argument("--dtypes", default=None, help="comma list of names or the matrix's short "
+                                                  "names (float32 or f32, int8 or i8, bf16, c64, "
+                                                  "...; default: every dtype the backend supports)")
     p.add_argument("--ops", default=None,
                    help=f"comma list of {','.join(C.REDUCING_OPS)}; without --collectives only "
                         f"the reducing collectives run (data movement has no op)")

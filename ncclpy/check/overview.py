@@ -14,6 +14,7 @@ import textwrap
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, TextIO, Tuple
 
+from ..dtypes import SHORT_NAMES
 from .cases import ALL_DTYPES, COLLECTIVES
 from .report import WIDTH, plural
 
@@ -31,12 +32,9 @@ LEGEND = ("legend: . passed bit for bit   d torch divergence (predicted, not a f
           "cannot run it)\n"
           "        - no such case    (a cell shows the most serious of its cases: ops, sizes, "
           "roots, in place)")
-#: short column titles of the matrix
-DTYPE_ABBREV: Dict[str, str] = {
-    "int8": "i8", "uint8": "u8", "int32": "i32", "uint32": "u32", "int64": "i64",
-    "uint64": "u64", "float16": "f16", "float32": "f32", "float64": "f64", "bfloat16": "bf16",
-    "float8_e4m3": "e4m3", "float8_e5m2": "e5m2", "bool": "bool", "complex32": "c32",
-    "complex64": "c64", "complex128": "c128"}
+#: short column titles of the matrix: the dtypes' short names (:data:`ncclpy.dtypes.SHORT_NAMES`,
+#: each accepted by ``--dtypes`` as the same dtype)
+DTYPE_ABBREV: Dict[str, str] = dict(SHORT_NAMES)
 _LABEL = 15          # width of the collective column
 _CELL = 5            # width of a dtype column
 _KINDS = (("X", "failed"), ("d", "torch divergences (torch's documented wrong output; not "

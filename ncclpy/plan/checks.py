@@ -117,12 +117,12 @@ def _remember(memo: Dict[Any, Any], key: Any, value: Any) -> None:
 
 
 def wire(ctx: PlanContext, coll: str, dtype: str) -> Wire:
-    """The wire type of ``dtype``, gated on the loaded NCCL version."""
+    """The wire type of ``dtype``, gated on the context's NCCL version."""
     key = (dtype, ctx.nccl_version)
     w = _WIRES.get(key)
     if w is None:
         try:
-            d = nccl_dtype(dtype, ctx.nccl_version)
+            d = nccl_dtype(dtype, ctx.nccl_version, ctx.version_note)
         except NcclpyError as e:
             raise type(e)(f"{coll}: {e}") from None
         w = Wire(LOGICAL[dtype], d)
@@ -149,7 +149,7 @@ def reduction(ctx: PlanContext, coll: str, op: Any, w: Wire) -> Tuple[Any, Optio
         if hit is not None:
             return hit
     try:
-        o = effective_op(op, w.logical.name, ctx.nccl_version, ctx.world_size)
+        o = effective_op(op, w.logical.name, ctx.nccl_version, ctx.world_size, ctx.version_note)
     except NcclpyError as e:
         raise type(e)(f"{coll}: {e}") from None
     if o.name == "premul_sum":

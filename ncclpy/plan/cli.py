@@ -64,19 +64,22 @@ def build_parser() -> OneLineParser:
     """The ``ncclpy plan`` parser."""
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("collective", help=f"one of {', '.join(X.COLLECTIVES)} (nccl-tests stems "
-                                      f"and NCCL names work too)")
+                                      f"such as all_gather_perf and NCCL names such as "
+                                      f"ncclAllGather work too; a barrier is NCCL's 1-element "
+                                      f"float32 all_reduce, whatever --count/--dtype/--op)")
     p.add_argument("-n", "--nprocs", "--nproc", dest="nprocs",
                    type=int_at_least(1, "a number of ranks >= 1"), default=2, metavar="N",
                    help="world size (default 2)")
-    p.add_argument("--count", type=parse_count, default=1 << 20, metavar="ELEMENTS",
+    p.add_argument("--count", type=parse_count, default=None, metavar="ELEMENTS",
                    help="NCCL's count: elements of each rank's block (all_gather's sendcount, "
                         "reduce_scatter's recvcount, all_to_all's per-peer count, gather/"
                         "scatter's block) or of the whole buffer (all_reduce, reduce, "
                         "broadcast, send_recv); K/M/G = 1024^k (default 1M)")
-    p.add_argument("--dtype", default="float32",
-                   help="ncclpy or torch-style name: float32, bf16, float16, int8, complex64, ... "
-                        "(default float32)")
-    p.add_argument("--op", default="sum",
+    p.add_argument("--dtype", default=None,
+                   help="a name or short name: float32/f32, bfloat16/bf16, int8/i8, int64/i64, "
+                        "complex64/c64, ... (torch's, nccl-tests' and ncclFloat32-style names "
+                        "work too; default float32)")
+    p.add_argument("--op", default=None,
                    help="sum, prod, max, min, avg or premul_sum:X (default sum)")
     p.add_argument("--root", type=int, default=0, help="root rank (default 0)")
     p.add_argument("--in-place", action="store_true",
@@ -117,10 +120,15 @@ def _main(argv: List[str]) -> int:
         source = "the loaded libnccl"
         if version is None:
             version, source = 23203, "assumed: no libnccl here (--nccl-version to choose)"
+    given = [f for f in ("count", "dtype", "op") if getattr(ns, f) is not None]
+    count = (1 << 20) if ns.count is None else ns.count
+    dtype = "float32" if ns.dtype is None else ns.dtype
+    op = "sum" if ns.op is None else ns.op
     try:
-        plans = X.rank_plans(ns.collective, ns.nprocs, ns.count, ns.dtype, op=ns.op,
+        plans = X.rank_plans(ns.collective, ns.nprocs, count, dtype, op=op,
                              root=ns.root, in_place=ns.in_place, ranks=ns.rank,
-                             nccl_version=version, force_fallback=ns.fallback)
+                             nccl_version=version, force_fallback=ns.fallback,
+                             version_note=f"the planned NCCL is {{}} ({_short(source)})")
     except NcclpyError as e:
         msg = str(e)
         for dest in ("rank", "root", "count", "dtype", "op", "collective"):
@@ -128,14 +136,25 @@ def _main(argv: List[str]) -> int:
                 msg = msg[len(dest) + 2:]
                 p.error(msg if dest == "collective" else f"{p.flag(dest)}: {msg}")
         p.error(msg)
+    from ..dtypes import dtype_name
     from ..ops import format_version
-    header = (f"ncclpy plan: {plans[0].plan.collective} of {ns.count} elements, "
-              f"{plans[0].plan.meta.get('dtype', ns.dtype)}, {ns.nprocs} rank"
+    coll = plans[0].plan.collective
+    if coll == "barrier":       # NCCL's 1-element float32 all_reduce, whatever was asked
+        count, dtype, op = 1, "float32", "sum"
+        what = "barrier (a 1-element float32 all_reduce)"
+        if given:
+            print(f"{PROG}: note: {', '.join(p.flag(f) for f in given)} do"
+                  f"{'es' if len(given) == 1 else ''} not apply to a barrier (a 1-element "
+                  f"float32 all_reduce)", file=sys.stderr)
+    else:
+        dtype = dtype_name(dtype)
+        what = f"{coll} of {count} element{'s' if count != 1 else ''}, {dtype}"
+    header = (f"ncclpy plan: {what}, {ns.nprocs} rank"
               f"{'s' if ns.nprocs != 1 else ''}; NCCL {format_version(version)} ({source}); "
               f"pointers named after made-up buffers, nothing runs")
     if ns.json:
-        doc = X.plans_doc(plans, {"collective": plans[0].plan.collective, "count": ns.count,
-                                  "dtype": ns.dtype, "op": ns.op, "root": ns.root,
+        doc = X.plans_doc(plans, {"collective": coll, "count": count,
+                                  "dtype": dtype, "op": op, "root": ns.root,
                                   "in_place": ns.in_place, "world_size": ns.nprocs,
                                   "nccl_version": version, "nccl_version_from": source,
                                   "fallback": ns.fallback})
@@ -151,6 +170,11 @@ def _main(argv: List[str]) -> int:
     for ln in lines:
         print(ln)
     return 0
+
+
+def _short(source: str) -> str:
+    """The version's source for a refusal: ``--nccl-version``, the loaded libnccl, assumed."""
+    return source.split(":")[0]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..buffers import Buffer
 from ..dtypes import C_NAMES, LOGICAL, NCCL_DTYPE_NAMES, dtype_name
-from ..errors import ArgumentError, NcclpyError, as_int
-from ..ops import NCCL_OPS, format_version, premul_sum
+from ..errors import ArgumentError, NcclpyError, UnsupportedError, as_int
+from ..ops import NCCL_OPS, format_version, parse_op, premul_sum
 from .types import PREMUL_OP, Copy, NcclCall, Plan, PlanContext, Scratch
 
 __all__ = ["SEND_BASE", "RECV_BASE", "RankPlan", "rank_plans", "format_plans", "list_lines",
@@ -99,10 +99,13 @@ def _params(coll: str, rank: int, n: int, op: Any, root: int) -> Tuple[Any, ...]
 def rank_plans(collective: str, world_size: int, count: int, dtype: Any = "float32", *,
                op: Any = "sum", root: int = 0, in_place: bool = False,
                ranks: Optional[Sequence[int]] = None, nccl_version: int = 23203,
-               force_fallback: bool = False) -> List[RankPlan]:
+               force_fallback: bool = False, version_note: str = "the planned NCCL is {}"
+               ) -> List[RankPlan]:
     """Each rank's :class:`RankPlan` for one call (``ranks``: which; default all), planned by
-    the registry's planner on a :class:`PlanContext` of ``nccl_version``.  ``op`` may be a
-    premul_sum spelled ``premul_sum:X``.  Planning errors are the communicator's own."""
+    the registry's planner on a :class:`PlanContext` of ``nccl_version`` (``version_note``:
+    what a refusal calls that version, ``{}`` its number).  ``op`` may be a premul_sum
+    spelled ``premul_sum:X``.  Planning errors are the communicator's own.  A barrier is
+    NCCL's 1-element float32 all_reduce whatever ``count``, ``dtype`` and ``op``."""
     from .. import registry
     n = as_int("world_size", world_size, 1)
     count = as_int("count", count, 0, (1 << 63) - 1)
@@ -119,7 +122,18 @@ def rank_plans(collective: str, world_size: int, count: int, dtype: Any = "float
         dt = dtype_name(dtype)
     except NcclpyError as e:
         raise type(e)(f"dtype: {e}") from None
-    if isinstance(op, str) and op.lower().startswith("premul_sum:"):
+    if isinstance(op, str) and op.strip().lower() == "premul_sum":
+        raise ArgumentError(f"op: {op!r} needs its scalar: write premul_sum:X with a number X "
+                            f"(e.g. premul_sum:0.5)")
+    if isinstance(op, str) and not op.strip().lower().startswith("premul_sum:"):
+        try:
+            parse_op(op)
+        except UnsupportedError as e:
+            raise UnsupportedError(f"op: {e}") from None
+        except NcclpyError:
+            raise ArgumentError(f"op: unknown reduction {op!r}; expected sum, prod, max, min, "
+                                f"avg or premul_sum:X with a number X") from None
+    if isinstance(op, str) and op.strip().lower().startswith("premul_sum:"):
         try:
             scalar = float(op.split(":", 1)[1])
         except ValueError:
@@ -133,7 +147,8 @@ def rank_plans(collective: str, world_size: int, count: int, dtype: Any = "float
         r = as_int("rank", r, 0)
         if r >= n:
             raise ArgumentError(f"rank: {r} is not a rank of a world of {n}; expected 0..{n - 1}")
-        ctx = PlanContext(r, n, 0, int(nccl_version), force_fallback=force_fallback)
+        ctx = PlanContext(r, n, 0, int(nccl_version), force_fallback=force_fallback,
+                          version_note=version_note)
         if coll == "barrier":
             a: Optional[Buffer] = Buffer(SEND_BASE, 1, "float32", 0)
             b: Optional[Buffer] = None

@@ -129,6 +129,9 @@ class PlanContext:
     #: the call is issued inside a user group (``with comm.group()``): send/recv to self is
     #: then allowed, as NCCL pairs it with a recv from self in the same group
     in_group: bool = False
+    #: what ``nccl_version`` is, in a refusal (``{}``: its number): the loaded NCCL's for a
+    #: communicator, the planned one for ``ncclpy plan``
+    version_note: str = "the loaded NCCL is {}"
 
     def has_native(self, fn: str) -> bool:
         """Whether the loaded NCCL has ncclGather/ncclScatter/ncclAlltoAll natively."""
