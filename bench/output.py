@@ -69,16 +69,24 @@ def float_str(value: float, width: int) -> str:
 def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: int,
                  maxbytes: int, stepfactor: int, stepbytes: int, warmup: int, iters: int,
                  check: int, graph: int, devices: Sequence[Dict[str, object]],
-                 version: str) -> List[str]:
-    """The preamble nccl-tests prints before the table (run parameters and devices)."""
+                 version: str, agg_iters: int = 1, blocking: int = 0,
+                 parallel_init: int = 0) -> List[str]:
+    """The preamble nccl-tests prints before the table (run parameters, ``-z`` and ``-p``
+    lines, devices)."""
+    from bench.nccl_tests_flags import BLOCKING_LINES
     step = f"{stepfactor}(factor)" if stepfactor > 1 else f"{stepbytes}(bytes)"
     out = [f"# ncclpy bench {version} (nccl-tests format) backend={backends} "
            f"nccl-library={nccl_version}",
            f"# Collective test starting: {program}",
            f"# nThread 1 nGpus 1 minBytes {minbytes} maxBytes {maxbytes} step: {step} "
-           f"warmup iters: {warmup} iters: {iters} agg iters: 1 validation: {check} "
-           f"graph: {graph}",
-           "#", "# Using devices"]
+           f"warmup iters: {warmup} iters: {iters} agg iters: {agg_iters} validation: {check} "
+           f"graph: {graph}"]
+    if blocking:
+        out.append(BLOCKING_LINES[blocking])
+    if parallel_init:   # ranks are processes here: they always initialise concurrently
+        out.append("# Parallel Init Enabled: every rank is a process and initialises its "
+                   "communicator concurrently")
+    out += ["#", "# Using devices"]
     for d in devices:
         out.append(f"#  Rank {d['rank']:2d} Group {0:2d} Pid {d['pid']:6d} on "
                    f"{str(d['hostname']):>10s} device {d['device']:2d} [{d['device_hex']}] "
@@ -115,6 +123,8 @@ def format_row(r: Row, multi: bool = False) -> str:
     """One line of the table, as nccl-tests prints it (backend appended when several)."""
     line = "%12d  %12d  %8s  %6s  %6s" % (r.size, r.count, r.type, r.redop, "%6i" % r.root)
     line += _side(r.oop) + _side(r.ip)
+    if "timestamp" in r.extra:             # -S 1, as nccl-tests' writeTimestamp
+        line += "%21s" % r.extra["timestamp"]
     if "predicted_us" in r.extra:          # None: NCCL gave no estimate
         p = r.extra["predicted_us"]
         line += "  %7s" % ("N/A" if p is None else float_str(float(p), 7))
@@ -250,9 +260,11 @@ def _jnum(x: float):
     return "nan" if x != x else float(x)
 
 
-def _jside(s: Side) -> Dict[str, object]:
-    return {"time": _jnum(s.time_us), "alg_bw": _jnum(s.algbw), "bus_bw": _jnum(s.busbw),
-            "nwrong": None if s.wrong is None else float(s.wrong)}
+def _jside(s: Side, cputime: bool = False) -> Dict[str, object]:
+    """One side of a result; ``cputime`` (-C 1): the time is keyed ``cpu_time``, as
+    nccl-tests' writeBenchmarkLineBody keys it."""
+    return {"cpu_time" if cputime else "time": _jnum(s.time_us), "alg_bw": _jnum(s.algbw),
+            "bus_bw": _jnum(s.busbw), "nwrong": None if s.wrong is None else float(s.wrong)}
 
 
 def _jbool(b: bool) -> str:
@@ -262,7 +274,8 @@ def _jbool(b: bool) -> str:
 def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
                nccl_version: int, config: Dict[str, object], devices: List[Dict[str, object]],
                start_time: str, extension: Dict[str, object], min_bw: Optional[float] = None,
-               errors: Sequence[str] = (), checked: bool = True) -> Dict[str, object]:
+               errors: Sequence[str] = (), checked: bool = True, cputime: bool = False
+               ) -> Dict[str, object]:
     """The JSON document: nccl-tests' version-2 layout plus the ``ncclpy`` extension
     (``out_of_bounds.okay`` is "unchecked" when ``-c 0`` or nothing was measured)."""
     all_rows = [r for rows in rows_by_backend.values() for r in rows]
@@ -272,8 +285,8 @@ def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
     results = []
     for r in all_rows:
         results.append({"size": r.size, "count": r.count, "type": r.type, "redop": r.redop,
-                        "root": "%6i" % r.root, "out_of_place": _jside(r.oop),
-                        "in_place": _jside(r.ip), "actual_iterations": r.iters,
+                        "root": "%6i" % r.root, "out_of_place": _jside(r.oop, cputime),
+                        "in_place": _jside(r.ip, cputime), "actual_iterations": r.iters,
                         "experiment_name": r.backend})
     ext = dict(extension)
     ext["average_bus_bandwidth_by_backend"] = {k: avg_busbw(v) for k, v in
