@@ -75,9 +75,15 @@ def _can_build_offline() -> bool:
 def test_a_non_editable_install_has_ncclpy_bench(tmp_path):
     if not _can_build_offline():
         pytest.skip("no offline wheel build here (neither 'wheel' nor setuptools >= 70.1)")
-    target = tmp_path / "site"
+    import shutil
+    src, target = tmp_path / "src", tmp_path / "site"    # built from a copy: no build/ left here
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for name in ("ncclpy", "bench"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     cp = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                         "--no-build-isolation", "--target", str(target), str(ROOT)],
+                         "--no-build-isolation", "--target", str(target), str(src)],
                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert (target / "bench" / "schema.json").exists()
