@@ -370,41 +370,7 @@ def _csv_pred(r: Row) -> str:
 
 # ---------------------------------------------------------------------------------- plot
 def write_plot(path: str, rows_by_backend: Dict[str, List[Row]], *, title: str) -> None:
-    """busbw and latency against size, log axes, one colour per backend (solid: out of place,
-    dashed: in place); a line per type/op/root when a run has several."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colours = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2"])
-    for i, (name, rows) in enumerate(rows_by_backend.items()):
-        groups: Dict[Tuple[str, str, int], List[Row]] = {}
-        for r in rows:
-            groups.setdefault((r.type, r.redop, r.root), []).append(r)
-        for key, grp in groups.items():
-            grp = sorted((r for r in grp if r.size > 0), key=lambda r: r.size)
-            if not grp:
-                continue
-            label = name if len(groups) == 1 else f"{name} {key[0]} {key[1]} root={key[2]}"
-            xs = [r.size for r in grp]
-            col = colours[i % len(colours)]
-            for attr, style, suffix in (("oop", "-", ""), ("ip", "--", " (in place)")):
-                bw = [getattr(r, attr).busbw for r in grp]
-                t = [getattr(r, attr).time_us for r in grp]
-                ax_bw.plot(xs, [b if b > 0 else float("nan") for b in bw], style, marker="o",
-                           markersize=3, color=col, label=label + suffix)
-                ax_t.plot(xs, [v if v > 0 else float("nan") for v in t], style, marker="o",
-                          markersize=3, color=col, label=label + suffix)
-    for ax, ylabel in ((ax_bw, "bus bandwidth (GB/s)"), (ax_t, "time per call (µs)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """The ``--plot`` figure (:mod:`bench.plot`: a colour per backend, a panel per case, the
+    legend outside the panels) written to ``path``."""
+    from bench.plot import write_plot as _write
+    _write(path, rows_by_backend, title=title)
