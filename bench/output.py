@@ -326,7 +326,12 @@ def now() -> str:
 
 def write_json(path: str, doc: Dict[str, object]) -> str:
     """Write like nccl-tests: never overwrite; an existing ``path`` becomes ``path.0``, ``.1``...
-    Returns the path written."""
+    (a device or pipe such as /dev/stdout is written as it is).  Returns the path written."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        return path
     try_path, n = path, 0
     while True:
         try:

@@ -109,6 +109,7 @@ def plot_figure(rows_by_backend: Dict[str, List["Row"]], *, title: str) -> "Figu
                 else:
                     panels.append((ax, case, "busbw"))
     FigureCanvasAgg(fig)
+    drawn = set()                  # the quantities with a value > 0 somewhere (log axes)
     for ax, case, what in panels:
         if case is not None:
             for name in backends:
@@ -117,8 +118,17 @@ def plot_figure(rows_by_backend: Dict[str, List["Row"]], *, title: str) -> "Figu
                     if xs:
                         ax.plot(xs, ys, style, marker="o", markersize=3,
                                 color=_colour(backends, name), gid=f"{name}/{attr}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+                        if any(y == y for y in ys):
+                            drawn.add(what)
+    for ax, case, what in panels:
+        if what in drawn:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        else:                      # e.g. bus bandwidth of one rank: 0 everywhere
+            ax.text(0.5, 0.5, "nothing > 0 to plot", ha="center", va="center",
+                    transform=ax.transAxes, color="0.4")
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.grid(True, which="both" if single else "major", alpha=0.3)
         if len(panels) == 2 and len(all_cases) <= 1:
             ax.set_xlabel("size (bytes)")

@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from ncclpy import registry
 from ncclpy.dtypes import DTYPES
@@ -27,11 +27,11 @@ from ncclpy.errors import ArgumentError
 from bench import output, verify
 from bench.backends import Backend, Buffers, get_backend, layout
 from bench.output import Row, Side
+from bench.report import AVERAGE_NAMES, finish, per_collective_path, version
 
 __all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "warmup_sizes",
            "launched_world", "per_collective_path", "timed_calls", "per_call_seconds"]
 
-AVERAGE_NAMES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
 _TYPE_NAMES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32",
                "int64": "int64", "uint64": "uint64", "float16": "half", "float32": "float",
                "float64": "double", "bfloat16": "bfloat16", "float8_e4m3": "f8e4m3",
@@ -495,7 +495,7 @@ def run_rank(cfg: SweepConfig) -> int:
                         minbytes=cfg.minbytes, maxbytes=cfg.maxbytes, stepfactor=cfg.stepfactor,
                         stepbytes=cfg.stepbytes, warmup=cfg.warmup_iters, iters=cfg.iters,
                         check=cfg.check, graph=cfg.cudagraph, devices=devices,
-                        version=_version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
+                        version=version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
                         parallel_init=cfg.parallel_init):
                     print(line)
                 for line in output.table_header(state.multi, cfg.predict):
@@ -514,7 +514,7 @@ def run_rank(cfg: SweepConfig) -> int:
                     for line in output.memory_lines(state.memory):
                         print(line)
             if rank == 0:
-                code = max(code, _finish(cfg, state, program, nccl_version, devices, start,
+                code = max(code, finish(cfg, state, program, nccl_version, devices, start,
                                          backends, world, first=(n == 0)))
         code = int(coord.reduce(code, "max"))  # also the final barrier before rank 0 leaves
         return code
@@ -527,22 +527,6 @@ def run_rank(cfg: SweepConfig) -> int:
         store.close()
 
 
-def per_collective_path(path: str, collective: str, several: bool) -> str:
-    """``results.json`` -> ``results.all_reduce.json`` when a run covers several collectives."""
-    if not several:
-        return path
-    root, ext = os.path.splitext(path)
-    return f"{root}.{collective}{ext}"
-
-
-def _version() -> str:
-    try:
-        import ncclpy
-        return ncclpy.__version__
-    except Exception:  # pragma: no cover
-        return "?"
-
-
 def _device_report(coord: Coord, rank: int, backend: Backend, device) -> List[Dict[str, Any]]:
     import json
     info = {"rank": rank, "group": 0, "pid": os.getpid(), "hostname": socket.gethostname(),
@@ -550,60 +534,3 @@ def _device_report(coord: Coord, rank: int, backend: Backend, device) -> List[Di
     info.update(backend.device_info())
     got = coord.gather(json.dumps(info).encode())
     return [json.loads(x) for x in got]
-
-
-def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
-            devices, start: str, backends: Sequence[Backend], world: int, first: bool) -> int:
-    env_bw = os.environ.get("NCCL_TESTS_MIN_BW")
-    min_bw = float(env_bw) if env_bw else None
-    for line in output.ratio_lines(output.ratio_rows(state.rows)):
-        print(line)
-    footer, ok = output.footer_lines(state.rows, program, min_bw, checked=cfg.check > 0)
-    for line in footer:
-        print(line)
-    all_rows = [r for rows in state.rows.values() for r in rows]
-    several = len(cfg.collectives) > 1
-    if cfg.output_file:
-        config = {"nthreads": 1, "ngpus": 1, "minimum_bytes": cfg.minbytes,
-                  "maximum_bytes": cfg.maxbytes}
-        if cfg.stepfactor > 1:
-            config["step_factor"] = cfg.stepfactor
-        else:
-            config["step_bytes"] = cfg.stepbytes
-        config.update({"warmup_iters": cfg.warmup_iters, "iterations": cfg.iters,
-                       "aggregated_iterations": cfg.agg_iters, "validation": cfg.check,
-                       "graph": cfg.cudagraph,
-                       "blocking_collectives": "true" if cfg.blocking else "false",
-                       "per_iter_timing": "false",
-                       "parallel_init": "true" if cfg.parallel_init else "false"})
-        ext = {"bench_version": _version(), "collective": state.coll.name, "program": program,
-               "world_size": world, "device": cfg.device,
-               "average": AVERAGE_NAMES[cfg.average], "timer": cfg.timer,
-               "backends": [{"name": b.name, "label": b.label,
-                             "nccl_version": b.nccl_version()} for b in backends],
-               "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
-               "algorithm": cfg.algo, "registration": cfg.register,
-               "cta_policy": cfg.cta_policy, "blocking": cfg.blocking,
-               "run_cycles": cfg.run_cycles, "timeout": cfg.timeout,
-               "stream_timeout": cfg.sync_timeout}
-        if cfg.register:
-            ext["registered"] = list(getattr(backends[0], "registered_seen", [0, 0]))
-        if cfg.memory_report:
-            ext["memory"] = state.memory
-        doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,
-                                nccl_version=nccl_version, config=config, devices=devices,
-                                start_time=start, extension=ext, min_bw=min_bw,
-                                checked=cfg.check > 0, cputime=cfg.report_cputime)
-        path = output.write_json(per_collective_path(cfg.output_file, state.coll.name,
-                                                     several), doc)
-        print(f"# Writing JSON output to {path}")
-    if cfg.csv:
-        output.write_csv(cfg.csv, all_rows, collective=state.coll.name, nranks=world,
-                         graph=cfg.cudagraph, device=cfg.device, append=not first)
-        print(f"# Writing CSV output to {cfg.csv}")
-    if cfg.plot:
-        path = per_collective_path(cfg.plot, state.coll.name, several)
-        output.write_plot(path, state.rows, title=f"{program} on {world} ranks ({cfg.device})")
-        print(f"# Writing plot to {path}")
-    sys.stdout.flush()
-    return 0 if ok else 1

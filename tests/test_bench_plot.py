@@ -97,6 +97,18 @@ def test_roots_are_panels_too():
     assert [ax.get_title() for ax in axes] == ["float root 0", "float root 1"]
 
 
+def test_one_rank_has_no_bandwidth_and_still_plots_its_times():
+    """A single rank's all_reduce moves nothing across the bus (busbw 0 everywhere): the panel
+    says so instead of failing on a log axis; the times are drawn."""
+    rows = _rows(["torch"], ["float"], ["sum"])
+    for r in rows["torch"]:
+        r.oop.busbw = r.ip.busbw = 0.0
+    fig = plot_figure(rows, title="t")
+    _, axes, _ = _drawn(fig)
+    assert [t.get_text() for t in axes[0].texts] == ["nothing > 0 to plot"]
+    assert axes[1].get_yscale() == "log" and len(axes[1].lines) == 2
+
+
 def test_the_file_is_written(tmp_path):
     path = tmp_path / "all.png"
     write_plot(str(path), _rows(["ncclpy", "torch"], ["float", "half"], ["sum", "max"]),
