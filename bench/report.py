@@ -89,8 +89,9 @@ def finish(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: int,
             written = False
     if cfg.plot:
         path = per_collective_path(cfg.plot, state.coll.name, several)
-        if write_or_say(prog, "--plot", path, lambda: output.write_plot(
-                path, state.rows, title=f"{program} on {world} rank{'s' if world != 1 else ''} ({cfg.device})")):
+        title = f"{program} on {world} rank{'s' if world != 1 else ''} ({cfg.device})"
+        if write_or_say(prog, "--plot", path,
+                        lambda: output.write_plot(path, state.rows, title=title)):
             print(f"# Writing plot to {path}")
         else:
             written = False

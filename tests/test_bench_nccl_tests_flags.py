@@ -32,10 +32,11 @@ pytestmark = pytest.mark.timeout(300)
     (["-m", "4"], "-m 4: aggregates the calls in one NCCL group (ncclGroupStart/End): "
                   "--backend ncclpy or cupy; torch cannot"),
     (["-z", "4"], "-z 4: expected 0 or 1 or 2 or 3"),
-    (["--device", "cuda", "-z", "3", "--timer", "events"], "-z 3: excludes the barriers from a host-timed window"),
+    (["--device", "cuda", "-z", "3", "--timer", "events"],
+     "-z 3: excludes the barriers from a host-timed window"),
     (["-p", "2"], "-p 2: expected 0 or 1"),
-    (["--device", "cuda", "-C", "1", "--timer", "events"], "-C 1: reports the host's time; --timer events times the "
-                                       "device"),
+    (["--device", "cuda", "-C", "1", "--timer", "events"],
+     "-C 1: reports the host's time; --timer events times the device"),
     (["-y", "1"], "-y 1: every backend here runs on its own stream"),
     (["-u", "1"], "-u 1: the buffers are allocated aligned for each size"),
     (["-I", "1"], "-I 1: per-iteration statistics are not offered"),
