@@ -18,9 +18,10 @@ from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path,
 from ncclpy.dtypes import DTYPES, SHORT_NAMES, TESTS_NAMES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
+from bench.nccl_tests_flags import add_nccl_tests_flags, check_nccl_tests_flags
 from bench.sweep import SweepConfig, launched_world
 
-__all__ = ["parse_size", "size_list", "build_parser", "parse_args", "main",
+__all__ = ["PROG", "parse_size", "size_list", "build_parser", "parse_args", "main",
            "TESTS_TYPE_NAMES", "parse_collectives", "parse_dtypes", "parse_ops",
            "parse_backends", "BACKENDS"]
 
@@ -135,16 +136,20 @@ def parse_backends(text: str) -> List[str]:
     return out
 
 
-def build_parser() -> OneLineParser:
+#: the command's name in its messages (``ncclpy bench`` when started that way)
+PROG = "python -m bench"
+
+
+def build_parser(prog: str = PROG) -> OneLineParser:
     """The argparse parser: nccl-tests' flags, then ncclpy's (a usage error is one line naming
     the flag as typed, exit status 2)."""
     p = OneLineParser(
-        prog="python -m bench",
+        prog=prog,
         description="nccl-tests-compatible collective benchmark over ncclpy, raw CuPy NCCL and "
                     "torch.distributed. Sizes take K/M/G suffixes (powers of 1024).",
-        epilog="Examples: python -m bench all_reduce -b 8 -e 128M -f 2 --nproc 2 | "
-               "python -m bench all_gather --backend ncclpy,torch -J out.json --plot out.png | "
-               "python -m bench all_reduce --device cpu --backend torch --nproc 2 -b 1K -e 1M -f 4")
+        epilog=f"Examples: {prog} all_reduce -b 8 -e 128M -f 2 --nproc 2 | "
+               f"{prog} all_gather --backend ncclpy,torch -J out.json --plot out.png | "
+               f"{prog} all_reduce --device cpu --backend torch --nproc 2 -b 1K -e 1M -f 4")
     p.add_argument("collective", help="collective to run: " + ", ".join(registry.names())
                    + " (nccl-tests stems such as all_reduce_perf or alltoall also work); a "
                    "comma-separated list or 'all' runs several in turn, one table each, and "
@@ -175,6 +180,7 @@ def build_parser() -> OneLineParser:
                    help="time reported across ranks: 0=rank 0, 1=average, 2=min, 3=max (default 1)")
     g.add_argument("-J", "--output_file", default=None, metavar="FILE",
                    help="write results as JSON in nccl-tests' schema (see bench/schema.json)")
+    add_nccl_tests_flags(g)
     x = p.add_argument_group("ncclpy options")
     x.add_argument("--nproc", type=_int, default=None, metavar="N",
                    help="start N ranks here (ncclpy.spawn); without it, run as the ranks of an "
@@ -199,9 +205,10 @@ def build_parser() -> OneLineParser:
     g.add_argument("-M", "--memory_report", type=_int, default=0, metavar="0|1",
                    help="report NCCL's memory of each communicator after the sweep "
                         "(ncclCommMemStats, NCCL >= 2.29.7); ncclpy backend (default 0)")
-    x.add_argument("--cta-policy", "--cta_policy", dest="cta_policy", default=None,
+    x.add_argument("-x", "--cta-policy", "--cta_policy", dest="cta_policy", default=None,
                    metavar="POLICY",
-                   help="the communicator's CTA policy: default, efficiency or zero "
+                   help="the communicator's CTA policy: default, efficiency or zero (nccl-tests' "
+                        "-x 0, 1, 2) "
                         "(Config(cta_policy=); zero with -R 2 runs the copy-engine "
                         "collectives); ncclpy backend")
     x.add_argument("--predict", action="store_true",
@@ -211,8 +218,11 @@ def build_parser() -> OneLineParser:
     x.add_argument("--csv", default=None, metavar="FILE", help="also write results as CSV")
     x.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot bus bandwidth and latency against size (needs matplotlib)")
-    x.add_argument("--timeout", type=_seconds, default=300.0,
-                   help="seconds to wait for other ranks at set-up and synchronisation points")
+    x.add_argument("-T", "--timeout", type=_timeout, default=None,
+                   help="seconds to wait for other ranks at set-up and synchronisation points "
+                        "(default 300); given, as nccl-tests' -T, it also bounds each stream "
+                        "synchronisation of the ncclpy and cupy backends, whose communicator is "
+                        "then aborted")
     x.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     # test-only hook: corrupt this many elements of rank 0's checked output (never in a real run)
     x.add_argument("--test-corrupt", type=int, default=0, help=argparse.SUPPRESS)
@@ -248,6 +258,19 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _timeout(text: str) -> float:
+    """-T/--timeout: seconds > 0 (nccl-tests' 0, no limit, is refused: every wait here has a
+    bound)."""
+    try:
+        if float(text) == 0:
+            raise argparse.ArgumentTypeError(
+                f"expected seconds > 0, got {text!r} (nccl-tests' 0, no limit, is not offered: "
+                f"every wait for the other ranks here has a bound)")
+    except ValueError:
+        pass
+    return _seconds(text)
+
+
 _FLAG_PREFIX = re.compile(r"^(?:-[A-Za-z]/)?--?[A-Za-z_][\w-]*: ")
 
 
@@ -279,13 +302,13 @@ def _gpu_visible() -> bool:
         return False
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepConfig:
     """Parse and check a command line into a :class:`~bench.sweep.SweepConfig`, before anything
     starts: ArgumentError naming the flag as typed (a malformed flag value: SystemExit 2, one
     line).  The output files (``-J``, ``--csv``, ``--plot``), the root against the ranks that
     will run and the GPU for ``--device cuda`` are checked here, not after the sweep."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = build_parser()
+    p = build_parser(prog)
     a = p.parse_args(argv)
 
     def flagged(dest: str, fn, *args):
@@ -364,6 +387,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
             raise ArgumentError(f"{p.flag('algo')}: send_recv is ncclSend/ncclRecv, which "
                                 f"take no algorithm (no ncclCollConfig_t); drop it or --algo")
     register, memory_report, cta_policy = _ncclpy_flags(p, a, backends, collectives)
+    nt = check_nccl_tests_flags(p, a, backends, device)
     for dest, path, check in (("output_file", a.output_file, check_output_path),
                               ("csv", a.csv, check_output_path), ("plot", a.plot, _plot_problem)):
         why = check(path) if path else ""
@@ -375,9 +399,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SweepConfig:
         ops=flagged("op", parse_ops, a.op), dtypes=flagged("datatype", parse_dtypes, a.datatype),
         root=root, cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
         nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
-        plot=a.plot, timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
+        plot=a.plot, timeout=300.0 if a.timeout is None else a.timeout,
+        sync_timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
         algo=algo, predict=a.predict, register=register, memory_report=memory_report,
-        cta_policy=cta_policy, argv=["python -m bench", *argv])
+        cta_policy=cta_policy, agg_iters=nt.agg_iters, run_cycles=nt.run_cycles,
+        blocking=nt.blocking, parallel_init=nt.parallel_init, report_cputime=nt.report_cputime,
+        report_timestamps=nt.report_timestamps, argv=[prog, *argv])
 
 
 def _ncclpy_flags(p: Any, a: Any, backends: Sequence[str], collectives: Sequence[str]) -> tuple:
@@ -404,8 +431,10 @@ def _ncclpy_flags(p: Any, a: Any, backends: Sequence[str], collectives: Sequence
     policy = None
     if a.cta_policy is not None:
         from ncclpy._nccl.config import cta_policy_value
-        cta_policy_value(p.flag("cta_policy"), a.cta_policy)     # ArgumentError, as typed
-        policy = a.cta_policy.strip().lower()
+        text = a.cta_policy.strip().lower()
+        text = {"0": "default", "1": "efficiency", "2": "zero"}.get(text, text)   # -x 0/1/2
+        cta_policy_value(p.flag("cta_policy"), text)     # ArgumentError, as typed
+        policy = text
     need = {2: ("ncclCommWindowRegister", "local_register")}.get(a.local_register)
     checks = [need] if need else []
     if a.memory_report:
@@ -432,7 +461,7 @@ def _no_gpu_reason() -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _spawn_ranks(cfg: SweepConfig) -> int:
+def _spawn_ranks(cfg: SweepConfig, prog: str = PROG) -> int:
     """:func:`bench.sweep.spawn_ranks`, except that a closed stdout (``| head``) is quiet (141)."""
     import dataclasses
     import tempfile
@@ -448,49 +477,50 @@ def _spawn_ranks(cfg: SweepConfig) -> int:
             if stdout_reader_gone():           # rank 0 lost its reader: not an error to report
                 silence_stdout()
                 return EXIT_CLOSED_PIPE
-            print(f"python -m bench: a rank failed: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"{prog}: a rank failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         try:
             with open(path) as f:
                 return int(f.read().strip())     # the verdict the footer gave
         except (OSError, ValueError):
-            print("python -m bench: rank 0 reported no result", file=sys.stderr)
+            print(f"{prog}: rank 0 reported no result", file=sys.stderr)
             return 1
     finally:
         if os.path.exists(path):
             os.unlink(path)
 
 
-def _main(argv: Optional[Sequence[str]] = None) -> int:
+def _main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     """Parse, then run as this process's rank or spawn ``--nproc`` ranks."""
     from bench import sweep
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, prog)
     except ArgumentError as e:
-        print(f"python -m bench: error: {e} (see 'python -m bench -h')", file=sys.stderr)
+        print(f"{prog}: error: {e} (see '{prog} -h')", file=sys.stderr)
         return 2
     world = launched_world()
     if cfg.nproc is not None and world is None and cfg.nproc > 1:
         try:
-            return _spawn_ranks(cfg)
+            return _spawn_ranks(cfg, prog)
         except NcclpyError as e:
-            print(f"python -m bench: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"{prog}: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
     if cfg.nproc is not None and world is not None and world != cfg.nproc:
-        print(f"python -m bench: error: --nproc {cfg.nproc} but the launcher started "
+        print(f"{prog}: error: --nproc {cfg.nproc} but the launcher started "
               f"{world} ranks; drop --nproc under a launcher", file=sys.stderr)
         return 2
     try:
         return sweep.run_rank(cfg)
     except NcclpyError as e:
-        print(f"python -m bench: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"{prog}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point: :func:`_main` with Ctrl-C (130, one line) and a closed stdout (141, quiet)
-    handled as command-line tools do."""
-    return run_main("python -m bench", lambda: _main(argv))
+def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
+    """Entry point (``python -m bench``, and ``ncclpy bench`` with ``prog="ncclpy bench"``):
+    :func:`_main` with Ctrl-C (130, one line) and a closed stdout (141, quiet) handled as
+    command-line tools do."""
+    return run_main(prog, lambda: _main(argv, prog))
 
 
 if __name__ == "__main__":  # pragma: no cover

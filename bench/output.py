@@ -69,16 +69,24 @@ def float_str(value: float, width: int) -> str:
 def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: int,
                  maxbytes: int, stepfactor: int, stepbytes: int, warmup: int, iters: int,
                  check: int, graph: int, devices: Sequence[Dict[str, object]],
-                 version: str) -> List[str]:
-    """The preamble nccl-tests prints before the table (run parameters and devices)."""
+                 version: str, agg_iters: int = 1, blocking: int = 0,
+                 parallel_init: int = 0) -> List[str]:
+    """The preamble nccl-tests prints before the table (run parameters, ``-z`` and ``-p``
+    lines, devices)."""
+    from bench.nccl_tests_flags import BLOCKING_LINES
     step = f"{stepfactor}(factor)" if stepfactor > 1 else f"{stepbytes}(bytes)"
     out = [f"# ncclpy bench {version} (nccl-tests format) backend={backends} "
            f"nccl-library={nccl_version}",
            f"# Collective test starting: {program}",
            f"# nThread 1 nGpus 1 minBytes {minbytes} maxBytes {maxbytes} step: {step} "
-           f"warmup iters: {warmup} iters: {iters} agg iters: 1 validation: {check} "
-           f"graph: {graph}",
-           "#", "# Using devices"]
+           f"warmup iters: {warmup} iters: {iters} agg iters: {agg_iters} validation: {check} "
+           f"graph: {graph}"]
+    if blocking:
+        out.append(BLOCKING_LINES[blocking])
+    if parallel_init:   # ranks are processes here: they always initialise concurrently
+        out.append("# Parallel Init Enabled: every rank is a process and initialises its "
+                   "communicator concurrently")
+    out += ["#", "# Using devices"]
     for d in devices:
         out.append(f"#  Rank {d['rank']:2d} Group {0:2d} Pid {d['pid']:6d} on "
                    f"{str(d['hostname']):>10s} device {d['device']:2d} [{d['device_hex']}] "
@@ -115,6 +123,8 @@ def format_row(r: Row, multi: bool = False) -> str:
     """One line of the table, as nccl-tests prints it (backend appended when several)."""
     line = "%12d  %12d  %8s  %6s  %6s" % (r.size, r.count, r.type, r.redop, "%6i" % r.root)
     line += _side(r.oop) + _side(r.ip)
+    if "timestamp" in r.extra:             # -S 1, as nccl-tests' writeTimestamp
+        line += "%21s" % r.extra["timestamp"]
     if "predicted_us" in r.extra:          # None: NCCL gave no estimate
         p = r.extra["predicted_us"]
         line += "  %7s" % ("N/A" if p is None else float_str(float(p), 7))
@@ -250,9 +260,11 @@ def _jnum(x: float):
     return "nan" if x != x else float(x)
 
 
-def _jside(s: Side) -> Dict[str, object]:
-    return {"time": _jnum(s.time_us), "alg_bw": _jnum(s.algbw), "bus_bw": _jnum(s.busbw),
-            "nwrong": None if s.wrong is None else float(s.wrong)}
+def _jside(s: Side, cputime: bool = False) -> Dict[str, object]:
+    """One side of a result; ``cputime`` (-C 1): the time is keyed ``cpu_time``, as
+    nccl-tests' writeBenchmarkLineBody keys it."""
+    return {"cpu_time" if cputime else "time": _jnum(s.time_us), "alg_bw": _jnum(s.algbw),
+            "bus_bw": _jnum(s.busbw), "nwrong": None if s.wrong is None else float(s.wrong)}
 
 
 def _jbool(b: bool) -> str:
@@ -262,7 +274,8 @@ def _jbool(b: bool) -> str:
 def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
                nccl_version: int, config: Dict[str, object], devices: List[Dict[str, object]],
                start_time: str, extension: Dict[str, object], min_bw: Optional[float] = None,
-               errors: Sequence[str] = (), checked: bool = True) -> Dict[str, object]:
+               errors: Sequence[str] = (), checked: bool = True, cputime: bool = False
+               ) -> Dict[str, object]:
     """The JSON document: nccl-tests' version-2 layout plus the ``ncclpy`` extension
     (``out_of_bounds.okay`` is "unchecked" when ``-c 0`` or nothing was measured)."""
     all_rows = [r for rows in rows_by_backend.values() for r in rows]
@@ -272,8 +285,8 @@ def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
     results = []
     for r in all_rows:
         results.append({"size": r.size, "count": r.count, "type": r.type, "redop": r.redop,
-                        "root": "%6i" % r.root, "out_of_place": _jside(r.oop),
-                        "in_place": _jside(r.ip), "actual_iterations": r.iters,
+                        "root": "%6i" % r.root, "out_of_place": _jside(r.oop, cputime),
+                        "in_place": _jside(r.ip, cputime), "actual_iterations": r.iters,
                         "experiment_name": r.backend})
     ext = dict(extension)
     ext["average_bus_bandwidth_by_backend"] = {k: avg_busbw(v) for k, v in
@@ -313,7 +326,12 @@ def now() -> str:
 
 def write_json(path: str, doc: Dict[str, object]) -> str:
     """Write like nccl-tests: never overwrite; an existing ``path`` becomes ``path.0``, ``.1``...
-    Returns the path written."""
+    (a device or pipe such as /dev/stdout is written as it is).  Returns the path written."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        return path
     try_path, n = path, 0
     while True:
         try:
@@ -357,41 +375,7 @@ def _csv_pred(r: Row) -> str:
 
 # ---------------------------------------------------------------------------------- plot
 def write_plot(path: str, rows_by_backend: Dict[str, List[Row]], *, title: str) -> None:
-    """busbw and latency against size, log axes, one colour per backend (solid: out of place,
-    dashed: in place); a line per type/op/root when a run has several."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colours = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2"])
-    for i, (name, rows) in enumerate(rows_by_backend.items()):
-        groups: Dict[Tuple[str, str, int], List[Row]] = {}
-        for r in rows:
-            groups.setdefault((r.type, r.redop, r.root), []).append(r)
-        for key, grp in groups.items():
-            grp = sorted((r for r in grp if r.size > 0), key=lambda r: r.size)
-            if not grp:
-                continue
-            label = name if len(groups) == 1 else f"{name} {key[0]} {key[1]} root={key[2]}"
-            xs = [r.size for r in grp]
-            col = colours[i % len(colours)]
-            for attr, style, suffix in (("oop", "-", ""), ("ip", "--", " (in place)")):
-                bw = [getattr(r, attr).busbw for r in grp]
-                t = [getattr(r, attr).time_us for r in grp]
-                ax_bw.plot(xs, [b if b > 0 else float("nan") for b in bw], style, marker="o",
-                           markersize=3, color=col, label=label + suffix)
-                ax_t.plot(xs, [v if v > 0 else float("nan") for v in t], style, marker="o",
-                          markersize=3, color=col, label=label + suffix)
-    for ax, ylabel in ((ax_bw, "bus bandwidth (GB/s)"), (ax_t, "time per call (µs)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """The ``--plot`` figure (:mod:`bench.plot`: a colour per backend, a panel per case, the
+    legend outside the panels) written to ``path``."""
+    from bench.plot import write_plot as _write
+    _write(path, rows_by_backend, title=title)

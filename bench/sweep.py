@@ -12,12 +12,13 @@ report), never through the communicator being measured.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from ncclpy import registry
 from ncclpy.dtypes import DTYPES, TESTS_NAMES
@@ -26,11 +27,11 @@ from ncclpy.errors import ArgumentError
 from bench import output, verify
 from bench.backends import Backend, Buffers, get_backend, layout
 from bench.output import Row, Side
+from bench.report import AVERAGE_NAMES, finish, per_collective_path, version
 
 __all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "warmup_sizes",
            "launched_world", "per_collective_path", "timed_calls", "per_call_seconds"]
 
-AVERAGE_NAMES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
 _TYPE_NAMES = TESTS_NAMES    # nccl-tests' type names (ncclpy.dtypes' one table)
 
 
@@ -69,6 +70,15 @@ class SweepConfig:
     register: int = 0
     memory_report: bool = False
     cta_policy: Optional[str] = None
+    #: nccl-tests' -m, -N, -z, -p, -C, -S (bench/nccl_tests_flags.py has their meanings)
+    agg_iters: int = 1
+    run_cycles: int = 1
+    blocking: int = 0
+    parallel_init: int = 0
+    report_cputime: bool = False
+    report_timestamps: bool = False
+    #: -T given: the bound on each stream synchronisation (None: unbounded)
+    sync_timeout: Optional[float] = None
     argv: List[str] = field(default_factory=list)
     #: where spawned ranks leave their (agreed) exit status, so that a verdict the footer
     #: already explained is not reported as a crashed rank
@@ -88,16 +98,18 @@ def warmup_sizes(minbytes: int, maxbytes: int) -> List[int]:
     return out
 
 
-def timed_calls(iters: int, graph_launches: int) -> int:
-    """Collective calls inside the timed window, as nccl-tests counts them: ``-n`` calls, or with
-    ``-G N`` a graph holding the ``-n`` calls launched N times (``-m`` agg iters is always 1)."""
-    return iters * graph_launches if graph_launches else iters
+def timed_calls(iters: int, graph_launches: int, agg_iters: int = 1) -> int:
+    """Collective calls inside the timed window, as nccl-tests counts them: ``-n`` iterations of
+    ``-m`` calls each, or with ``-G N`` a graph holding them launched N times."""
+    calls = iters * agg_iters
+    return calls * graph_launches if graph_launches else calls
 
 
-def per_call_seconds(elapsed: float, iters: int, graph_launches: int) -> float:
+def per_call_seconds(elapsed: float, iters: int, graph_launches: int,
+                     agg_iters: int = 1) -> float:
     """nccl-tests' ``deltaSec``: the timed window divided by :func:`timed_calls`, per rank,
     before ``-a`` aggregates it across ranks."""
-    return elapsed / timed_calls(iters, graph_launches)
+    return elapsed / timed_calls(iters, graph_launches, agg_iters)
 
 
 # ------------------------------------------------------------------------ coordination
@@ -239,6 +251,8 @@ class _Rank:
         self.skipped: List[str] = []
         self.multi = len(backends) > 1
         self._expected_cache: Dict[tuple, Any] = {}
+        #: the timer of the measurements (a test may give its own)
+        self.clock = time.perf_counter
 
     def say(self, line: str = "") -> None:
         if self.rank == 0:
@@ -264,22 +278,31 @@ class _Rank:
         self.coord.barrier()
         graph = None
         if cfg.cudagraph:
-            graph = b.capture(lambda: [once() for _ in range(cfg.iters)])
+            graph = b.capture(lambda: [self._iteration(b, once) for _ in range(cfg.iters)])
             self.coord.barrier()
+        clock = self.clock
         if cfg.timer == "events":
             begin, stop = b.event_timer()
             begin()
+            t0 = clock()
             self._loop(b, once, graph)
+            issued = clock() - t0
             elapsed = stop()
         else:
-            t0 = time.perf_counter()
-            self._loop(b, once, graph)
+            t0 = clock()
+            excluded = self._loop(b, once, graph)     # -z 3: the barriers' time
+            issued = clock() - t0 - excluded          # -C 1: the host's time of issuing them
             b.sync()
-            elapsed = time.perf_counter() - t0
+            elapsed = clock() - t0 - excluded
         if graph is not None:
             b.release(graph)
-        seconds = self.coord.reduce(per_call_seconds(elapsed, cfg.iters, cfg.cudagraph),
-                                    AVERAGE_NAMES[cfg.average])
+        seconds = self.coord.reduce(
+            per_call_seconds(elapsed, cfg.iters, cfg.cudagraph, cfg.agg_iters),
+            AVERAGE_NAMES[cfg.average])
+        shown = seconds
+        if cfg.report_cputime:   # nccl-tests prints rank 0's own; the bandwidth stays latency's
+            shown = self.coord.reduce(
+                per_call_seconds(issued, cfg.iters, cfg.cudagraph, cfg.agg_iters), "rank0")
         nbytes = bufs.layout.nbytes(DTYPES[bufs.dtype].itemsize)
         alg, bus = coll.bandwidths(nbytes, seconds, self.world)
         wrong: Optional[int] = None
@@ -297,15 +320,36 @@ class _Rank:
                 wrong = int(self.coord.reduce(mine, "sum"))
                 if wrong:
                     break
-        return Side(seconds * 1e6, alg, bus, wrong)
+        return Side(shown * 1e6, alg, bus, wrong)
 
-    def _loop(self, b: Backend, once, graph) -> None:
+    def _loop(self, b: Backend, once, graph) -> float:
+        """The timed iterations (or ``-G`` graph replays); the seconds -z 3 excludes."""
         if graph is not None:
             for _ in range(self.cfg.cudagraph):
                 b.replay(graph)
-        else:
-            for _ in range(self.cfg.iters):
+            return 0.0
+        return sum(self._iteration(b, once) for _ in range(self.cfg.iters))
+
+    def _iteration(self, b: Backend, once) -> float:
+        """One of the ``-n`` iterations, as nccl-tests' ``BenchTime`` and ``startColl``: ``-m``
+        calls (inside one NCCL group when more than one) and ``-z``'s waits (1: stream sync and
+        barrier after each call, 2: sync after each call, 3: sync and barrier after the
+        iteration).  Returns the seconds of -z 3's barrier, which the reported time excludes."""
+        cfg = self.cfg
+        group = b.group() if cfg.agg_iters > 1 else None
+        with group if group is not None else contextlib.nullcontext():
+            for _ in range(cfg.agg_iters):
                 once()
+                if cfg.blocking in (1, 2):
+                    b.sync()
+                    if cfg.blocking == 1:
+                        self.coord.barrier()
+        if cfg.blocking != 3:
+            return 0.0
+        b.sync()
+        t0 = self.clock()
+        self.coord.barrier()
+        return self.clock() - t0
 
     def predicted(self, b: Backend, bufs: Buffers, op: str, root: int) -> Optional[float]:
         """NCCL's estimate of the out-of-place call (each rank's, aggregated by ``-a``)."""
@@ -378,7 +422,9 @@ class _Rank:
             for op in ops:
                 for root in roots:
                     active = [b for b in self.backends if self.case_ok(b, dtype, op, root)]
-                    for i, size in enumerate(cfg.sizes):
+                    cycles = [(c, i, s) for c in range(cfg.run_cycles)
+                              for i, s in enumerate(cfg.sizes)]     # -N: the sweep N times
+                    for cycle, i, size in cycles:
                         total = size // item
                         for b in active:
                             t0 = time.perf_counter()
@@ -390,6 +436,10 @@ class _Rank:
                                       _TYPE_NAMES[dtype], dtype, op, root, oop, ip, cfg.iters)
                             if cfg.predict:
                                 row.extra["predicted_us"] = self.predicted(b, bufs, op, root)
+                            if cfg.report_timestamps:
+                                row.extra["timestamp"] = output.now()
+                            if cfg.run_cycles > 1:
+                                row.extra["cycle"] = cycle
                             self.rows[b.name].append(row)
                             self.say(output.format_row(row, self.multi))
                             self.progress(f"{b.label} {_TYPE_NAMES[dtype]} {op} root {root} "
@@ -416,6 +466,8 @@ def run_rank(cfg: SweepConfig) -> int:
         for name in cfg.backends:
             b = get_backend(name)
             b.algorithm, b.register, b.cta_policy = cfg.algo, cfg.register, cfg.cta_policy
+            if hasattr(b, "sync_timeout"):
+                b.sync_timeout = cfg.sync_timeout        # -T: bounds each stream sync
             b.setup(rank, world, device, store,
                     master_addr=info.master_addr if info is not None else "127.0.0.1",
                     timeout=cfg.timeout)
@@ -440,7 +492,8 @@ def run_rank(cfg: SweepConfig) -> int:
                         minbytes=cfg.minbytes, maxbytes=cfg.maxbytes, stepfactor=cfg.stepfactor,
                         stepbytes=cfg.stepbytes, warmup=cfg.warmup_iters, iters=cfg.iters,
                         check=cfg.check, graph=cfg.cudagraph, devices=devices,
-                        version=_version()):
+                        version=version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
+                        parallel_init=cfg.parallel_init):
                     print(line)
                 for line in output.table_header(state.multi, cfg.predict):
                     print(line, flush=True)
@@ -458,7 +511,7 @@ def run_rank(cfg: SweepConfig) -> int:
                     for line in output.memory_lines(state.memory):
                         print(line)
             if rank == 0:
-                code = max(code, _finish(cfg, state, program, nccl_version, devices, start,
+                code = max(code, finish(cfg, state, program, nccl_version, devices, start,
                                          backends, world, first=(n == 0)))
         code = int(coord.reduce(code, "max"))  # also the final barrier before rank 0 leaves
         return code
@@ -471,22 +524,6 @@ def run_rank(cfg: SweepConfig) -> int:
         store.close()
 
 
-def per_collective_path(path: str, collective: str, several: bool) -> str:
-    """``results.json`` -> ``results.all_reduce.json`` when a run covers several collectives."""
-    if not several:
-        return path
-    root, ext = os.path.splitext(path)
-    return f"{root}.{collective}{ext}"
-
-
-def _version() -> str:
-    try:
-        import ncclpy
-        return ncclpy.__version__
-    except Exception:  # pragma: no cover
-        return "?"
-
-
 def _device_report(coord: Coord, rank: int, backend: Backend, device) -> List[Dict[str, Any]]:
     import json
     info = {"rank": rank, "group": 0, "pid": os.getpid(), "hostname": socket.gethostname(),
@@ -494,56 +531,3 @@ def _device_report(coord: Coord, rank: int, backend: Backend, device) -> List[Di
     info.update(backend.device_info())
     got = coord.gather(json.dumps(info).encode())
     return [json.loads(x) for x in got]
-
-
-def _finish(cfg: SweepConfig, state: _Rank, program: str, nccl_version: int,
-            devices, start: str, backends: Sequence[Backend], world: int, first: bool) -> int:
-    env_bw = os.environ.get("NCCL_TESTS_MIN_BW")
-    min_bw = float(env_bw) if env_bw else None
-    for line in output.ratio_lines(output.ratio_rows(state.rows)):
-        print(line)
-    footer, ok = output.footer_lines(state.rows, program, min_bw, checked=cfg.check > 0)
-    for line in footer:
-        print(line)
-    all_rows = [r for rows in state.rows.values() for r in rows]
-    several = len(cfg.collectives) > 1
-    if cfg.output_file:
-        config = {"nthreads": 1, "ngpus": 1, "minimum_bytes": cfg.minbytes,
-                  "maximum_bytes": cfg.maxbytes}
-        if cfg.stepfactor > 1:
-            config["step_factor"] = cfg.stepfactor
-        else:
-            config["step_bytes"] = cfg.stepbytes
-        config.update({"warmup_iters": cfg.warmup_iters, "iterations": cfg.iters,
-                       "aggregated_iterations": 1, "validation": cfg.check,
-                       "graph": cfg.cudagraph, "blocking_collectives": "false",
-                       "per_iter_timing": "false", "parallel_init": "false"})
-        ext = {"bench_version": _version(), "collective": state.coll.name, "program": program,
-               "world_size": world, "device": cfg.device,
-               "average": AVERAGE_NAMES[cfg.average], "timer": cfg.timer,
-               "backends": [{"name": b.name, "label": b.label,
-                             "nccl_version": b.nccl_version()} for b in backends],
-               "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
-               "algorithm": cfg.algo, "registration": cfg.register,
-               "cta_policy": cfg.cta_policy}
-        if cfg.register:
-            ext["registered"] = list(getattr(backends[0], "registered_seen", [0, 0]))
-        if cfg.memory_report:
-            ext["memory"] = state.memory
-        doc = output.build_json(rows_by_backend=state.rows, args=cfg.argv,
-                                nccl_version=nccl_version, config=config, devices=devices,
-                                start_time=start, extension=ext, min_bw=min_bw,
-                                checked=cfg.check > 0)
-        path = output.write_json(per_collective_path(cfg.output_file, state.coll.name,
-                                                     several), doc)
-        print(f"# Writing JSON output to {path}")
-    if cfg.csv:
-        output.write_csv(cfg.csv, all_rows, collective=state.coll.name, nranks=world,
-                         graph=cfg.cudagraph, device=cfg.device, append=not first)
-        print(f"# Writing CSV output to {cfg.csv}")
-    if cfg.plot:
-        path = per_collective_path(cfg.plot, state.coll.name, several)
-        output.write_plot(path, state.rows, title=f"{program} on {world} ranks ({cfg.device})")
-        print(f"# Writing plot to {path}")
-    sys.stdout.flush()
-    return 0 if ok else 1

@@ -1,6 +1,7 @@
 """The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``,
 ``plan`` (the NCCL calls of one call, without a GPU), ``trace`` (what went wrong, from the
-flight-recorder dumps), ``status`` (where every rank of a running job is).
+flight-recorder dumps), ``status`` (where every rank of a running job is), ``bench`` (the
+nccl-tests-style sweep of ``python -m bench``, from any directory).
 
 ``main(argv)`` returns the exit code; the console script and ``python -m ncclpy`` call it.
 Subcommand modules are imported lazily so ``ncclpy info`` works even where a colleague module
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(see 'ncclpy trace -h')", add_help=False)
     sub.add_parser("status", help="where is every rank of a running job, now (see "
                                   "'ncclpy status -h')", add_help=False)
+    sub.add_parser("bench", help="nccl-tests-style collective benchmark, python -m bench's "
+                                 "(see 'ncclpy bench -h')", add_help=False)
     p.subs = {"run": run, "info": info}  # type: ignore[attr-defined]
     return p
 
@@ -69,6 +72,18 @@ def _check(argv: Sequence[str]) -> int:
         return 2
     rc = mod.main(list(argv))
     return int(rc or 0)
+
+
+def _bench(argv: Sequence[str]) -> int:
+    """``ncclpy bench ...``: the installed ``bench`` package's command line (``python -m
+    bench``), named ``ncclpy bench`` in its messages."""
+    try:
+        mod = importlib.import_module("bench.cli")
+    except ImportError as e:
+        print(f"ncclpy bench: not available in this installation "
+              f"(could not import bench.cli: {e})", file=sys.stderr)
+        return 2
+    return int(mod.main(list(argv), prog="ncclpy bench") or 0)
 
 
 def _info_all_ranks(as_json: bool) -> int:
@@ -179,6 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "trace":
         from .debug.tracecli import main as trace_main
         return trace_main(argv[1:])
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
     if argv and argv[0] == "status":
         from .debug.statuscli import main as status_main
         return status_main(argv[1:])

@@ -35,9 +35,12 @@ EXIT_INTERRUPTED = 130
 EXIT_CLOSED_PIPE = 141
 
 
-def typed_flag(option_strings: Sequence[str], argv: Sequence[str]) -> str:
+def typed_flag(option_strings: Sequence[str], argv: Sequence[str],
+               others: Sequence[str] = ()) -> str:
     """The spelling of an option the user typed in ``argv`` (exact, ``--name=value``, an
-    abbreviation argparse accepted, or ``-nVALUE``); the longest name when none is found."""
+    abbreviation argparse accepted, or ``-nVALUE``); the longest name when none is found.
+    ``others``: the parser's other options, never taken for an abbreviation of this one
+    (``--device`` is not ``--device_cta_count``)."""
     longs = [o for o in option_strings if o.startswith("--")]
     shorts = [o for o in option_strings if len(o) == 2 and o[0] == "-" and o[1] != "-"]
     for tok in argv:
@@ -46,6 +49,8 @@ def typed_flag(option_strings: Sequence[str], argv: Sequence[str]) -> str:
         name = tok.split("=", 1)[0]
         if name in option_strings:
             return name
+        if name in others:
+            continue
         if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in longs):
             return name
         if not tok.startswith("--"):
@@ -69,7 +74,8 @@ class OneLineParser(argparse.ArgumentParser):
         """The option of destination ``dest`` as the user typed it (else its longest name)."""
         for a in self._actions:
             if a.dest == dest and a.option_strings:
-                return typed_flag(a.option_strings, getattr(self, "_argv", []))
+                others = [o for b in self._actions if b is not a for o in b.option_strings]
+                return typed_flag(a.option_strings, getattr(self, "_argv", []), others)
         return dest
 
     def _rename(self, message: str) -> str:
@@ -79,7 +85,8 @@ class OneLineParser(argparse.ArgumentParser):
             return message
         names = m.group(1).split("/")
         if all(n.startswith("-") for n in names):
-            return f"{typed_flag(names, getattr(self, '_argv', []))}: {m.group(2)}"
+            others = [o for a in self._actions for o in a.option_strings if o not in names]
+            return f"{typed_flag(names, getattr(self, '_argv', []), others)}: {m.group(2)}"
         return f"{m.group(1)}: {m.group(2)}"
 
     def error(self, message: str) -> NoReturn:

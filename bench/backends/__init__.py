@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -151,6 +151,11 @@ class Backend:
         """Whether this rank's output is specified by the library (the reference's own None
         entries aside); False skips its check."""
         return True
+
+    def group(self) -> Optional[ContextManager[Any]]:
+        """A context in which the calls ``run`` issues form one NCCL group (nccl-tests' ``-m``
+        aggregation), or None where the library has none (the CLI refuses ``-m`` > 1 then)."""
+        return None
 
     # ---- buffers ------------------------------------------------------------------------
     def empty(self, n: int, dtype: str) -> Any:

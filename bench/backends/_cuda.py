@@ -2,17 +2,23 @@
 backends; :class:`SharedCuda`, the one stream and buffers bench.overhead gives every backend."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
 from ncclpy.dtypes import DTYPES
-from ncclpy.errors import MissingDependencyError, UnsupportedError
+from ncclpy.errors import MissingDependencyError, NcclpyError, UnsupportedError
 from ncclpy.ops import format_version
 
 from bench.backends import Backend, Buffers, host_dtype, layout
 
-__all__ = ["CupyStreamBackend", "import_cupy", "SharedCuda"]
+__all__ = ["CupyStreamBackend", "import_cupy", "SharedCuda", "StreamTimeout"]
+
+
+class StreamTimeout(NcclpyError, TimeoutError):
+    """A stream synchronisation outlasted nccl-tests' ``-T`` bound (the communicator was
+    aborted)."""
 
 
 def import_cupy():
@@ -43,6 +49,8 @@ class CupyStreamBackend(Backend):
     stream_arg: Any = None
     #: the generation of the unique id the communicator was made from (its store keys)
     generation = 0
+    #: nccl-tests' -T: seconds a stream synchronisation may take (None: no bound)
+    sync_timeout: Optional[float] = None
 
     def setup(self, rank: int, world: int, device: Optional[int], store: Any, *,
               master_addr: str = "127.0.0.1", timeout: float = 300.0) -> None:
@@ -122,7 +130,26 @@ class CupyStreamBackend(Backend):
         return out
 
     def sync(self) -> None:
-        self.stream.synchronize()
+        """Wait for the stream; with ``sync_timeout`` (nccl-tests' ``-T``) poll it as nccl-tests'
+        ``testStreamSynchronize`` does, and past the bound abort the communicator and raise."""
+        if self.sync_timeout is None:
+            self.stream.synchronize()
+            return
+        deadline = time.monotonic() + self.sync_timeout
+        while not self.stream.done:
+            if time.monotonic() > deadline:
+                self.abort_comm()
+                raise StreamTimeout(
+                    f"-T/--timeout {self.sync_timeout:g}: rank {self.rank}'s {self.label} "
+                    f"stream did not finish within {self.sync_timeout:g} s; its communicator "
+                    f"was aborted")
+            time.sleep(0)
+
+    def abort_comm(self) -> None:
+        """Abort the communicator (after a ``-T`` timeout); the stream is not drained."""
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.abort()
 
     def capture(self, fn: Callable[[], None]) -> Any:
         with self.stream:  # anything the library enqueues on the current stream is captured too

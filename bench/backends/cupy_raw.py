@@ -6,7 +6,8 @@ send/recv here, as nccl-tests builds them (:func:`p2p_ops` lists the sends and r
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import contextlib
+from typing import Any, ContextManager, Iterator, List, Tuple
 
 from ncclpy.dtypes import DTYPES
 from ncclpy.ops import NCCL_OPS
@@ -57,6 +58,17 @@ class CupyBackend(CupyStreamBackend):
 
     def close_comm(self, comm: Any) -> None:
         comm.destroy()
+
+    @contextlib.contextmanager
+    def _group(self) -> Iterator[None]:
+        self.nccl.groupStart()
+        try:
+            yield
+        finally:
+            self.nccl.groupEnd()
+
+    def group(self) -> ContextManager[None]:
+        return self._group()
 
     def nccl_version(self) -> int:
         return int(self.nccl.get_version())

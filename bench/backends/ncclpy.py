@@ -77,6 +77,9 @@ class NcclpyBackend(CupyStreamBackend):
     def close_comm(self, comm: Any) -> None:
         comm.close()
 
+    def group(self) -> Any:
+        return self.comm.group()
+
     def nccl_version(self) -> int:
         return int(self.comm.nccl_version)
 

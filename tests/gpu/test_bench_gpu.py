@@ -205,3 +205,26 @@ def test_registered_buffers_windows_cta_policy_and_the_memory_report(tmp_path):
         if flags[0] == "-R":
             got, asked = doc["ncclpy"]["registered"]
             assert asked > 0 and f"NCCL registered {got} of the {asked}" in cp.stdout
+
+
+@requires_gpu
+@pytest.mark.parametrize("flags, agg, blocking", [
+    (["-m", "4", "-z", "3", "-T", "60"], 4, "true"),   # grouped calls, waits, a bounded sync
+    (["-m", "2", "-G", "2"], 2, "false"),              # the groups captured in a graph
+    (["-z", "1", "-C", "1"], 1, "true"),               # a wait and barrier after every call
+])
+def test_nccl_tests_aggregation_and_blocking_flags(flags, agg, blocking, tmp_path):
+    """nccl-tests' -m, -z, -T, -C on the backends that drive NCCL's group calls (issue 38):
+    the calls still check with #wrong = 0, and the JSON says what ran."""
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce,all_to_all", "--nproc", "2", "--device", "cuda",
+              "--backend", "ncclpy,cupy", "-b", "1K", "-e", "1M", "-f", "32", "-n", "4", "-q",
+              *flags, "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    for coll in ("all_reduce", "all_to_all"):
+        doc = _results(tmp_path / f"r.{coll}.json")
+        assert doc["config"]["aggregated_iterations"] == agg
+        assert doc["config"]["blocking_collectives"] == blocking
+        key = "cpu_time" if "-C" in flags else "time"
+        for r in doc["results"]:
+            assert r["out_of_place"]["nwrong"] == 0 and r["out_of_place"][key] > 0, r
