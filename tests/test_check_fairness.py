@@ -10,7 +10,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-
 # -- fairness: pins, placement under torchrun, the libnccl each side calls -------------------
 def test_fairness_pins_algorithm_protocol_and_channels():
     from ncclpy.check import fairness as F
