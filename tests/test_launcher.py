@@ -414,38 +414,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_no_prefix_and_partial_lines(tmp_path):
-    prog = _script(tmp_path, """
-        import os, sys
-        sys.stdout.write("line " + os.environ["RANK"] + "\\n")
-        sys.stdout.write("partial")
-        sys.stderr.write("e-partial")
-    """)
-    cp = run(["-n", 1, "--no-prefix", prog])
-    assert cp.returncode == 0
-    assert cp.stdout == "line 0\npartial"
-    assert cp.stderr.endswith("e-partial") and "[rank" not in cp.stderr
-
-    cp = run(["-n", 2, prog])
-    assert cp.returncode == 0
-    assert sorted(cp.stdout.splitlines()) == ["[rank 0] line 0", "[rank 0] partial",
-                                              "[rank 1] line 1", "[rank 1] partial"]
-    assert cp.stdout.endswith("\n")
-    assert sorted(x for x in cp.stderr.splitlines() if x.startswith("[")) == [
-        "[rank 0] e-partial", "[rank 1] e-partial"]
-
-
-def test_long_line_and_binary_output(tmp_path):
-    prog = _script(tmp_path, """
-        import sys
-        sys.stdout.buffer.write(b"x" * 200000 + b"\\n" + b"\\xff\\xfe bytes\\n")
-    """)
-    cp = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "1", "--no-prefix",
-                         str(prog)], env=_env(), capture_output=True, timeout=30)
-    assert cp.returncode == 0
-    assert cp.stdout == b"x" * 200000 + b"\n\xff\xfe bytes\n"
-
-
 def test_module_mode_passes_arguments(tmp_path):
     pkg = tmp_path / "mods"
     pkg.mkdir()
