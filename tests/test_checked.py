@@ -27,8 +27,12 @@ from ncclpy.ops import premul_sum  # noqa: E402
 from ncclpy.plan.types import PlanContext  # noqa: E402
 from ncclpy.comm.resolver import Resolver  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
+from ncclpy.store.sync import barrier  # noqa: E402
 
 X = Buffer(0x100000, 16, "float32", 0)
+#: the bound of a wait that must not end (a hang's deadline), where the checks' own bound must
+#: not count the ranks' start: a process starts seconds late on a loaded machine
+HANG = 120
 
 
 def _buf(count: int = 16, dtype: str = "float32", at: int = 0x100000) -> Buffer:
@@ -105,12 +109,16 @@ def rounds(scenario: str, rank: int, world: int) -> List[List[tuple]]:
 
 def run_rank(host: str, port: int, rank: int, world: int, scenarios: List[str],
              timeout: float) -> Dict[str, List[Dict[str, Any]]]:
-    """Play ``scenarios`` as ``rank`` through a store client of its own."""
-    store = TCPStore(host, port, timeout=60)
+    """Play ``scenarios`` as ``rank`` through a store client of its own.  Every scenario starts
+    with a barrier: the checks' ``timeout`` then bounds the ranks' waits for each other's calls,
+    not how far apart the processes started (a p2p deadline runs from each rank's own post; a
+    peer posting after it is rightly "posted nothing", which is not what these tests ask)."""
+    store = TCPStore(host, port, timeout=HANG)
     resolver = Resolver(PlanContext(rank, world))
     out: Dict[str, List[Dict[str, Any]]] = {}
     try:
         for sc in scenarios:
+            barrier(store, rank, world, tag=f"t/{sc}/start", timeout=HANG)
             chk = Checker(store, rank, world, name=sc, prefix=f"t/{sc}", timeout=timeout)
             res = out[sc] = []
             for rnd in rounds(sc, rank, world):
