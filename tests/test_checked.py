@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Dict, List
 
 import pytest
@@ -141,15 +142,21 @@ def run_rank(host: str, port: int, rank: int, world: int, scenarios: List[str],
     return out
 
 
-def _procs(world: int, scenarios: List[str], timeout: float = 20.0) -> List[Dict[str, Any]]:
+def _procs(world: int, scenarios: List[str], timeout: float = 20.0,
+           late: float = 0.0) -> List[Dict[str, Any]]:
+    """``world`` rank processes playing ``scenarios``; ranks 1.. start ``late`` s after rank 0
+    (a loaded machine's worst case, made certain)."""
     srv = StoreServer("127.0.0.1", 0).start()
     try:
         env = dict(os.environ, PYTHONPATH=ROOT)
         env.pop("NCCLPY_STORE_TOKEN", None)
-        ps = [subprocess.Popen([sys.executable, __file__, "127.0.0.1", str(srv.port), str(r),
-                                str(world), ",".join(scenarios), str(timeout)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-              for r in range(world)]
+        ps = []
+        for r in range(world):
+            if r == 1 and late:
+                time.sleep(late)
+            ps.append(subprocess.Popen([sys.executable, __file__, "127.0.0.1", str(srv.port),
+                                        str(r), str(world), ",".join(scenarios), str(timeout)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
         outs = []
         for p in ps:
             o, e = p.communicate(timeout=240)
@@ -232,7 +239,8 @@ def pairs() -> List[Dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def deadlock() -> List[Dict[str, Any]]:
-    return _procs(2, ["p2p_both_send_first"], timeout=2.0)
+    # rank 1 starts after rank 0's 2 s would have passed, had rank 0 not waited at the start
+    return _procs(2, ["p2p_both_send_first"], timeout=2.0, late=2.5)
 
 
 def test_send_without_its_receive_is_named_by_the_sender(pairs):

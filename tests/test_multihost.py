@@ -133,7 +133,7 @@ def test_torchrun_across_2_hosts_joins_torchruns_store(hosts, tmp_path):
 
 
 def test_a_killed_launcher_fails_the_other_hosts_fast_naming_its_node(hosts, tmp_path):
-    cmd = [sys.executable, _script(tmp_path), str(tmp_path), "30"]
+    cmd = [sys.executable, _script(tmp_path), str(tmp_path), "100"]   # rendezvous' deadline
     env = _env(HOLD="600")                      # the ranks end only when stopped
     procs = [_run_node(hosts, k, 3, 29640, cmd, env=env) for k in range(3)]
     deadline = time.monotonic() + 120
