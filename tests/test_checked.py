@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Dict, List
 
 import pytest
@@ -27,8 +28,12 @@ from ncclpy.ops import premul_sum  # noqa: E402
 from ncclpy.plan.types import PlanContext  # noqa: E402
 from ncclpy.comm.resolver import Resolver  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
+from ncclpy.store.sync import barrier  # noqa: E402
 
 X = Buffer(0x100000, 16, "float32", 0)
+#: the bound of a wait that must not end (a hang's deadline), where the checks' own bound must
+#: not count the ranks' start: a process starts seconds late on a loaded machine
+HANG = 120
 
 
 def _buf(count: int = 16, dtype: str = "float32", at: int = 0x100000) -> Buffer:
@@ -105,12 +110,16 @@ def rounds(scenario: str, rank: int, world: int) -> List[List[tuple]]:
 
 def run_rank(host: str, port: int, rank: int, world: int, scenarios: List[str],
              timeout: float) -> Dict[str, List[Dict[str, Any]]]:
-    """Play ``scenarios`` as ``rank`` through a store client of its own."""
-    store = TCPStore(host, port, timeout=60)
+    """Play ``scenarios`` as ``rank`` through a store client of its own.  Every scenario starts
+    with a barrier: the checks' ``timeout`` then bounds the ranks' waits for each other's calls,
+    not how far apart the processes started (a p2p deadline runs from each rank's own post; a
+    peer posting after it is rightly "posted nothing", which is not what these tests ask)."""
+    store = TCPStore(host, port, timeout=HANG)
     resolver = Resolver(PlanContext(rank, world))
     out: Dict[str, List[Dict[str, Any]]] = {}
     try:
         for sc in scenarios:
+            barrier(store, rank, world, tag=f"t/{sc}/start", timeout=HANG)
             chk = Checker(store, rank, world, name=sc, prefix=f"t/{sc}", timeout=timeout)
             res = out[sc] = []
             for rnd in rounds(sc, rank, world):
@@ -133,15 +142,21 @@ def run_rank(host: str, port: int, rank: int, world: int, scenarios: List[str],
     return out
 
 
-def _procs(world: int, scenarios: List[str], timeout: float = 20.0) -> List[Dict[str, Any]]:
+def _procs(world: int, scenarios: List[str], timeout: float = 20.0,
+           late: float = 0.0) -> List[Dict[str, Any]]:
+    """``world`` rank processes playing ``scenarios``; ranks 1.. start ``late`` s after rank 0
+    (a loaded machine's worst case, made certain)."""
     srv = StoreServer("127.0.0.1", 0).start()
     try:
         env = dict(os.environ, PYTHONPATH=ROOT)
         env.pop("NCCLPY_STORE_TOKEN", None)
-        ps = [subprocess.Popen([sys.executable, __file__, "127.0.0.1", str(srv.port), str(r),
-                                str(world), ",".join(scenarios), str(timeout)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-              for r in range(world)]
+        ps = []
+        for r in range(world):
+            if r == 1 and late:
+                time.sleep(late)
+            ps.append(subprocess.Popen([sys.executable, __file__, "127.0.0.1", str(srv.port),
+                                        str(r), str(world), ",".join(scenarios), str(timeout)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env))
         outs = []
         for p in ps:
             o, e = p.communicate(timeout=240)
@@ -224,7 +239,8 @@ def pairs() -> List[Dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def deadlock() -> List[Dict[str, Any]]:
-    return _procs(2, ["p2p_both_send_first"], timeout=2.0)
+    # rank 1 starts after rank 0's 2 s would have passed, had rank 0 not waited at the start
+    return _procs(2, ["p2p_both_send_first"], timeout=2.0, late=2.5)
 
 
 def test_send_without_its_receive_is_named_by_the_sender(pairs):

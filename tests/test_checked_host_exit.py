@@ -17,7 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
+#: every wait's bound in a rank: a deadline for a hang (a machine's load only delays arrivals)
+BOUND = 120
 
 
 def _rank(kind: str, portfile: str, rank: int, world: int) -> None:
@@ -34,29 +36,31 @@ def _rank(kind: str, portfile: str, rank: int, world: int) -> None:
             server = StoreServer("127.0.0.1", 0).start()
             publish_port(portfile, server.port)
         port = read_port(portfile)
-        store = TCPStore("127.0.0.1", port, timeout=30)
+        store = TCPStore("127.0.0.1", port, timeout=BOUND)
     else:
         import datetime
         import torch.distributed as dist
         from ncclpy.torch_store import TorchStoreAdapter
         if rank == 0:
             raw = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False,
-                                timeout=datetime.timedelta(seconds=30))
+                                timeout=datetime.timedelta(seconds=BOUND))
             port = raw.port
             publish_port(portfile, port)
         else:
             port = read_port(portfile)
             raw = dist.TCPStore("127.0.0.1", port, world, False,
-                                timeout=datetime.timedelta(seconds=30))
-        store = TorchStoreAdapter(raw, f"127.0.0.1:{port}", 30)
+                                timeout=datetime.timedelta(seconds=BOUND))
+        store = TorchStoreAdapter(raw, f"127.0.0.1:{port}", BOUND)
     count = 17 if rank == world - 1 else 16
     plan = Resolver(PlanContext(rank, world)).resolve(
         "all_reduce", 0, Buffer(0x100000, count, "float32", 0), None, ("sum",)).plan
+    t0 = time.monotonic()
     try:
-        Checker(store, rank, world, name="t", prefix="t/chk", timeout=30).check([plan])
+        Checker(store, rank, world, name="t", prefix="t/chk", timeout=BOUND).check([plan])
         out = {"ok": True}
     except Exception as e:  # noqa: BLE001 - reported to the test
         out = {"error": type(e).__name__, "msg": str(e)}
+    out["took"] = time.monotonic() - t0
     print(json.dumps(out), flush=True)
     os._exit(0)      # at once, store and server with it: the race this test is about
 
@@ -69,19 +73,18 @@ def test_every_rank_raises_the_mismatch_though_rank_0_leaves_at_once(kind, tmp_p
     env.pop("NCCLPY_STORE_TOKEN", None)
     world = 3
     for attempt in range(6):
-        t0 = time.monotonic()
         portfile = str(tmp_path / f"port{attempt}")
         ps = [subprocess.Popen([sys.executable, __file__, kind, portfile, str(r), str(world)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
               for r in range(world)]
         for r, p in enumerate(ps):
-            o, e = p.communicate(timeout=120)
+            o, e = p.communicate(timeout=3 * BOUND)
             assert p.returncode == 0, e.decode()[-2000:]
             res = json.loads(o.decode().strip().splitlines()[-1])
             assert res.get("error") == "CallMismatchError", (kind, attempt, r, res)
             assert "*count=17*" in res["msg"] and "could not collect" not in res["msg"], res
-        # no rank waited out its 30 s bound for a store that had gone with rank 0
-        assert time.monotonic() - t0 < 25, (kind, attempt, time.monotonic() - t0)
+            # no rank waited out its bound for a store that had gone with rank 0
+            assert res["took"] < BOUND, (kind, attempt, r, res)
 
 
 if __name__ == "__main__":

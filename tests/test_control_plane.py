@@ -78,10 +78,10 @@ def test_one_beat_answers_stale_and_never_seen_ranks_and_the_death_epoch(server)
     a.add("ep", 2)
     r = a.beat("g", 0, 4, 0.3, b"2:0", watch="ep")
     assert r.epoch == 2 and r.nstale == 1 and [x for x, _ in r.stale] == [1]
-    assert 0.3 < r.stale[0][1] < 2.0 and r.never_listed == [2, 3]
+    assert 0.3 < r.stale[0][1] < 60 and r.never_listed == [2, 3]   # 60: a hang's deadline
     full = a.beat("g", 0, 4, 0.3, flags=W.BEAT_PEEK | W.BEAT_FULL).full
     assert [v for _, _, v in full] == [b"2:0", b"1:7", b"", b""]
-    assert full[2][0] is None and full[0][0] < 0.1 and not any(c for _, c, _ in full)
+    assert full[2][0] is None and full[0][0] < full[1][0] and not any(c for _, c, _ in full)
     b.beat("g", 1, 4, 0.3, b"closed", flags=W.BEAT_CLOSE)        # a closed rank is never stale
     time.sleep(0.5)
     r = a.beat("g", 0, 4, 0.3, b"3:0")
@@ -282,7 +282,7 @@ def test_a_busy_store_answers_the_probe_and_the_call_waits_on(server):
     t0 = time.monotonic()
     with pytest.raises(StoreTimeout, match="timed out after"):
         c.get("never-set", timeout=2.5)
-    assert 2.4 < time.monotonic() - t0 < 4.0
+    assert 2.4 < time.monotonic() - t0 < 30     # waited its time out (30: a hang's deadline)
     assert c._prober is None                      # the probe connection lived only meanwhile
     assert server.served >= 1 + 4                 # the get and several probes (PINGs)
     threading.Timer(0.8, lambda: TCPStore("127.0.0.1", server.port).set("late", b"1")).start()

@@ -96,10 +96,9 @@ def test_status_shows_the_laggard_while_the_job_hangs_and_sigusr1_dumps(tmp_path
         assert first[:3] == ["2", "2", "2"] and _site("second") in text[2], text
         assert text[3].split()[:3] in (["0", "3", "2"], ["1", "3", "2"]), text
         p.send_signal(signal.SIGUSR1)               # the table on stderr, and every dump
-        for _ in range(100):
+        end = time.monotonic() + 60                 # a deadline for a hang
+        while time.monotonic() < end and not (os.path.isdir(d) and len(os.listdir(d)) == 3):
             time.sleep(0.1)
-            if os.path.isdir(d) and len(os.listdir(d)) == 3:
-                break
         assert sorted(f[-11:] for f in os.listdir(d)) == [f"rank{r}.jsonl" for r in range(3)]
         code, doc, _ = trace(d)
         assert code == 1 and findings(doc)[0]["ranks"] == [2]
@@ -117,15 +116,20 @@ def test_status_watch_ends_quietly_on_ctrl_c(tmp_path):
     from ncclpy.store import StoreServer
     srv = StoreServer("127.0.0.1", 0, token="t0k").start()
     try:
-        env = dict(os.environ, PYTHONPATH=ROOT, NCCLPY_STORE_TOKEN="t0k")
+        env = dict(os.environ, PYTHONPATH=ROOT, NCCLPY_STORE_TOKEN="t0k", PYTHONUNBUFFERED="1")
         q = subprocess.Popen([sys.executable, "-m", "ncclpy", "status", "--master-port",
                               str(srv.port), "--watch", "0.2"], env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(2.0)
+        seen = []                                   # two frames shown: then Ctrl-C
+        while sum(x.startswith("--- ") for x in seen) < 2:
+            line = q.stdout.readline()
+            assert line, (seen, q.stderr.read())
+            seen.append(line)
         q.send_signal(signal.SIGINT)
-        out, err = q.communicate(timeout=30)
+        out, err = q.communicate(timeout=60)
     finally:
         srv.close()
+    out = "".join(seen) + out
     assert q.returncode == 0 and err == "", err
     assert out.count("--- ") >= 2 and "no communicator has registered" in out
 

@@ -91,11 +91,10 @@ def test_a_closed_output_pipe_stops_the_ranks_with_141(tmp_path):
                          stderr=subprocess.PIPE)
     assert p.stdout is not None and p.stdout.readline()       # `| head -1`
     p.stdout.close()
-    t0 = time.monotonic()
-    rc = p.wait(timeout=60)
+    rc = p.wait(timeout=120)                                   # a deadline for a hang
     err = p.stderr.read().decode() if p.stderr else ""
     assert rc == 141 and "Traceback" not in err, err
-    assert time.monotonic() - t0 < 15 and not marker.exists()   # the ranks did not run on
+    assert not marker.exists()     # the ranks did not run on (their 3,000 lines take 30 s+)
 
 
 def test_nproc_is_a_spelling_of_n():

@@ -133,23 +133,25 @@ def test_torchrun_across_2_hosts_joins_torchruns_store(hosts, tmp_path):
 
 
 def test_a_killed_launcher_fails_the_other_hosts_fast_naming_its_node(hosts, tmp_path):
-    cmd = [sys.executable, _script(tmp_path), str(tmp_path), "30"]
-    env = _env(HOLD="120")
+    cmd = [sys.executable, _script(tmp_path), str(tmp_path), "100"]   # rendezvous' deadline
+    env = _env(HOLD="600")                      # the ranks end only when stopped
     procs = [_run_node(hosts, k, 3, 29640, cmd, env=env) for k in range(3)]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("rank*.txt"))) < 6:     # every rank past the rendezvous
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
             [_finish([p], 5) for p in procs if p.poll() is not None]
         time.sleep(0.1)
     t0 = time.monotonic()
     os.kill(procs[1].pid, signal.SIGKILL)
-    outs = _finish([procs[0], procs[2]], 30)
+    outs = _finish([procs[0], procs[2]], 120)
     took = time.monotonic() - t0
     for rc, o, e in outs:
         assert rc == 1, o + e
         assert "node 1 (ranks 2-3) stopped heartbeating" in e, e
         assert "stopped this node's 2 running ranks" in e
-    assert took < 12, f"the other hosts took {took:.1f} s to stop"
+    # fast: the heartbeat silence limit (4 s) and the grace on an idle machine; the bound is a
+    # deadline far below the ranks' own 600 s, whatever the load
+    assert took < 90, f"the other hosts took {took:.1f} s to stop"
 
 
 def test_a_wrong_token_on_one_host(hosts, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -281,7 +282,9 @@ def test_status_lists_silent_ranks_published_verdicts_and_blind_or_refused_watch
     assert rows[2].aborted == ("peer_silent: no heartbeat for more than 3 s (suspected: "
                                "rank(s) 1)") and rows[2].closed and rows[2].progress.done == 2
     text = S.format_snapshot([snap])
-    assert "silent for more than 0.5 s: rank 1 (1." in text and "rank 0 (" not in text
+    # rank 1's age is 1.2 s or more (more on a loaded machine); rank 0 beat just before
+    assert re.search(r"silent for more than 0\.5 s: rank 1 \(\d+\.\d s\)", text), text
+    assert "rank 0 (" not in text
     assert "rank 2 aborted: peer_silent: no heartbeat for more than 3 s" in text
     assert ("rank 0's watchdog: 4 tick(s) failed (blind meanwhile), 1 heartbeat(s) refused by "
             "the store, 2 heartbeat(s) late (store slow)") in text

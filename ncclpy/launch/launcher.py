@@ -5,7 +5,8 @@
   ``PYTHONUNBUFFERED=1`` (unless set) so output arrives line by line.
 * Output: every line a rank writes is prefixed ``"[rank R] "`` (R the global rank) by a reader
   thread; stdout lines go to stdout, stderr lines to stderr; a last line without a newline is
-  flushed at EOF (and terminated with one when prefixed).  ``--no-prefix`` passes lines through.
+  flushed at EOF (and terminated with one when prefixed); each prefixed line is written whole
+  (:mod:`ncclpy.launch.output`).  ``--no-prefix`` passes lines through.
 * Each rank runs in its own session: a terminal Ctrl-C reaches only the launcher, which forwards
   SIGINT/SIGTERM once to every rank's process group.  Ranks still running ``grace`` seconds after
   the first forwarded signal get SIGKILL; the launcher then exits with ``128 + signum``.
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .ports import check_local, check_port, check_ports_free, free_port
 from .limits import check_start_limits
@@ -57,6 +58,7 @@ from .mps import resolve_mode, setup_mps
 from .placement import Placement, place, summary_line, with_mps
 from .forensics import Forensics
 from .jobfile import remove_job, write_job
+from .output import pump as _pump
 
 __all__ = ["launch", "build_command", "DEFAULT_GRACE",
            "PREFIX_FORMAT", "EXIT_TIMEOUT", "EXIT_USAGE", "DEAD_KEY", "HOSTED_ENV"]
@@ -78,7 +80,6 @@ _FLAGS = {"nproc": "-n/--nprocs", "nnodes": "--nnodes", "node_rank": "--node-ran
           "master_addr": "--master-addr", "master_port": "--master-port",
           "ranks_per_gpu": "--ranks-per-gpu", "grace": "--grace", "timeout": "--timeout",
           "mps": "--mps", "command": "PROGRAM"}
-_CHUNK = 1 << 16
 #: seconds between looks, while ranks are being started, for a rank that already failed
 _START_POLL = 0.2
 
@@ -137,30 +138,6 @@ class _Sink:
 
     def line(self, text: str) -> None:
         self.write(text.encode(errors="replace") + b"\n")
-
-
-def _pump(pipe: IO[bytes], sink: _Sink, prefix: Optional[bytes]) -> None:
-    """Copy a rank's pipe to ``sink`` line by line, with ``prefix`` at each line start."""
-    at_start = True
-    try:
-        while True:
-            chunk = pipe.readline(_CHUNK)
-            if not chunk:
-                break
-            if prefix is not None:
-                if at_start:
-                    chunk = prefix + chunk
-                at_start = chunk.endswith(b"\n")
-            sink.write(chunk)
-        if prefix is not None and not at_start:
-            sink.write(b"\n")
-    except (OSError, ValueError):
-        pass
-    finally:
-        try:
-            pipe.close()
-        except OSError:
-            pass
 
 
 def _pdeathsig_fn() -> Optional[Callable[[], None]]:
