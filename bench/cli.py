@@ -259,13 +259,14 @@ def _seconds(text: str) -> float:
 
 
 def _timeout(text: str) -> float:
-    """-T/--timeout: seconds > 0 (nccl-tests' 0, no limit, is refused: every wait here has a
-    bound)."""
+    """-T/--timeout: seconds > 0 (nccl-tests' 0, no limit, is refused: the same value bounds
+    the rendezvous and the store's waits, which always have a bound here)."""
     try:
         if float(text) == 0:
             raise argparse.ArgumentTypeError(
                 f"expected seconds > 0, got {text!r} (nccl-tests' 0, no limit, is not offered: "
-                f"every wait for the other ranks here has a bound)")
+                f"-T also bounds the rendezvous and the store's waits, which always have a "
+                f"bound here; leave -T out for unbounded stream syncs)")
     except ValueError:
         pass
     return _seconds(text)

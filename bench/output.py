@@ -95,21 +95,27 @@ def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: in
     return out
 
 
-def table_header(multi: bool = False, predict: bool = False) -> List[str]:
+def table_header(multi: bool = False, predict: bool = False, cputime: bool = False,
+                 timestamps: bool = False) -> List[str]:
     """nccl-tests' three column-header lines (a backend column when ``multi``; NCCL's
-    predicted time of the out-of-place call, ``ncclGroupSimulateEnd``, when ``predict``)."""
+    predicted time of the out-of-place call, ``ncclGroupSimulateEnd``, when ``predict``);
+    ``cputime`` (-C 1) heads the time columns ``cputime`` and ``timestamps`` (-S 1) adds the
+    ``timestamp`` column, as nccl-tests' ``writeResultHeader`` does (util.cu)."""
     e = ("", "", "", "", "")
-    tail = ("  %7s" % "predict" if predict else "") + ("  backend" if multi else "")
+    t = "cputime" if cputime else "time"
+    stamp = "%21s" % "timestamp" if timestamps else ""
+    tail = stamp + ("  %7s" % "predict" if predict else "") + ("  backend" if multi else "")
+    units = ("%21s" % "" if timestamps else "") + ("  %7s" % "(us)" if predict else "")
     return [
         "#",
         "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place"
         "          " % e,
         "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s " % (
-            "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-            "time", "algbw", "busbw", "#wrong") + tail,
+            "size", "count", "type", "redop", "root", t, "algbw", "busbw", "#wrong",
+            t, "algbw", "busbw", "#wrong") + tail,
         "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s " % (
             "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)",
-            "(GB/s)", ""),
+            "(GB/s)", "") + units,
     ]
 
 

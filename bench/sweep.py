@@ -301,8 +301,10 @@ class _Rank:
             AVERAGE_NAMES[cfg.average])
         shown = seconds
         if cfg.report_cputime:   # nccl-tests prints rank 0's own; the bandwidth stays latency's
+            # and divides it by iters x agg_iters only, not by the graph launches (common.cu:
+            # cputimeSec /= iters*agg_iters; deltaSec alone is divided by cudaGraphLaunches)
             shown = self.coord.reduce(
-                per_call_seconds(issued, cfg.iters, cfg.cudagraph, cfg.agg_iters), "rank0")
+                per_call_seconds(issued, cfg.iters, 0, cfg.agg_iters), "rank0")
         nbytes = bufs.layout.nbytes(DTYPES[bufs.dtype].itemsize)
         alg, bus = coll.bandwidths(nbytes, seconds, self.world)
         wrong: Optional[int] = None
@@ -396,6 +398,8 @@ class _Rank:
                     b.run(self.coll.name, bufs, op, root, False)
                 b.sync()
                 b.free(bufs)
+        except TimeoutError:    # -T's StreamTimeout (the communicator aborted): a failure, never a skip
+            raise
         except Exception as e:  # e.g. a dtype/op the library refuses: same on every rank
             err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
         reason = self.coord.any(err)
@@ -495,7 +499,8 @@ def run_rank(cfg: SweepConfig) -> int:
                         version=version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
                         parallel_init=cfg.parallel_init):
                     print(line)
-                for line in output.table_header(state.multi, cfg.predict):
+                for line in output.table_header(state.multi, cfg.predict, cfg.report_cputime,
+                                                      cfg.report_timestamps):
                     print(line, flush=True)
             state.sweep()
             if cfg.register and rank == 0:

@@ -227,3 +227,43 @@ def test_nccl_tests_flags_end_to_end_on_gloo(tmp_path):
     schema = json.loads((Path(__file__).resolve().parents[1] / "bench" / "schema.json")
                         .read_text())
     jsonschema.validate(doc, schema)
+
+
+class _GraphRecorder(_Recorder):
+    """A graph replay of ``iters`` calls takes ``iters`` seconds of the test's clock to issue."""
+
+    def capture(self, fn):
+        fn()
+        return "graph"
+
+    def replay(self, graph) -> None:
+        self.log.append("replay")
+        self.clock[0] += 2.0
+
+    def release(self, graph) -> None:
+        pass
+
+
+def test_C_with_G_divides_the_cpu_time_by_the_calls_of_one_launch_as_nccl_tests():
+    # common.cu: cputimeSec /= iters*agg_iters; only deltaSec is divided by the graph launches
+    clock, log = [0.0], []
+    cfg = SweepConfig(collectives=["all_reduce"], sizes=[1024], iters=2, check=0, cudagraph=3,
+                      report_cputime=True)
+    b = _GraphRecorder(clock, log)
+    state = _Rank(cfg, "all_reduce", 0, 1, _LoggingCoord(log), [b])
+    state.clock = lambda: clock[0]
+    bufs = Buffers("all_reduce", "float32", layout("all_reduce", 256, 1, 0), None, None, None,
+                   None, None)
+    side = state.bench_time(b, bufs, "sum", -1, False)
+    assert log.count("replay") == 3
+    assert side.time_us == pytest.approx(3 * 2.0 / 2 * 1e6)     # 6 s of issuing / (2 x 1)
+
+
+def test_the_header_says_cputime_and_timestamp_as_nccl_tests():
+    from bench import output
+    plain = output.table_header()
+    assert plain[2].split()[6] == "time" and "timestamp" not in plain[2]
+    head = output.table_header(False, False, cputime=True, timestamps=True)
+    words = head[2].split()
+    assert words[6] == "cputime" and words[10] == "cputime" and words[-1] == "timestamp"
+    assert len(head[3]) == len(head[2])            # the units line as wide as the labels

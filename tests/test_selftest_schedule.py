@@ -212,3 +212,28 @@ def test_a_stage_that_kills_ranks_runs_outside_the_shared_mps_server():
             ("tests/gpu/test_forensics_gpu.py::test_gpu_a_stopped_rank_is_suspected_and_its_dump_"
              "missing", [3])):
         assert S.stage_of(test_id, worlds) in killers, test_id
+
+
+def test_under_an_exclusive_compute_mode_the_killing_stages_stay_mps_clients(monkeypatch):
+    # review, 2026-11-27: in Exclusive_Process only the MPS server may hold a context, so a
+    # stage sent outside the server could not use the GPU at all
+    from ncclpy.launch import mps as M
+
+    class _Daemon:
+        def stop(self, keep_logs=False):
+            return None
+
+    def fake_setup(mode, shared, env, name="--mps"):
+        return M.MpsSetup("started", {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/d/pipe"}, (), _Daemon())
+
+    monkeypatch.setattr(M, "setup_mps", fake_setup)
+    default = gpuenv.prepare(4, 12, {"PATH": "/nonexistent"}, modes=lambda: ["Default"])
+    assert default.isolate and default.env_for(False, True)["NCCLPY_MPS"] == "off"
+    default.close()
+    excl = gpuenv.prepare(4, 12, {"PATH": "/nonexistent"},
+                          modes=lambda: ["Default", "Exclusive_Process"])
+    own = excl.env_for(False, kills_ranks=True)
+    assert not excl.isolate and "NCCLPY_MPS" not in own
+    assert own["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/d/pipe" and excl.no_mps_dir is None
+    assert "compute mode Exclusive_Process" in excl.notes["mps"], excl.notes
+    excl.close()

@@ -16,6 +16,10 @@ from bench.backends import Backend, Buffers, host_dtype, layout
 __all__ = ["CupyStreamBackend", "import_cupy", "SharedCuda", "StreamTimeout"]
 
 
+#: cudaErrorNotReady: what cudaStreamQuery answers while work is pending (driver_types.h)
+_CUDA_ERROR_NOT_READY = 600
+
+
 class StreamTimeout(NcclpyError, TimeoutError):
     """A stream synchronisation outlasted nccl-tests' ``-T`` bound (the communicator was
     aborted)."""
@@ -131,12 +135,26 @@ class CupyStreamBackend(Backend):
 
     def sync(self) -> None:
         """Wait for the stream; with ``sync_timeout`` (nccl-tests' ``-T``) poll it as nccl-tests'
-        ``testStreamSynchronize`` does, and past the bound abort the communicator and raise."""
+        ``testStreamSynchronize`` does (common.cu): ``cudaStreamQuery`` until it is done, a CUDA
+        error other than ``cudaErrorNotReady`` raised at once, the communicator's asynchronous
+        error checked on every poll (an NCCL error aborts at once), and past the bound abort
+        the communicator and raise :class:`StreamTimeout`."""
         if self.sync_timeout is None:
             self.stream.synchronize()
             return
+        runtime = self.cp.cuda.runtime
         deadline = time.monotonic() + self.sync_timeout
-        while not self.stream.done:
+        while True:
+            st = runtime.streamQuery(self.stream.ptr)
+            if st == 0:
+                return
+            if st != _CUDA_ERROR_NOT_READY:        # a sticky fault is not a slow stream
+                raise runtime.CUDARuntimeError(st)
+            try:
+                self.check_comm()
+            except Exception:
+                self.abort_comm()
+                raise
             if time.monotonic() > deadline:
                 self.abort_comm()
                 raise StreamTimeout(
@@ -144,6 +162,13 @@ class CupyStreamBackend(Backend):
                     f"stream did not finish within {self.sync_timeout:g} s; its communicator "
                     f"was aborted")
             time.sleep(0)
+
+    def check_comm(self) -> None:
+        """Raise the communicator's asynchronous NCCL error, if any (CuPy's
+        ``check_async_error``: ``ncclCommGetAsyncError``); a backend may override it."""
+        check = getattr(self.comm, "check_async_error", None)
+        if check is not None:
+            check()
 
     def abort_comm(self) -> None:
         """Abort the communicator (after a ``-T`` timeout); the stream is not drained."""
@@ -172,6 +197,7 @@ class CupyStreamBackend(Backend):
 
         def stop() -> float:
             end.record(self.stream)
+            self.sync()                 # bounded by -T, as the stream syncs are
             end.synchronize()
             return cp.cuda.get_elapsed_time(start, end) / 1e3
 

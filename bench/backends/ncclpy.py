@@ -175,6 +175,12 @@ class NcclpyBackend(CupyStreamBackend):
         else:  # pragma: no cover - the CLI only passes registry names with data
             raise ValueError(f"collective {collective!r} is not benchmarked")
 
+    def check_comm(self) -> None:
+        """ncclpy's own check of ``ncclCommGetAsyncError`` (the communicator's lock and states
+        respected; nothing once it is closed)."""
+        if self.comm is not None:
+            self.comm._raise_async_error()
+
 
 class NcclpyDefaultsBackend(NcclpyBackend):
     """``ncclpy`` in bench.overhead: the communicator ``ncclpy.init`` makes --

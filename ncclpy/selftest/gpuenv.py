@@ -15,7 +15,10 @@ tests kill ranks (``Stage.kills_ranks``) runs outside it, in a fault domain of i
 ``CUDA_MPS_PIPE_DIRECTORY`` names an empty folder, where the CUDA driver finds no daemon and
 runs the process without MPS (NVIDIA's ``nvidia-cuda-mps-control`` manual: "If the connection
 attempt fails, the program continues to run as it normally would without MPS"), and
-``NCCLPY_MPS=off`` keeps its jobs from starting daemons of their own.  ``--mps off`` runs
+``NCCLPY_MPS=off`` keeps its jobs from starting daemons of their own.  That needs the GPU in
+the Default compute mode: under ``Exclusive_Process`` (what NVIDIA's MPS guide sets) only the
+MPS server may hold a context ("exclusive-mode restrictions are applied to the MPS server"), so
+there such stages stay clients of the server and the report says so.  ``--mps off`` runs
 every stage without MPS.  The timed stages (bench, overhead) run alone, without the CTA limit.
 """
 from __future__ import annotations
@@ -24,9 +27,9 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["RunEnv", "prepare", "default_jobs", "default_capacity"]
+__all__ = ["RunEnv", "prepare", "default_jobs", "default_capacity", "compute_modes"]
 
 
 def default_jobs(cpus: Optional[int] = None) -> int:
@@ -57,6 +60,8 @@ class RunEnv:
     unset: Tuple[str, ...] = ()
     #: the empty folder the stages that kill ranks get as CUDA_MPS_PIPE_DIRECTORY (made once)
     no_mps_dir: Optional[str] = None
+    #: False where a process outside the MPS server cannot use the GPU (an exclusive mode)
+    isolate: bool = True
 
     def env_for(self, exclusive: bool, kills_ranks: bool = False) -> Dict[str, Optional[str]]:
         """A stage's additions to its environment (None: a variable it must not inherit).
@@ -65,7 +70,7 @@ class RunEnv:
         if not exclusive:
             out.update(self.shared_env)
         out.update({k: None for k in self.unset})
-        if kills_ranks:
+        if kills_ranks and self.isolate:
             if self.no_mps_dir is None:
                 self.no_mps_dir = tempfile.mkdtemp(prefix="ncclpy-no-mps-")
             out.update(NCCLPY_MPS="off", CUDA_MPS_PIPE_DIRECTORY=self.no_mps_dir,
@@ -81,8 +86,15 @@ class RunEnv:
             shutil.rmtree(empty, ignore_errors=True)
 
 
+def compute_modes() -> List[str]:
+    """nvidia-smi's compute mode of each GPU ([] where nvidia-smi cannot say)."""
+    from .probe import nvidia_smi
+    return [row[0] for row in nvidia_smi(["compute_mode"]) if row]
+
+
 def prepare(jobs: int, capacity: int, env: Optional[Mapping[str, str]] = None,
-            mps_mode: str = "auto", biggest: int = 1) -> RunEnv:
+            mps_mode: str = "auto", biggest: int = 1,
+            modes: Optional[Callable[[], List[str]]] = None) -> RunEnv:
     """The run's :class:`RunEnv`: the CTA limit when stages share the GPU (``jobs`` > 1 and the
     SM count is known), an MPS daemon when ``mps_mode`` allows one (``"off"``: none).
 
@@ -124,4 +136,10 @@ def prepare(jobs: int, capacity: int, env: Optional[Mapping[str, str]] = None,
         out.mps = setup
         out.all_env.update(setup.env)
         out.unset = tuple(setup.unset)
+    exclusive = [m for m in (modes or compute_modes)() if m.lower() != "default"]
+    if exclusive:
+        out.isolate = False
+        out.notes["mps"] += (f"; compute mode {exclusive[0]}: a process outside the MPS server "
+                             f"cannot use the GPU, so the stages that kill ranks run as its "
+                             f"clients too (one killed rank may fault the others)")
     return out

@@ -210,9 +210,14 @@ def test_check_compares_each_torch_nccl_backend(tmp_path):
     tbs = {t["name"]: t for t in h["torch_backends"]}
     assert list(tbs) == ["nccl", "nccl-legacy"], tbs
     assert tbs["nccl-legacy"]["implementation"] == "ProcessGroupNCCL", tbs
-    new = hasattr(dist, "ProcessGroupNCCL2") and os.environ.get("TORCH_DIST_USE_NCCL2") != "0"
-    assert tbs["nccl"]["implementation"] == ("ProcessGroupNCCL2" if new else
-                                             "ProcessGroupNCCL"), tbs
+    # which class "nccl" is depends on the torch build's default (pytorch#191272 added the
+    # new one behind TORCH_DIST_USE_NCCL2=1, #192281 made it the default): only the variable,
+    # when set, says which; the header must name what ran
+    assert tbs["nccl"]["implementation"] in ("ProcessGroupNCCL", "ProcessGroupNCCL2"), tbs
+    forced = os.environ.get("TORCH_DIST_USE_NCCL2")
+    if forced in ("0", "1") and hasattr(dist, "ProcessGroupNCCL2"):
+        assert tbs["nccl"]["implementation"] == ("ProcessGroupNCCL2" if forced == "1" else
+                                                 "ProcessGroupNCCL"), tbs
     for name, t in tbs.items():
         assert t["tables"] == D.tables_status(h["torch"], "nccl", t["implementation"]), t
         assert f"torch backend {name}: {t['implementation']}; " in p.stdout, out
