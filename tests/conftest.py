@@ -28,3 +28,29 @@ def store(server):
     from ncclpy.store import TCPStore
     with TCPStore(*server.address, timeout=10) as s:
         yield s
+
+
+_GUARDED = ("NCCLPY_", "NCCL_", "CUDA_", "TORCH_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_")
+
+
+def _guarded_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(_GUARDED)}
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_leak(request):
+    """A test that leaves an ncclpy/NCCL/CUDA/launcher variable changed in this process fails,
+    named, instead of a later test failing for it (2026-11-27: NCCLPY_TRACE_BUFFER=0 leaked and
+    every flight-recorder test after it failed)."""
+    before = _guarded_env()
+    yield
+    after = _guarded_env()
+    if after != before:
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        for k in changed:                       # put it back, so that only this test fails
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
+        pytest.fail(f"{request.node.nodeid} left the environment changed: " + ", ".join(
+            f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed), pytrace=False)
