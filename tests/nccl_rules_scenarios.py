@@ -1,4 +1,4 @@
-"""Scenarios of tests/nccl_standin_rules.md, each run the same way on the real libnccl and on the
+"""Scenarios of ncclpy/cpu/RULES.md, each run the same way on the real libnccl and on the
 STAND-IN (tests/nccl_standin.py): the differential stage of issue 35.
 
 Each :class:`Scenario` is tied to a row of the table (its ``row``: "F4", "E3", ...), calls NCCL only

@@ -1,6 +1,6 @@
 """NCCL's rules of concurrency and collectiveness that ncclpy's lifecycle keeps, on CPU through
 the faithful STAND-IN (tests/nccl_standin*.py; its rules and their NCCL sources:
-tests/nccl_standin_rules.md): suspend and resume are collective and asynchronous (issue 35's
+ncclpy/cpu/RULES.md): suspend and resume are collective and asynchronous (issue 35's
 defect 6), a nonblocking call blocked on a peer is timed by the watchdog (defect 8), no two
 threads inside NCCL on one communicator (defect 9), no event query that invalidates another
 thread's global-mode CUDA-graph capture (defect 10).  The abort that never frees a handle a

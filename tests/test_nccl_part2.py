@@ -2,7 +2,7 @@
 shrink / grow, suspend / resume / memory statistics -- ncclpy's own logic (arguments, version
 gates, ordering, lifecycle: window before communicator, revoke then shrink, double close, no
 finalize or destroy of a revoked communicator) through the call path over the STAND-IN for
-libnccl and CUDA (tests/nccl_standin.py, tests/nccl_standin_part2.py) on thread-ranks.  What
+libnccl and CUDA (tests/nccl_standin.py, ncclpy/cpu/part2.py) on thread-ranks.  What
 needs a GPU is in tests/gpu/test_part2_gpu.py; one-sided RMA is tests/test_nccl_rma.py."""
 from __future__ import annotations
 

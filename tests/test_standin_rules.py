@@ -1,5 +1,5 @@
 """Every scenario of tests/nccl_rules_scenarios.py on the STAND-IN (CPU): its observation must be
-the one NCCL's source gives (the row of tests/nccl_standin_rules.md it names).  The same
+the one NCCL's source gives (the row of ncclpy/cpu/RULES.md it names).  The same
 scenarios run on the real libnccl in tests/gpu/test_standin_differential.py."""
 from __future__ import annotations
 

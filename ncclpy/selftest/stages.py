@@ -120,7 +120,7 @@ STAGES: Tuple[Stage, ...] = (
     Stage("standin-diff", "real NCCL vs the CPU stand-in: the rules table's scenarios", "pytest",
           240, 60, ranks=1, paths=(_DIFF,),
           notes="tests/nccl_rules_scenarios.py on 1-rank communicators (one process): each "
-                "observation must equal NCCL's source (tests/nccl_standin_rules.md) and the "
+                "observation must equal NCCL's source (ncclpy/cpu/RULES.md) and the "
                 "stand-in's"),
     Stage("check4", "ncclpy check -n 4 --backend nccl, bit for bit against torch", "pytest",
           360, 90, ranks=4, paths=(_CHECK,), worlds=(4,), checks=(4,),

@@ -1,7 +1,7 @@
 """STAND-IN's C boundary: each stand-in NCCL function is reached through a real C function
 pointer called with ncclpy's own ctypes declarations (:data:`ncclpy._nccl.functions.FUNCTIONS`).
 
-:class:`StandInCDLL` plays ``ctypes.CDLL`` for :class:`ncclpy._nccl.lib.NcclLib`: its
+:class:`CpuCDLL` plays ``ctypes.CDLL`` for :class:`ncclpy._nccl.lib.NcclLib`: its
 attribute ``ncclX`` is a foreign function object at the address of a C callback
 (``CFUNCTYPE`` with the declared restype and argtypes) that runs the stand-in's ``_ncclX``.
 ``NcclLib.fn`` sets ``restype`` and ``argtypes`` on it exactly as on the real libnccl, so every
@@ -12,7 +12,7 @@ where a typed pointer is declared, or a Structure where ``c_void_p`` is, raises
 (``out[0] = value``), a ``UniqueId`` copy for the by-value id.
 
 A Python exception inside a callback cannot cross C (ctypes would print it and return
-garbage): it is kept, the call returns ncclInternalError, and :meth:`StandInCDLL.raise_pending`
+garbage): it is kept, the call returns ncclInternalError, and :meth:`CpuCDLL.raise_pending`
 (called by ``standin()`` on exit) re-raises the first one, so a stand-in bug never passes as
 success.  It never makes a GPU test pass.
 """
@@ -24,12 +24,12 @@ from typing import Any, Callable, Dict, List
 
 from ncclpy._nccl.functions import FUNCTIONS
 
-__all__ = ["StandInCDLL", "INTERNAL_ERROR"]
+__all__ = ["CpuCDLL", "INTERNAL_ERROR"]
 
 INTERNAL_ERROR = 3
 
 
-class StandInCDLL:
+class CpuCDLL:
     """``ctypes.CDLL`` of the stand-in libnccl (``impls``: an object with ``_ncclX`` methods,
     ``enter(name, impl, args)``: the bookkeeping wrapper every call goes through)."""
 

@@ -1,5 +1,5 @@
 """STAND-IN for libnccl (the C functions under ``ncclpy._nccl.lib.NcclLib``): the libnccl half
-of tests/nccl_standin.py's stand-in (see there).  CPU tests of ncclpy's own logic only; it
+of ncclpy/cpu/engine.py's stand-in (see there).  CPU tests of ncclpy's own logic only; it
 never makes a GPU test pass.
 """
 from __future__ import annotations
@@ -15,16 +15,16 @@ from ncclpy._nccl import lib as _lib
 from ncclpy._nccl.config import NcclConfigStruct
 from ncclpy._nccl.group import SimInfoStruct
 
-from nccl_standin_abi import StandInCDLL
+from .abi import CpuCDLL
 
-from nccl_standin import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM,
-                          UNHANDLED_CUDA, StandIn, _Comm, _Mem, _World)
+from .engine import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM,
+                          UNHANDLED_CUDA, Engine, _Comm, _Mem, _World)
 
-from nccl_standin_part2 import (StandInPart2, PART2_HANDLE_FIRST,  # noqa: E402
+from .part2 import (Part2, PART2_HANDLE_FIRST,  # noqa: E402
                                  PART2_HANDLE_LAST, _rma_cfg_of)
-from nccl_standin_colls import StandInColls, live_ops  # noqa: E402
+from .colls import Colls, live_ops  # noqa: E402
 
-__all__ = ["StandInNccl"]
+__all__ = ["CpuNccl"]
 
 
 class _NcclError(Exception):
@@ -35,14 +35,14 @@ class _NcclError(Exception):
         self.status = status
 
 
-class StandInNccl(StandInColls, StandInPart2, _lib.NcclLib):
+class CpuNccl(Colls, Part2, _lib.NcclLib):
     """:class:`ncclpy._nccl.lib.NcclLib` with its C library replaced by the engine's
-    (:class:`nccl_standin_abi.StandInCDLL`: C function pointers bound with ncclpy's own
+    (:class:`ncclpy.cpu.abi.CpuCDLL`: C function pointers bound with ncclpy's own
     declarations, so every argument goes through ctypes as for the real call).  Everything
     NcclLib builds on top (``fn``, errors, checks, async_error, init through
     ``ncclCommInitRankConfig``, repair of the group depth) is NcclLib's own code."""
 
-    def __init__(self, eng: StandIn) -> None:
+    def __init__(self, eng: Engine) -> None:
         self.e = eng
         self.path = "stand-in libnccl"
         self.version = eng.version
@@ -50,8 +50,8 @@ class StandInNccl(StandInColls, StandInPart2, _lib.NcclLib):
         self._fns = {}
         self._seen_error = ""
         self.last_text = b""
-        # NcclLib.fn binds these exactly as the real libnccl's exports (see nccl_standin_abi)
-        self.cdll = StandInCDLL(self, self._enter)
+        # NcclLib.fn binds these exactly as the real libnccl's exports (see ncclpy.cpu.abi)
+        self.cdll = CpuCDLL(self, self._enter)
         self.cupy_nccl = SimpleNamespace(NcclError=_NcclError, NcclCommunicator=self._cupy_comm,
                                          get_version=lambda: eng.version,
                                          check_status=self._cupy_check)
@@ -435,7 +435,7 @@ class StandInNccl(StandInColls, StandInPart2, _lib.NcclLib):
         ops, t.group = t.group, []
         code = self._submit(ops)
         rma, t.rma = t.rma, []
-        for thunk in rma:             # one-sided calls, window tasks (nccl_standin_part2)
+        for thunk in rma:             # one-sided calls, window tasks (ncclpy.cpu.part2)
             got = thunk()
             if isinstance(got, int) and got != SUCCESS and code in (SUCCESS, IN_PROGRESS):
                 code = got            # a failed task fails the group end; else in progress

@@ -1,10 +1,10 @@
-"""STAND-IN for NCCL 2.27-2.32's host API part 2 (a mixin of tests/nccl_standin_lib.py's
-StandInNccl): split, shrink / revoke / grow, suspend / resume / memory statistics, and
-(tests/nccl_standin_windows.py) symmetric windows and one-sided RMA -- for CPU tests of
+"""STAND-IN for NCCL 2.27-2.32's host API part 2 (a mixin of ncclpy/cpu/nccl.py's
+CpuNccl): split, shrink / revoke / grow, suspend / resume / memory statistics, and
+(ncclpy/cpu/windows.py) symmetric windows and one-sided RMA -- for CPU tests of
 ncclpy's own logic (ordering, lifecycle, arguments, what reaches NCCL) on thread-ranks.  It
 never makes a GPU test pass.
 
-What it models (each rule and its NCCL source: tests/nccl_standin_rules.md): a nonblocking
+What it models (each rule and its NCCL source: ncclpy/cpu/RULES.md): a nonblocking
 parent's split or shrink returns 0 and writes the child only once it is initialized, the
 parent in progress meanwhile; revoke stops blocked calls (the abort flag, reset once they
 returned) and is in progress for a few polls on a nonblocking communicator; shrink forms the
@@ -22,12 +22,12 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Dict, Tuple
 
-from nccl_standin import INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM, _World
+from .engine import INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM, _World
 from ncclpy._nccl.config import NcclConfigStruct
 
-from nccl_standin_windows import StandInWindows
+from .windows import Windows
 
-__all__ = ["StandInPart2", "PART2_HANDLE_FIRST", "PART2_HANDLE_LAST"]
+__all__ = ["Part2", "PART2_HANDLE_FIRST", "PART2_HANDLE_LAST"]
 
 
 def _config(cfg: int) -> NcclConfigStruct:
@@ -68,7 +68,7 @@ _OK_SUSPENDED = ("ncclCommResume", "ncclCommMemStats", "ncclCommAbort",
                  "ncclCommGetAsyncError")
 
 
-class StandInPart2(StandInWindows):
+class Part2(Windows):
     """The part-2 calls (``self.e``: the engine)."""
 
     e: Any

@@ -1,8 +1,8 @@
 """STAND-IN for NCCL's symmetric windows and one-sided RMA (2.27-2.32): a mixin of
-tests/nccl_standin_part2.py's StandInPart2 (see there and tests/nccl_standin.py).  Window
+ncclpy/cpu/part2.py's Part2 (see there and ncclpy/cpu/engine.py).  Window
 registration is collective, ordered and a group task (dev_runtime.cc); RMA calls go through
 ncclEnqueueCheck's and rmaTaskAppend's refusals (enqueue.cc) and join the thread's group as
-collective work.  Each rule and its NCCL source: tests/nccl_standin_rules.md (rows N, O).  CPU
+collective work.  Each rule and its NCCL source: ncclpy/cpu/RULES.md (rows N, O).  CPU
 tests of ncclpy's own logic only; it never makes a GPU test pass.
 """
 from __future__ import annotations
@@ -11,13 +11,13 @@ import ctypes
 import time
 from typing import Any, Callable, Dict
 
-from nccl_standin import (_BY_ENUM, INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
+from .engine import (_BY_ENUM, INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
                           SYSTEM, _Item)
 
-__all__ = ["StandInWindows"]
+__all__ = ["Windows"]
 
 
-class StandInWindows:
+class Windows:
     """Windows and RMA calls (``self.e``: the engine; ``_p2``, ``_comm2``, ``_ready``,
     ``_group_err``, ``_in_progress``: the other mixins')."""
 

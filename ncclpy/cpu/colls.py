@@ -1,5 +1,5 @@
-"""STAND-IN for libnccl's collectives and send/recv (a mixin of tests/nccl_standin_lib.py's
-StandInNccl; see tests/nccl_standin.py): ncclEnqueueCheck's refusals (revoked, EnsureReady,
+"""STAND-IN for libnccl's collectives and send/recv (a mixin of ncclpy/cpu/nccl.py's
+CpuNccl; see ncclpy/cpu/engine.py): ncclEnqueueCheck's refusals (revoked, EnsureReady,
 ArgsCheck), what joins the thread's group, and the stream items the engine runs.  CPU tests of
 ncclpy's own logic only; it never makes a GPU test pass.
 """
@@ -9,14 +9,14 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Tuple
 
-from nccl_standin import (_BY_ENUM, INVALID_ARG, INVALID_USAGE, SUCCESS, _Comm, _Item, _Op)
+from .engine import (_BY_ENUM, INVALID_ARG, INVALID_USAGE, SUCCESS, _Comm, _Item, _Op)
 
-__all__ = ["StandInColls", "live_ops", "maker"]
+__all__ = ["Colls", "live_ops", "maker"]
 
 
-class StandInColls:
+class Colls:
     """The collective and p2p calls (``self.e``: the engine; ``_ready``, ``_group_err`` and
-    ``_in_progress`` come from StandInNccl)."""
+    ``_in_progress`` come from CpuNccl)."""
 
     e: Any
 
