@@ -408,6 +408,9 @@ def _open_ncclpy_store(store_type: Any, info: RendezvousInfo, token: Optional[st
 
 
 def _gpu_count() -> int:
+    from ncclpy.cpu.backend import installed
+    if installed():         # the CPU backend: a rank's device label is its local rank
+        return 0
     try:
         from ncclpy.launch.placement import visible_gpu_count
     except ImportError:  # pragma: no cover - placement ships with ncclpy
@@ -417,13 +420,14 @@ def _gpu_count() -> int:
 
 def _check_device_arg(device: Any) -> None:
     """An explicit ``device=`` must be a GPU index: fail before any rendezvous, precisely."""
-    if device is None:
+    if device is None or (isinstance(device, str) and device.strip().lower() == "cpu"):
         return
     if isinstance(device, bool) or not isinstance(device, numbers.Integral):
-        raise ArgumentTypeError(f"device: expected None or an int GPU index >= 0, got "
+        raise ArgumentTypeError(f"device: expected None, an int GPU index >= 0 or 'cpu', got "
                                 f"{type(device).__name__} {device!r}")
     if device < 0:
-        raise ArgumentError(f"device: expected None or an int GPU index >= 0, got {device}")
+        raise ArgumentError(f"device: expected None, an int GPU index >= 0 or 'cpu', got "
+                            f"{device}")
 
 
 def _pick_device(info: RendezvousInfo, explicit: bool) -> int:

@@ -45,6 +45,9 @@ def init(name: str = "default", config: Optional[Config] = None,
     * ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr``,
       ``master_port``, ``env``, ``device``, ``generation``: override what the environment says
       (:func:`ncclpy.resolve`).
+    * ``device="cpu"`` (or ``$NCCLPY_DEVICE=cpu``, as ``ncclpy run --cpu`` sets it): the CPU
+      backend (:mod:`ncclpy.cpu`): the same API on host buffers, NCCL's semantics without a
+      GPU, for the whole process.
 
     Raises, before any rendezvous: ArgumentError / ArgumentTypeError for its own arguments,
     MissingDependencyError (no CuPy/libnccl), CudaUnavailableError (no GPU); then
@@ -53,7 +56,12 @@ def init(name: str = "default", config: Optional[Config] = None,
     checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
     watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
     from ..bootstrap import _check_device_arg, bootstrap
+    from ..cpu.backend import install, wants_cpu
     _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
+    on_cpu = wants_cpu(resolve_kwargs.get("device"))
+    if on_cpu:
+        resolve_kwargs["device"] = None     # each rank's label: its local rank
+        install()
     from ..rendezvous.scalable import SCALABLE_FROM, check_unique_ids, exchange_unique_ids
     check_unique_ids(unique_ids)
     if from_torch is not None:
@@ -67,7 +75,8 @@ def init(name: str = "default", config: Optional[Config] = None,
     lib = get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     if unique_ids > 1 and lib.version < SCALABLE_FROM:
         require_version("ncclCommInitRankScalable", lib.version, lib.path)
-    _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
+    if not on_cpu:
+        _require_gpu(name)  # so is a missing GPU: peers are not kept waiting for a rank that cannot
     if from_torch is not None:
         from ..rendezvous.torch_group import bootstrap_from_torch
         bs = bootstrap_from_torch(from_torch, name, timeout=timeout, **resolve_kwargs)

@@ -19,12 +19,15 @@ success.  It never makes a GPU test pass.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from typing import Any, Callable, Dict, List
 
 from ncclpy._nccl.functions import FUNCTIONS
 
 __all__ = ["CpuCDLL", "INTERNAL_ERROR"]
+
+log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = 3
 
@@ -65,6 +68,8 @@ class CpuCDLL:
             try:
                 r = self._enter(name, impl, cargs)
             except BaseException as e:  # noqa: B902 - cannot cross C; re-raised on exit
+                log.error("CPU engine: %s raised %s: %s", name, type(e).__name__, e,
+                          exc_info=True)
                 self.errors.append(e)
                 return None if restype is None else (0 if text else INTERNAL_ERROR)
             if text:

@@ -34,9 +34,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import numerics as nm
-from .. import reference as R
 from ..dtypes import DTYPES
 from ..ops import RedOp
+from .reduce import reduce as fast_reduce
 
 __all__ = ["Engine", "Graph", "SUCCESS", "UNHANDLED_CUDA", "SYSTEM", "INTERNAL", "INVALID_ARG",
            "INVALID_USAGE", "REMOTE", "IN_PROGRESS"]
@@ -197,20 +197,29 @@ class Engine:
                         it.done, changed = True, True
                     elif it.kind == "wait" and it.ready():
                         it.done, changed = True, True
-                at_head = [op for it in heads.values() if it.kind == "nccl" for op in it.ops
-                           if not op.done]
-                by_key: Dict[Tuple[Any, ...], List[_Op]] = defaultdict(list)
-                for op in at_head:
+                changed = self._advance([it for it in heads.values() if it.kind == "nccl"]) \
+                    or changed
+
+    def _advance(self, items: List[_Item]) -> bool:
+        """Run the NCCL ops of the stream heads ``items`` whose partners are all at the heads of
+        their streams (ranks of this process); True when something ran.  The cross-process
+        engine (:mod:`ncclpy.cpu.transport`) overrides it."""
+        changed = False
+        by_key: Dict[Tuple[Any, ...], List[_Op]] = defaultdict(list)
+        for it in items:
+            for op in it.ops:
+                if not op.done:
                     by_key[op.key].append(op)
-                for key, ops in by_key.items():
-                    if self.ready(key, ops):           # every participant is at its head
-                        self._execute(ops)
-                        for op in ops:
-                            op.done = True
-                        changed = True
-                for it in heads.values():
-                    if it.kind == "nccl" and all(op.done for op in it.ops):
-                        it.done, changed = True, True
+        for key, ops in by_key.items():
+            if self.ready(key, ops):           # every participant is at its head
+                self._execute(ops)
+                for op in ops:
+                    op.done = True
+                changed = True
+        for it in items:
+            if all(op.done for op in it.ops):
+                it.done, changed = True, True
+        return changed
 
     def ready(self, key: Tuple[Any, ...], ops: List[_Op]) -> bool:
         """Whether the NCCL op ``key`` can run: all ``key[-1]`` participants are at the heads of
@@ -239,45 +248,50 @@ class Engine:
         wire, isz = dt.name, dt.itemsize
 
         def read(ptr: int, k: int) -> np.ndarray:
-            bits = np.frombuffer(ctypes.string_at(ptr, k * isz), dtype=dt.view).copy()
-            return nm.from_bits(bits, wire)
+            # a view, not a copy: every result below is a new array, made before any write
+            if not k:
+                return nm.from_bits(np.zeros(0, dt.view), wire)
+            raw = (ctypes.c_char * (k * isz)).from_address(ptr)
+            return nm.from_bits(np.frombuffer(raw, dtype=dt.view), wire)
 
-        def write(ptr: int, arr: np.ndarray) -> None:
-            b = nm.as_bits(np.asarray(arr), wire).tobytes()
-            if b:
-                ctypes.memmove(ptr, b, len(b))
+        def write(ptr: Optional[int], arr: np.ndarray) -> None:
+            if not ptr:                        # another process's rank: it writes its own
+                return
+            b = np.ascontiguousarray(nm.as_bits(np.asarray(arr), wire))
+            if b.nbytes:
+                ctypes.memmove(ptr, b.ctypes.data, b.nbytes)
         if name in ("AllReduce", "Reduce", "ReduceScatter"):
             total = count * n if name == "ReduceScatter" else count
             ins = [read(o.args["send"], total) for o in ops]
             op, sb = self._op(a["op"])
-            res = R.reduce_arrays(ins, op, wire, n, scalar_bits=sb)
+            res = fast_reduce(ins, op, wire, n, scalar_bits=sb)
             for o in ops:
                 if name == "AllReduce":
-                    write(o.args["recv"], res)
+                    write(o.args.get("recv"), res)
                 elif name == "Reduce" and o.rank == a["root"]:
-                    write(o.args["recv"], res)
+                    write(o.args.get("recv"), res)
                 elif name == "ReduceScatter":
-                    write(o.args["recv"], res[o.rank * count:(o.rank + 1) * count])
+                    write(o.args.get("recv"), res[o.rank * count:(o.rank + 1) * count])
         elif name == "Broadcast":
             data = read(ops[a["root"]].args["send"], count)
             for o in ops:
-                write(o.args["recv"], data)
+                write(o.args.get("recv"), data)
         elif name == "AllGather":
             data = np.concatenate([read(o.args["send"], count) for o in ops])
             for o in ops:
-                write(o.args["recv"], data)
+                write(o.args.get("recv"), data)
         elif name == "AlltoAll":
             ins = [read(o.args["send"], count * n) for o in ops]
             for o in ops:
-                write(o.args["recv"], np.concatenate(
+                write(o.args.get("recv"), np.concatenate(
                     [ins[s][o.rank * count:(o.rank + 1) * count] for s in range(n)]))
         elif name == "Gather":
             data = np.concatenate([read(o.args["send"], count) for o in ops])
-            write(ops[a["root"]].args["recv"], data)
+            write(ops[a["root"]].args.get("recv"), data)
         elif name == "Scatter":
             data = read(ops[a["root"]].args["send"], count * n)
             for o in ops:
-                write(o.args["recv"], data[o.rank * count:(o.rank + 1) * count])
+                write(o.args.get("recv"), data[o.rank * count:(o.rank + 1) * count])
         else:  # pragma: no cover
             self.violations.append(f"stand-in has no {name}")
 

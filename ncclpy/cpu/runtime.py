@@ -59,6 +59,9 @@ class CpuRuntime:
     """``ncclpy._nccl.cuda``'s object, on host memory and queues (see the module docstring)."""
 
     name = "standin"
+    #: True in a CPU-backend process (buffers are host arrays); False for the tests' stand-in,
+    #: which poses as a GPU (buffers export __cuda_array_interface__)
+    host_buffers = False
 
     def __init__(self, eng: Engine) -> None:
         self.e = eng
@@ -223,6 +226,8 @@ class CpuRuntime:
                                                                                      None)))
 
     def zeros_float32(self, count: int, device: int) -> Any:
+        if self.host_buffers:               # the product: host memory is the device's
+            return np.zeros(count, np.float32)
         return DevArray(np.zeros(count, np.float32), device)
 
     def thread_capture_mode_local(self) -> bool:

@@ -510,7 +510,8 @@ def resolve(rank: Optional[int] = None, world_size: Optional[int] = None,
                             + mpi_hint + ")")
 
     dev = _check_arg("device", device, 0, col)
-    if dev is None and device is None:
+    if dev is None and device is None and (col.raw("NCCLPY_DEVICE") or "").strip().lower() \
+            != "cpu":                       # "cpu": the CPU backend's (ncclpy.cpu)
         dev = col.integer("NCCLPY_DEVICE", 0)
 
     if col.problems:

@@ -1,0 +1,285 @@
+"""One rank's end of a communicator across processes: its control block and payloads in shared
+memory, its view of its peers' (the CPU engine's data channel; the store never carries data).
+
+Protocol (every field has one writer, so no cross-process atomics are needed; on x86 stores
+become visible in program order, and each flag is written after the data it announces):
+
+* each rank posts one stream item at a time: it copies what its peers need (a collective's
+  send buffer, a send's bytes) into its payload segment, writes a descriptor (JSON: one entry
+  per operation, with its key, what must agree, offset and size), then bumps ``seq``;
+* a peer whose own stream head holds the matching operation reads the entry (a collective once
+  every rank posted it; a recv once its send is posted), computes its own result with
+  :mod:`ncclpy.reference` and, once it has consumed every entry meant for it, writes
+  ``acks[poster] = seq`` in its own control block;
+* the poster's item is complete when its own results are written and every reader acked; only
+  then may it post the next one (so a payload is never overwritten while a peer reads it).
+
+Payload segments are named with their creator's pid and stay named while the communicator
+lives (a peer maps one when it first needs it); :func:`sweep` removes those of dead processes.
+A collective whose function, dtype, count, root or op differ between ranks never matches: the
+ranks wait, as NCCL would hang, and the first sight of it is logged.  Control block (int64):
+``HDR`` fields, then ``acks[N]``, ``attached[N]``, then the descriptor bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from .shm import Segment
+
+__all__ = ["Channel", "DESC_MAX", "segment_prefix", "sweep"]
+
+log = logging.getLogger(__name__)
+
+HDR = 16
+F_MAGIC, F_SEQ, F_GEN, F_DLEN, F_PID, F_N, F_CLOSED = range(7)
+F_VOTE = 8                      # two vote slots of (seq, color, key): fields 8..13
+MAGIC = 0x6E63636C70790001      # "ncclpy" v1
+#: the largest descriptor of one stream item (bytes)
+DESC_MAX = 1 << 18
+_MIN_DATA = 1 << 16
+
+
+def segment_prefix(uid: bytes) -> str:
+    """The shared-memory name prefix of the communicator with unique id ``uid``."""
+    return "/ncclpy-" + hashlib.blake2b(bytes(uid), digest_size=8).hexdigest()
+
+
+def sweep(root: str = "/dev/shm") -> int:
+    """Unlink the payload segments of processes that are gone (a killed job's); how many."""
+    import re
+    n = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        m = re.fullmatch(r"ncclpy-[0-9a-f]{16}-\d+-d\d+-p(\d+)", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(root, name))
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+class _Peer:
+    """What this rank maps of one peer: its control block and its current payload segment."""
+
+    def __init__(self, ctl: Segment, n: int) -> None:
+        self.ctl = ctl
+        self.f = (ctypes.c_int64 * (HDR + 2 * n)).from_address(ctl.addr)
+        self.data: Optional[Segment] = None
+        self.gen: Optional[str] = None   # the name of the payload segment mapped
+        self.desc_seq = 0                  # nothing posted yet
+        self.desc: Dict[str, Dict[str, Any]] = {}
+        self.mine: Set[str] = set()        # entries of its posted item meant for this rank
+        self.consumed: Set[str] = set()
+
+
+class Channel:
+    """Rank ``rank`` of the ``n``-rank communicator with unique id ``uid``, in this process."""
+
+    def __init__(self, uid: bytes, rank: int, n: int) -> None:
+        self.rank, self.n = rank, n
+        self.prefix = segment_prefix(uid)
+        self.size = (HDR + 2 * n) * 8 + DESC_MAX
+        self.ctl = Segment.create(f"{self.prefix}-{rank}", self.size)
+        self.f = (ctypes.c_int64 * (HDR + 2 * n)).from_address(self.ctl.addr)
+        self.f[F_PID], self.f[F_N] = os.getpid(), n
+        self.f[F_MAGIC] = MAGIC
+        self.peers: Dict[int, _Peer] = {}
+        self.connected = n == 1
+        self.data: Optional[Segment] = None
+        self.old: List[Segment] = []       # payload segments peers may still map
+        self.gen = 0
+        self.seq = 0
+        self.posted: Optional[int] = None  # the posted item's id
+        self.readers: Set[int] = set()
+        self.nvotes = 0
+        self.warned: Set[str] = set()
+        self.closed = False
+
+    # -- connecting ---------------------------------------------------------------------------
+    def connect_step(self) -> bool:
+        """Map the peers that exist, announce it; True once every peer mapped this rank too
+        (then this rank's name is unlinked)."""
+        if self.connected:
+            return True
+        for p in range(self.n):
+            if p == self.rank or p in self.peers:
+                continue
+            seg = Segment.attach(f"{self.prefix}-{p}")
+            if seg is None:
+                continue
+            if seg.size < (HDR + 2 * self.n) * 8:
+                seg.close()
+                continue
+            peer = _Peer(seg, self.n)
+            if peer.f[F_MAGIC] != MAGIC:     # created, not yet initialised
+                seg.close()
+                continue
+            if peer.f[F_N] != self.n:
+                log.warning("CPU backend: rank %d of %s says %d ranks, this rank %d", p,
+                            self.prefix, peer.f[F_N], self.n)
+                seg.close()
+                continue
+            self.peers[p] = peer
+            self.f[HDR + self.n + p] = 1
+        if len(self.peers) < self.n - 1:
+            return False
+        if all(peer.f[HDR + self.n + self.rank] for peer in self.peers.values()):
+            self.ctl.unlink()
+            self.connected = True
+        return self.connected
+
+    def missing(self) -> List[int]:
+        """The ranks not mapped yet (for a timeout's message)."""
+        return [p for p in range(self.n) if p != self.rank and p not in self.peers]
+
+    # -- posting --------------------------------------------------------------------------------
+    def post(self, item_id: int, entries: List[Tuple[Dict[str, Any], int, int]]) -> bool:
+        """Post a stream item: ``entries`` of (descriptor entry, source address, bytes); False
+        while the previous item is not acked."""
+        if self.posted is not None:
+            return False
+        need = sum(nb for _, _, nb in entries)
+        if self.data is None or self.data.size < need:
+            self._grow(need)
+        off, desc = 0, []
+        for entry, src, nb in entries:
+            if nb:
+                ctypes.memmove(self.data.addr + off, src, nb)
+            desc.append(dict(entry, o=off, b=nb, g=self.data.name))
+            off += (nb + 63) & ~63
+        raw = json.dumps(desc, separators=(",", ":")).encode()
+        if len(raw) > DESC_MAX:
+            raise RuntimeError(f"CPU backend: one stream item of {len(desc)} operations needs a "
+                               f"{len(raw)}-byte descriptor; at most {DESC_MAX}")
+        ctypes.memmove(self.ctl.addr + (HDR + 2 * self.n) * 8, raw, len(raw))
+        self.f[F_DLEN] = len(raw)
+        self.f[F_GEN] = self.gen
+        self.seq += 1
+        self.f[F_SEQ] = self.seq          # last: the announcement
+        self.posted = item_id
+        self.readers = set()
+        for entry in desc:
+            to = entry["to"]              # -1: every rank; -2: nobody (a recv)
+            self.readers.update(range(self.n) if to == -1 else () if to < 0 else (to,))
+        self.readers.discard(self.rank)
+        for seg in self.old:              # every peer acked the items that used them
+            seg.close()
+        self.old = []
+        return True
+
+    def _grow(self, need: int) -> None:
+        size = _MIN_DATA
+        while size < need:
+            size *= 2
+        if self.data is not None:
+            self.old.append(self.data)
+        self.gen += 1
+        self.data = Segment.create(f"{self.prefix}-{self.rank}-d{self.gen}-p{os.getpid()}", size)
+
+    def acked(self) -> bool:
+        """Whether every reader of the posted item acked it; then the slot is free."""
+        if self.posted is None:
+            return True
+        for p in self.readers:
+            if self.peers[p].f[HDR + self.rank] < self.seq:
+                return False
+        self.posted = None
+        return True
+
+    # -- reading --------------------------------------------------------------------------------
+    def entry(self, p: int, key: str) -> Optional[Dict[str, Any]]:
+        """Peer ``p``'s posted entry ``key`` not consumed yet (None: not posted)."""
+        peer = self.peers[p]
+        seq = peer.f[F_SEQ]
+        if seq != peer.desc_seq:
+            n = peer.f[F_DLEN]
+            raw = ctypes.string_at(peer.ctl.addr + (HDR + 2 * self.n) * 8, n)
+            if peer.f[F_SEQ] != seq:       # posted again while read (not meant for us)
+                return None
+            desc = json.loads(raw)
+            peer.desc = {e["k"]: e for e in desc}
+            peer.mine = {e["k"] for e in desc if e["to"] in (-1, self.rank)}
+            peer.consumed = set()
+            peer.desc_seq = seq
+        if key in peer.consumed:
+            return None
+        return peer.desc.get(key)
+
+    def address(self, p: int, e: Dict[str, Any]) -> int:
+        """Where the payload of peer ``p``'s entry ``e`` is mapped in this process."""
+        peer = self.peers[p]
+        if peer.gen != e["g"]:
+            seg = Segment.attach(e["g"])
+            if seg is None:
+                raise RuntimeError(f"CPU backend: rank {p}'s payload segment {e['g']} is gone")
+            if peer.data is not None:
+                peer.data.close()
+            peer.data, peer.gen = seg, e["g"]
+        return peer.data.addr + e["o"]
+
+    def consume(self, p: int, key: str) -> None:
+        """Entry ``key`` of peer ``p`` was read; ack its item once all meant for us were."""
+        peer = self.peers[p]
+        peer.consumed.add(key)
+        if peer.mine <= peer.consumed:
+            self.f[HDR + p] = peer.desc_seq
+
+    def warn_once(self, what: str) -> None:
+        if what not in self.warned:
+            self.warned.add(what)
+            log.warning("CPU backend: %s", what)
+
+    # -- votes (ncclCommSplit's colour and key, exchanged before the child exists) ------------
+    def vote(self, tag: int, color: int, key: int) -> None:
+        """Post this rank's vote for the split ``tag`` (the parent's call sequence, +1)."""
+        slot = F_VOTE + 3 * (self.nvotes % 2)
+        self.nvotes += 1
+        self.f[slot + 1], self.f[slot + 2] = color, key
+        self.f[slot] = tag
+
+    def votes(self, tag: int, nth: int) -> Optional[Dict[int, Tuple[int, int]]]:
+        """Every peer's vote for split number ``nth`` (``tag``), or None while one is missing."""
+        slot = F_VOTE + 3 * (nth % 2)
+        out = {}
+        for p, peer in self.peers.items():
+            if peer.f[slot] != tag:
+                return None
+            out[p] = (int(peer.f[slot + 1]), int(peer.f[slot + 2]))
+        return out
+
+    # -- closing --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unlink and unmap everything (idempotent); no address from it may be used after."""
+        if self.closed:
+            return
+        self.closed = True
+        self.f[F_CLOSED] = 1
+        for peer in self.peers.values():
+            if peer.data is not None:
+                peer.data.close()
+            peer.f = None
+            peer.ctl.close()
+        self.peers.clear()
+        for seg in self.old + ([self.data] if self.data is not None else []):
+            seg.close()
+        self.old, self.data = [], None
+        self.f = None
+        self.ctl.close()

@@ -1,0 +1,337 @@
+"""The CPU engine across processes: each process runs the engine for its own ranks, and the
+ranks of a communicator meet through :class:`ncclpy.cpu.channel.Channel` (shared memory): the
+data moves between the processes' memory directly, never through the store.
+
+:class:`ProcEngine` replaces :meth:`Engine._advance` (what runs at the stream heads):
+an item of a communicator with peers elsewhere is posted to its channel, its operations run
+once their partners posted theirs (a collective computes its result with
+:mod:`ncclpy.reference` from every rank's input, a recv copies its send's bytes), and it
+completes once every reader acked it.  A device thread plays the GPU: it drives posted work
+while nobody waits on it, so a result is written without a host wait, as a kernel would.
+:class:`ProcNccl` makes the parts of NCCL's host API that meet other ranks (init, split)
+go through the channel; the calls it cannot carry across processes (grow, windows and
+one-sided RMA) are refused in one line.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from .channel import Channel
+from .engine import IN_PROGRESS, INTERNAL, INVALID_USAGE, SUCCESS, SYSTEM, Engine, _Item, \
+    _Op, _World, _BY_ENUM
+from .nccl import CpuNccl
+
+__all__ = ["ProcEngine", "ProcNccl", "INIT_TIMEOUT"]
+
+log = logging.getLogger(__name__)
+
+#: seconds ncclCommInitRank waits for every rank's channel (ncclpy's rendezvous came first)
+INIT_TIMEOUT = 120.0
+
+# elements of a collective's send buffer its peers read (x count), for the root only (root)
+_SEND_ELEMS = {"AllReduce": (1, False), "Reduce": (1, False), "Broadcast": (1, True),
+               "ReduceScatter": (0, False), "AllGather": (1, False), "AlltoAll": (0, False),
+               "Gather": (1, False), "Scatter": (0, True)}
+
+
+def stable_id(uid: bytes) -> int:
+    """A communicator's id from its unique id, the same in every process."""
+    return int.from_bytes(hashlib.blake2b(bytes(uid), digest_size=6).digest(), "little")
+
+
+class _Violations(list):
+    """The engine's record of broken NCCL rules, in a product process: each one is logged
+    (as an error: ncclpy or the user's program broke a rule NCCL would not survive), and only
+    the last 100 are kept."""
+
+    def append(self, what: str) -> None:
+        log.error("CPU backend: NCCL rule broken: %s", what)
+        super().append(what)
+        if len(self) > 100:
+            del self[:-100]
+
+
+class ProcEngine(Engine):
+    """The engine of one process whose ranks meet other processes' through channels."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.calls = deque(maxlen=1000)             # a product process: bounded
+        self.violations = _Violations()
+        self.nccl = ProcNccl(self)
+        self.channels: Dict[int, Channel] = {}       # comm handle -> its channel
+        self.members: Dict[Tuple[int, int], int] = {}  # (world id, rank) -> comm handle
+        self.splits: List[Tuple[Channel, int, int, _World, int]] = []
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.failures = 0
+
+    # -- the device thread ---------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether anything waits on another process (posted work, votes, connections)."""
+        return bool(self.splits) or any(
+            any(not it.done and it.kind in ("nccl", "wait") for it in q)
+            for q in self.streams.values())
+
+    def kick(self) -> None:
+        """Wake the device thread (started on first use)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._device, name="ncclpy-cpu-device",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _device(self) -> None:
+        delay = 0.0
+        while True:
+            if delay:
+                self._wake.wait(delay)
+            self._wake.clear()
+            try:
+                with self.lock:
+                    before = self._state()
+                    self.progress()
+                    busy = self.busy()
+                    moved = self._state() != before
+            except Exception as e:  # noqa: BLE001 - an engine bug: said, and the GPU goes on
+                self.failures += 1
+                if self.failures <= 3:
+                    log.error("CPU backend: the device thread failed: %s: %s", type(e).__name__,
+                              e, exc_info=True)
+                busy, moved = True, False
+                delay = 0.01
+            if not busy:
+                self._wake.wait()
+                delay = 0.0
+            elif moved:
+                delay = 0.0
+            else:
+                delay = min(max(delay * 2, 2e-5), 1e-3)
+
+    def _state(self) -> Tuple[int, int]:
+        return (sum(len(q) for q in self.streams.values()), len(self.splits))
+
+    def enqueue(self, stream: int, make: Any, device: Optional[int] = None) -> Optional[_Item]:
+        item = super().enqueue(stream, make, device)
+        self.kick()
+        return item
+
+    # -- what runs at the stream heads -----------------------------------------------------------
+    def progress(self) -> None:
+        with self.lock:
+            for ch, tag, nth, sw, nranks in list(self.splits):
+                got = ch.votes(tag, nth)
+                if got is not None:
+                    for p, v in got.items():
+                        sw.joined.setdefault(-1 - p, v)
+                    self.splits.remove((ch, tag, nth, sw, nranks))
+            for h, ch in self.channels.items():
+                c = self.comms.get(h)
+                if not ch.connected and c is not None and not c.freed and ch.connect_step():
+                    for p in range(c.world.nranks):
+                        c.world.joined.setdefault(p, -1)
+            super().progress()
+
+    def _advance(self, items: List[_Item]) -> bool:
+        local, changed = [], False
+        for it in sorted(items, key=lambda i: i.id):
+            h = self.members.get((it.ops[0].key[0], it.ops[0].rank)) if it.ops else None
+            c = self.comms.get(h) if h is not None else None
+            ch = self.channels.get(h) if h is not None else None
+            if ch is None:
+                local.append(it)
+                continue
+            if c.freed or ch.closed:         # an aborted kernel ends; the stream goes on
+                it.done, changed = True, True
+                continue
+            changed = self._advance_item(it, ch) or changed
+        return super()._advance(local) or changed
+
+    def _advance_item(self, it: _Item, ch: Channel) -> bool:
+        changed = False
+        if ch.posted != it.id:
+            if not ch.connected or not ch.post(it.id, [self._entry(op) for op in it.ops]):
+                return False
+            changed = True
+        for op in it.ops:
+            if op.done or (op.kind == "p2p" and op.args["dir"] == "send"):
+                continue
+            if (self._run_coll(op, ch) if op.kind == "coll" else self._run_recv(op, ch)):
+                op.done, changed = True, True
+        if all(op.done for op in it.ops if not (op.kind == "p2p" and op.args["dir"] == "send")) \
+                and ch.acked():
+            for op in it.ops:
+                op.done = True
+            it.done, changed = True, True
+        return changed
+
+    @staticmethod
+    def _key(op: _Op) -> str:
+        return repr(op.key[1:])
+
+    @staticmethod
+    def _meta(op: _Op) -> List[Any]:
+        a = op.args
+        return [a["fn"], a["dtype"], a["count"], a.get("root", -1), a.get("_opdesc")]
+
+    def _entry(self, op: _Op) -> Tuple[Dict[str, Any], int, int]:
+        """The descriptor entry of ``op``, and the bytes its peers read (address, size)."""
+        if op.kind == "p2p":
+            a = op.args
+            if a["dir"] == "send":
+                return {"k": self._key(op), "to": op.key[3]}, a["buf"], a["nbytes"]
+            return {"k": "r" + self._key(op), "to": -2}, 0, 0
+        a = op.args
+        per, root_only = _SEND_ELEMS[a["fn"]]
+        n = op.key[-1]
+        elems = a["count"] * (per or n)
+        if root_only and op.rank != a["root"]:
+            elems = 0
+        nb = elems * _BY_ENUM[a["dtype"]].itemsize
+        return {"k": self._key(op), "to": -1, "m": self._meta(op)}, a["send"] or 0, nb
+
+    def _run_coll(self, op: _Op, ch: Channel) -> bool:
+        k, meta = self._key(op), self._meta(op)
+        found = {}
+        for p in range(ch.n):
+            if p == ch.rank:
+                continue
+            e = ch.entry(p, k)
+            if e is None:
+                return False
+            if e["m"] != meta:
+                ch.warn_once(f"collective {k} of rank {p} is {e['m']}, rank {ch.rank}'s is "
+                             f"{meta}: they do not match, and wait (NCCL would hang)")
+                return False
+            found[p] = e
+        ops = [op]
+        for p, e in found.items():
+            args = dict(op.args, send=ch.address(p, e) if e["b"] else None, recv=None)
+            ops.append(_Op(op.key, p, "coll", args))
+        self._execute(ops)
+        for p in found:
+            ch.consume(p, k)
+        return True
+
+    def _run_recv(self, op: _Op, ch: Channel) -> bool:
+        k = self._key(op)
+        src = op.key[2]
+        e = ch.entry(src, k)
+        if e is None:
+            return False
+        n = op.args["nbytes"]
+        if e["b"] != n:
+            self.violations.append(f"send of {e['b']} bytes matched a recv of {n}")
+            ch.warn_once(f"rank {src} sent {e['b']} bytes to rank {ch.rank}, which receives "
+                         f"{n}: NCCL's counts must match")
+        if min(n, e["b"]):
+            import ctypes
+            ctypes.memmove(op.args["buf"], ch.address(src, e), min(n, e["b"]))
+        ch.consume(src, k)
+        return True
+
+
+class ProcNccl(CpuNccl):
+    """The CPU libnccl of a :class:`ProcEngine`: communicators get a channel."""
+
+    e: ProcEngine
+
+    def _join(self, nranks: int, uid: bytes, rank: int, nonblocking: bool) -> int:
+        e = self.e
+        with e.lock:
+            if uid not in e.worlds:
+                w = _World(uid, nranks)
+                w.id = stable_id(uid)
+                e.worlds[uid] = w
+        h = super()._join(nranks, uid, rank, nonblocking)
+        if nranks > 1:
+            with e.lock:
+                e.channels[h] = Channel(uid, rank, nranks)
+                e.members[(e.comms[h].world.id, rank)] = h
+            e.kick()
+        return h
+
+    def _wait_world(self, c: Any, timeout: float = INIT_TIMEOUT) -> int:
+        ch = self.e.channels.get(c.handle)
+        if ch is None:
+            return super()._wait_world(c, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.e.lock:
+                self.e.progress()
+                if ch.connected:
+                    return SUCCESS
+            if c.abort_flag:
+                return INTERNAL
+            if time.monotonic() > deadline:
+                self.last_text = (f"CPU backend: ranks {ch.missing()} of {ch.n} never joined "
+                                  f"within {timeout:g} s").encode()
+                return SYSTEM
+            time.sleep(0.001)
+
+    def _call(self, fn: str, h: int, stream: int, **args: Any) -> int:
+        if "op" in args:
+            args["_opdesc"] = self._opdesc(args["op"], args["dtype"])
+        return super()._call(fn, h, stream, **args)
+
+    def _opdesc(self, op: int, dtype: int) -> Any:
+        """What must agree about a reduction op between processes (a PreMulSum's handle is
+        local: its scalar and dtype are what count)."""
+        if op in self.e.premul:
+            scalar, dt = self.e.premul[op]
+            return ["premul", bytes(scalar).hex(), dt]
+        return op
+
+    def _ncclCommSplit(self, h: int, color: int, key: int, out: Any, cfg: Any) -> int:
+        e = self.e
+        c = e.comms.get(int(h or 0))
+        ch = e.channels.get(int(h or 0))
+        if c is not None and ch is not None and not c.freed:
+            with e.lock:
+                tag = (c.world.id, "split", c.coll_seq)
+                sw = e.worlds.setdefault(repr(tag).encode(), _World(repr(tag).encode(), 0))
+                nth = ch.nvotes
+                ch.vote(c.coll_seq + 1, int(color), int(key))
+                e.splits.append((ch, c.coll_seq + 1, nth, sw, c.world.nranks))
+            e.kick()
+        return super()._ncclCommSplit(h, color, key, out, cfg)
+
+    def _refuse(self, h: int, call: str) -> int:
+        if int(h or 0) in self.e.channels:
+            self.last_text = (f"{call}: not supported by ncclpy's CPU backend between "
+                              f"processes").encode()
+            return INVALID_USAGE
+        return -1
+
+    def _ncclCommGrow(self, h: int, *a: Any) -> int:
+        code = self._refuse(h, "ncclCommGrow")
+        return code if code >= 0 else super()._ncclCommGrow(h, *a)
+
+    def _ncclCommWindowRegister(self, h: int, *a: Any) -> int:
+        code = self._refuse(h, "ncclCommWindowRegister")
+        return code if code >= 0 else super()._ncclCommWindowRegister(h, *a)
+
+    def _close_channel(self, h: int) -> None:
+        with self.e.lock:
+            ch = self.e.channels.get(int(h or 0))
+            if ch is not None:
+                ch.close()
+
+    def _ncclCommDestroy(self, h: int) -> int:
+        code = super()._ncclCommDestroy(h)
+        if code == SUCCESS:
+            self._close_channel(h)
+        return code
+
+    def _ncclCommAbort(self, h: int) -> int:
+        code = super()._ncclCommAbort(h)
+        self._close_channel(h)
+        return code
+
+
+_ = IN_PROGRESS
