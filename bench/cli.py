@@ -31,7 +31,10 @@ TESTS_TYPE_NAMES = dict(TESTS_NAMES)
 OPS = ("sum", "prod", "max", "min", "avg")
 BACKENDS = ("ncclpy", "cupy", "torch")
 _BACKEND_ALIASES = {"cupy_raw": "cupy", "torch_dist": "torch", "gloo": "torch",
-                    "torch.distributed": "torch"}
+                    "torch-gloo": "torch", "torch.distributed": "torch"}
+#: what each backend is with --device cpu (cupy has no CPU form)
+CPU_FORMS = {"ncclpy": "ncclpy's CPU backend, ncclpy.init(device='cpu')",
+             "torch": "torch.distributed's gloo"}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -146,10 +149,13 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     p = OneLineParser(
         prog=prog,
         description="nccl-tests-compatible collective benchmark over ncclpy, raw CuPy NCCL and "
-                    "torch.distributed. Sizes take K/M/G suffixes (powers of 1024).",
+                    "torch.distributed. Sizes take K/M/G suffixes (powers of 1024). With "
+                    "--device cpu: ncclpy's CPU backend and torch's gloo (CPU figures, not "
+                    "NCCL's).",
         epilog=f"Examples: {prog} all_reduce -b 8 -e 128M -f 2 --nproc 2 | "
                f"{prog} all_gather --backend ncclpy,torch -J out.json --plot out.png | "
-               f"{prog} all_reduce --device cpu --backend torch --nproc 2 -b 1K -e 1M -f 4")
+               f"{prog} all_reduce --device cpu --backend ncclpy,torch --nproc 2 -b 1K -e 1M "
+               f"-f 4")
     p.add_argument("collective", help="collective to run: " + ", ".join(registry.names())
                    + " (nccl-tests stems such as all_reduce_perf or alltoall also work); a "
                    "comma-separated list or 'all' runs several in turn, one table each, and "
@@ -186,9 +192,11 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                    help="start N ranks here (ncclpy.spawn); without it, run as the ranks of an "
                         "outer launcher (ncclpy run, torchrun, mpirun, srun) or as a single rank")
     x.add_argument("--backend", default=None,
-                   help="comma-separated backends: ncclpy, cupy (raw cupy.cuda.nccl), torch "
-                        "(torch.distributed: NCCL on cuda, gloo on cpu). Several alternate per "
-                        "size and ratios are printed. Default: ncclpy on cuda, torch on cpu")
+                   help="comma-separated backends: ncclpy (on cpu: its CPU backend, "
+                        "ncclpy.init(device='cpu'), not NCCL), cupy (raw cupy.cuda.nccl; cuda "
+                        "only), torch (torch.distributed: NCCL on cuda, gloo on cpu; alias "
+                        "gloo, torch-gloo). Several alternate per size and ratios are printed. "
+                        "Default: ncclpy on cuda, torch on cpu")
     x.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where buffers live (default auto: cuda when a GPU is visible)")
     x.add_argument("--timer", default="host", choices=("host", "events"),
@@ -361,10 +369,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
     backends = flagged("backend", parse_backends, a.backend) if a.backend else (
         ["ncclpy"] if device == "cuda" else ["torch"])
     if device == "cpu":
-        bad = [b for b in backends if b != "torch"]
-        if bad:
-            raise ArgumentError(f"{p.flag('backend')} {','.join(bad)} needs --device cuda (a "
-                                f"GPU); on cpu only the torch backend (gloo) runs")
+        _refuse_on_cpu(p, a, backends)
         if a.cudagraph:
             raise ArgumentError(f"{p.flag('cudagraph')}: CUDA graphs are unsupported with "
                                 f"--device cpu")
@@ -406,6 +411,35 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
         cta_policy=cta_policy, agg_iters=nt.agg_iters, run_cycles=nt.run_cycles,
         blocking=nt.blocking, parallel_init=nt.parallel_init, report_cputime=nt.report_cputime,
         report_timestamps=nt.report_timestamps, argv=[prog, *argv])
+
+
+def _refuse_on_cpu(p: Any, a: Any, backends: Sequence[str]) -> None:
+    """With --device cpu: the backends without a CPU form (cupy), and the flags that drive
+    NCCL itself (algorithm, estimate, registration, memory statistics, CTA policy), refused in
+    one line naming the flag as typed."""
+    where = "--device cpu" if a.device == "cpu" else "--device auto (cpu: no GPU here)"
+    bad = [b for b in backends if b not in CPU_FORMS]
+    if bad:
+        forms = "; ".join(f"{k}: {v}" for k, v in CPU_FORMS.items())
+        raise ArgumentError(f"{p.flag('backend')} {a.backend}: {', '.join(bad)} needs a GPU "
+                            f"(raw CuPy NCCL has no CPU form); with {where} expected "
+                            f"{' or '.join(CPU_FORMS)} ({forms})")
+    nccl_only = (("algo", a.algo is not None, "forces NCCL's algorithm"),
+                 ("predict", a.predict, "adds NCCL's estimate"),
+                 ("local_register", a.local_register != 0, "registers buffers with NCCL"),
+                 ("memory_report", a.memory_report != 0, "reports NCCL's memory"),
+                 ("cta_policy", a.cta_policy is not None, "sets NCCL's CTA policy"))
+    if a.device == "auto" and "ncclpy" in backends:   # never CPU figures by accident
+        raise ArgumentError(f"{p.flag('backend')} {a.backend}: no usable GPU here "
+                            f"({_no_gpu_reason() or 'none visible'}); --device cpu runs "
+                            f"ncclpy's CPU backend (CPU figures, not NCCL's)")
+    for dest, given, what in nccl_only:
+        if given:
+            value = {"algo": a.algo, "local_register": a.local_register,
+                     "memory_report": a.memory_report, "cta_policy": a.cta_policy}.get(dest)
+            shown = p.flag(dest) + ("" if value is None else f" {value}")
+            raise ArgumentError(f"{shown}: {what}, and {where} runs no NCCL (ncclpy's CPU "
+                                f"backend, torch's gloo); expected --device cuda on a GPU")
 
 
 def _ncclpy_flags(p: Any, a: Any, backends: Sequence[str], collectives: Sequence[str]) -> tuple:

@@ -70,14 +70,16 @@ def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: in
                  maxbytes: int, stepfactor: int, stepbytes: int, warmup: int, iters: int,
                  check: int, graph: int, devices: Sequence[Dict[str, object]],
                  version: str, agg_iters: int = 1, blocking: int = 0,
-                 parallel_init: int = 0) -> List[str]:
+                 parallel_init: int = 0, notes: Sequence[str] = ()) -> List[str]:
     """The preamble nccl-tests prints before the table (run parameters, ``-z`` and ``-p``
-    lines, devices)."""
+    lines, devices); ``notes``: what the figures are where they are not NCCL's (``--device
+    cpu``), one ``# `` line each after the first."""
     from bench.nccl_tests_flags import BLOCKING_LINES
     step = f"{stepfactor}(factor)" if stepfactor > 1 else f"{stepbytes}(bytes)"
     out = [f"# ncclpy bench {version} (nccl-tests format) backend={backends} "
-           f"nccl-library={nccl_version}",
-           f"# Collective test starting: {program}",
+           f"nccl-library={nccl_version}"]
+    out += [f"# {n}" for n in notes]
+    out += [f"# Collective test starting: {program}",
            f"# nThread 1 nGpus 1 minBytes {minbytes} maxBytes {maxbytes} step: {step} "
            f"warmup iters: {warmup} iters: {iters} agg iters: {agg_iters} validation: {check} "
            f"graph: {graph}"]

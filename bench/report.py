@@ -123,7 +123,12 @@ def _json_doc(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: in
         "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
         "algorithm": cfg.algo, "registration": cfg.register, "cta_policy": cfg.cta_policy,
         "blocking": cfg.blocking, "run_cycles": cfg.run_cycles, "timeout": cfg.timeout,
-        "stream_timeout": cfg.sync_timeout}
+        "stream_timeout": cfg.sync_timeout,
+        "notes": {b.label: b.note for b in backends if getattr(b, "note", "")}}
+    cpu = [b for b in backends if getattr(b, "label", "") == "ncclpy/cpu-backend"]
+    if cpu:          # what ran instead of NCCL, in so many words
+        ext["cpu_backend"] = {"ran": True, "nccl": False, "gpu": False, "note": cpu[0].note,
+                              "models_nccl": cpu[0].models()}
     if cfg.register:
         ext["registered"] = list(getattr(backends[0], "registered_seen", [0, 0]))
     if cfg.memory_report:

@@ -25,7 +25,7 @@ from ncclpy.dtypes import DTYPES, TESTS_NAMES
 from ncclpy.errors import ArgumentError
 
 from bench import output, verify
-from bench.backends import Backend, Buffers, get_backend, layout
+from bench.backends import CPU_BACKEND_MODULES, Backend, Buffers, get_backend, layout
 from bench.output import Row, Side
 from bench.report import AVERAGE_NAMES, finish, per_collective_path, version
 
@@ -467,8 +467,9 @@ def run_rank(cfg: SweepConfig) -> int:
     device = _pick_device(cfg.device, local_rank, ldev)
     backends: List[Backend] = []
     try:
+        table = CPU_BACKEND_MODULES if cfg.device == "cpu" else None
         for name in cfg.backends:
-            b = get_backend(name)
+            b = get_backend(name, table)
             b.algorithm, b.register, b.cta_policy = cfg.algo, cfg.register, cfg.cta_policy
             if hasattr(b, "sync_timeout"):
                 b.sync_timeout = cfg.sync_timeout        # -T: bounds each stream sync
@@ -483,6 +484,7 @@ def run_rank(cfg: SweepConfig) -> int:
         devices = _device_report(coord, rank, backends[0], device)
         nccl_version = backends[0].nccl_version()
         label = ",".join(b.label for b in backends)
+        notes = [f"{b.label}: {b.note}" for b in backends if b.note]
         code = 0
         for n, name in enumerate(cfg.collectives):
             start = output.now()
@@ -497,7 +499,7 @@ def run_rank(cfg: SweepConfig) -> int:
                         stepbytes=cfg.stepbytes, warmup=cfg.warmup_iters, iters=cfg.iters,
                         check=cfg.check, graph=cfg.cudagraph, devices=devices,
                         version=version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
-                        parallel_init=cfg.parallel_init):
+                        parallel_init=cfg.parallel_init, notes=notes):
                     print(line)
                 for line in output.table_header(state.multi, cfg.predict, cfg.report_cputime,
                                                       cfg.report_timestamps):

@@ -109,7 +109,7 @@ def test_parse_args_all_and_names():
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["all_reduce", "--device", "cpu", "--backend", "ncclpy"], "needs --device cuda"),
+    (["all_reduce", "--device", "cpu", "--backend", "cupy"], "cupy needs a GPU"),
     (["all_reduce", "--device", "cpu", "-G", "2"], "unsupported with --device cpu"),
     (["all_reduce", "--device", "cpu", "--timer", "events"], "unsupported with --device cpu"),
     (["all_reduce", "--device", "cpu", "-o", "band"], "^-o: "),

@@ -44,7 +44,8 @@ pytestmark = pytest.mark.timeout(300)
     (["-D", "1"], "-D 1: nccl-tests' own device-API kernels are not offered"),
     (["-V", "32"], "-V 32: goes with -D"),
     (["-T", "0"], "-T: expected seconds > 0, got '0' (nccl-tests' 0, no limit, is not offered"),
-    (["-x", "1"], "-x: needs --backend ncclpy only"),
+    (["--device", "cuda", "--backend", "torch", "-x", "1"], "-x: needs --backend ncclpy only"),
+    (["-x", "1"], "-x 1: sets NCCL's CTA policy, and --device cpu runs no NCCL"),
     (["--device", "cuda", "-x", "3"], "-x: '3' is not a CTA policy"),
     (["--device", "cuda", "-z", "1", "-G", "2"], "-z 1: waits between the calls, which a CUDA "
                                                  "graph (-G) cannot hold"),

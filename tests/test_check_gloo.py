@@ -273,7 +273,8 @@ def test_report_row_and_summary(tmp_path):
     assert len(Rp.format_header_row().split()) >= 10
     counts = Rp.summarize([rec, dict(rec, status="pass"), dict(rec, status="error"),
                            dict(rec, status="within ULP")], skipped=4)
-    assert counts == {"cases": 4, "passed": 0, "passed_torch_only": 1, "failed": 1,
+    assert counts == {"cases": 4, "passed": 0, "passed_torch_only": 1, "passed_reference_only": 0,
+                      "failed": 1,
                       "within_ulp": 1, "torch_divergence": 1, "unsupported": 0, "skipped": 4,
                       "ncclpy_cases": 0}
     ran = Rp.summarize([dict(rec, status="pass", ncclpy_ran=True), dict(rec, status="pass")])

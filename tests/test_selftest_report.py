@@ -92,7 +92,8 @@ def test_check_summary(tmp_path):
     CR.write_json(str(f), _check_doc())
     c = P.check_summary(str(f))
     assert c["world_size"] == 2 and c["same_libnccl"] is True and c["exit_code"] == 0
-    assert c["summary"] == {"cases": 8, "passed": 5, "passed_torch_only": 0, "failed": 0,
+    assert c["summary"] == {"cases": 8, "passed": 5, "passed_torch_only": 0,
+                            "passed_reference_only": 0, "failed": 0,
                             "within_ulp": 0, "torch_divergence": 1, "unsupported": 2,
                             "skipped": 3, "ncclpy_cases": 8}
     assert c["nccl"] == "2.28.9" and c["seconds"] == 97.5

@@ -20,12 +20,16 @@ from ncclpy.dtypes import DTYPES
 from ncclpy.errors import ArgumentError
 
 __all__ = ["Layout", "layout", "Buffers", "Backend", "get_backend", "host_dtype", "BACKEND_MODULES",
-           "OVERHEAD_BACKEND_MODULES"]
+           "CPU_BACKEND_MODULES", "OVERHEAD_BACKEND_MODULES"]
 
 #: the sweep's backends (``python -m bench``)
 BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyBackend",
                    "cupy": "bench.backends.cupy_raw:CupyBackend",
                    "torch": "bench.backends.torch_dist:TorchBackend"}
+#: the sweep's backends with ``--device cpu``: ncclpy on its CPU backend
+#: (``ncclpy.init(device="cpu")``) and torch on gloo; raw CuPy has no CPU form
+CPU_BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy_cpu:NcclpyCpuBackend",
+                       "torch": "bench.backends.torch_dist:TorchBackend"}
 #: ``python -m bench.overhead``'s backends: ncclpy twice (its defaults as ``ncclpy.init`` runs
 #: it, and with the watchdog and flight recorder off), the raw floor, torch and nccl4py
 OVERHEAD_BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyDefaultsBackend",
@@ -110,6 +114,9 @@ class Backend:
     supports_events = False
     #: what this backend runs with (bench.overhead's labels), e.g. "watchdog off"
     defaults = ""
+    #: what its figures are, said in the sweep's header and JSON ("" where it is NCCL's own:
+    #: e.g. ncclpy's CPU backend is not NCCL, torch's gloo is not NCCL)
+    note = ""
     #: how ``run`` hands the stream to the library once :meth:`use_stream` was called
     stream_form = "its own"
 

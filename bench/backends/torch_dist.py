@@ -49,6 +49,9 @@ class TorchBackend(Backend):
         self.label = f"torch/{self.pg_backend}"
         self.defaults = (f"torch.distributed's defaults (ProcessGroup"
                          f"{'NCCL' if self.cuda else 'Gloo'})")
+        if not self.cuda:
+            self.note = ("torch.distributed's gloo on CPU tensors: gloo figures, not NCCL "
+                         "figures; no GPU ran")
         if self.cuda:
             torch.cuda.set_device(device)
             self.tdevice = torch.device("cuda", device)

@@ -2,7 +2,8 @@
 inputs, compared byte for byte with each other and with :mod:`ncclpy.reference`.
 
 Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (one case on one rank),
-:mod:`.session` (a rank's whole run), :mod:`.divergences` (torch's known divergences and refusals,
+:mod:`.session` (a rank's whole run), :mod:`.cpu_side` (``--backend cpu``: ncclpy's side on its
+CPU backend against torch's gloo), :mod:`.divergences` (torch's known divergences and refusals,
 and the torch versions they were validated with),
 :mod:`.fairness` (pinned environment, same libnccl, placement under torchrun),
 :mod:`.torch_backends` (``--torch-backend``: torch's NCCL backends and the implementation each

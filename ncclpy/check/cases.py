@@ -5,6 +5,8 @@ Also the two tables that make the matrix honest:
 * :data:`GLOO_UNSUPPORTED` - what torch.distributed's gloo backend (torch 2.13, found by running
   every collective x dtype x op at 2 and 3 ranks) refuses, with the error it gives.  On CPU the
   matrix leaves those combinations out and ``ncclpy check --list-skips`` prints why.
+  With ``--backend cpu`` (ncclpy's CPU backend against torch's gloo) those combinations run on
+  ncclpy's side only, compared with the reference alone (:func:`torch_not_called`).
 * :data:`DIVERGENCES` (from :mod:`.divergences`) - cases where torch is known to differ from
   NCCL's semantics, each with a model of torch's wrong output; a case is reported as "torch
   divergence: <reason>" only when torch's bytes equal that model, otherwise as a mismatch.
@@ -30,7 +32,8 @@ from .divergences import DIVERGENCES, Divergence, divergence
 __all__ = ["Case", "build_matrix", "parse_sizes", "exact_claim", "gloo_skip_reason",
            "divergence", "Divergence", "GLOO_UNSUPPORTED", "DIVERGENCES", "DEFAULT_SIZES_CPU",
            "DEFAULT_SIZES_GPU", "ALL_DTYPES", "REDUCING_OPS", "PREMUL_SCALAR",
-           "uneven_counts", "ulp_tolerance", "COLLECTIVES", "FP8_REDUCTION_MIN_CC"]
+           "uneven_counts", "ulp_tolerance", "COLLECTIVES", "FP8_REDUCTION_MIN_CC", "BACKENDS",
+           "torch_family", "torch_not_called"]
 
 #: every logical dtype the matrix knows (NCCL's 12 plus torch's bool and complex mappings)
 ALL_DTYPES: Tuple[str, ...] = ALL_DTYPE_NAMES + ("bool", "complex32", "complex64", "complex128")
@@ -45,6 +48,16 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatte
                "all_to_all", "gather", "scatter", "send_recv", "barrier")
 #: NCCL's float8 reduction kernels need this compute capability (sm90)
 FP8_REDUCTION_MIN_CC = (9, 0)
+#: the check's backends: ``nccl`` (ncclpy on a GPU against torch's NCCL), ``gloo`` (torch's
+#: gloo against the reference; ncclpy does not run) and ``cpu`` (ncclpy's CPU backend,
+#: ``ncclpy.init(device="cpu")``, against torch's gloo and the reference)
+BACKENDS = ("nccl", "gloo", "cpu")
+
+
+def torch_family(backend: str) -> str:
+    """The torch backend a check backend compares with (the key of the divergence and refusal
+    tables): ``nccl`` for ``nccl``, ``gloo`` for ``gloo`` and ``cpu``."""
+    return "nccl" if backend == "nccl" else "gloo"
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,17 @@ def gloo_skip_reason(collective: str, dtype: Optional[str], op: Optional[str]) -
                 (ops == "*" or op in ops):   # type: ignore[operator]
             return why
     return ""
+
+
+def torch_not_called(backend: str, case: "Case") -> Optional[str]:
+    """Why the check does not call torch for ``case`` on ``backend`` (None: it does).  On
+    ``cpu``: what gloo cannot run (:data:`GLOO_UNSUPPORTED`), which ncclpy's CPU backend runs
+    and the reference alone judges; on ``nccl``: :data:`ncclpy.check.divergences.NOT_CALLED`."""
+    if backend == "cpu":
+        why = gloo_skip_reason(case.collective, case.dtype, case.op)
+        return why or None
+    from .divergences import not_called
+    return not_called(backend, case)
 
 
 # -- exactness ------------------------------------------------------------------------------
@@ -192,7 +216,7 @@ def _ops_for(collective: str, dtype: str, ops: Sequence[str]) -> List[Optional[s
 
 def _skip_reason(backend: str, coll: str, dt: str, op: Optional[str], scalar: float,
                  gpu_cc: Optional[Tuple[int, int]]) -> str:
-    if backend == "gloo":
+    if backend == "gloo":          # on cpu ncclpy runs them: torch_not_called
         why = gloo_skip_reason(coll, dt, op)
         if why:
             return why
@@ -215,14 +239,17 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
                  in_place: Optional[Sequence[bool]] = None,
                  premul_scalar: float = PREMUL_SCALAR,
                  gpu_cc: Optional[Tuple[int, int]] = None) -> Tuple[List[Case], List[dict]]:
-    """(cases, skipped) for ``world_size`` ranks on ``backend`` ("gloo" or "nccl").
+    """(cases, skipped) for ``world_size`` ranks on ``backend`` (one of :data:`BACKENDS`).
 
     ``skipped`` lists what the filters allow but the backend cannot run, with the reason: what
-    gloo refuses; premul_sum scalars the library refuses for a dtype (e.g. a non-integral one on
-    an integer type); on a GPU of compute capability ``gpu_cc`` below 9.0, float8 reductions.
+    gloo refuses (``gloo`` only: on ``cpu`` ncclpy runs those cases, see
+    :func:`torch_not_called`); premul_sum scalars the library refuses for a dtype (e.g. a
+    non-integral one on an integer type); on a GPU of compute capability ``gpu_cc`` below 9.0,
+    float8 reductions.
     ``in_place`` None: both variants where they differ for the side being tested (on gloo only
     all_gather and reduce_scatter, whose torch calls differ; torch's all_reduce, reduce and
-    broadcast are in place by nature, gather/scatter take lists).
+    broadcast are in place by nature, gather/scatter take lists; on nccl and cpu, where ncclpy
+    runs, both for every collective but send_recv).
 
     ``ops`` selects what the reducing collectives run; data movement ignores the op, so with
     ``ops`` given and ``collectives`` None only the reducing collectives (all_reduce, reduce,
@@ -230,6 +257,8 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
     A collective named in ``collectives`` always runs (once per case, whatever ``ops`` says).
     """
     n = world_size
+    if backend not in BACKENDS:
+        raise ArgumentError(f"--backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     if collectives is None and ops is not None:
         collectives = [c for c in COLLECTIVES if registry.get(c).reduces]
     colls = [registry.get(c).name for c in (collectives or COLLECTIVES)]

@@ -7,7 +7,9 @@ the rank the environment names (under torchrun, which places nothing, the placem
 says so at once, first on stderr; a failure to meet the other ranks is one line, exit status 2
 (:mod:`ncclpy.check.launched`: the variables are often left over from another job).  With a
 GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one torch's
-gloo backend is checked against the reference on CPU.
+gloo backend is checked against the reference on CPU.  ``--backend cpu`` runs ncclpy on its
+CPU backend (``ncclpy.init(device="cpu")``, no GPU) against torch's gloo and the reference
+(:mod:`ncclpy.check.cpu_side`).
 
 Every argument is checked before anything starts (the ``--json`` file included); a bad one is
 one line naming the flag as typed, exit status 2.  Ctrl-C: one line, exit status 130; a closed
@@ -78,9 +80,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("-n", "--nprocs", type=int_at_least(1, "a number of ranks >= 1"),
                    default=None, metavar="N",
                    help="ranks to start (default: WORLD_SIZE under a launcher, else 2)")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="torch backend: nccl (GPU, with the ncclpy column) or gloo (CPU); "
-                        "auto picks nccl when a GPU is visible")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo", "cpu"), default="auto",
+                   help="nccl: ncclpy on a GPU vs torch's NCCL; gloo: torch's gloo vs the "
+                        "reference (ncclpy does not run); cpu: ncclpy's CPU backend "
+                        "(ncclpy.init(device='cpu'), not NCCL, no GPU) vs torch's gloo and the "
+                        "reference; auto picks nccl when a GPU is visible, else gloo")
     p.add_argument("--torch-backend", default=None, metavar="NAMES",
                    help=f"GPU: torch's NCCL backends to check, each against ncclpy and the "
                         f"reference (comma list of {', '.join(TB.TORCH_NCCL_BACKENDS)}; default "
@@ -211,14 +215,17 @@ def _torch_backends(parser: OneLineParser, ns: argparse.Namespace, backend: str,
         names = TB.parse_torch_backends(text)
     except ValueError as e:
         parser.error(f"{flag}: {e}")
+    if backend == "cpu":            # the run's choice first: its torch side is gloo
+        parser.error(f"{flag} {text}: torch's NCCL backends run on a GPU (--backend nccl); "
+                     f"this run's backend is cpu (--backend cpu), whose torch side is gloo")
     version, offered = TB.offered_backends()
     bad = TB.refusal(names, version, offered)
     if bad:
         parser.error(f"{flag} {text}: {bad}")
     if backend != "nccl":
-        because = "--backend gloo" if ns.backend == "gloo" else (why or "no GPU")
+        because = f"--backend {ns.backend}" if ns.backend != "auto" else (why or "no GPU")
         parser.error(f"{flag} {text}: torch's NCCL backends run on a GPU (--backend nccl); "
-                     f"this run's backend is gloo ({because})")
+                     f"this run's backend is {backend} ({because}), whose torch side is gloo")
     return names
 
 
@@ -332,16 +339,23 @@ def _main(argv: List[str]) -> int:
     backend = ns.backend if ns.backend != "auto" else ("nccl" if gpu else "gloo")
     if backend == "nccl" and not gpu:
         parser.error(f"{parser.flag('backend')} nccl: {why}")
+    if backend == "cpu" and not (ns.list or ns.list_skips):
+        from .cpu_side import unavailable
+        cpu_why = unavailable()
+        if cpu_why:
+            parser.error(f"{parser.flag('backend')} cpu: {cpu_why}")
     if ns.require_ncclpy and backend == "gloo":
         if ns.backend == "gloo":
             parser.error(f"{parser.flag('require_ncclpy')} with {parser.flag('backend')} gloo: "
-                         f"the gloo run never runs ncclpy; expected --backend nccl or auto")
+                         f"the gloo run never runs ncclpy; expected --backend nccl, cpu or auto")
         if not (ns.list or ns.list_skips):
             sys.stderr.write(f"{PROG}: FAILED: {parser.flag('require_ncclpy')}: ncclpy cannot run "
-                             f"on this machine ({why}); nothing was run\n")
+                             f"on this machine ({why}; --backend cpu runs ncclpy's CPU "
+                             f"backend instead); nothing was run\n")
             return 1
     torch_backends = _torch_backends(parser, ns, backend, why)
-    cfg = _config(parser, ns, n, backend, "" if backend == "nccl" else (why or "backend gloo"))
+    cfg = _config(parser, ns, n, backend,
+                  "" if backend in ("nccl", "cpu") else (why or "backend gloo"))
     cfg["torch_backends"] = torch_backends
     if ns.list or ns.list_skips:
         return _list(cfg, ns.list_skips)

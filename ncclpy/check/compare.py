@@ -15,6 +15,9 @@ Status rules, in order:
   UnsupportedError/VersionError for ncclpy);
 * ``unsupported`` (not counted): a known refusal; on a GPU ncclpy must still match the
   reference, else ``fail``;
+* ``reference only`` (``--backend cpu``; counted apart, never as passed): gloo cannot run the
+  case, so torch was not called, and ncclpy's CPU backend matched the reference bit for bit on
+  every rank (else ``fail``);
 * ``torch divergence`` (not counted): torch differs from the reference *and* equals, on every
   rank, the output the documented divergence predicts, and that prediction itself differs from
   the reference wherever torch does; ncclpy must match the reference;
@@ -163,7 +166,7 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
     """Combine every rank's verdicts into one table record (see the module docstring)."""
     from .divergences import divergence, known_refusal
     n, backend = ctx["n"], ctx["backend"]
-    gpu = ctx.get("comm") is not None
+    gpu = ctx.get("comm") is not None          # ncclpy ran (on a GPU, or its CPU backend)
     rec: Dict[str, Any] = {"case": {k: getattr(case, k) for k in
                                     ("collective", "dtype", "op", "scalar", "count", "size_label",
                                      "root", "in_place", "variant")},
@@ -209,11 +212,15 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
         if gpu and not ncclpy_ok:
             rec.update(status="fail", reason=f"ncclpy != reference on rank(s) "
                                              f"{_ranks(parts, n_ref)}; " + unsupported[0] + note)
+        elif _reference_only(backend, parts) and rec.get("ncclpy_ref") is True:
+            why = parts[0]["torch_not_called"]
+            rec.update(status="reference only",
+                       reason=f"ncclpy == reference; torch not compared: {why}")
         else:
             rec.update(status="unsupported", reason=unsupported[0])
         return rec
 
-    div = divergence(backend, case, n)
+    div = divergence(C.torch_family(backend), case, n)
     # a divergence explains torch's output only where torch equals its prediction and the
     # prediction really differs from NCCL's semantics (never a difference of the harness)
     explained = _eq(t_pred) is True and all(
@@ -247,6 +254,13 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
                    f"({div.model})")
     rec.update(status="fail", reason="; ".join(bad or ["mismatch"]) + note)
     return rec
+
+
+def _reference_only(backend: str, parts: List[Dict[str, Any]]) -> bool:
+    """Whether the only thing missing is torch, not called on purpose on every rank (on the
+    CPU backend: gloo cannot run the case), and ncclpy ran without an exception."""
+    return backend == "cpu" and all("torch_not_called" in p and "torch_exc" not in p and
+                                    "ncclpy_exc" not in p for p in parts)
 
 
 def _merge_barrier(rec: Dict[str, Any], parts: List[Dict[str, Any]], gpu: bool) -> Dict[str, Any]:

@@ -18,13 +18,13 @@ from ..dtypes import SHORT_NAMES
 from .cases import ALL_DTYPES, COLLECTIVES
 from .report import WIDTH, plural
 
-__all__ = ["SYMBOLS", "LEGEND", "DTYPE_ABBREV", "symbol_of", "matrix_lines", "problem_lines",
-           "Progress"]
+__all__ = ["SYMBOLS", "LEGEND", "LEGEND_REFERENCE_ONLY", "DTYPE_ABBREV", "symbol_of",
+           "matrix_lines", "problem_lines", "Progress"]
 
 #: status -> matrix symbol, most serious first (a cell shows its most serious case)
 SYMBOLS: Tuple[Tuple[str, str], ...] = (
     ("fail", "X"), ("torch divergence", "d"), ("within ULP", "~"), ("unsupported", "u"),
-    ("pass", "."), ("skipped", "s"), ("none", "-"))
+    ("reference only", "r"), ("pass", "."), ("skipped", "s"), ("none", "-"))
 _RANK = {sym: i for i, (_, sym) in enumerate(SYMBOLS)}
 LEGEND = ("legend: . passed bit for bit   d torch divergence (predicted, not a failure)   "
           "X failed\n"
@@ -32,6 +32,9 @@ LEGEND = ("legend: . passed bit for bit   d torch divergence (predicted, not a f
           "cannot run it)\n"
           "        - no such case    (a cell shows the most serious of its cases: ops, sizes, "
           "roots, in place)")
+#: the legend's line for ``r`` (printed only where a cell shows it: ``--backend cpu``)
+LEGEND_REFERENCE_ONLY = ("        r ncclpy == reference bit for bit; torch not compared (gloo "
+                         "cannot run it)")
 #: short column titles of the matrix: the dtypes' short names (:data:`ncclpy.dtypes.SHORT_NAMES`,
 #: each accepted by ``--dtypes`` as the same dtype)
 DTYPE_ABBREV: Dict[str, str] = dict(SHORT_NAMES)
@@ -40,12 +43,14 @@ _CELL = 5            # width of a dtype column
 _KINDS = (("X", "failed"), ("d", "torch divergences (torch's documented wrong output; not "
                                  "failures)"),
           ("~", "within ULP tolerance (these cases are not claimed exact)"),
-          ("u", "unsupported (torch's known refusals)"))
+          ("u", "unsupported (torch's known refusals)"),
+          ("r", "ncclpy vs the reference only (torch cannot run them: not compared, not "
+                "passed)"))
 #: the titles where the tables were not validated with the run's torch
 _KINDS_FOUND = (_KINDS[0], ("d", "torch divergences found (tables not validated with this "
                                  "torch; not failures)"),
                 _KINDS[2], ("u", "unsupported (refusals the tables name; not validated with "
-                                 "this torch)"))
+                                 "this torch)"), _KINDS[4])
 _MAX_DETAILS = 8
 
 
@@ -84,6 +89,8 @@ def matrix_lines(records: Iterable[Dict[str, Any]], skipped: Iterable[Dict[str, 
         out.append(f"{coll:<{_LABEL}}" + "".join(f"{cells.get((coll, d), '-'):>{_CELL}}"
                                                  for d in dts))
     out += LEGEND.splitlines()
+    if "r" in cells.values():
+        out.append(LEGEND_REFERENCE_ONLY)
     if dts:
         out.append("        dtypes: i/u int/uint, f float, bf16 bfloat16, e4m3/e5m2 float8, "
                    "c complex (bits)")
@@ -137,6 +144,9 @@ def problem_lines(records: Iterable[Dict[str, Any]], skipped: Sequence[Dict[str,
             continue
         n = sum(len(v) for _, v in mine)
         out += ["", f"{title}: {plural(n, 'case')}"]
+        if sym == "r":                  # many combinations, few reasons: one entry per reason
+            out += _by_reason(mine)
+            continue
         for (_, coll, dt, op, reason), details in mine:
             shown = ", ".join(details[:_MAX_DETAILS]) + (", ..." if len(details) > _MAX_DETAILS
                                                          else "")
@@ -151,6 +161,25 @@ def problem_lines(records: Iterable[Dict[str, Any]], skipped: Sequence[Dict[str,
                     f"{plural(len(skipped), 'combination')}"]
         for reason, names in by_reason.items():
             out += _wrap(f"  s {', '.join(names)}: {reason}", indent="      ")
+    return out
+
+
+def _by_reason(groups: List[Tuple[Tuple[str, str, str, str, str], List[str]]]) -> List[str]:
+    """``r`` entries, one per reason: ``all_reduce uint32 sum/prod/max, broadcast uint32 (12
+    cases): <reason>`` (the ops of a collective and dtype joined)."""
+    by: Dict[str, Dict[Tuple[str, str], List[str]]] = {}
+    count: Dict[str, int] = {}
+    for (_, coll, dt, op, reason), details in groups:
+        ops = by.setdefault(reason, {}).setdefault((coll, dt), [])
+        if op != "-":
+            ops.append(op)
+        count[reason] = count.get(reason, 0) + len(details)
+    out: List[str] = []
+    for reason, cells in by.items():
+        names = ", ".join(f"{coll} {dt}" + (f" {'/'.join(ops)}" if ops else "")
+                          for (coll, dt), ops in cells.items())
+        out += _wrap(f"  r {names} ({plural(count[reason], 'case')}): {reason}",
+                     indent="      ")
     return out
 
 

@@ -26,7 +26,7 @@ COLUMNS = (("collective", 14), ("dtype", 11), ("op", 15), ("size", 8), ("root", 
 #: status -> summary counter ("failed" makes the exit status 1; the others do not)
 STATUS_COUNTED = {"pass": "passed", "fail": "failed", "error": "failed",
                   "within ULP": "within_ulp", "torch divergence": "torch_divergence",
-                  "unsupported": "unsupported"}
+                  "unsupported": "unsupported", "reference only": "passed_reference_only"}
 
 
 def mark(value: Optional[bool], gpu: bool = True) -> str:
@@ -89,10 +89,13 @@ def summarize(records: Iterable[Dict[str, Any]], skipped: int = 0) -> Dict[str, 
 
     ``passed`` counts only cases in which ncclpy ran and matched torch and the reference;
     a case in which only torch was compared with the reference (no GPU: ncclpy did not run)
-    passes into ``passed_torch_only`` instead, and ``ncclpy_cases`` says in how many cases
-    ncclpy ran at all: a reader of the JSON can never take torch's result for ncclpy's."""
-    out = {"cases": 0, "passed": 0, "passed_torch_only": 0, "failed": 0, "within_ulp": 0,
-           "torch_divergence": 0, "unsupported": 0, "skipped": skipped, "ncclpy_cases": 0}
+    passes into ``passed_torch_only`` instead, one in which only ncclpy was (``--backend
+    cpu``: gloo cannot run it) into ``passed_reference_only``, and ``ncclpy_cases`` says in how
+    many cases ncclpy ran at all: a reader of the JSON can never take one side's result for
+    both."""
+    out = {"cases": 0, "passed": 0, "passed_torch_only": 0, "passed_reference_only": 0,
+           "failed": 0, "within_ulp": 0, "torch_divergence": 0, "unsupported": 0,
+           "skipped": skipped, "ncclpy_cases": 0}
     for r in records:
         out["cases"] += 1
         ran = bool(r.get("ncclpy_ran"))
@@ -110,9 +113,11 @@ def plural(n: int, word: str, many: Optional[str] = None) -> str:
 
 
 def summary_lines(counts: Dict[str, int], seconds: float, backend: str,
-                  world_size: int, no_ncclpy: str = "") -> List[str]:
+                  world_size: int, no_ncclpy: str = "",
+                  no_ncclpy_label: str = "ncclpy needs a GPU") -> List[str]:
     """The last lines of a run (each within :data:`WIDTH` columns).  When ncclpy did not run
-    (``no_ncclpy``: why), the first line says so and counts torch against the reference only."""
+    (``no_ncclpy``: why, after ``no_ncclpy_label``), the first line says so and counts torch
+    against the reference only."""
     head = (f"ncclpy check: {plural(counts['cases'], 'case')} on {plural(world_size, 'rank')} "
             f"({backend}) in {seconds:.1f} s: ")
     torch_only = counts.get("passed_torch_only", 0)
@@ -121,12 +126,16 @@ def summary_lines(counts: Dict[str, int], seconds: float, backend: str,
                  f"  torch ({backend}) vs numpy reference only: {torch_only} passed bit for bit, "
                  f"{counts['failed']} failed"]
         if no_ncclpy:
-            first.append(f"  ncclpy needs a GPU: {no_ncclpy}"[:WIDTH])
+            first.append(f"  {no_ncclpy_label}: {no_ncclpy}"[:WIDTH])
     else:
         first = [head + f"{counts['passed']} passed bit for bit, {counts['failed']} failed"]
         if torch_only:
             first.append(f"  {torch_only} passed with torch vs the reference only (ncclpy did "
                          f"not run them)")
+        ref_only = counts.get("passed_reference_only", 0)
+        if ref_only:
+            first.append(f"  {ref_only} with ncclpy vs the reference only (torch cannot run "
+                         f"them: not compared, not counted as passed)")
     return first + [
             f"  {plural(counts['torch_divergence'], 'torch divergence')}, "
             f"{counts.get('within_ulp', 0)} within ULP tolerance, "

@@ -2,7 +2,8 @@
 
 Every rank walks the same case list.  For each case it builds every rank's seeded input
 (:func:`ncclpy.numerics.verifiable_input`, so each rank can compute the whole reference
-locally), runs the collective through torch.distributed and, with a GPU, through ncclpy on
+locally), runs the collective through torch.distributed and, with a GPU (or on ncclpy's CPU
+backend, ``--backend cpu``: torch CPU tensors, ``ncclpy.init(device="cpu")``), through ncclpy on
 copies of the same input, and compares its own outputs byte for byte with each other and with
 :mod:`ncclpy.reference`.  The rank's whole run (rank 0 gathering the verdicts, the report, the
 JSON) is :mod:`ncclpy.check.session`, which imports this module; this module never imports it.
@@ -222,7 +223,7 @@ def run_case_torch(torch: Any, dist: Any, case: C.Case, inp: np.ndarray, rank: i
     return from_torch(torch, out, name)
 
 
-# -- the ncclpy side (GPU) ------------------------------------------------------------------
+# -- the ncclpy side (GPU, or the CPU backend on host tensors) ---------------------------------
 #: ``--window``: the collectives whose buffers every rank holds alike, run on symmetric
 #: windows (NCCL memory registered with NCCL_WIN_COLL_SYMMETRIC); gather, scatter and
 #: send/recv (buffers on some ranks only) and uneven all_to_all run as without it
@@ -239,7 +240,8 @@ def run_case_ncclpy(torch: Any, comm: Any, case: C.Case, inp: np.ndarray, rank: 
                     device: Any, timeout: float = 300.0, window: bool = False,
                     seen: Optional[List[bool]] = None) -> Optional[np.ndarray]:
     """Run ``case`` through the ncclpy communicator on copies of the same input (torch CUDA
-    tensors; in-place variants as NCCL defines them); the wait is bounded by ``timeout``.
+    tensors; on the CPU backend, ``device`` "cpu", torch CPU tensors; in-place variants as NCCL
+    defines them); the wait is bounded by ``timeout``.
     ``window``: where :func:`windowed`, every buffer is NCCL memory registered as a window
     (every rank the same ones, in the same order), deregistered after the call; ``seen``
     gets, per window, whether NCCL registered it (False: no symmetric support here)."""
@@ -338,8 +340,17 @@ def _ncclpy_call(torch: Any, comm: Any, case: C.Case, t: Any, empty: Any, rank: 
         raise ValueError(f"no ncclpy call for {coll}")
     if w is not None and hasattr(w, "wait"):
         w.wait(timeout=timeout)       # raises a timeout error instead of hanging
-    torch.cuda.synchronize()
+    _synchronize(torch, t.device, timeout)
     return None if out is None else from_torch(torch, out, name)
+
+
+def _synchronize(torch: Any, device: Any, timeout: float) -> None:
+    """Wait for every stream of this process: the GPU's, or the CPU backend's queues."""
+    if getattr(device, "type", str(device)) == "cpu":
+        from ..cpu import synchronize
+        synchronize(timeout)
+    else:
+        torch.cuda.synchronize()
 
 
 # -- one case -------------------------------------------------------------------------------
@@ -410,13 +421,14 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
     ph["inputs"] += t1 - t
     ph["reference"] += clock() - t1
     torch_ref = ref
+    family = C.torch_family(ctx["backend"])
     if case.collective == "reduce" and rank != case.root:
         # torch's reduce is in place by nature; NCCL leaves non-roots untouched, gloo uses
         # them as scratch (undefined in torch's contract)
-        torch_ref = ins[rank] if ctx["backend"] == "nccl" else None
+        torch_ref = ins[rank] if family == "nccl" else None
     true_torch_ref = torch_ref          # kept from the reference-side corruption below
     n_out = None
-    skip = D.not_called(ctx["backend"], case)
+    skip = C.torch_not_called(ctx["backend"], case)
     sides: Dict[str, List[Any]] = {}    # torch backend -> [its output, its verdicts]
     t = clock()
     for bname, group in torch_groups(ctx):
@@ -463,9 +475,9 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             continue
         res["injected"] = f"{side}:{how}"
     name = case.dtype
-    div = D.divergence(ctx["backend"], case, n)
+    div = D.divergence(family, case, n)
     predicted = div is not None and any(o is not None for o, _ in sides.values())
-    pred = D.predicted_outputs(div, case, ins, n, ctx["backend"], rank=rank)[rank] \
+    pred = D.predicted_outputs(div, case, ins, n, family, rank=rank)[rank] \
         if predicted else None          # None also where the prediction leaves it undefined
     for t_out, part in sides.values():
         part["t_ref"] = compare(t_out, torch_ref, name).as_dict()

@@ -1,5 +1,6 @@
-"""One rank's ``ncclpy check`` session: set up torch.distributed (and ncclpy on a GPU), prove the
-comparison fair, walk the matrix, and (rank 0) print the table, the summary and the JSON.
+"""One rank's ``ncclpy check`` session: set up torch.distributed (and ncclpy on a GPU, or on its
+CPU backend with ``--backend cpu``: :mod:`.cpu_side`), prove the comparison fair, walk the
+matrix, and (rank 0) print the table, the summary and the JSON.
 
 Exit codes (the same on every rank): 0 every counted case passed; 1 a mismatch or an error, or
 the comparison is unfair (torch and ncclpy on different libnccl files or versions), or ncclpy
@@ -116,7 +117,12 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timeout)
         ctx["ctrl"] = dist.group.WORLD
         _torch_sides(ctx, [("gloo", None)])
-        header["ncclpy_error"] = cfg.get("no_gpu_reason") or "no GPU: the ncclpy column needs one"
+        if backend == "cpu":          # ncclpy on its CPU backend beside torch's gloo
+            from .cpu_side import setup
+            setup(ctx, header, tmo)
+        else:
+            header["ncclpy_error"] = (cfg.get("no_gpu_reason")
+                                      or "no GPU: the ncclpy column needs one")
         return ctx
     ndev = torch.cuda.device_count()
     dev = int(os.environ.get("NCCLPY_DEVICE") or os.environ.get("LOCAL_RANK") or rank) % ndev
@@ -178,7 +184,8 @@ def _torch_sides(ctx: Dict[str, Any], groups: List[Tuple[str, Any]]) -> None:
         impl = TB.implementation(g if g is not None else dist.group.WORLD,
                                  torch.device(ctx["device"]))
         rows.append({"name": name, "implementation": impl,
-                     "tables": D.tables_status(torch.__version__, ctx["backend"], impl)})
+                     "tables": D.tables_status(torch.__version__,
+                                               C.torch_family(ctx["backend"]), impl)})
     ctx["header"]["torch_backends"] = rows
 
 
@@ -194,6 +201,10 @@ def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases:
          f"skipped{gloo_note}")
     if h.get("placement"):
         out.lines(_wrapped(f"  {h['placement']}"))
+    if h["backend"] == "cpu":
+        from .cpu_side import header_lines
+        for ln in header_lines(h):
+            out.lines(_wrapped(ln))
     for tb in h.get("torch_backends") or []:
         out.lines(_wrapped(f"  torch backend {tb['name']}: {tb['implementation']}; "
                            f"{tb['tables']['note']}"))
@@ -218,7 +229,8 @@ def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases:
                                f"symmetric windows (NCCL memory, ncclCommWindowRegister); "
                                f"the other cases as without it"))
     if h.get("ncclpy_error"):
-        out.lines(_wrapped(f"  ncclpy column: needs GPU ({h['ncclpy_error']})"))
+        need = "did not run" if h["backend"] == "cpu" else "needs GPU"
+        out.lines(_wrapped(f"  ncclpy column: {need} ({h['ncclpy_error']})"))
     if cfg.get("verbose"):
         out.lines(_wrapped("  \"==\" columns: yes only when the bytes are identical on every "
                            "rank; inputs make every result exact, so cases are compared bit "
@@ -297,6 +309,9 @@ def worker(rank: int, cfg: Dict[str, Any]) -> int:
                                       f"{R.plural(ctx['n'], 'rank')} "
                                       f"({R.plural(len(skipped), 'combination')} skipped; see "
                                       f"--list-skips)", 2)
+    if ctx["backend"] == "cpu":
+        from .cpu_side import reference_only_cases
+        h["reference_only_cases"] = reference_only_cases(cases)
     out = Output(cfg) if rank == 0 else None
     try:
         return _walk(rank, cfg, ctx, cases, skipped, out, t0)
@@ -379,7 +394,8 @@ def _walk(rank: int, cfg: Dict[str, Any], ctx: Dict[str, Any], cases: List[C.Cas
                 + ("" if all(seen) else "; where it registered none (no symmetric support, "
                                         "e.g. ranks sharing a GPU) the regular kernels ran")))
         doc = {"header": h, "summary": counts, "by_torch_backend": by_counts, "exit_code": rc,
-               "problems": problems, "compared": _compared(counts, ", ".join(names)),
+               "problems": problems, "compared": _compared(counts, ", ".join(names),
+                                                           h["backend"]),
                "seconds": round(time.time() - t0, 3), "cases": records, "skipped": skipped,
                "timing": _timing(t_walk - t0, walk_s, len(cases), phases, batch)}
         if verbose:
@@ -418,8 +434,15 @@ def _report(out: Output, h: Dict[str, Any], by_backend: Dict[str, List[Dict[str,
             out.lines(O.matrix_lines(recs, skipped))
         out.lines(O.problem_lines(recs, skipped if i == 0 else [], ctx["backend"],
                                   validated=validated))
-        out.lines([""] + R.summary_lines(by_counts[b], seconds, b, ctx["n"],
-                                         h.get("ncclpy_error") or ""))
+        cpu = h["backend"] == "cpu"
+        ran = cpu and bool(by_counts[b].get("ncclpy_cases"))
+        out.lines([""] + R.summary_lines(
+            by_counts[b], seconds, f"cpu vs {b}" if ran else b, ctx["n"],
+            h.get("ncclpy_error") or "",
+            "ncclpy's CPU backend did not start" if cpu else "ncclpy needs a GPU"))
+        if ran:
+            out.lines(_wrapped("  ncclpy ran on its CPU backend, not on NCCL (no GPU): these "
+                               "results are the CPU engine's, bit for bit"))
         if not validated:
             out.lines(_wrapped(f"  {tb['tables']['note']}"))
 
@@ -455,8 +478,11 @@ def _output_closed(cfg: Dict[str, Any]) -> None:
         os._exit(EXIT_CLOSED_PIPE)
 
 
-def _compared(counts: Dict[str, int], backend: str) -> str:
+def _compared(counts: Dict[str, int], backend: str, run_backend: str = "") -> str:
     """What the run compared, in words (the JSON's ``compared``)."""
+    if run_backend == "cpu":
+        from .cpu_side import compared
+        return compared(counts)
     if counts.get("ncclpy_cases"):
         return f"ncclpy vs torch ({backend}) vs numpy reference"
     return f"torch ({backend}) vs numpy reference only; ncclpy did not run"
@@ -470,6 +496,9 @@ def _run_problems(h: Dict[str, Any], counts: Optional[Dict[str, int]] = None,
     if require_ncclpy and counts is not None and counts.get("ncclpy_cases", 0) < counts["cases"]:
         out.append(f"--require-ncclpy: ncclpy ran {counts.get('ncclpy_cases', 0)} of "
                    f"{R.plural(counts['cases'], 'case')} ({h.get('ncclpy_error') or 'no GPU'})")
+    if h["backend"] == "cpu":
+        from .cpu_side import problems
+        return out + problems(h)
     if h["backend"] != "nccl":
         return out
     if h.get("ncclpy_error"):

@@ -22,7 +22,8 @@ def synchronize(timeout: Optional[float] = None) -> None:
     import time
     from ..debug.watchdog import default_timeout
     from ..errors import NcclTimeoutError
-    eng = engine()
+    from .backend import engine as process_engine   # the package's ``engine`` name is the
+    eng = process_engine()                          # submodule once ncclpy.cpu.engine loads
     limit = default_timeout(timeout)
     deadline = time.monotonic() + limit
     delay = 1e-5

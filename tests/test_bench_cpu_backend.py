@@ -1,0 +1,132 @@
+"""``python -m bench --device cpu``: ncclpy's CPU backend (``--backend ncclpy``) beside torch's
+gloo, its figures said to be CPU figures (not NCCL's) in the header and the JSON; what makes no
+sense on CPU refused in one line; ``python -m bench.cpu_backend`` (docs/performance.md)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from module_run import run_module
+
+from ncclpy.errors import ArgumentError
+
+from bench.cli import parse_args
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_device_cpu_takes_ncclpy_and_torch():
+    cfg = parse_args(["all_reduce", "--device", "cpu", "--backend", "ncclpy,torch-gloo"])
+    assert cfg.backends == ["ncclpy", "torch"] and cfg.device == "cpu"
+    assert parse_args(["all_reduce", "--device", "cpu"]).backends == ["torch"]   # as before
+    assert parse_args(["all_reduce", "--device", "cpu", "--backend", "ncclpy", "-m", "2"]
+                      ).agg_iters == 2        # ncclpy's groups work on the CPU backend
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--backend", "cupy", "--device", "cpu"],
+     "--backend cupy: cupy needs a GPU (raw CuPy NCCL has no CPU form); with --device cpu "
+     "expected ncclpy or torch"),
+    (["--backend", "ncclpy,cupy", "--device", "cpu"], "--backend ncclpy,cupy: cupy needs a GPU"),
+    (["--backend", "ncclpy", "--device", "cpu", "--algo", "ring"],
+     "--algo ring: forces NCCL's algorithm, and --device cpu runs no NCCL"),
+    (["--backend", "ncclpy", "--device", "cpu", "--predict"], "--predict: adds NCCL's estimate"),
+    (["--backend", "ncclpy", "--device", "cpu", "-R", "2"], "-R 2: registers buffers with NCCL"),
+    (["--backend", "ncclpy", "--device", "cpu", "-M", "1"], "-M 1: reports NCCL's memory"),
+    (["--backend", "ncclpy", "--device", "cpu", "-x", "zero"],
+     "-x zero: sets NCCL's CTA policy"),
+    (["--backend", "ncclpy", "--device", "cpu", "-G", "2"], "-G: CUDA graphs are unsupported"),
+    (["--backend", "ncclpy", "--device", "cpu", "--timer", "events"],
+     "--timer events: CUDA events are unsupported"),
+])
+def test_what_makes_no_sense_on_cpu_is_refused(argv, words):
+    with pytest.raises(ArgumentError) as e:
+        parse_args(["all_reduce", *argv])
+    assert str(e.value).startswith(words), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_no_gpu_and_no_device_flag_never_gives_cpu_figures_by_accident():
+    from gpu_util import cuda_reason
+    if not cuda_reason():
+        pytest.skip("a GPU is present: --backend ncclpy runs on it")
+    with pytest.raises(ArgumentError, match=r"^--backend ncclpy: no usable GPU here \(.*\); "
+                                            r"--device cpu runs ncclpy's CPU backend"):
+        parse_args(["all_reduce", "--backend", "ncclpy"])
+    cp = run_module("bench", "all_reduce", "--backend", "cupy", "--device", "cpu", timeout=60)
+    assert cp.returncode == 2 and cp.stdout == "" and cp.stderr.count("\n") == 1
+    assert cp.stderr.startswith("python -m bench: error: --backend cupy: cupy needs a GPU")
+
+
+def test_cpu_backend_and_gloo_in_one_run_say_what_they_are(tmp_path):
+    """A real run, 2 ranks: both backends measured and checked (#wrong 0), the header and the
+    JSON say these are CPU-backend and gloo figures, not NCCL's (nccl-library 0)."""
+    js = tmp_path / "r.json"
+    cp = run_module("bench", "all_reduce", "--device", "cpu", "--backend", "ncclpy,gloo",
+                    "--nproc", "2", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-q",
+                    "-d", "float,bfloat16", "-J", str(js), timeout=240)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    out = cp.stdout.splitlines()
+    assert out[0].endswith("backend=ncclpy/cpu-backend,torch/gloo nccl-library=0"), out[0]
+    assert out[1].startswith("# ncclpy/cpu-backend: ncclpy ran on its CPU backend "
+                             "(ncclpy.init(device='cpu')")
+    assert "these are CPU-backend figures, not NCCL figures; no NCCL and no GPU ran" in out[1]
+    assert out[2].startswith("# torch/gloo: torch.distributed's gloo on CPU tensors: gloo "
+                             "figures, not NCCL figures")
+    assert "ncclpy CPU backend" in cp.stdout and "# Out of bounds values : 0 OK" in cp.stdout
+    rows = [ln for ln in out if ln and not ln.startswith("#") and len(ln.split()) == 14]
+    assert {ln.split()[-1] for ln in rows} == {"ncclpy", "torch"}
+    assert {ln.split()[2] for ln in rows} == {"float", "bfloat16"}
+    assert "# Ratios ncclpy / torch" in cp.stdout
+    doc = json.loads(js.read_text())
+    assert doc["nccl_version"] == 0 and doc["ncclpy"]["device"] == "cpu"
+    cpu = doc["ncclpy"]["cpu_backend"]
+    assert cpu["ran"] is True and cpu["nccl"] is False and cpu["gpu"] is False
+    assert cpu["models_nccl"] == "2.28.9" and "not NCCL figures" in cpu["note"]
+    assert set(doc["ncclpy"]["notes"]) == {"ncclpy/cpu-backend", "torch/gloo"}
+    assert [b["label"] for b in doc["ncclpy"]["backends"]] == ["ncclpy/cpu-backend",
+                                                              "torch/gloo"]
+    assert all(r["out_of_place"]["nwrong"] == 0 for r in doc["results"])
+    assert {r["experiment_name"] for r in doc["results"]} == {"ncclpy", "torch"}
+    jsonschema = pytest.importorskip("jsonschema")
+    from module_run import ROOT
+    jsonschema.validate(doc, json.loads((ROOT / "bench" / "schema.json").read_text()))
+
+
+def test_cpu_backend_script_one_run_per_world_size(tmp_path):
+    """bench.cpu_backend: the sweep at exactly the sizes given, per world size, then a
+    summary; its JSON keeps the machine and says the figures are not NCCL's."""
+    js = tmp_path / "cpu.json"
+    cp = run_module("bench.cpu_backend", "--nproc", "2", "--sizes", "8,64K", "-n", "2",
+                    "-w", "1", "-J", str(js), timeout=240)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert cp.stdout.startswith("# python -m bench.cpu_backend: ncclpy's CPU backend vs "
+                                "torch's gloo; CPU figures, not NCCL figures")
+    assert "# 2 processes: all_reduce float32 sum" in cp.stdout
+    doc = json.loads(js.read_text())
+    assert doc["sizes"] == [8, 65536] and doc["machine"]["cores"] >= 1
+    rows = doc["runs"]["2"]["rows"]
+    assert [(r["backend"], r["size"]) for r in rows] == [
+        ("ncclpy/cpu-backend", 8), ("torch/gloo", 8), ("ncclpy/cpu-backend", 65536),
+        ("torch/gloo", 65536)]
+    assert all(r["out_of_place"]["wrong"] == 0 and r["out_of_place"]["time_us"] > 0
+               for r in rows)
+    assert doc["runs"]["2"]["cpu_backend"]["nccl"] is False
+    sweep = json.loads((tmp_path / "cpu.n2.sweep.json").read_text())   # kept beside -J
+    assert sweep["ncclpy"]["cpu_backend"]["ran"] is True and sweep["nccl_version"] == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nproc", "0"], "--nproc 0: 0 < 1"),
+    (["--nproc", "two"], "--nproc two: 'two' is not an integer"),
+    (["--sizes", "1M,8"], "--sizes 1M,8: expected increasing sizes"),
+    (["--sizes", "8,1Q"], "--sizes: expected a size such as 8"),
+    (["-n", "0"], "-n: expected an integer >= 1, got 0"),
+    (["-J", "/nonexistent-ncclpy/x.json"], "-J: cannot write"),
+])
+def test_cpu_backend_script_refuses_in_one_line(args, words):
+    cp = run_module("bench.cpu_backend", *args, timeout=60)
+    assert cp.returncode == 2 and cp.stdout == "", (cp.stdout, cp.stderr)
+    assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr.startswith(f"python -m bench.cpu_backend: error: {words}"), cp.stderr
