@@ -14,6 +14,7 @@ one-sided RMA) are refused in one line.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 from collections import deque
 import logging
@@ -70,6 +71,16 @@ class ProcEngine(Engine):
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.failures = 0
+        atexit.register(self.close_all)
+
+    def close_all(self) -> None:
+        """Unlink and unmap every channel (at exit: a rank that never closed its communicator
+        leaves no shared memory behind)."""
+        with self.lock:
+            for ch in self.channels.values():
+                if not ch.closed:
+                    log.debug("CPU backend: closing the channel of %s at exit", ch.prefix)
+                    ch.close()
 
     # -- the device thread ---------------------------------------------------------------------
     def busy(self) -> bool:
