@@ -58,10 +58,10 @@ def init(name: str = "default", config: Optional[Config] = None,
     from ..bootstrap import _check_device_arg, bootstrap
     from ..cpu.backend import install, wants_cpu
     _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
-    on_cpu = wants_cpu(resolve_kwargs.get("device"))
+    _check_device_arg(resolve_kwargs.get("device"), cpu_ok=True)
+    on_cpu = wants_cpu(resolve_kwargs.get("device"), resolve_kwargs.get("env"))
     if on_cpu:
         resolve_kwargs["device"] = None     # each rank's label: its local rank
-        install()
     from ..rendezvous.scalable import SCALABLE_FROM, check_unique_ids, exchange_unique_ids
     check_unique_ids(unique_ids)
     if from_torch is not None:
@@ -71,7 +71,8 @@ def init(name: str = "default", config: Optional[Config] = None,
                                 f"the torch group; drop {', '.join(extra)}")
         from ..rendezvous.torch_group import torch_group
         torch_group(from_torch)         # not a group, not initialised, not a member: say so now
-    _check_device_arg(resolve_kwargs.get("device"))
+    if on_cpu:       # after every argument check: a refused call leaves the process as it was
+        install()
     lib = get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     if unique_ids > 1 and lib.version < SCALABLE_FROM:
         require_version("ncclCommInitRankScalable", lib.version, lib.path)
