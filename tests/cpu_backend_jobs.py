@@ -13,7 +13,7 @@ import numpy as np
 import ncclpy
 from ncclpy import reference as R
 
-__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "two_nodes", "report"]
+__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "two_nodes", "edges", "report"]
 
 
 def report(out: str, rank: int, data: Dict[str, Any]) -> None:
@@ -192,6 +192,59 @@ def lifecycle(rank: int, out: str) -> None:
     comm.abort()
     comm.close()
     report(out, rank, {"refused": refused})
+
+
+def edges(rank: int, out: str, rounds: int) -> None:
+    """What review found (2026-11-27): a send/recv ping-pong (the descriptor's seqlock), a
+    send to oneself in a group, an unmatched one refused, one group on two streams, a group too
+    big for a control block, premul_sum with each rank's own scalar."""
+    import ncclpy.cpu
+    comm = ncclpy.init(device="cpu")
+    n, peer = comm.world_size, 1 - rank
+    a = np.zeros(1, np.int64)
+    for i in range(rounds):                      # rank 0 sends then receives; rank 1 the reverse
+        if rank == 0:
+            comm.send(np.full(1, i, np.int64), peer)
+            comm.recv(a, peer).wait()
+        else:
+            comm.recv(a, peer).wait()
+            comm.send(a + 1, peer).wait()
+        assert int(a[0]) == i + (rank == 0), (i, a)
+    me = np.zeros(3, np.float32)
+    with comm.group():
+        comm.send(np.full(3, 7, np.float32), rank)
+        comm.recv(me, rank)
+    ncclpy.cpu.synchronize()
+    _same(me, np.full(3, 7, np.float32), "a send to oneself in a group")
+    try:                                         # ncclpy's own check, outside a group
+        comm.send(np.ones(2, np.float32), rank)
+        alone = ""
+    except ncclpy.NcclpyError as e:
+        alone = f"{type(e).__name__}: {e}"
+    try:                                         # NCCL's, at the group's end
+        with comm.group():
+            comm.send(np.ones(2, np.float32), rank)
+        unmatched = ""
+    except ncclpy.NcclpyError as e:
+        unmatched = f"{type(e).__name__}: {e}"
+    got = np.zeros(2, np.float32)
+    with comm.group():                           # one communicator's group on two streams
+        comm.send(np.full(2, rank, np.float32), peer, stream=5)
+        comm.recv(got, peer, stream=6)
+    ncclpy.cpu.synchronize()
+    _same(got, np.full(2, peer, np.float32), "a group on two streams")
+    many = [np.zeros(1, np.int32) for _ in range(3000)]
+    with comm.group():                           # a descriptor bigger than a control block
+        for k, b in enumerate(many):
+            comm.send(np.full(1, k, np.int32), peer)
+            comm.recv(b, peer)
+    ncclpy.cpu.synchronize()
+    assert [int(b[0]) for b in many] == list(range(3000))
+    x = np.ones(4, np.float32)
+    comm.all_reduce(x, op=ncclpy.premul_sum(float(rank + 1))).wait()
+    _same(x, np.full(4, sum(range(1, n + 1)), np.float32), "premul_sum, a scalar per rank")
+    comm.close()
+    report(out, rank, {"unmatched": unmatched, "alone": alone})
 
 
 def two_nodes(rank: int, out: str) -> None:

@@ -6,6 +6,7 @@ communicators run on one, the other is refused in one line.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 from typing import Any, Mapping, Optional
 
@@ -60,8 +61,12 @@ def install() -> Any:
                                 "GPU communicator or buffer); a process runs either on the "
                                 "GPU or on the CPU backend, not both")
         why = available()
+        if why is None and platform.machine().lower() not in ("x86_64", "amd64", "i686",
+                                                              "i386"):
+            why = (f"its processes share memory relying on x86's store ordering (no fences "
+                   f"from Python), and this machine is {platform.machine()}")
         if why:
-            raise UnsupportedError(f"the CPU backend needs POSIX shared memory: {why}")
+            raise UnsupportedError(f"the CPU backend cannot run here: {why}")
         from .channel import sweep
         from .transport import ProcEngine
         sweep()
