@@ -10,6 +10,10 @@ Rejected here, each with a message naming the argument: host memory (numpy array
 DLPack CPU/pinned buffers), non-contiguous or negative strides, CAI masks, dtypes NCCL cannot
 carry, NULL pointers of non-empty buffers.
 
+Host memory mode (:func:`set_host_memory`: the CPU backend, ``ncclpy.init(device="cpu")``):
+the other way round, host memory parsed by :mod:`ncclpy.hostbuf` (every check above applies)
+and GPU memory refused.  One module-global read per parse decides which.
+
 Cheap by type: what kind of object a buffer is (raw, CuPy array, torch tensor, numpy, something
 else) is decided once per Python type (:func:`type_kind`), never by scanning the MRO per call;
 CuPy arrays (exactly ``cupy.ndarray``) are read directly (pointer, size, dtype, flags) instead of
@@ -22,7 +26,7 @@ import logging
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from .dlpack import (DL_DEVICE_NAMES, DLDataType, DLDevice, DLManagedTensor,  # noqa: F401
                      DLManagedTensorVersioned, DLPackInfo, DLPackVersion, DLTensor,
@@ -35,14 +39,37 @@ from .errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, Uns
 I32_MAX = (1 << 31) - 1
 
 __all__ = ["BufferSpec", "Buffer", "as_buffer", "DEVICE_HOST", "DEVICE_UNKNOWN",
-           "parse_dlpack_capsule", "DLPackInfo", "type_kind", "device_of", "from_cai"]
+           "parse_dlpack_capsule", "DLPackInfo", "type_kind", "device_of", "from_cai",
+           "set_host_memory", "host_memory"]
 
 log = logging.getLogger(__name__)
 
-#: ``BufferSpec.device`` of host memory (always rejected by the planners)
+#: ``BufferSpec.device`` of host memory (rejected by the planners unless in host memory mode)
 DEVICE_HOST = -1
-#: ``BufferSpec.device`` when the object does not say (pure CAI objects): the executor resolves it
+#: ``BufferSpec.device`` when the object does not say (pure CAI objects, host buffers in host
+#: memory mode): the executor takes the communicator's device
 DEVICE_UNKNOWN = -2
+
+#: host memory mode (see :func:`set_host_memory`): read on every parse, so a plain module global
+_host = False
+#: the module ncclpy.hostbuf, imported when the mode is first switched on
+_hostbuf: Any = None
+
+
+def set_host_memory(on: bool) -> None:
+    """On: :func:`as_buffer` accepts host memory and refuses GPU memory, for the whole process
+    (the CPU backend's installer sets it, before any communicator exists); off (the default):
+    the other way round.  Calls cached under one mode are not re-checked under the other."""
+    global _host, _hostbuf
+    if on and _hostbuf is None:
+        from . import hostbuf
+        _hostbuf = hostbuf
+    _host = bool(on)
+
+
+def host_memory() -> bool:
+    """Whether host memory mode is on (see :func:`set_host_memory`)."""
+    return _host
 
 
 _set = object.__setattr__
@@ -117,23 +144,43 @@ def _int_arg(name: str, what: str, value: Any, minimum: int) -> int:
     return as_int(f"{name}: {what}", value, minimum)
 
 
+_DEVICE_EXPECTED = (f"expected a CUDA device ordinal (0..{I32_MAX}), or 'cpu' (or -1) for "
+                    f"host memory")
+
+
+def _buffer_device(value: Any) -> int:
+    """``Buffer``'s ``device``: a CUDA ordinal, or DEVICE_HOST for ``'cpu'`` / -1."""
+    if isinstance(value, str):
+        if value.strip().lower() != "cpu":
+            raise ArgumentError(f"Buffer: device {value!r} is not a device; {_DEVICE_EXPECTED}")
+        return DEVICE_HOST
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ArgumentTypeError(f"Buffer: device must be an int or 'cpu', got {value!r} "
+                                f"({type(value).__name__}); {_DEVICE_EXPECTED}")
+    device = as_int("Buffer: device", value)
+    if device != DEVICE_HOST and not 0 <= device <= I32_MAX:
+        raise ArgumentError(f"Buffer: device is {device}; {_DEVICE_EXPECTED}")
+    return device
+
+
 @dataclass(frozen=True)
 class Buffer:
-    """A raw device pointer: ``count`` elements of ``dtype`` on CUDA device ``device``.
+    """A raw pointer: ``count`` elements of ``dtype`` on CUDA device ``device``, or in host
+    memory with ``device="cpu"`` (or -1; stored as -1) for the CPU backend.
 
     ncclpy cannot check what lies behind a raw pointer; it is the caller's promise that
-    ``ptr`` is device memory of at least ``count * itemsize`` bytes on ``device``.
+    ``ptr`` is memory of at least ``count * itemsize`` bytes where ``device`` says.
     """
 
     ptr: int
     count: int
     dtype: Any = "float32"
-    device: int = 0
+    device: Union[int, str] = 0
 
     def __post_init__(self) -> None:
         ptr = as_int("Buffer: ptr", self.ptr, 0, U64_MAX)
         count = as_int("Buffer: count", self.count, 0, U64_MAX)
-        device = as_int("Buffer: device", self.device, 0, I32_MAX)
+        device = _buffer_device(self.device)
         try:
             dt = dtype_name(self.dtype)
         except NcclpyError as e:
@@ -163,8 +210,11 @@ def _prod(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+_GPU_COPY = ".contiguous() / cupy.ascontiguousarray"
+
+
 def _check_layout(name: str, shape: Tuple[int, ...], strides: Optional[Sequence[int]],
-                  unit: int, unit_name: str) -> None:
+                  unit: int, unit_name: str, fix: str = _GPU_COPY) -> None:
     """Raise unless ``strides`` (in ``unit_name``) describe a C-contiguous ``shape``."""
     if strides is None:
         return
@@ -185,7 +235,7 @@ def _check_layout(name: str, shape: Tuple[int, ...], strides: Optional[Sequence[
             raise ArgumentError(
                 f"{name}: not C-contiguous: shape {shape} has strides {strides} ({unit_name}); "
                 f"expected {want}; NCCL needs one contiguous block: pass a contiguous copy "
-                f"(e.g. .contiguous() / cupy.ascontiguousarray)")
+                f"(e.g. {fix})")
         expect *= n
 
 
@@ -227,9 +277,14 @@ def _device_of(obj: Any, hint: Optional[int], known: Optional[int] = None) -> in
     return DEVICE_UNKNOWN
 
 
+#: what the host memory refusal adds: where host memory is welcome
+HOST_HINT = " (for host memory, a CPU communicator: ncclpy.init(device='cpu'))"
+
+
 def _host_error(name: str, what: str, expected: str) -> ArgumentError:
+    """Host memory outside host memory mode: refused, saying where it would be accepted."""
     return ArgumentError(f"{name}: {what} is in host memory; NCCL needs device memory: "
-                         f"expected {expected}")
+                         f"expected {expected}{HOST_HINT}")
 
 
 def device_of(obj: Any) -> int:
@@ -296,18 +351,26 @@ def _torch_dtype(name: str, d: Any) -> str:
 
 def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
     dev = getattr(obj, "device", None)
-    dtype_obj = getattr(obj, "dtype", "?")
     dev_type = str(getattr(dev, "type", dev))
     if dev_type != "cuda":
         if dev_type == "cpu":
-            raise _host_error(name, f"a torch tensor on device 'cpu' ({dtype_obj})",
+            raise _host_error(name, f"a torch tensor on device 'cpu' "
+                              f"({getattr(obj, 'dtype', '?')})",
                               "a CUDA tensor (e.g. tensor.cuda())")
         raise UnsupportedError(f"{name}: a torch tensor on device {dev_type!r}; expected a "
                                f"CUDA tensor")
+    return torch_spec(obj, name, _device_of(obj, hint), "CUDA tensor", _GPU_COPY)
+
+
+def torch_spec(obj: Any, name: str, device: int, what: str, copy: str) -> BufferSpec:
+    """A torch tensor already known to be where it may be (``what``: 'CUDA tensor' or 'CPU
+    tensor', for the messages; ``copy``: how to make a contiguous copy): layout, lazy
+    conj/neg views, dtype, strides and pointer checked, as ``device``."""
+    dtype_obj = getattr(obj, "dtype", "?")
     layout = str(getattr(obj, "layout", "torch.strided"))
     if layout != "torch.strided":
         raise UnsupportedError(f"{name}: torch layout {layout} is not supported; expected a "
-                               f"dense (torch.strided) CUDA tensor (use .to_dense())")
+                               f"dense (torch.strided) {what} (use .to_dense())")
     for flag, fix in (("is_conj", "resolve_conj()"), ("is_neg", "resolve_neg()")):
         f = getattr(obj, flag, None)
         if callable(f) and f():
@@ -315,12 +378,12 @@ def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
                                 f"does not hold its values; call .{fix} first")
     dt = _torch_dtype(name, dtype_obj)
     shape = tuple(map(int, obj.shape))
-    _check_layout(name, shape, tuple(obj.stride()), 1, "elements")
+    _check_layout(name, shape, tuple(obj.stride()), 1, "elements", copy)
     count = _prod(shape)
     ptr = int(obj.data_ptr() or 0)
     if count and not ptr:
         raise ArgumentError(f"{name}: the tensor has {count} elements but a NULL data pointer")
-    return _spec(ptr, count, dt, _device_of(obj, hint), shape, "torch", obj)
+    return _spec(ptr, count, dt, device, shape, "torch", obj)
 
 
 # -- __cuda_array_interface__ ------------------------------------------------------------------
@@ -328,22 +391,26 @@ def _from_torch(obj: Any, name: str, hint: Optional[int]) -> BufferSpec:
 _TYPESTRS: Dict[str, str] = {}
 
 
-def _cai_dtype(name: str, obj: Any, typestr: Any) -> str:
+def _cai_dtype(name: str, obj: Any, typestr: Any,
+               iface: str = "__cuda_array_interface__") -> str:
+    """The logical dtype of an array interface's ``typestr`` (``iface``: which interface, for
+    the messages; the host parser reads ``__array_interface__`` with it)."""
     dt = _TYPESTRS.get(typestr) if type(typestr) is str else None
     if dt is not None:
         return dt
     import numpy as np
     if not isinstance(typestr, str) or len(typestr) < 3:
-        raise ArgumentError(f"{name}: __cuda_array_interface__ typestr {typestr!r} is "
+        raise ArgumentError(f"{name}: {iface} typestr {typestr!r} is "
                             f"malformed; expected e.g. '<f4'")
     order, kind = typestr[0], typestr[1]
     try:
         size = int(typestr[2:])
     except ValueError:
-        raise ArgumentError(f"{name}: __cuda_array_interface__ typestr {typestr!r} is "
+        raise ArgumentError(f"{name}: {iface} typestr {typestr!r} is "
                             f"malformed; expected e.g. '<f4'") from None
     if order == ">" and size > 1:
-        raise UnsupportedError(f"{name}: typestr {typestr!r} is big-endian; CUDA devices are "
+        where = "CUDA devices are" if iface == "__cuda_array_interface__" else "ncclpy reads"
+        raise UnsupportedError(f"{name}: typestr {typestr!r} is big-endian; {where} "
                                f"little-endian: expected '<{kind}{size}'")
     if kind == "V":
         # opaque: bfloat16 ('<V2', torch / ml_dtypes) and float8 ('|V1', ml_dtypes) travel
@@ -357,7 +424,7 @@ def _cai_dtype(name: str, obj: Any, typestr: Any) -> str:
             if dt and LOGICAL[dt].itemsize == size:
                 return dt
         raise UnsupportedError(
-            f"{name}: __cuda_array_interface__ typestr {typestr!r} is an opaque {size}-byte "
+            f"{name}: {iface} typestr {typestr!r} is an opaque {size}-byte "
             f"type; ncclpy reads it as bfloat16/float8 only when the object's dtype says so "
             f"(got dtype {str(own)!r})")
     try:
@@ -394,7 +461,10 @@ def from_cai(obj: Any, cai: Any, name: str, hint: Optional[int] = None,
              framework: str = "cai") -> BufferSpec:
     """Parse ``obj`` from its ``__cuda_array_interface__`` export ``cai``, already read (what
     :func:`as_buffer` does for such an object after reading ``obj.__cuda_array_interface__``;
-    the resolver reads the export once per call and shares it with the stream and the key)."""
+    the resolver reads the export once per call and shares it with the stream and the key).
+    In host memory mode such an object is GPU memory: refused."""
+    if _host:
+        raise _hostbuf.cai_refusal(obj, cai, name)
     if type(cai) is not dict and not isinstance(cai, dict):
         raise ArgumentTypeError(f"{name}: __cuda_array_interface__ must be a dict, got "
                                 f"{type(cai).__name__}")
@@ -504,12 +574,19 @@ def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> B
     ``device`` is a hint for objects that do not say where they live (pure
     ``__cuda_array_interface__`` objects); without it such buffers get ``device`` -2 and the
     executor resolves it.  Objects that do say (CuPy, torch, DLPack) keep their own device.
+    In host memory mode (:func:`set_host_memory`) :func:`ncclpy.hostbuf.as_host_buffer`
+    parses instead: host buffers get ``device`` -2, GPU buffers are refused.
     """
     t = type(obj)
     kind = _KINDS.get(t) or type_kind(t)
+    if _host:
+        return _hostbuf.as_host_buffer(obj, name, kind)
     if kind == "cupy":
         return _from_cupy(obj, name)
     if kind == "raw":
+        if obj.device == DEVICE_HOST:
+            raise _host_error(name, f"an ncclpy.Buffer with device 'cpu' ({obj.dtype})",
+                              "ncclpy.Buffer(ptr, count, dtype, device) on a CUDA device")
         return _spec(obj.ptr, obj.count, obj.dtype, obj.device, (obj.count,), "raw", obj)
     if kind == "spec":
         return obj

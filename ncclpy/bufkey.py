@@ -15,6 +15,9 @@ calls.  How a type is keyed is decided once per type (like the parser's kind, se
   contiguity, the lazy conj/neg bits (plus sizes and strides when not contiguous);
 * other ``__cuda_array_interface__`` producers: the interface's data, shape, typestr, strides,
   version and stream, and the device the object states;
+* ``numpy.ndarray`` and subclasses (not masked arrays), in host memory mode only (the CPU
+  backend; otherwise numpy is refused every call): the ``__array_interface__``'s data pointer
+  and read-only flag, shape and strides, and the array's dtype;
 * lists/tuples of those: the tuple of their keys.
 
 Anything else (DLPack-only objects, whose capsule costs as much as parsing; opaque CAI ``V``
@@ -26,6 +29,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, Hashable
 
+from . import buffers as _buffers
 from .buffers import DEVICE_UNKNOWN, device_of, type_kind
 
 __all__ = ["Uncacheable", "buffer_key", "keyer", "cai_key"]
@@ -91,6 +95,14 @@ def cai_key(obj: Any, cai: Any) -> Hashable:
             else device_of(obj))
 
 
+def _numpy(obj: Any) -> Hashable:
+    """A numpy array's key in host memory mode; outside it, none (numpy is refused)."""
+    if not _buffers._host:
+        raise Uncacheable("numpy array outside host memory mode")
+    ai = obj.__array_interface__
+    return (type(obj), ai["data"], ai["shape"], ai["strides"], obj.dtype)
+
+
 def _seq(obj: Any) -> Hashable:
     return (list, *map(buffer_key, obj))
 
@@ -120,7 +132,12 @@ def _choose(t: type) -> Keyer:
         return _cupy_cai
     if kind == "other":
         return _cai
-    return _never            # 'prim' (not a buffer), 'numpy' (host memory): parse and refuse
+    if kind == "numpy":
+        np, ma = sys.modules.get("numpy"), sys.modules.get("numpy.ma")
+        if np is not None and issubclass(t, np.ndarray) and \
+                (ma is None or not issubclass(t, ma.MaskedArray)):
+            return _numpy
+    return _never            # 'prim' (not a buffer), numpy scalars and masked arrays
 
 
 def keyer(t: type) -> Keyer:

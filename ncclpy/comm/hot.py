@@ -31,6 +31,7 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
+from .. import buffers as _buffers
 from .._nccl import cuda as _cudamod
 from .._nccl.dispatch import CUPY_METHODS, cupy_status
 from .._nccl.group import OPEN
@@ -99,7 +100,11 @@ def _default_getter(a: Any, key_a: Any) -> Optional[Callable[[int], int]]:
     """How ``stream=None`` is resolved for a first buffer like ``a`` (as
     :func:`ncclpy.comm.streams.default_stream_of` does): CuPy's or torch's current stream,
     or the stream a ``__cuda_array_interface__`` export names -- part of its key, so an
-    export that names another stream is a miss.  None: not on the fast path."""
+    export that names another stream is a miss; in host memory mode, the CPU runtime's
+    current stream for every buffer (a torch CPU tensor, a numpy array).  None: not on the
+    fast path."""
+    if _buffers._host:
+        return _cupy_current
     kind = type_kind(type(a))
     if kind in ("cupy", "raw", "cupy-cai", "spec"):
         return _cupy_current

@@ -5,7 +5,10 @@
 ``cudaStream_t``.  Without it, a call runs on the caller's current stream of the buffers'
 framework: torch's current stream for torch tensors (torch is only touched when a buffer is a
 tensor), the ``stream`` of a ``__cuda_array_interface__`` v3 export when it carries one, and
-CuPy's current stream otherwise (CuPy arrays, raw :class:`ncclpy.Buffer` pointers).
+CuPy's current stream otherwise (CuPy arrays, raw :class:`ncclpy.Buffer` pointers).  In host
+memory mode (the CPU backend, :func:`ncclpy.buffers.set_host_memory`) every buffer is host
+memory and runs on the CPU runtime's current stream (``ncclpy._nccl.cuda.cuda()``'s): torch is
+not asked.
 Inside ``with group():`` each call keeps its own stream; Works are recorded at the outermost
 group end.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, Optional
 
+from .. import buffers as _buffers
 from .._nccl.cuda import cuda
 from ..buffers import type_kind
 from ..errors import ArgumentTypeError
@@ -76,7 +80,10 @@ def cupy_stream(device: int) -> int:
 
 def torch_stream(device: int) -> int:
     """torch's current stream on ``device`` (the raw handle, without making a Stream object
-    where torch offers that)."""
+    where torch offers that); in host memory mode, the CPU runtime's (torch.cuda is not
+    touched: a CPU tensor has no CUDA stream)."""
+    if _buffers._host:
+        return cuda().current_stream(device)
     torch = sys.modules.get("torch")
     if torch is None:  # pragma: no cover - a tensor implies torch is imported
         import torch
@@ -88,6 +95,8 @@ def torch_stream(device: int) -> int:
 
 def default_stream(buffers: Iterable[Any], device: int) -> int:
     """The caller's current stream for the first buffer (see module docstring)."""
+    if _buffers._host:
+        return cupy_stream(device)
     for spec in buffers:
         if spec is None:
             continue
@@ -120,7 +129,10 @@ def stream_handle(stream: Any) -> int:
 def default_stream_of(obj: Any, device: int) -> int:
     """:func:`default_stream` for one user object (the call's first buffer), by its type:
     CuPy's current stream for CuPy arrays and raw Buffers, torch's for tensors, the
-    ``__cuda_array_interface__`` stream or CuPy's for anything else."""
+    ``__cuda_array_interface__`` stream or CuPy's for anything else; the CPU runtime's for
+    everything in host memory mode."""
+    if _buffers._host:
+        return cupy_stream(device)
     kind = type_kind(type(obj))
     if kind == "cupy" or kind == "raw" or kind == "cupy-cai":
         return cupy_stream(device)

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 
 from ..errors import ArgumentError, UnsupportedError
 
-__all__ = ["install", "installed", "engine", "wants_cpu", "MODELLED_VERSION", "DEVICE_COUNT"]
+__all__ = ["install", "installed", "get_engine", "wants_cpu", "MODELLED_VERSION", "DEVICE_COUNT"]
 
 #: the NCCL whose semantics the engine models, checked line by line (ncclpy/cpu/RULES.md)
 MODELLED_VERSION = 22809
@@ -38,7 +38,7 @@ def installed() -> bool:
     return _engine is not None
 
 
-def engine() -> Any:
+def get_engine() -> Any:
     """The process's CPU engine (:func:`install` first)."""
     if _engine is None:
         raise UnsupportedError("the CPU backend is not installed in this process; "

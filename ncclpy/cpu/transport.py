@@ -17,6 +17,7 @@ its side, or fails when the communicator is aborted (ncclpy/cpu/RULES.md, E7).
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 from collections import deque
 import logging
@@ -73,6 +74,16 @@ class ProcEngine(Engine):
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.failures = 0
+        atexit.register(self.close_all)
+
+    def close_all(self) -> None:
+        """Unlink and unmap every channel (at exit: a rank that never closed its communicator
+        leaves no shared memory behind)."""
+        with self.lock:
+            for ch in self.channels.values():
+                if not ch.closed:
+                    log.debug("CPU backend: closing the channel of %s at exit", ch.prefix)
+                    ch.close()
 
     # -- the device thread ---------------------------------------------------------------------
     def busy(self) -> bool:
@@ -118,6 +129,11 @@ class ProcEngine(Engine):
 
     def _state(self) -> Tuple[int, int]:
         return (sum(len(q) for q in self.streams.values()), len(self.splits))
+
+    def queued_for(self, h: int) -> int:
+        """How many stream items of the communicator ``h`` have not run yet."""
+        return sum(1 for q in self.streams.values() for it in q if not it.done and it.ops
+                   and self.members.get((it.ops[0].key[0], it.ops[0].rank)) == h)
 
     def enqueue(self, stream: int, make: Any, device: Optional[int] = None) -> Optional[_Item]:
         item = super().enqueue(stream, make, device)
@@ -365,6 +381,33 @@ class ProcNccl(CpuNccl):
             if ch is not None:
                 ch.close()
 
+    def _ncclCommFinalize(self, h: int) -> int:
+        """init.cc ncclCommFinalize -> commFinalize: "flush all uncompleted operations" -- the
+        call (blocking) or its group job (nonblocking: in progress meanwhile) ends once the
+        communicator's queued work has run; an abort ends the wait."""
+        code = super()._ncclCommFinalize(h)
+        e = self.e
+        c = e.comms.get(int(h or 0))
+        if c is None or int(h) not in e.channels or code not in (SUCCESS, IN_PROGRESS):
+            return code
+        if c.nonblocking:
+            def drained() -> int:
+                return IN_PROGRESS if e.queued_for(c.handle) else SUCCESS
+            with e.lock:
+                c.pending = getattr(c, "pending", []) + [drained]
+                c.async_state, c.polls_left = IN_PROGRESS, 0
+            e.kick()
+            return IN_PROGRESS
+        while True:
+            with e.lock:
+                e.progress()
+                if not e.queued_for(c.handle):
+                    return code
+            if c.abort_flag:
+                return INTERNAL
+            e.kick()
+            time.sleep(0.001)
+
     def _ncclCommDestroy(self, h: int) -> int:
         code = super()._ncclCommDestroy(h)
         if code == SUCCESS:
@@ -376,5 +419,3 @@ class ProcNccl(CpuNccl):
         self._close_channel(h)
         return code
 
-
-_ = IN_PROGRESS

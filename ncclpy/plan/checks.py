@@ -9,7 +9,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..buffers import DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, as_buffer
+from .. import buffers as _buffers
+from ..buffers import DEVICE_HOST, DEVICE_UNKNOWN, HOST_HINT, BufferSpec, as_buffer
 from ..dtypes import DType, Logical, LOGICAL, nccl_dtype
 from ..errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
                       as_int)
@@ -58,13 +59,14 @@ def buf(ctx: PlanContext, coll: str, name: str, b: Any, *, output: bool = False)
         raise ArgumentError(f"{coll}: {name} at ptr {ptr:#x} with {count} elements ends past the "
                             f"64-bit address space; expected a pointer and count that fit 64 "
                             f"bits (ctypes would wrap them silently)")
-    if device == DEVICE_HOST:
-        raise ArgumentError(f"{coll}: {name} is in host memory (device -1); NCCL needs device "
-                            f"memory on device {ctx.device}")
     if device != DEVICE_UNKNOWN and device != ctx.device:
-        raise ArgumentError(f"{coll}: {name} is on device {device} but the communicator "
-                            f"is on device {ctx.device}; expected a buffer on device "
-                            f"{ctx.device}")
+        if device != DEVICE_HOST:
+            raise ArgumentError(f"{coll}: {name} is on device {device} but the communicator "
+                                f"is on device {ctx.device}; expected a buffer on device "
+                                f"{ctx.device}")
+        if not _buffers._host:          # host memory mode: host memory is what it wants
+            raise ArgumentError(f"{coll}: {name} is in host memory (device -1); NCCL needs "
+                                f"device memory on device {ctx.device}{HOST_HINT}")
     if not spec.contiguous:
         raise ArgumentError(f"{coll}: {name} is not contiguous (shape {spec.shape}); NCCL "
                             f"needs one contiguous block")

@@ -1,0 +1,200 @@
+"""Rank bodies for tests/test_cpu_backend*.py: each runs in its own process under
+``ncclpy.spawn`` on the CPU backend (``ncclpy.init(device="cpu")``), checks its own results
+against :mod:`ncclpy.reference` bit for bit, and writes what it saw to ``out/<rank>.json``."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+
+import ncclpy
+from ncclpy import reference as R
+
+__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "report"]
+
+
+def report(out: str, rank: int, data: Dict[str, Any]) -> None:
+    """What this rank saw, for the test to read."""
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(data, f)
+
+
+def _inputs(n: int, count: int, dtype: str, seed: int) -> List[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("float"):
+        return [rng.standard_normal(count).astype(dtype) for _ in range(n)]
+    return [rng.integers(-50, 50, count).astype(dtype) for _ in range(n)]
+
+
+def _same(got: np.ndarray, want: Any, what: str) -> None:
+    want = np.asarray(want)
+    assert got.tobytes() == want.astype(got.dtype).tobytes(), f"{what}: {got} != {want}"
+
+
+def collectives(rank: int, out: str) -> None:
+    """Every collective, flat form, in and out of place, every root, float32/float64/int32/
+    int8 with each op NCCL has for them: bit for bit with the reference."""
+    comm = ncclpy.init(device="cpu")
+    n, seen = comm.world_size, 0
+    for dt in ("float32", "float64", "int32", "int8", "uint8"):
+        ops = ("sum", "prod", "max", "min", "avg") if dt.startswith("float") else \
+            ("sum", "prod", "max", "min")
+        for k, op in enumerate(ops):
+            ins = _inputs(n, 7, dt, seed=k)
+            want = R.all_reduce(ins, op=op)[rank]
+            x = ins[rank].copy()
+            comm.all_reduce(x, op=op).wait()                 # in place
+            _same(x, want, f"all_reduce {dt} {op}")
+            y = np.zeros_like(x)
+            comm.all_reduce(ins[rank], y, op=op).wait()
+            _same(y, want, f"all_reduce {dt} {op} out of place")
+            for root in range(n):
+                y = np.full_like(ins[rank], 99)
+                comm.reduce(ins[rank], y, root=root, op=op).wait()
+                if rank == root:
+                    _same(y, R.reduce(ins, op=op, root=root)[root], f"reduce {dt} {op}")
+                else:
+                    _same(y, np.full_like(y, 99), "reduce: a non-root's output is untouched")
+            big = _inputs(n, 7 * n, dt, seed=10 + k)
+            y = np.zeros(7, dt)
+            comm.reduce_scatter(big[rank], y, op=op).wait()
+            _same(y, R.reduce_scatter(big, op=op)[rank], f"reduce_scatter {dt} {op}")
+            seen += 4
+        ins = _inputs(n, 5, dt, seed=3)
+        for root in range(n):
+            x = ins[rank].copy()
+            comm.broadcast(x, root=root).wait()
+            _same(x, ins[root], f"broadcast {dt} root {root}")
+            y = np.zeros(5 * n, dt) if rank == root else None
+            comm.gather(ins[rank], y, root=root).wait()
+            if rank == root:
+                _same(y, np.concatenate(ins), f"gather {dt}")
+            big = _inputs(n, 5 * n, dt, seed=4)
+            y = np.zeros(5, dt)
+            comm.scatter(big[rank] if rank == root else None, y, root=root).wait()
+            _same(y, big[root][5 * rank:5 * (rank + 1)], f"scatter {dt}")
+        y = np.zeros(5 * n, dt)
+        comm.all_gather(ins[rank], y).wait()
+        _same(y, np.concatenate(ins), f"all_gather {dt}")
+        a2a = _inputs(n, 3 * n, dt, seed=5)
+        y = np.zeros(3 * n, dt)
+        comm.all_to_all(a2a[rank], y).wait()
+        _same(y, R.all_to_all(a2a)[rank], f"all_to_all {dt}")
+        seen += 5
+    comm.barrier().wait()
+    comm.close()
+    report(out, rank, {"checked": seen})
+
+
+def p2p_and_groups(rank: int, out: str) -> None:
+    """send/recv, a ring in one group, send_recv, list forms, premul_sum, object collectives,
+    prepared calls, eager calls completed by ncclpy.cpu.synchronize, torch CPU tensors."""
+    import ncclpy.cpu
+    comm = ncclpy.init(device="cpu")
+    n = comm.world_size
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    got = np.zeros(4, np.float64)
+    with comm.group():
+        comm.send(np.full(4, rank, np.float64), nxt)
+        comm.recv(got, prv)
+    ncclpy.cpu.synchronize()
+    _same(got, np.full(4, prv, np.float64), "ring in a group")
+    got2 = np.zeros(3, np.int64)
+    comm.send_recv(np.arange(3, dtype=np.int64) + rank, got2, nxt, prv).wait()
+    _same(got2, np.arange(3) + prv, "send_recv")
+    if n >= 2:                                  # two sends in a row, received one by one
+        if rank == 0:
+            comm.send(np.ones(2, np.float32), 1)
+            comm.send(np.full(2, 2, np.float32), 1).wait()
+        elif rank == 1:
+            a, b = np.zeros(2, np.float32), np.zeros(2, np.float32)
+            comm.recv(a, 0).wait()
+            comm.recv(b, 0).wait()
+            _same(a, np.ones(2), "first of two sends")
+            _same(b, np.full(2, 2), "second of two sends")
+    parts = [np.zeros(2, np.float32) for _ in range(n)]
+    comm.all_gather(np.full(2, rank, np.float32), parts).wait()
+    for r, p in enumerate(parts):
+        _same(p, np.full(2, r, np.float32), "all_gather list form")
+    x = np.full(6, rank + 1, np.float32)
+    comm.all_reduce(x, op=ncclpy.premul_sum(0.5)).wait()
+    want = R.all_reduce([np.full(6, r + 1, np.float32) for r in range(n)],
+                        op=ncclpy.premul_sum(0.5))[rank]
+    _same(x, want, "premul_sum")
+    objs = comm.all_gather_object({"rank": rank})
+    assert objs == [{"rank": r} for r in range(n)], objs
+    assert comm.broadcast_object("hello" if rank == 0 else None) == "hello"
+    buf = np.full(8, rank, np.int32)
+    p = comm.prepare("all_reduce", buf)
+    p().wait()
+    p().wait()
+    _same(buf, np.full(8, sum(range(n)) * n, np.int32), "a prepared call, twice")
+    eager = np.full(16, 1.0, np.float32)
+    w = comm.all_reduce(eager)
+    ncclpy.cpu.synchronize()
+    assert w.is_completed()
+    _same(eager, np.full(16, float(n), np.float32), "an eager call, then synchronize")
+    torch_seen = False
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        t = torch.full((5,), float(rank), dtype=torch.bfloat16)
+        comm.all_reduce(t).wait()
+        want = R.all_reduce([np.full(5, float(r), np.float32) for r in range(n)],
+                            dtype="bfloat16")[rank]
+        assert t.view(torch.int16).numpy().view(np.uint16).tobytes() == \
+            np.asarray(want).tobytes(), (t, want)
+        torch_seen = True
+    comm.close()
+    comm.close()                                 # idempotent
+    report(out, rank, {"torch": torch_seen})
+
+
+def lifecycle(rank: int, out: str) -> None:
+    """split (two colours), a nonblocking communicator, abort, a GPU buffer refused."""
+    from ncclpy.cpu.runtime import DevArray
+    comm = ncclpy.init(device="cpu")
+    n = comm.world_size
+    child = comm.split(color=rank % 2, key=-rank)
+    members = [r for r in range(n) if r % 2 == rank % 2]
+    assert child.world_size == len(members), (child.world_size, members)
+    assert child.rank == sorted(members, reverse=True).index(rank), child.rank
+    x = np.full(3, rank, np.float32)
+    child.all_reduce(x).wait()
+    _same(x, np.full(3, sum(members), np.float32), "all_reduce on a split child")
+    child.close()
+    try:
+        comm.all_reduce(DevArray(np.zeros(2, np.float32)))
+        refused = ""
+    except ncclpy.NcclpyError as e:
+        refused = str(e)
+    nb = ncclpy.init("nb", device="cpu", config=ncclpy.Config(blocking=False))
+    y = np.full(2, 1.0, np.float32)
+    nb.all_reduce(y).wait()
+    _same(y, np.full(2, float(n), np.float32), "a nonblocking communicator")
+    nb.close()
+    comm.barrier().wait()
+    comm.abort()
+    comm.close()
+    report(out, rank, {"refused": refused})
+
+
+def mismatch(rank: int, out: str, kind: str) -> None:
+    """A collective that does not match (``kind``: 'count' or 'skip'): the waiting rank's
+    Work.wait times out; what each rank saw goes to the report."""
+    comm = ncclpy.init(device="cpu", timeout=3, watchdog=False)
+    x = np.ones(4 if (kind == "count" and rank == 1) else 8, np.float32)
+    t0 = time.monotonic()
+    err = ""
+    try:
+        if not (kind == "skip" and rank == 1):
+            comm.all_reduce(x).wait(timeout=2)
+    except ncclpy.NcclpyError as e:
+        err = type(e).__name__
+    report(out, rank, {"error": err, "waited": time.monotonic() - t0})
+    comm.abort()

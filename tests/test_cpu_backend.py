@@ -1,0 +1,100 @@
+"""The CPU backend (``ncclpy.init(device="cpu")``) across real processes: every collective bit
+for bit with the reference, p2p and groups, split, nonblocking, abort, what it refuses; and its
+shared-memory channel leaves nothing behind.  Rank bodies: tests/cpu_backend_jobs.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ncclpy
+from ncclpy.cpu import channel as ch_mod
+from ncclpy.cpu.reduce import reduce as fast_reduce
+from ncclpy import reference as R
+
+import cpu_backend_jobs as J
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _shm() -> set:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ncclpy-")}
+
+
+def _run(fn, n: int, tmp_path, *args) -> list:
+    before = _shm()
+    ncclpy.spawn(fn, n, args=(str(tmp_path), *args), timeout=120)
+    out = [json.load(open(tmp_path / f"{r}.json")) for r in range(n)]
+    assert _shm() - before == set(), "the job left shared memory behind"
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_collective_bit_for_bit(tmp_path, n):
+    out = _run(J.collectives, n, tmp_path)
+    assert [o["checked"] for o in out] == [out[0]["checked"]] * n and out[0]["checked"] > 40
+
+
+def test_p2p_groups_objects_prepared(tmp_path):
+    out = _run(J.p2p_and_groups, 3, tmp_path)
+    assert len(out) == 3
+
+
+def test_split_nonblocking_abort_and_gpu_buffer_refused(tmp_path):
+    out = _run(J.lifecycle, 4, tmp_path)
+    for o in out:
+        assert "is in GPU memory" in o["refused"] and "device='cpu'" in o["refused"], o
+
+
+@pytest.mark.parametrize("kind", ["count", "skip"])
+def test_a_mismatched_or_skipped_collective_waits_as_nccl_would(tmp_path, kind):
+    out = _run(J.mismatch, 2, tmp_path, kind)
+    assert out[0]["error"] == "NcclTimeoutError" and out[0]["waited"] >= 1.9, out
+    if kind == "count":
+        assert out[1]["error"] == "NcclTimeoutError", out
+
+
+def test_fast_reduce_is_the_reference_bit_for_bit():
+    rng = np.random.default_rng(7)
+    for wire, ut in (("float32", np.uint32), ("float64", np.uint64)):
+        for op in ("sum", "prod"):
+            ins = [rng.integers(0, np.iinfo(ut).max, 4096, dtype=ut, endpoint=True).view(wire)
+                   for _ in range(4)]
+            special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan,
+                                np.finfo(wire).smallest_subnormal, np.finfo(wire).max], wire)
+            for a in ins:
+                a[:7] = rng.permutation(special)
+            got = fast_reduce(ins, op, wire, 4)
+            with np.errstate(all="ignore"):
+                want = R.reduce_arrays(ins, op, wire, 4)
+            assert got.view(ut).tobytes() == np.asarray(want).view(ut).tobytes(), (wire, op)
+
+
+def test_sweep_removes_only_dead_processes_segments(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    names = [f"ncclpy-{'ab' * 8}-0-d1-p{dead}", f"ncclpy-{'cd' * 8}-1-d1-p{os.getpid()}",
+             "unrelated"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert ch_mod.sweep(str(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
+def test_device_cpu_is_refused_after_the_gpu_runtime_was_used():
+    code = ("import ncclpy._nccl.cuda as c, ncclpy.cpu.backend as b\n"
+            "class CupyRuntime: pass\n"
+            "c._set(CupyRuntime())\n"
+            "try:\n    b.install()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_ROOT,
+                       timeout=60)
+    assert "ArgumentError" in r.stdout and "either on the GPU or on the CPU" in r.stdout, r
+
+
+def test_bad_device_argument_is_refused_before_any_rendezvous():
+    with pytest.raises(ncclpy.ArgumentTypeError, match="'cpu'"):
+        ncclpy.init(device="gpu0")
