@@ -13,13 +13,16 @@ import numpy as np
 import ncclpy
 from ncclpy import reference as R
 
-__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "report"]
+__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "two_nodes", "report"]
 
 
 def report(out: str, rank: int, data: Dict[str, Any]) -> None:
-    """What this rank saw, for the test to read."""
+    """What this rank saw, for the test to read, with its pid and its channels' shared-memory
+    name prefixes (what it must not leave in /dev/shm)."""
+    from ncclpy.cpu.backend import get_engine
+    prefixes = sorted({ch.prefix.lstrip("/") for ch in get_engine().channels.values()})
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(data, f)
+        json.dump(dict(data, pid=os.getpid(), prefixes=prefixes), f)
 
 
 def _inputs(n: int, count: int, dtype: str, seed: int) -> List[np.ndarray]:
@@ -132,6 +135,13 @@ def p2p_and_groups(rank: int, out: str) -> None:
     p().wait()
     p().wait()
     _same(buf, np.full(8, sum(range(n)) * n, np.int32), "a prepared call, twice")
+    z = np.full(4, 1.0, np.float32)
+    w = comm.all_reduce(z, stream=5)             # any int names its own CPU stream
+    assert w.stream == 5
+    w.wait(0)                                    # the default stream waits on it: no host block
+    later = np.zeros(4, np.float32)
+    comm.all_reduce(z, later).wait()             # on stream 0, after stream 5's call
+    _same(later, np.full(4, float(n * n), np.float32), "a call ordered after another stream's")
     eager = np.full(16, 1.0, np.float32)
     w = comm.all_reduce(eager)
     ncclpy.cpu.synchronize()
@@ -182,6 +192,17 @@ def lifecycle(rank: int, out: str) -> None:
     comm.abort()
     comm.close()
     report(out, rank, {"refused": refused})
+
+
+def two_nodes(rank: int, out: str) -> None:
+    """A job that says its ranks are on two machines: the CPU backend refuses it on every rank."""
+    try:
+        ncclpy.init(device="cpu", local_world_size=1, local_rank=0)
+        err = ""
+    except ncclpy.NcclpyError as e:
+        err = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"error": err}, f)
 
 
 def mismatch(rank: int, out: str, kind: str) -> None:

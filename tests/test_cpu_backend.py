@@ -21,15 +21,20 @@ import cpu_backend_jobs as J
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _shm() -> set:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("ncclpy-")}
+def _left_behind(out: list) -> list:
+    """The job's shared-memory names still in /dev/shm (its channels' prefixes, its pids' payload
+    segments; other jobs may run meanwhile)."""
+    prefixes = {p for o in out for p in o["prefixes"]}
+    pids = {f"-p{o['pid']}" for o in out}
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith(p) for p in prefixes)
+            or (n.startswith("ncclpy-") and any(n.endswith(p) for p in pids))]
 
 
 def _run(fn, n: int, tmp_path, *args) -> list:
-    before = _shm()
     ncclpy.spawn(fn, n, args=(str(tmp_path), *args), timeout=120)
     out = [json.load(open(tmp_path / f"{r}.json")) for r in range(n)]
-    assert _shm() - before == set(), "the job left shared memory behind"
+    assert all(o["prefixes"] for o in out), out
+    assert _left_behind(out) == [], "the job left shared memory behind"
     return out
 
 
@@ -56,6 +61,13 @@ def test_a_mismatched_or_skipped_collective_waits_as_nccl_would(tmp_path, kind):
     assert out[0]["error"] == "NcclTimeoutError" and out[0]["waited"] >= 1.9, out
     if kind == "count":
         assert out[1]["error"] == "NcclTimeoutError", out
+
+
+def test_ranks_on_two_machines_are_refused_on_every_rank(tmp_path):
+    ncclpy.spawn(J.two_nodes, 2, args=(str(tmp_path),), timeout=120)
+    for r in range(2):
+        err = json.load(open(tmp_path / f"{r}.json"))["error"]
+        assert err.startswith("UnsupportedError") and "one machine" in err, err
 
 
 def test_fast_reduce_is_the_reference_bit_for_bit():
