@@ -18,8 +18,11 @@ Payload segments stay named while the communicator lives (a peer maps one when i
 it); :func:`ncclpy.cpu.shm.sweep` removes the segments of dead processes.  The descriptor is
 written under a seqlock (``seq`` negative while it changes) and carries its own ``seq``.
 A collective whose function, dtype, count, root or op differ between ranks never matches: the
-ranks wait, as NCCL would hang, and the first sight of it is logged.  Control block (int64):
-``HDR`` fields, then ``acks[N]``, ``attached[N]``, then the descriptor bytes.
+ranks wait, as NCCL would hang, and the first sight of it is logged.  A pair's first send/recv
+connects it on the host, as NCCL's preconnect does: each side raises its bit in ``p2p[peer]``
+(1: a send to the peer, 2: a receive from it) and waits for the peer's matching bit
+(:meth:`Channel.want`, :meth:`Channel.met`).  Control block (int64): ``HDR`` fields, then
+``acks[N]``, ``attached[N]``, ``p2p[N]``, then the descriptor bytes.
 """
 from __future__ import annotations
 
@@ -39,10 +42,17 @@ log = logging.getLogger(__name__)
 HDR = 16
 F_MAGIC, F_SEQ, F_GEN, F_DLEN, F_PID, F_N, F_CLOSED = range(7)
 F_VOTE = 8                      # two vote slots of (seq, color, key): fields 8..13
-MAGIC = 0x6E63636C70790001      # "ncclpy" v1
+MAGIC = 0x6E63636C70790003      # "ncclpy" v3 (v2: p2p[N]; v3: the seqlocked descriptor)
 #: the descriptor bytes a control block holds (a bigger one goes after the payloads)
 DESC_MAX = 1 << 16
 _MIN_DATA = 1 << 16
+#: the bits of ``p2p[peer]``: this rank's side of the pair's connection is posted
+P2P_SEND, P2P_RECV = 1, 2
+
+
+def _ints(n: int) -> int:
+    """The int64 fields of an ``n``-rank control block before its descriptor."""
+    return HDR + 3 * n
 
 
 def segment_prefix(uid: bytes) -> str:
@@ -55,7 +65,7 @@ class _Peer:
 
     def __init__(self, ctl: Segment, n: int) -> None:
         self.ctl = ctl
-        self.f = (ctypes.c_int64 * (HDR + 2 * n)).from_address(ctl.addr)
+        self.f = (ctypes.c_int64 * _ints(n)).from_address(ctl.addr)
         self.data: Optional[Segment] = None
         self.gen: Optional[str] = None   # the name of the payload segment mapped
         self.desc_seq = 0                  # nothing posted yet
@@ -70,9 +80,9 @@ class Channel:
     def __init__(self, uid: bytes, rank: int, n: int) -> None:
         self.rank, self.n = rank, n
         self.prefix = segment_prefix(uid)
-        self.size = (HDR + 2 * n) * 8 + DESC_MAX
+        self.size = _ints(n) * 8 + DESC_MAX
         self.ctl = Segment.create(f"{self.prefix}-{rank}", self.size)
-        self.f = (ctypes.c_int64 * (HDR + 2 * n)).from_address(self.ctl.addr)
+        self.f = (ctypes.c_int64 * _ints(n)).from_address(self.ctl.addr)
         self.f[F_PID], self.f[F_N] = os.getpid(), n
         self.f[F_MAGIC] = MAGIC
         self.peers: Dict[int, _Peer] = {}
@@ -99,7 +109,7 @@ class Channel:
             seg = Segment.attach(f"{self.prefix}-{p}")
             if seg is None:
                 continue
-            if seg.size < (HDR + 2 * self.n) * 8:
+            if seg.size < _ints(self.n) * 8:
                 seg.close()
                 continue
             peer = _Peer(seg, self.n)
@@ -154,7 +164,7 @@ class Channel:
             ctypes.memmove(self.data.addr + off, raw, len(raw))
             raw = json.dumps({"s": seq, "x": [name, off, len(raw)]}).encode()
         self.f[F_SEQ] = -seq              # a seqlock: odd state "being written" (negative)
-        ctypes.memmove(self.ctl.addr + (HDR + 2 * self.n) * 8, raw, len(raw))
+        ctypes.memmove(self.ctl.addr + _ints(self.n) * 8, raw, len(raw))
         self.f[F_DLEN] = len(raw)
         self.f[F_GEN] = self.gen
         self.seq = seq
@@ -213,7 +223,7 @@ class Channel:
         """Peer ``p``'s descriptor of item ``seq``, or None when it changed while read (the
         seqlock: ``seq`` again after the copy, and the descriptor's own ``s``)."""
         n = peer.f[F_DLEN]
-        raw = ctypes.string_at(peer.ctl.addr + (HDR + 2 * self.n) * 8, n)
+        raw = ctypes.string_at(peer.ctl.addr + _ints(self.n) * 8, n)
         if peer.f[F_SEQ] != seq:
             return None
         try:
@@ -248,6 +258,18 @@ class Channel:
         peer.consumed.add(key)
         if peer.mine <= peer.consumed:
             self.f[HDR + p] = peer.desc_seq
+
+    # -- connecting a pair for send/recv (NCCL's p2p preconnect) -------------------------------
+    def want(self, peer: int, bit: int) -> None:
+        """Post this rank's side of its connection with ``peer`` (P2P_SEND or P2P_RECV)."""
+        i = HDR + 2 * self.n + peer
+        self.f[i] = self.f[i] | bit
+
+    def met(self, peer: int, bit: int) -> bool:
+        """Whether ``peer`` posted the side that meets this rank's ``bit`` (its receive from
+        this rank for a send, its send for a receive)."""
+        other = P2P_RECV if bit == P2P_SEND else P2P_SEND
+        return bool(self.peers[peer].f[HDR + 2 * self.n + self.rank] & other)
 
     def warn_once(self, what: str) -> None:
         if what not in self.warned:

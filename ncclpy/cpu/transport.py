@@ -10,7 +10,10 @@ completes once every reader acked it.  A device thread plays the GPU: it drives 
 while nobody waits on it, so a result is written without a host wait, as a kernel would.
 :class:`ProcNccl` makes the parts of NCCL's host API that meet other ranks (init, split)
 go through the channel; the calls it cannot carry across processes (grow, windows and
-one-sided RMA) are refused in one line.
+one-sided RMA) are refused in one line.  As NCCL does, the first send/recv between two ranks
+connects the pair on the host, inside the launch (``ncclSend``/``ncclRecv`` outside a group,
+else ``ncclGroupEnd``): on a blocking communicator the call returns only once the peer posted
+its side, or fails when the communicator is aborted (ncclpy/cpu/RULES.md, E7).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .channel import Channel
+from .channel import P2P_RECV, P2P_SEND, Channel
 from .engine import IN_PROGRESS, INTERNAL, INVALID_USAGE, SUCCESS, SYSTEM, Engine, _Item, \
     _Op, _World, _BY_ENUM
 from .nccl import CpuNccl
@@ -357,6 +360,40 @@ class ProcNccl(CpuNccl):
                 return SYSTEM
             time.sleep(0.001)
 
+    def _connect(self, ops: List[Tuple[Any, int, _Op]]) -> bool:
+        """group.cc groupLaunch -> ncclP2PPreconnectFunc -> transport.cc
+        ncclTransportP2pSetup: a pair's first send (recv) marks its connector in
+        p2pTaskAppend, and the launch exchanges the connection with the peer through the
+        bootstrap, waiting on the host for the peer's matching side.  Modelled on blocking
+        communicators only (a nonblocking one's launch thread is not); False: aborted."""
+        e, wants = self.e, []
+        for c, _stream, op in ops:
+            ch = e.channels.get(c.handle)
+            if ch is None or c.nonblocking or op.kind != "p2p" or op.key[4] != 0:
+                continue
+            _w, _p2p, src, dst = op.key[:4]
+            peer, bit = (dst, P2P_SEND) if c.rank == src else (src, P2P_RECV)
+            if peer == c.rank:
+                continue
+            with e.lock:
+                if not ch.closed:
+                    ch.want(peer, bit)
+            wants.append((c, ch, peer, bit))
+        while wants:
+            with e.lock:
+                for w in list(wants):
+                    c, ch = w[0], w[1]
+                    if c.abort_flag or ch.closed:
+                        self.last_text = (f"CPU backend: communicator aborted while rank "
+                                          f"{c.rank} waited for rank {w[2]} to connect its "
+                                          f"send/recv").encode()
+                        return False
+                    if ch.met(w[2], w[3]):
+                        wants.remove(w)
+            if wants:
+                time.sleep(0.001)
+        return True
+
     def _call(self, fn: str, h: int, stream: int, **args: Any) -> int:
         if "op" in args:
             args["_opdesc"] = self._opdesc(args["op"], args["dtype"])
@@ -404,6 +441,8 @@ class ProcNccl(CpuNccl):
             if any(selfp.values()):
                 self.last_text = b"Trying to send to self without a matching recv"
                 return self._group_err(INVALID_USAGE)
+        if not self._connect(ops):        # the pairs whose first send/recv this launch holds
+            return INTERNAL
         plain: List[Tuple[Any, int, _Op]] = []
         code = SUCCESS
         for h, lst in by_comm.items():
