@@ -178,7 +178,7 @@ def test_an_unpaired_send_in_checked_mode_says_what_the_peer_posted(tmp_path):
 def test_a_mismatched_count_waits_as_nccl_would_and_trace_marks_the_count(tmp_path):
     rc, err, d = _run("mismatch", tmp_path)
     assert rc == 1, err
-    assert "they do not match, and wait (NCCL would hang)" in err, err    # the engine says so
+    assert "they do not match, and wait (NCCL would hang" in err, err    # the engine says so
     verdicts = re.findall(r"\[rank (\d)\] ncclpy watchdog: communicator 'job' rank \d/2: "
                           r"(.*)", err)
     assert verdicts, err                # every peer issued it: nobody is behind
