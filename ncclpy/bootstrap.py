@@ -137,7 +137,12 @@ def _as_uid(raw: Any, what: str) -> bytes:
 
 
 def get_unique_id() -> bytes:
-    """``ncclGetUniqueId`` through CuPy, as 128 bytes. Needs no GPU."""
+    """``ncclGetUniqueId`` through CuPy, as 128 bytes. Needs no GPU.  On the CPU backend, its
+    own ``ncclGetUniqueId`` (no CuPy needed there)."""
+    from .cpu.backend import installed
+    if installed():
+        from ._nccl.lib import get_lib
+        return _as_uid(get_lib().get_unique_id(), "ncclGetUniqueId")
     try:
         from cupy.cuda import nccl
     except ImportError as e:
