@@ -15,13 +15,15 @@ receive the blocks contiguously, (world, 5, 2), and reorder them afterwards.
 Run:  python examples/01_gather.py            (spawns 4 ranks, then 3 for E25)
       ncclpy run -n 4 python examples/01_gather.py
       ncclpy run -n 3 python examples/01_gather.py --only E25
+      python examples/01_gather.py --cpu      (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/01_gather.py
 """
 from __future__ import annotations
 
 import numpy as np
 
 import ncclpy
-from _common import Section, column_views, emit, emit_error, emit_input, main
+from _common import Section, array_module, column_views, emit, emit_error, emit_input, main
 
 ROOT = 0
 
@@ -60,52 +62,52 @@ def e25_input(rank: int, world: int) -> np.ndarray:
 INPUTS = {"E1": e1_input, "E2": e2_input, "E20": e20_input, "E25": e25_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def e1(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e1_input(comm.rank, comm.world_size))
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(e1_input(comm.rank, comm.world_size))
     emit_input("E1", comm.rank, x)
     # one (world, 5) receive buffer on the root only; other ranks pass none
-    out = cp.empty((comm.world_size, 5), cp.float32) if comm.rank == ROOT else None
+    out = xp.empty((comm.world_size, 5), np.float32) if comm.rank == ROOT else None
     comm.gather(x, out, root=ROOT).wait()
     emit("E1", comm.rank, out)                  # non-root ranks print null: they hold nothing
 
 
 def e2(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     n = comm.world_size
-    x = cp.asarray(e2_input(comm.rank, n))
+    x = xp.asarray(e2_input(comm.rank, n))
     emit_input("E2", comm.rank, x)
     if comm.rank == ROOT:
         # Wrong on purpose: receive straight into the columns of the final (5, 2n) array.
         # Column views are not contiguous, and NCCL only writes contiguous blocks: ncclpy refuses
         # (before any NCCL call, so the other ranks need not take part in this attempt).
-        final = cp.empty((5, 2 * n), cp.float32)
+        final = xp.empty((5, 2 * n), np.float32)
         try:
             comm.gather(x, column_views(final, 2), root=ROOT)
         except ncclpy.NcclpyError as e:
             emit_error("E2", comm.rank, e)
     # Right: receive the (5, 2) blocks contiguously, then lay them side by side.
-    blocks = cp.empty((n, 5, 2), cp.float32) if comm.rank == ROOT else None
+    blocks = xp.empty((n, 5, 2), np.float32) if comm.rank == ROOT else None
     comm.gather(x, blocks, root=ROOT).wait()
     emit("E2", comm.rank, e2_layout(blocks) if comm.rank == ROOT else None)
 
 
 def e20(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e20_input(comm.rank, comm.world_size))
+    xp = array_module()
+    x = xp.asarray(e20_input(comm.rank, comm.world_size))
     # list form, as seed 001: a list of world_size buffers on the root
-    out = [cp.zeros(1, cp.float32) for _ in range(comm.world_size)] if comm.rank == ROOT else None
+    out = [xp.zeros(1, np.float32) for _ in range(comm.world_size)] if comm.rank == ROOT else None
     comm.gather(x, out, root=ROOT).wait()
-    emit("E20", comm.rank, cp.concatenate(out) if out is not None else None)
+    emit("E20", comm.rank, xp.concatenate(out) if out is not None else None)
 
 
 def e25(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e25_input(comm.rank, comm.world_size))
+    xp = array_module()
+    x = xp.asarray(e25_input(comm.rank, comm.world_size))
     emit_input("E25", comm.rank, x)
-    out = [cp.zeros(5, cp.float32) for _ in range(comm.world_size)] if comm.rank == ROOT else None
+    out = [xp.zeros(5, np.float32) for _ in range(comm.world_size)] if comm.rank == ROOT else None
     comm.gather(x, out, root=ROOT).wait()
     emit("E25", comm.rank, out)                 # rank 0: [[1,1,1,1,1],[2,...],[3,...]]
 

@@ -25,13 +25,15 @@ Run:  python examples/02_all_gather.py          (spawns 4 ranks, then 3, then 6)
       ncclpy run -n 4 python examples/02_all_gather.py
       ncclpy run -n 3 python examples/02_all_gather.py --only E26
       ncclpy run -n 6 python examples/02_all_gather.py --only E34
+      python examples/02_all_gather.py --cpu    (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/02_all_gather.py
 """
 from __future__ import annotations
 
 import numpy as np
 
 import ncclpy
-from _common import Section, column_views, emit, emit_error, emit_input, main
+from _common import Section, array_module, column_views, emit, emit_error, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -80,71 +82,71 @@ INPUTS = {"E3": e3_input, "E4": e4_input, "E21": e21_input, "E26": e26_input,
           "E32": e32_input, "E34": e34_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def e3(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e3_input(comm.rank, comm.world_size))
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(e3_input(comm.rank, comm.world_size))
     emit_input("E3", comm.rank, x)
-    out = cp.empty((comm.world_size, 5), cp.float32)     # all_gather_into_tensor style
+    out = xp.empty((comm.world_size, 5), np.float32)     # all_gather_into_tensor style
     comm.all_gather(x, out).wait()
     emit("E3", comm.rank, out)
 
 
 def e4(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     n = comm.world_size
-    x = cp.asarray(e4_input(comm.rank, n))
+    x = xp.asarray(e4_input(comm.rank, n))
     emit_input("E4", comm.rank, x)
     # Wrong on purpose: receive straight into the columns of the final (5, 2n) array.
     # Every rank makes this call, and every rank gets the same clear error.
-    final = cp.empty((5, 2 * n), cp.float32)
+    final = xp.empty((5, 2 * n), np.float32)
     try:
         comm.all_gather(x, column_views(final, 2))
     except ncclpy.NcclpyError as e:
         emit_error("E4", comm.rank, e)
     # Right: send the transpose (2, 5) as contiguous rows, gather (2n, 5), transpose back.
-    xt = cp.ascontiguousarray(x.T)
-    rows = cp.empty((2 * n, 5), cp.float32)
+    xt = xp.ascontiguousarray(x.T)
+    rows = xp.empty((2 * n, 5), np.float32)
     comm.all_gather(xt, rows).wait()
     emit("E4", comm.rank, e4_layout(rows))
 
 
 def e21(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e21_input(comm.rank, comm.world_size))
-    out = [cp.zeros(1, cp.float32) for _ in range(comm.world_size)]   # list form
+    xp = array_module()
+    x = xp.asarray(e21_input(comm.rank, comm.world_size))
+    out = [xp.zeros(1, np.float32) for _ in range(comm.world_size)]   # list form
     comm.all_gather(x, out).wait()
-    emit("E21", comm.rank, cp.concatenate(out))
+    emit("E21", comm.rank, xp.concatenate(out))
 
 
 def e26(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e26_input(comm.rank, comm.world_size))
+    xp = array_module()
+    x = xp.asarray(e26_input(comm.rank, comm.world_size))
     emit_input("E26", comm.rank, x)
-    out = [cp.zeros(5, cp.float32) for _ in range(comm.world_size)]
+    out = [xp.zeros(5, np.float32) for _ in range(comm.world_size)]
     comm.all_gather(x, out).wait()
     emit("E26", comm.rank, out)                 # [[1,1,1,1,1],[2,...],[3,...]]
 
 
 def e32(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     n = comm.world_size
     # seed 003 runs reduce_scatter_tensor first (E31) and all-gathers its output
-    rs_in = cp.arange(n, dtype=cp.float32) + comm.rank
-    x = cp.zeros(1, cp.float32)
+    rs_in = xp.arange(n, dtype=np.float32) + comm.rank
+    x = xp.zeros(1, np.float32)
     comm.reduce_scatter(rs_in, x).wait()
     emit_input("E32", comm.rank, x)             # [6 + 4r] with 4 ranks
-    out = cp.zeros(n, cp.float32)
+    out = xp.zeros(n, np.float32)
     comm.all_gather(x, out).wait()
     emit("E32", comm.rank, out)
 
 
 def e34(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e34_input(comm.rank, comm.world_size))
+    xp = array_module()
+    x = xp.asarray(e34_input(comm.rank, comm.world_size))
     emit_input("E34", comm.rank, x)
-    out = [cp.empty_like(x) for _ in range(comm.world_size)]
+    out = [xp.empty_like(x) for _ in range(comm.world_size)]
     comm.all_gather(x, out).wait()
     emit("E34", comm.rank, out)                 # six lists of 4: rank i's input at index i
 

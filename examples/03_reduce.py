@@ -14,12 +14,14 @@ Other reductions (prod, min, max, avg, premul_sum) are in 12_reduce_ops.py.
 Run:  python examples/03_reduce.py               (spawns 4 ranks, then 3 for E23)
       ncclpy run -n 4 python examples/03_reduce.py
       ncclpy run -n 3 python examples/03_reduce.py --only E23
+      python examples/03_reduce.py --cpu         (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/03_reduce.py
 """
 from __future__ import annotations
 
 import numpy as np
 
-from _common import Section, emit, emit_input, main
+from _common import Section, array_module, emit, emit_input, main
 
 ROOT = 0
 
@@ -44,11 +46,11 @@ def e23_input(rank: int, world: int) -> np.ndarray:
 INPUTS = {"E5": e5_input, "E18": e18_input, "E23": e23_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def _reduce_in_place(comm, label: str, x_host: np.ndarray) -> None:
-    import cupy as cp
-    x = cp.asarray(x_host)
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(x_host)
     emit_input(label, comm.rank, x)
     comm.reduce(x, root=ROOT, op="sum").wait()  # dist.reduce(x, dst=0, op=ReduceOp.SUM)
     emit(label, comm.rank, x)                   # root: the sum; others: their input

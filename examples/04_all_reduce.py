@@ -22,12 +22,14 @@ Run:  python examples/04_all_reduce.py           (spawns 4 ranks, then 3, then 6
       ncclpy run -n 4 python examples/04_all_reduce.py
       ncclpy run -n 3 python examples/04_all_reduce.py --only E24
       ncclpy run -n 6 python examples/04_all_reduce.py --only E35
+      python examples/04_all_reduce.py --cpu     (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/04_all_reduce.py
 """
 from __future__ import annotations
 
 import numpy as np
 
-from _common import Section, emit, emit_input, main
+from _common import Section, array_module, emit, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -66,11 +68,11 @@ INPUTS = {"E6-1x5": e6_1x5_input, "E6-2x5": e6_2x5_input, "E19": e19_input, "E24
           "E30": e30_input, "E35": e35_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def _all_reduce_in_place(comm, label: str, x_host: np.ndarray) -> None:
-    import cupy as cp
-    x = cp.asarray(x_host)
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(x_host)
     emit_input(label, comm.rank, x)
     comm.all_reduce(x, op="sum").wait()         # dist.all_reduce(x, op=ReduceOp.SUM)
     emit(label, comm.rank, x)

@@ -13,12 +13,14 @@ C-order array are contiguous, so scattering rows needs no copy.
 Run:  python examples/05_scatter.py              (spawns 4 ranks, then 3 for E27)
       ncclpy run -n 4 python examples/05_scatter.py
       ncclpy run -n 3 python examples/05_scatter.py --only E27
+      python examples/05_scatter.py --cpu        (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/05_scatter.py
 """
 from __future__ import annotations
 
 import numpy as np
 
-from _common import Section, emit, emit_input, main
+from _common import Section, array_module, emit, emit_input, main
 
 ROOT = 0
 
@@ -49,41 +51,41 @@ def e27_input(rank: int, world: int):
 INPUTS = {"E7": e7_input, "E17": e17_input, "E27": e27_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def _on_device(host):
-    import cupy as cp
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
     if host is None:
         return None
     if isinstance(host, list):
-        return [cp.asarray(h) for h in host]
-    return cp.asarray(host)
+        return [xp.asarray(h) for h in host]
+    return xp.asarray(host)
 
 
 def e7(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     data = _on_device(e7_input(comm.rank, comm.world_size))   # (world, 5) on the root only
     if data is not None:
         emit_input("E7", comm.rank, data)
-    out = cp.empty(5, cp.float32)
+    out = xp.empty(5, np.float32)
     comm.scatter(data, out, root=ROOT).wait()
     emit("E7", comm.rank, out)
 
 
 def e17(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     parts = _on_device(e17_input(comm.rank, comm.world_size))  # list on the root only
-    out = cp.zeros(1, cp.float32)
+    out = xp.zeros(1, np.float32)
     comm.scatter(parts, out, root=ROOT).wait()
     emit("E17", comm.rank, out)
 
 
 def e27(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     parts = _on_device(e27_input(comm.rank, comm.world_size))
     if parts is not None:
         emit_input("E27", comm.rank, parts)
-    out = cp.zeros(5, cp.float32)
+    out = xp.zeros(5, np.float32)
     comm.scatter(parts, out, root=ROOT).wait()
     emit("E27", comm.rank, out)
 

@@ -18,13 +18,15 @@ column becomes a row, reduce-scatter rows, and reshape the (5,) result back to (
 Run:  python examples/06_reduce_scatter.py       (spawns 4 ranks, then 3 for E28)
       ncclpy run -n 4 python examples/06_reduce_scatter.py
       ncclpy run -n 3 python examples/06_reduce_scatter.py --only E28
+      python examples/06_reduce_scatter.py --cpu (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/06_reduce_scatter.py
 """
 from __future__ import annotations
 
 import numpy as np
 
 import ncclpy
-from _common import Section, column_views, emit, emit_error, emit_input, main
+from _common import Section, array_module, column_views, emit, emit_error, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -63,59 +65,59 @@ INPUTS = {"E8": e8_input, "E9": e9_input, "E10": e10_input, "E28": e28_input,
           "E31": e31_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def e8(comm) -> None:
-    import cupy as cp
-    data = cp.asarray(e8_input(comm.rank, comm.world_size))
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    data = xp.asarray(e8_input(comm.rank, comm.world_size))
     emit_input("E8", comm.rank, data)
     chunks = [data[i:i + 1] for i in range(comm.world_size)]   # rows: contiguous (1,5) views
-    out = cp.empty((1, 5), cp.float32)
+    out = xp.empty((1, 5), np.float32)
     comm.reduce_scatter(chunks, out, op="sum").wait()
     emit("E8", comm.rank, out)
 
 
 def e9(comm) -> None:
-    import cupy as cp
-    data = cp.asarray(e9_input(comm.rank, comm.world_size))  # one (world, 5) buffer
-    out = cp.empty((1, 5), cp.float32)
+    xp = array_module()
+    data = xp.asarray(e9_input(comm.rank, comm.world_size))  # one (world, 5) buffer
+    out = xp.empty((1, 5), np.float32)
     comm.reduce_scatter(data, out, op="sum").wait()
     emit("E9", comm.rank, out)
 
 
 def e10(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     n = comm.world_size
-    data = cp.asarray(e10_input(comm.rank, n))
+    data = xp.asarray(e10_input(comm.rank, n))
     emit_input("E10", comm.rank, data)
-    out = cp.empty((5, 1), cp.float32)
+    out = xp.empty((5, 1), np.float32)
     # Wrong on purpose: torch.split(data, 1, dim=1) -- (5,1) column views, strided in memory.
     try:
         comm.reduce_scatter(column_views(data, 1), out, op="sum")
     except ncclpy.NcclpyError as e:
         emit_error("E10", comm.rank, e)
     # Right: make each column a contiguous row, reduce-scatter rows, reshape back to (5, 1).
-    rows = cp.ascontiguousarray(data.T)         # (world, 5): row j = column j
-    col = cp.empty(5, cp.float32)
+    rows = xp.ascontiguousarray(data.T)         # (world, 5): row j = column j
+    col = xp.empty(5, np.float32)
     comm.reduce_scatter(rows, col, op="sum").wait()
     emit("E10", comm.rank, col.reshape(5, 1))
 
 
 def e28(comm) -> None:
-    import cupy as cp
-    chunks = [cp.asarray(c) for c in e28_input(comm.rank, comm.world_size)]
+    xp = array_module()
+    chunks = [xp.asarray(c) for c in e28_input(comm.rank, comm.world_size)]
     emit_input("E28", comm.rank, chunks)
-    out = cp.zeros(2, cp.float32)
+    out = xp.zeros(2, np.float32)
     comm.reduce_scatter(chunks, out, op="sum").wait()
     emit("E28", comm.rank, out)
 
 
 def e31(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     comm.barrier()                              # seed 003 aligns the ranks before each step
-    x = cp.asarray(e31_input(comm.rank, comm.world_size))
+    x = xp.asarray(e31_input(comm.rank, comm.world_size))
     emit_input("E31", comm.rank, x)
-    out = cp.zeros(1, cp.float32)
+    out = xp.zeros(1, np.float32)
     comm.reduce_scatter(x, out, op="sum").wait()
     emit("E31", comm.rank, out)
 

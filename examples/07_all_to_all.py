@@ -17,13 +17,15 @@ them with a clear error; .contiguous() copies (cupy.ascontiguousarray) are what 
 
 Run:  python examples/07_all_to_all.py           (spawns 4 ranks)
       ncclpy run -n 4 python examples/07_all_to_all.py
+      python examples/07_all_to_all.py --cpu     (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/07_all_to_all.py
 """
 from __future__ import annotations
 
 import numpy as np
 
 import ncclpy
-from _common import Section, column_views, emit, emit_error, emit_input, main
+from _common import Section, array_module, column_views, emit, emit_error, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -62,41 +64,41 @@ def uneven_input(rank: int, world: int) -> np.ndarray:
 INPUTS = {"E11": e11_input, "E12": e12_input, "E11.uneven": uneven_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def e11(comm) -> None:
-    import cupy as cp
-    send = cp.asarray(e11_input(comm.rank, comm.world_size))
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    send = xp.asarray(e11_input(comm.rank, comm.world_size))
     emit_input("E11", comm.rank, send)
-    recv = cp.empty_like(send)                  # even split: world blocks of 2
+    recv = xp.empty_like(send)                  # even split: world blocks of 2
     comm.all_to_all(send, recv).wait()
     emit("E11", comm.rank, recv)
 
 
 def e12(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     n = comm.world_size
-    local = cp.asarray(e12_input(comm.rank, n))
+    local = xp.asarray(e12_input(comm.rank, n))
     emit_input("E12", comm.rank, local)
-    recv = [cp.empty((5, 1), cp.float32) for _ in range(n)]
+    recv = [xp.empty((5, 1), np.float32) for _ in range(n)]
     # Wrong on purpose: column views local[:, j:j+1] are strided, not raw contiguous buffers.
     try:
         comm.all_to_all(column_views(local, 1), recv)
     except ncclpy.NcclpyError as e:
         emit_error("E12", comm.rank, e)
     # Right (as the seed: .contiguous()): contiguous copies of the columns.
-    send = [cp.ascontiguousarray(v) for v in column_views(local, 1)]
+    send = [xp.ascontiguousarray(v) for v in column_views(local, 1)]
     comm.all_to_all(send, recv).wait()
-    emit("E12", comm.rank, cp.concatenate(recv, axis=1))     # torch.cat(output_list, dim=1)
+    emit("E12", comm.rank, xp.concatenate(recv, axis=1))     # torch.cat(output_list, dim=1)
 
 
 def e11_uneven(comm) -> None:
-    import cupy as cp
+    xp = array_module()
     r, n = comm.rank, comm.world_size
-    send = cp.asarray(uneven_input(r, n))
+    send = xp.asarray(uneven_input(r, n))
     emit_input("E11.uneven", r, send)
     recv_counts = uneven_recv_counts(r, n)
-    recv = cp.empty(sum(recv_counts), cp.float32)
+    recv = xp.empty(sum(recv_counts), np.float32)
     comm.all_to_all(send, recv, send_counts=uneven_send_counts(r, n),
                     recv_counts=recv_counts).wait()
     emit("E11.uneven", r, recv)

@@ -11,12 +11,14 @@ dist.broadcast(t, src) is in place; so is comm.broadcast(buf, root=src) without 
 Run:  python examples/08_broadcast.py            (spawns 4 ranks, then 3 for E22)
       ncclpy run -n 4 python examples/08_broadcast.py
       ncclpy run -n 3 python examples/08_broadcast.py --only E22
+      python examples/08_broadcast.py --cpu      (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/08_broadcast.py
 """
 from __future__ import annotations
 
 import numpy as np
 
-from _common import Section, emit, emit_input, main
+from _common import Section, array_module, emit, emit_input, main
 
 ROOT = 0
 
@@ -43,11 +45,11 @@ def e22_input(rank: int, world: int) -> np.ndarray:
 INPUTS = {"E13": e13_input, "E16": e16_input, "E22": e22_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def _broadcast_in_place(comm, label: str, x_host: np.ndarray) -> None:
-    import cupy as cp
-    x = cp.asarray(x_host)
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(x_host)
     emit_input(label, comm.rank, x)
     comm.broadcast(x, root=ROOT).wait()         # dist.broadcast(x, src=0)
     emit(label, comm.rank, x)

@@ -13,12 +13,14 @@ Work.wait() blocks the host until the transfer is done; Work.is_completed() poll
 
 Run:  python examples/09_send_recv.py            (spawns 2 ranks)
       ncclpy run -n 2 python examples/09_send_recv.py
+      python examples/09_send_recv.py --cpu      (no GPU: the CPU backend)
+      ncclpy run --cpu -n 2 python examples/09_send_recv.py
 """
 from __future__ import annotations
 
 import numpy as np
 
-from _common import Section, emit, emit_input, main
+from _common import Section, array_module, emit, emit_input, main
 
 
 # ----------------------------------------------------------------- inputs (pure numpy, no GPU)
@@ -36,11 +38,11 @@ e15_input = e14_input
 INPUTS = {"E14": e14_input, "E15": e15_input}
 
 
-# ----------------------------------------------------------------- the examples (GPU)
+# ------------------------------------- the examples (GPU, or the CPU backend: --cpu)
 
 def e14(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e14_input(comm.rank, comm.world_size))
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(e14_input(comm.rank, comm.world_size))
     emit_input("E14", comm.rank, x)
     if comm.rank == 0:
         comm.send(x, peer=1).wait()             # dist.send(tensor, dst=1)
@@ -50,8 +52,8 @@ def e14(comm) -> None:
 
 
 def e15(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(e15_input(comm.rank, comm.world_size))
+    xp = array_module()
+    x = xp.asarray(e15_input(comm.rank, comm.world_size))
     work = None
     if comm.rank == 0:
         work = comm.send(x, peer=1)             # req = dist.isend(tensor, dst=1)

@@ -11,12 +11,14 @@ clock, sleeps, and waits.  Printed result: seconds from the start to leaving the
 
 Run:  python examples/10_barrier.py              (spawns 3 ranks)
       ncclpy run -n 3 python examples/10_barrier.py
+      python examples/10_barrier.py --cpu        (no GPU: the CPU backend)
+      ncclpy run --cpu -n 3 python examples/10_barrier.py
 """
 from __future__ import annotations
 
 import time
 
-from _common import Section, emit, main
+from _common import Section, comment, emit, main
 
 
 def sleep_seconds(rank: int, world: int) -> float:
@@ -30,8 +32,7 @@ INPUTS: dict = {}          # no data inputs to check against the reference
 def e29(comm) -> None:
     comm.barrier()                              # line up first: start-up times differ
     t_start = time.time()
-    print(f"# rank {comm.rank} sleeps {sleep_seconds(comm.rank, comm.world_size):g} s",
-          flush=True)
+    comment(f"rank {comm.rank} sleeps {sleep_seconds(comm.rank, comm.world_size):g} s")
     time.sleep(sleep_seconds(comm.rank, comm.world_size))
     comm.barrier()
     emit("E29", comm.rank, round(time.time() - t_start, 4))

@@ -22,14 +22,20 @@ This script prints both, from the same run, so you can see the difference.
 
 Run:  python examples/11_bandwidth.py            (spawns 4 ranks)
       ncclpy run -n 4 python examples/11_bandwidth.py
+      python examples/11_bandwidth.py --cpu      (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/11_bandwidth.py
+On the CPU backend the same steps run on 4 MiB: the lesson, not a measurement.
 """
 from __future__ import annotations
 
 import time
 
-from _common import Section, emit, main, sync
+import numpy as np
+
+from _common import Section, array_module, emit, main, sync
 
 ELEMENTS = 1 << 24      # float32 elements: 64 MiB per rank (003 leaves num_elements open)
+CPU_ELEMENTS = 1 << 20  # on the CPU backend (--cpu): 4 MiB; its figures say nothing about a GPU
 ITERS = 10              # timed back-to-back iterations for the nccl-tests-style figure
 
 
@@ -48,9 +54,12 @@ INPUTS: dict = {}          # no data inputs to check against the reference
 
 
 def e33(comm) -> None:
-    import cupy as cp
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
     n = comm.world_size
-    data = cp.random.standard_normal(ELEMENTS, dtype=cp.float32)   # torch.randn(num_elements)
+    if xp is np:    # the CPU backend: numpy's generator takes the dtype
+        data = np.random.default_rng().standard_normal(CPU_ELEMENTS, dtype=np.float32)
+    else:
+        data = xp.random.standard_normal(ELEMENTS, dtype=np.float32)   # torch.randn(num_elements)
     nbytes = data.nbytes
 
     # warm-up, as the seed: one call, synchronize, barrier

@@ -15,13 +15,15 @@ computes sum(0.5 * x_r) with NCCL's ncclRedOpCreatePreMulSum.  AVG is NCCL's nat
 
 Run:  python examples/12_reduce_ops.py           (spawns 4 ranks)
       ncclpy run -n 4 python examples/12_reduce_ops.py
+      python examples/12_reduce_ops.py --cpu     (no GPU: the CPU backend)
+      ncclpy run --cpu -n 4 python examples/12_reduce_ops.py
 """
 from __future__ import annotations
 
 import numpy as np
 
 import ncclpy
-from _common import Section, emit, emit_error, emit_input, main
+from _common import Section, array_module, emit, emit_error, emit_input, main
 
 #: label suffix -> the op argument passed to comm.all_reduce
 OPS = {
@@ -60,14 +62,14 @@ EXPECTED = {
 
 
 def ops(comm) -> None:
-    import cupy as cp
-    x = cp.asarray(ops_input(comm.rank, comm.world_size))
+    xp = array_module()                         # CuPy on a GPU, numpy on the CPU backend
+    x = xp.asarray(ops_input(comm.rank, comm.world_size))
     emit_input("OPS", comm.rank, x)
     for name, op in OPS.items():
-        out = cp.empty_like(x)
+        out = xp.empty_like(x)
         comm.all_reduce(x, out, op=op).wait()   # out of place: x stays the input
         emit(f"OPS.{name}", comm.rank, out)
-    bits = cp.asarray(bitwise_input(comm.rank, comm.world_size))
+    bits = xp.asarray(bitwise_input(comm.rank, comm.world_size))
     for name in BITWISE:                        # dist.ReduceOp.BAND etc. would fail the same way
         try:
             comm.all_reduce(bits, op=name)

@@ -137,7 +137,12 @@ def _as_uid(raw: Any, what: str) -> bytes:
 
 
 def get_unique_id() -> bytes:
-    """``ncclGetUniqueId`` through CuPy, as 128 bytes. Needs no GPU."""
+    """``ncclGetUniqueId`` through CuPy, as 128 bytes. Needs no GPU.  On the CPU backend, its
+    own ``ncclGetUniqueId`` (no CuPy needed there)."""
+    from .cpu.backend import installed
+    if installed():
+        from ._nccl.lib import get_lib
+        return _as_uid(get_lib().get_unique_id(), "ncclGetUniqueId")
     try:
         from cupy.cuda import nccl
     except ImportError as e:
@@ -418,16 +423,18 @@ def _gpu_count() -> int:
     return visible_gpu_count()
 
 
-def _check_device_arg(device: Any) -> None:
-    """An explicit ``device=`` must be a GPU index: fail before any rendezvous, precisely."""
-    if device is None or (isinstance(device, str) and device.strip().lower() == "cpu"):
+def _check_device_arg(device: Any, cpu_ok: bool = False) -> None:
+    """An explicit ``device=`` must be a GPU index (or, for ``ncclpy.init``, ``"cpu"``: the
+    CPU backend): fail before any rendezvous, precisely."""
+    if device is None or (cpu_ok and isinstance(device, str)
+                          and device.strip().lower() == "cpu"):
         return
+    want = "None or an int GPU index >= 0" + (" (or 'cpu': the CPU backend)" if cpu_ok else "")
     if isinstance(device, bool) or not isinstance(device, numbers.Integral):
-        raise ArgumentTypeError(f"device: expected None, an int GPU index >= 0 or 'cpu', got "
-                                f"{type(device).__name__} {device!r}")
+        raise ArgumentTypeError(f"device: expected {want}, got {type(device).__name__} "
+                                f"{device!r}")
     if device < 0:
-        raise ArgumentError(f"device: expected None, an int GPU index >= 0 or 'cpu', got "
-                            f"{device}")
+        raise ArgumentError(f"device: expected {want}, got {device}")
 
 
 def _pick_device(info: RendezvousInfo, explicit: bool) -> int:

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="start N ranks with the rendezvous environment (like torchrun)",
         description="Start N local ranks of PROGRAM with the ncclpy/torchrun rendezvous "
-                    "environment; rank-prefixed output, SIGINT/SIGTERM forwarding, fail-fast.")
+                    "environment; rank-prefixed output, SIGINT/SIGTERM forwarding, fail-fast. "
+                    "Without a GPU: ncclpy run --cpu -n 4 python x.py (the CPU backend).")
     add_run_arguments(run)
     info = sub.add_parser("info", help="report ncclpy, CuPy, NCCL, CUDA, GPUs and environment",
                           description="Report versions, the libnccl loaded, CUDA, visible GPUs "

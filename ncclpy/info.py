@@ -320,8 +320,20 @@ def collect(import_torch: bool = False) -> dict[str, Any]:
         d["nccl"] = {"error": f"{why}; {_INSTALL_HINT}"}
         d["cuda"] = {"error": why, "gpus": [], "gpus_note": f"none visible ({why})"}
     d["torch"] = _torch_section(import_torch)
+    d["cpu_backend"] = _cpu_backend_section()
     d["env"] = rendezvous_env()
     return d
+
+
+def _cpu_backend_section() -> dict[str, Any]:
+    """Whether the CPU backend (``ncclpy.init(device="cpu")``) can run here, and what it
+    models (it is not NCCL)."""
+    from .cpu.backend import MODELLED_VERSION
+    from .cpu.shm import available
+    why = available()
+    v = MODELLED_VERSION
+    return {"available": why is None, "error": why,
+            "models": f"{v // 10000}.{v // 100 % 100}.{v % 100}"}
 
 
 def _gib(n: int) -> str:
@@ -370,6 +382,13 @@ def format_info(d: Mapping[str, Any]) -> str:
             else:
                 lines.append(f"  GPU {g['index']}: {g['name']}, {_gib(g['memory_bytes'])}, "
                              f"compute {g['compute_capability']}, PCI {g['pci_bus_id']}")
+    cb = d.get("cpu_backend", {})
+    if cb:
+        if cb.get("available"):
+            row("CPU backend", f"available: ncclpy.init(device='cpu') / ncclpy run --cpu "
+                               f"(NCCL {cb.get('models')}'s semantics on host memory; not NCCL)")
+        else:
+            row("CPU backend", f"not available: {cb.get('error')}")
     t = d.get("torch", {})
     if not t.get("installed"):
         row("torch", "not installed")

@@ -13,13 +13,16 @@ import numpy as np
 import ncclpy
 from ncclpy import reference as R
 
-__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "report"]
+__all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "two_nodes", "edges", "report"]
 
 
 def report(out: str, rank: int, data: Dict[str, Any]) -> None:
-    """What this rank saw, for the test to read."""
+    """What this rank saw, for the test to read, with its pid and its channels' shared-memory
+    name prefixes (what it must not leave in /dev/shm)."""
+    from ncclpy.cpu.backend import get_engine
+    prefixes = sorted({ch.prefix.lstrip("/") for ch in get_engine().channels.values()})
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(data, f)
+        json.dump(dict(data, pid=os.getpid(), prefixes=prefixes), f)
 
 
 def _inputs(n: int, count: int, dtype: str, seed: int) -> List[np.ndarray]:
@@ -132,6 +135,13 @@ def p2p_and_groups(rank: int, out: str) -> None:
     p().wait()
     p().wait()
     _same(buf, np.full(8, sum(range(n)) * n, np.int32), "a prepared call, twice")
+    z = np.full(4, 1.0, np.float32)
+    w = comm.all_reduce(z, stream=5)             # any int names its own CPU stream
+    assert w.stream == 5
+    w.wait(0)                                    # the default stream waits on it: no host block
+    later = np.zeros(4, np.float32)
+    comm.all_reduce(z, later).wait()             # on stream 0, after stream 5's call
+    _same(later, np.full(4, float(n * n), np.float32), "a call ordered after another stream's")
     eager = np.full(16, 1.0, np.float32)
     w = comm.all_reduce(eager)
     ncclpy.cpu.synchronize()
@@ -182,6 +192,70 @@ def lifecycle(rank: int, out: str) -> None:
     comm.abort()
     comm.close()
     report(out, rank, {"refused": refused})
+
+
+def edges(rank: int, out: str, rounds: int) -> None:
+    """What review found (2026-11-27): a send/recv ping-pong (the descriptor's seqlock), a
+    send to oneself in a group, an unmatched one refused, one group on two streams, a group too
+    big for a control block, premul_sum with each rank's own scalar."""
+    import ncclpy.cpu
+    comm = ncclpy.init(device="cpu")
+    n, peer = comm.world_size, 1 - rank
+    a = np.zeros(1, np.int64)
+    for i in range(rounds):                      # rank 0 sends then receives; rank 1 the reverse
+        if rank == 0:
+            comm.send(np.full(1, i, np.int64), peer)
+            comm.recv(a, peer).wait()
+        else:
+            comm.recv(a, peer).wait()
+            comm.send(a + 1, peer).wait()
+        assert int(a[0]) == i + (rank == 0), (i, a)
+    me = np.zeros(3, np.float32)
+    with comm.group():
+        comm.send(np.full(3, 7, np.float32), rank)
+        comm.recv(me, rank)
+    ncclpy.cpu.synchronize()
+    _same(me, np.full(3, 7, np.float32), "a send to oneself in a group")
+    try:                                         # ncclpy's own check, outside a group
+        comm.send(np.ones(2, np.float32), rank)
+        alone = ""
+    except ncclpy.NcclpyError as e:
+        alone = f"{type(e).__name__}: {e}"
+    try:                                         # NCCL's, at the group's end
+        with comm.group():
+            comm.send(np.ones(2, np.float32), rank)
+        unmatched = ""
+    except ncclpy.NcclpyError as e:
+        unmatched = f"{type(e).__name__}: {e}"
+    got = np.zeros(2, np.float32)
+    with comm.group():                           # one communicator's group on two streams
+        comm.send(np.full(2, rank, np.float32), peer, stream=5)
+        comm.recv(got, peer, stream=6)
+    ncclpy.cpu.synchronize()
+    _same(got, np.full(2, peer, np.float32), "a group on two streams")
+    many = [np.zeros(1, np.int32) for _ in range(3000)]
+    with comm.group():                           # a descriptor bigger than a control block
+        for k, b in enumerate(many):
+            comm.send(np.full(1, k, np.int32), peer)
+            comm.recv(b, peer)
+    ncclpy.cpu.synchronize()
+    assert [int(b[0]) for b in many] == list(range(3000))
+    x = np.ones(4, np.float32)
+    comm.all_reduce(x, op=ncclpy.premul_sum(float(rank + 1))).wait()
+    _same(x, np.full(4, sum(range(1, n + 1)), np.float32), "premul_sum, a scalar per rank")
+    comm.close()
+    report(out, rank, {"unmatched": unmatched, "alone": alone})
+
+
+def two_nodes(rank: int, out: str) -> None:
+    """A job that says its ranks are on two machines: the CPU backend refuses it on every rank."""
+    try:
+        ncclpy.init(device="cpu", local_world_size=1, local_rank=0)
+        err = ""
+    except ncclpy.NcclpyError as e:
+        err = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"error": err}, f)
 
 
 def mismatch(rank: int, out: str, kind: str) -> None:

@@ -1,13 +1,13 @@
-"""A job for the hang-forensics tests, run by ``ncclpy run`` over the cross-process STAND-IN
-(tests/nccl_standin_procs.py): real processes, the launcher's real store, ncclpy's real call
-path, flight recorder, watchdog and dumps; only the NCCL launch is stood in for.
+"""A job for the hang-forensics tests, run by ``ncclpy run`` on ncclpy's CPU backend
+(``ncclpy.init(device="cpu")``: real processes, the launcher's real store, ncclpy's real call
+path, flight recorder, watchdog and dumps, the data through shared memory).
 
 ``python forensics_job.py SCENARIO``: ``ok`` (three all_reduce, all complete), ``skip`` (rank 2
 skips the third all_reduce and idles ``JOB_IDLE`` seconds), ``differ`` (rank 2 makes a
 broadcast instead), ``unmatched`` (rank 0 sends to rank 1, which never receives), ``stop`` (rank
 2 stops itself with SIGSTOP before the third).
 Each line that makes a call ends with a ``# CALL <name>`` marker the tests look for.  With
-``--real`` (tests/gpu) it runs on real NCCL and CuPy arrays instead of the stand-in.
+``--real`` (tests/gpu) it runs on real NCCL and CuPy arrays instead.
 """
 from __future__ import annotations
 
@@ -16,35 +16,23 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
-
-from nccl_standin import DevArray  # noqa: E402
-from nccl_standin_procs import proc_standin  # noqa: E402
-
 
 def main(scenario: str, real: bool = False) -> int:
-    if real:                      # the GPU tests: real NCCL, real device memory
-        return play(scenario, None)
-    from ncclpy.store import TCPStore
-    env = os.environ
-    store = TCPStore(env["NCCLPY_MASTER_ADDR"], int(env["NCCLPY_MASTER_PORT"]),
-                     token=env.get("NCCLPY_STORE_TOKEN") or None, timeout=60.0)
-    with proc_standin(store):
-        return play(scenario, lambda device: DevArray(np.ones(8, np.float32), device=device))
+    return play(scenario, real)
 
 
-def play(scenario: str, make) -> int:
+def play(scenario: str, real: bool) -> int:
     import ncclpy
     env = os.environ
-    comm = ncclpy.init("job")
-    r = comm.rank
-    if make is None:
+    if real:                      # the GPU tests: real NCCL, real device memory
         import cupy
+        comm = ncclpy.init("job")
         x = cupy.ones(8, cupy.float32)
     else:
-        x = make(comm.device)
+        import numpy as np
+        comm = ncclpy.init("job", device="cpu")
+        x = np.ones(8, np.float32)
+    r = comm.rank
     comm.all_reduce(x).wait()                                 # CALL first
     comm.all_reduce(x).wait()                                 # CALL second
     if scenario == "skip" and r == 2:

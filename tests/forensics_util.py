@@ -1,5 +1,5 @@
 """Run tests/forensics_job.py under ``ncclpy run`` and read what came out (shared by the CPU
-forensics tests, over the cross-process STAND-IN, and tests/gpu, on real NCCL)."""
+forensics tests, on ncclpy's CPU backend, and tests/gpu, on real NCCL)."""
 from __future__ import annotations
 
 import json

@@ -43,28 +43,28 @@ def gloo_sum(rank: int, outdir: str) -> None:
     dist.destroy_process_group()
 
 
-def standin_all_reduce(rank: int, outdir: str) -> None:
-    """ncclpy.init on the task's store, through the cross-process NCCL stand-in: ncclpy's real
-    call path (store, uid exchange, communicator, Work) in a pooled process."""
+def cpu_all_reduce(rank: int, outdir: str) -> None:
+    """ncclpy.init on the task's store, on ncclpy's CPU backend: ncclpy's real call path
+    (store, uid exchange, communicator, Work, the data through shared memory) in a pooled
+    process."""
     import numpy as np
 
     import ncclpy
-    from nccl_standin import DevArray
-    from nccl_standin_procs import proc_standin
     from ncclpy.store import StoreServer, TCPStore
     env = os.environ
     addr, port, token = (env["NCCLPY_MASTER_ADDR"], int(env["NCCLPY_MASTER_PORT"]),
                          env.get("NCCLPY_STORE_TOKEN") or None)
-    # the stand-in needs the store before ncclpy.init: rank 0 hosts it as a launcher would
+    # rank 0 hosts the store as a launcher would, and stops it once every rank is out: a
+    # pooled process outlives its task, so the task's store must not
     srv = StoreServer(addr, port, token=token).start() if rank == 0 else None
     env["NCCLPY_STORE_HOSTED_BY"] = "launcher"        # the pool restores it after the task
     store = TCPStore(addr, port, token=token, timeout=30.0)
-    with proc_standin(store):
-        comm = ncclpy.init("pooled", watchdog=False)
-        x = DevArray(np.ones(8, np.float32), device=comm.device)
-        comm.all_reduce(x).wait(timeout=30)
-        _write(outdir, rank, {"pid": os.getpid(), "rank": comm.rank, "n": comm.world_size})
-        comm.close()
+    comm = ncclpy.init("pooled", device="cpu", watchdog=False)
+    x = np.full(8, rank + 1, np.float32)
+    comm.all_reduce(x).wait(timeout=30)
+    _write(outdir, rank, {"pid": os.getpid(), "rank": comm.rank, "n": comm.world_size,
+                          "sum": float(x[0])})
+    comm.close()
     n = int(env["NCCLPY_WORLD_SIZE"])
     store.set(f"pooled-out/{rank}", b"1")         # rank 0 stops the store once all are out
     if srv is not None:

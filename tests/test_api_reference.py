@@ -29,6 +29,9 @@ INTERNAL_EXCEPTIONS = {
     "ncclpy.store.protocol.KeyCountError": "store server request parsing, always caught",
     "ncclpy._nccl.cuda.CapturedEventError": "how a Work learns its call was captured into a "
                                             "graph; always caught (users get NcclpyError)",
+    "ncclpy.cpu.runtime.CpuCudaError": "the CPU backend's CuPy CUDARuntimeError (a status "
+                                       "code, e.g. an invalid device): what a GPU run raises "
+                                       "there is CuPy's, not an NcclpyError either",
     "ncclpy.selftest.debt.CollectError": "the GPU tests could not be collected: always caught "
                                          "by the selftest (exit 2, or the fixed stage order)",
 }

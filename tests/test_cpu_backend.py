@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import ncclpy
-from ncclpy.cpu import channel as ch_mod
 from ncclpy.cpu.reduce import reduce as fast_reduce
 from ncclpy import reference as R
 
@@ -21,15 +20,20 @@ import cpu_backend_jobs as J
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _shm() -> set:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("ncclpy-")}
+def _left_behind(out: list) -> list:
+    """The job's shared-memory names still in /dev/shm (its channels' prefixes, its pids' payload
+    segments; other jobs may run meanwhile)."""
+    prefixes = {p for o in out for p in o["prefixes"]}
+    pids = {f"-p{o['pid']}" for o in out}
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith(p) for p in prefixes)
+            or (n.startswith("ncclpy-") and any(n.endswith(p) for p in pids))]
 
 
 def _run(fn, n: int, tmp_path, *args) -> list:
-    before = _shm()
     ncclpy.spawn(fn, n, args=(str(tmp_path), *args), timeout=120)
     out = [json.load(open(tmp_path / f"{r}.json")) for r in range(n)]
-    assert _shm() - before == set(), "the job left shared memory behind"
+    assert all(o["prefixes"] for o in out), out
+    assert _left_behind(out) == [], "the job left shared memory behind"
     return out
 
 
@@ -58,6 +62,21 @@ def test_a_mismatched_or_skipped_collective_waits_as_nccl_would(tmp_path, kind):
         assert out[1]["error"] == "NcclTimeoutError", out
 
 
+def test_ping_pong_self_sends_two_streams_big_groups_premul(tmp_path):
+    out = _run(J.edges, 2, tmp_path, 1500)
+    for o in out:
+        assert o["alone"].startswith("ArgumentError: send: peer") and "is this rank" in o["alone"]
+        assert o["unmatched"].startswith("NcclInvalidUsage") and \
+            "send to self without a matching recv" in o["unmatched"], o
+
+
+def test_ranks_on_two_machines_are_refused_on_every_rank(tmp_path):
+    ncclpy.spawn(J.two_nodes, 2, args=(str(tmp_path),), timeout=120)
+    for r in range(2):
+        err = json.load(open(tmp_path / f"{r}.json"))["error"]
+        assert err.startswith("UnsupportedError") and "one machine" in err, err
+
+
 def test_fast_reduce_is_the_reference_bit_for_bit():
     rng = np.random.default_rng(7)
     for wire, ut in (("float32", np.uint32), ("float64", np.uint64)):
@@ -74,15 +93,24 @@ def test_fast_reduce_is_the_reference_bit_for_bit():
             assert got.view(ut).tobytes() == np.asarray(want).view(ut).tobytes(), (wire, op)
 
 
-def test_sweep_removes_only_dead_processes_segments(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
-    names = [f"ncclpy-{'ab' * 8}-0-d1-p{dead}", f"ncclpy-{'cd' * 8}-1-d1-p{os.getpid()}",
+def test_sweep_removes_only_segments_no_live_process_holds(tmp_path):
+    import fcntl
+    import time
+    from ncclpy.cpu.shm import sweep
+    names = ["ncclpy-" + "ab" * 8 + "-0", "ncclpy-" + "cd" * 8 + "-1-d1-p1", "ncclpy-young",
              "unrelated"]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    assert ch_mod.sweep(str(tmp_path)) == 1
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+    old = time.time() - 60
+    for name in names[:2] + names[3:]:
+        os.utime(tmp_path / name, (old, old))
+    held = os.open(tmp_path / names[1], os.O_RDWR)      # its owner is alive: a shared flock
+    fcntl.flock(held, fcntl.LOCK_SH)
+    try:
+        assert sweep(str(tmp_path), min_age=10.0) == 1
+        assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+    finally:
+        os.close(held)
 
 
 def test_device_cpu_is_refused_after_the_gpu_runtime_was_used():

@@ -465,14 +465,16 @@ _GPU_LESS = pytest.mark.skipif(
     reason="a GPU is usable here: tests/gpu/test_examples_gpu.py runs the examples to the end")
 
 
-def _one_line_no_gpu(script: Path, stderr: str) -> str:
-    """The no-GPU line a script prints: exactly one, naming the script and the reason."""
+def _one_line_no_gpu(script: Path, stderr: str, hint: str) -> str:
+    """The no-GPU line a script prints: exactly one, naming the script, the reason and the
+    command that runs it on the CPU backend (``hint``)."""
     lines = [ln for ln in stderr.splitlines() if "needs an NVIDIA GPU" in ln]
     assert len(lines) == 1, stderr
     assert "Traceback" not in stderr, stderr
     line = lines[0]
     assert line.endswith(f"python {os.path.relpath(script, ROOT)}: needs an NVIDIA GPU with a "
-                         f"working CUDA driver, CuPy and NCCL; here: {no_gpu_reason()}"), line
+                         f"working CUDA driver, CuPy and NCCL; here: {no_gpu_reason()}; without "
+                         f"a GPU: {hint}"), line
     return line
 
 
@@ -486,7 +488,7 @@ def test_started_plainly_without_a_gpu_a_script_says_so_in_one_line(script):
     assert res.returncode == _common.EXIT_NO_GPU == 1, res.stdout + res.stderr
     assert res.stdout == "", res.stdout                 # no "# ncclpy.spawn: ..." line
     assert res.stderr.count("\n") == 1
-    _one_line_no_gpu(script, res.stderr)
+    _one_line_no_gpu(script, res.stderr, f"python {os.path.relpath(script, ROOT)} --cpu")
 
 
 @_GPU_LESS
@@ -500,7 +502,8 @@ def test_under_a_launcher_without_a_gpu_only_local_rank_0_says_so():
     out = res.stdout + res.stderr
     assert res.returncode == 1, out
     assert "ncclpy.spawn" not in out
-    line = _one_line_no_gpu(script, out)
+    line = _one_line_no_gpu(script, out,
+                            f"ncclpy run --cpu -n 2 python {os.path.relpath(script, ROOT)}")
     assert line.startswith("[rank 0] ")
 
 

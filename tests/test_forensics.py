@@ -1,7 +1,7 @@
 """Hang forensics end to end on CPU (issue 23): real ``ncclpy run`` jobs of three processes, the
 launcher's real store, ncclpy's real call path, flight recorder, watchdog, dumps,
-``ncclpy trace`` and ``ncclpy status`` -- over the cross-process STAND-IN for the NCCL launch
-(tests/nccl_standin_procs.py: an operation completes when every rank issued the same one).
+``ncclpy trace`` and ``ncclpy status`` -- on ncclpy's CPU backend (``ncclpy.init(device="cpu")``:
+an operation completes when every rank made the same one, its data through shared memory).
 tests/gpu/test_forensics_gpu.py runs the same scenarios on real NCCL.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The rank pool the GPU tests share (tests/rank_pool.py), on CPU with real processes: reuse
-(one start-up, many tasks, a fresh rendezvous each, torch gloo and ncclpy over the NCCL
-stand-in), crash recovery (the task that broke the pool is reported, the next one runs on new
+(one start-up, many tasks, a fresh rendezvous each, torch gloo and ncclpy on its CPU
+backend), crash recovery (the task that broke the pool is reported, the next one runs on new
 processes), and isolation (nothing a task changes reaches the next)."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def pool():
 
 def test_one_start_up_many_tasks_each_with_its_own_rendezvous(pool, tmp_path):
     runs = []
-    for i, fn in enumerate((T.report, T.gloo_sum, T.standin_all_reduce, T.report)):
+    for i, fn in enumerate((T.report, T.gloo_sum, T.cpu_all_reduce, T.report)):
         d = tmp_path / f"t{i}"
         d.mkdir()
         res = pool.run(fn, [str(d)], timeout=120, env={"POOL_TASK_VAR": str(i)})
@@ -49,6 +49,7 @@ def test_one_start_up_many_tasks_each_with_its_own_rendezvous(pool, tmp_path):
     assert len(pids) == 1 and len(set(next(iter(pids)))) == 2     # the same two processes
     assert [r["sum"] for r in runs[1]] == [3.0, 3.0]               # gloo: 1 + 2 on both ranks
     assert [(r["rank"], r["n"]) for r in runs[2]] == [(0, 2), (1, 2)]   # ncclpy communicator
+    assert [r["sum"] for r in runs[2]] == [3.0, 3.0]               # on the CPU backend
     first, last = runs[0], runs[3]
     assert first[0]["store_port"] == first[1]["store_port"]        # one store per task ...
     assert first[0]["store_port"] != last[0]["store_port"]         # ... a new one each task

@@ -13,7 +13,7 @@ from .._nccl.config import Config
 from .._nccl.cuda import cuda
 from .._nccl.lib import CudaUnavailableError, get_lib, require_version
 from ..debug.watchdog import default_timeout, env_flag
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from .communicator import Communicator
 
 __all__ = ["init", "INIT_KEYWORDS", "grow_join"]
@@ -58,10 +58,10 @@ def init(name: str = "default", config: Optional[Config] = None,
     from ..bootstrap import _check_device_arg, bootstrap
     from ..cpu.backend import install, wants_cpu
     _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
-    on_cpu = wants_cpu(resolve_kwargs.get("device"))
+    _check_device_arg(resolve_kwargs.get("device"), cpu_ok=True)
+    on_cpu = wants_cpu(resolve_kwargs.get("device"), resolve_kwargs.get("env"))
     if on_cpu:
         resolve_kwargs["device"] = None     # each rank's label: its local rank
-        install()
     from ..rendezvous.scalable import SCALABLE_FROM, check_unique_ids, exchange_unique_ids
     check_unique_ids(unique_ids)
     if from_torch is not None:
@@ -71,7 +71,8 @@ def init(name: str = "default", config: Optional[Config] = None,
                                 f"the torch group; drop {', '.join(extra)}")
         from ..rendezvous.torch_group import torch_group
         torch_group(from_torch)         # not a group, not initialised, not a member: say so now
-    _check_device_arg(resolve_kwargs.get("device"))
+    if on_cpu:       # after every argument check: a refused call leaves the process as it was
+        install()
     lib = get_lib()  # a missing CuPy/NCCL is reported before any rendezvous
     if unique_ids > 1 and lib.version < SCALABLE_FROM:
         require_version("ncclCommInitRankScalable", lib.version, lib.path)
@@ -82,6 +83,8 @@ def init(name: str = "default", config: Optional[Config] = None,
         bs = bootstrap_from_torch(from_torch, name, timeout=timeout, **resolve_kwargs)
     else:
         bs = bootstrap(name, timeout=timeout, **resolve_kwargs)
+    if on_cpu:
+        _one_machine(bs)
     if unique_ids > 1:
         bs.uids = exchange_unique_ids(bs, unique_ids, timeout)
     comm = Communicator.from_bootstrap(bs, config, timeout=timeout, checked=checked,
@@ -126,6 +129,17 @@ def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
                             f"got {choice!r}")
 
 
+def _one_machine(bs: Any) -> None:
+    """The CPU backend's ranks meet through shared memory: all must be on this machine (every
+    rank sees the same local world size, so all refuse alike)."""
+    info = bs.info
+    if info.local_world_size != info.world_size:
+        raise UnsupportedError(
+            f"ncclpy.init(device='cpu'): the CPU backend runs on one machine (its ranks meet "
+            f"through shared memory), but this job has {info.world_size} ranks and "
+            f"{info.local_world_size} on this node; run every rank on one machine")
+
+
 def _require_gpu(name: str) -> None:
     """Raise CudaUnavailableError, before the rendezvous, when this process sees no device
     (the reason in the words of ``ncclpy info``)."""
@@ -143,7 +157,9 @@ def _require_gpu(name: str) -> None:
     if why:
         raise CudaUnavailableError(
             f"ncclpy.init({name!r}): no usable CUDA device ({why}); NCCL communicators need an "
-            f"NVIDIA GPU with a working driver, so this rank did not join the rendezvous")
+            f"NVIDIA GPU with a working driver, so this rank did not join the rendezvous "
+            f"(without a GPU: ncclpy.init(device='cpu') or ncclpy run --cpu, NCCL's semantics on "
+            f"the CPU backend)")
 
 
 def grow_join(world_size: int, rank: int, uid: bytes, *, device: Optional[int] = None,

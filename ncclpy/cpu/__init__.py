@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .backend import engine, install, installed, wants_cpu
+from .backend import get_engine, install, installed, wants_cpu
 
-__all__ = ["install", "installed", "engine", "wants_cpu", "synchronize"]
+__all__ = ["install", "installed", "get_engine", "wants_cpu", "synchronize"]
 
 
 def synchronize(timeout: Optional[float] = None) -> None:
@@ -22,8 +22,7 @@ def synchronize(timeout: Optional[float] = None) -> None:
     import time
     from ..debug.watchdog import default_timeout
     from ..errors import NcclTimeoutError
-    from .backend import engine as process_engine   # the package's ``engine`` name is the
-    eng = process_engine()                          # submodule once ncclpy.cpu.engine loads
+    eng = get_engine()
     limit = default_timeout(timeout)
     deadline = time.monotonic() + limit
     delay = 1e-5

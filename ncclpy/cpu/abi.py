@@ -70,7 +70,8 @@ class CpuCDLL:
             except BaseException as e:  # noqa: B902 - cannot cross C; re-raised on exit
                 log.error("CPU engine: %s raised %s: %s", name, type(e).__name__, e,
                           exc_info=True)
-                self.errors.append(e)
+                if len(self.errors) < 100:      # bounded: a product process runs long
+                    self.errors.append(e)
                 return None if restype is None else (0 if text else INTERNAL_ERROR)
             if text:
                 return self._text(r)

@@ -6,12 +6,13 @@ communicators run on one, the other is refused in one line.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 from typing import Any, Mapping, Optional
 
 from ..errors import ArgumentError, UnsupportedError
 
-__all__ = ["install", "installed", "engine", "wants_cpu", "MODELLED_VERSION", "DEVICE_COUNT"]
+__all__ = ["install", "installed", "get_engine", "wants_cpu", "MODELLED_VERSION", "DEVICE_COUNT"]
 
 #: the NCCL whose semantics the engine models, checked line by line (ncclpy/cpu/RULES.md)
 MODELLED_VERSION = 22809
@@ -38,7 +39,7 @@ def installed() -> bool:
     return _engine is not None
 
 
-def engine() -> Any:
+def get_engine() -> Any:
     """The process's CPU engine (:func:`install` first)."""
     if _engine is None:
         raise UnsupportedError("the CPU backend is not installed in this process; "
@@ -60,8 +61,12 @@ def install() -> Any:
                                 "GPU communicator or buffer); a process runs either on the "
                                 "GPU or on the CPU backend, not both")
         why = available()
+        if why is None and platform.machine().lower() not in ("x86_64", "amd64", "i686",
+                                                              "i386"):
+            why = (f"its processes share memory relying on x86's store ordering (no fences "
+                   f"from Python), and this machine is {platform.machine()}")
         if why:
-            raise UnsupportedError(f"the CPU backend needs POSIX shared memory: {why}")
+            raise UnsupportedError(f"the CPU backend cannot run here: {why}")
         from .channel import sweep
         from .transport import ProcEngine
         sweep()

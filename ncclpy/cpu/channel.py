@@ -14,11 +14,15 @@ become visible in program order, and each flag is written after the data it anno
 * the poster's item is complete when its own results are written and every reader acked; only
   then may it post the next one (so a payload is never overwritten while a peer reads it).
 
-Payload segments are named with their creator's pid and stay named while the communicator
-lives (a peer maps one when it first needs it); :func:`sweep` removes those of dead processes.
+Payload segments stay named while the communicator lives (a peer maps one when it first needs
+it); :func:`ncclpy.cpu.shm.sweep` removes the segments of dead processes.  The descriptor is
+written under a seqlock (``seq`` negative while it changes) and carries its own ``seq``.
 A collective whose function, dtype, count, root or op differ between ranks never matches: the
-ranks wait, as NCCL would hang, and the first sight of it is logged.  Control block (int64):
-``HDR`` fields, then ``acks[N]``, ``attached[N]``, then the descriptor bytes.
+ranks wait, as NCCL would hang, and the first sight of it is logged.  A pair's first send/recv
+connects it on the host, as NCCL's preconnect does: each side raises its bit in ``p2p[peer]``
+(1: a send to the peer, 2: a receive from it) and waits for the peer's matching bit
+(:meth:`Channel.want`, :meth:`Channel.met`).  Control block (int64): ``HDR`` fields, then
+``acks[N]``, ``attached[N]``, ``p2p[N]``, then the descriptor bytes.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from .shm import Segment
+from .shm import Segment, sweep
 
 __all__ = ["Channel", "DESC_MAX", "segment_prefix", "sweep"]
 
@@ -38,10 +42,17 @@ log = logging.getLogger(__name__)
 HDR = 16
 F_MAGIC, F_SEQ, F_GEN, F_DLEN, F_PID, F_N, F_CLOSED = range(7)
 F_VOTE = 8                      # two vote slots of (seq, color, key): fields 8..13
-MAGIC = 0x6E63636C70790001      # "ncclpy" v1
-#: the largest descriptor of one stream item (bytes)
-DESC_MAX = 1 << 18
+MAGIC = 0x6E63636C70790003      # "ncclpy" v3 (v2: p2p[N]; v3: the seqlocked descriptor)
+#: the descriptor bytes a control block holds (a bigger one goes after the payloads)
+DESC_MAX = 1 << 16
 _MIN_DATA = 1 << 16
+#: the bits of ``p2p[peer]``: this rank's side of the pair's connection is posted
+P2P_SEND, P2P_RECV = 1, 2
+
+
+def _ints(n: int) -> int:
+    """The int64 fields of an ``n``-rank control block before its descriptor."""
+    return HDR + 3 * n
 
 
 def segment_prefix(uid: bytes) -> str:
@@ -49,39 +60,12 @@ def segment_prefix(uid: bytes) -> str:
     return "/ncclpy-" + hashlib.blake2b(bytes(uid), digest_size=8).hexdigest()
 
 
-def sweep(root: str = "/dev/shm") -> int:
-    """Unlink the payload segments of processes that are gone (a killed job's); how many."""
-    import re
-    n = 0
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return 0
-    for name in names:
-        m = re.fullmatch(r"ncclpy-[0-9a-f]{16}-\d+-d\d+-p(\d+)", name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            os.unlink(os.path.join(root, name))
-            n += 1
-        except OSError:
-            pass
-    return n
-
-
 class _Peer:
     """What this rank maps of one peer: its control block and its current payload segment."""
 
     def __init__(self, ctl: Segment, n: int) -> None:
         self.ctl = ctl
-        self.f = (ctypes.c_int64 * (HDR + 2 * n)).from_address(ctl.addr)
+        self.f = (ctypes.c_int64 * _ints(n)).from_address(ctl.addr)
         self.data: Optional[Segment] = None
         self.gen: Optional[str] = None   # the name of the payload segment mapped
         self.desc_seq = 0                  # nothing posted yet
@@ -96,9 +80,9 @@ class Channel:
     def __init__(self, uid: bytes, rank: int, n: int) -> None:
         self.rank, self.n = rank, n
         self.prefix = segment_prefix(uid)
-        self.size = (HDR + 2 * n) * 8 + DESC_MAX
+        self.size = _ints(n) * 8 + DESC_MAX
         self.ctl = Segment.create(f"{self.prefix}-{rank}", self.size)
-        self.f = (ctypes.c_int64 * (HDR + 2 * n)).from_address(self.ctl.addr)
+        self.f = (ctypes.c_int64 * _ints(n)).from_address(self.ctl.addr)
         self.f[F_PID], self.f[F_N] = os.getpid(), n
         self.f[F_MAGIC] = MAGIC
         self.peers: Dict[int, _Peer] = {}
@@ -125,7 +109,7 @@ class Channel:
             seg = Segment.attach(f"{self.prefix}-{p}")
             if seg is None:
                 continue
-            if seg.size < (HDR + 2 * self.n) * 8:
+            if seg.size < _ints(self.n) * 8:
                 seg.close()
                 continue
             peer = _Peer(seg, self.n)
@@ -153,27 +137,38 @@ class Channel:
     # -- posting --------------------------------------------------------------------------------
     def post(self, item_id: int, entries: List[Tuple[Dict[str, Any], int, int]]) -> bool:
         """Post a stream item: ``entries`` of (descriptor entry, source address, bytes); False
-        while the previous item is not acked."""
+        while the previous item is not acked.  A descriptor too big for the control block goes
+        after the payloads (the control block then points at it)."""
         if self.posted is not None:
             return False
-        need = sum(nb for _, _, nb in entries)
+        off, desc, spans = 0, [], []
+        for entry, src, nb in entries:
+            spans.append((off, src, nb))
+            desc.append(dict(entry, o=off, b=nb))
+            off += (nb + 63) & ~63
+        seq = self.seq + 1
+        raw = json.dumps({"s": seq, "e": desc}, separators=(",", ":")).encode()
+        need = off + (len(raw) if len(raw) > DESC_MAX else 0)
         if self.data is None or self.data.size < need:
             self._grow(need)
-        off, desc = 0, []
-        for entry, src, nb in entries:
+        name = self.data.made_as
+        for (o, src, nb), entry in zip(spans, desc):
+            entry["g"] = name
             if nb:
-                ctypes.memmove(self.data.addr + off, src, nb)
-            desc.append(dict(entry, o=off, b=nb, g=self.data.name))
-            off += (nb + 63) & ~63
-        raw = json.dumps(desc, separators=(",", ":")).encode()
-        if len(raw) > DESC_MAX:
-            raise RuntimeError(f"CPU backend: one stream item of {len(desc)} operations needs a "
-                               f"{len(raw)}-byte descriptor; at most {DESC_MAX}")
-        ctypes.memmove(self.ctl.addr + (HDR + 2 * self.n) * 8, raw, len(raw))
+                ctypes.memmove(self.data.addr + o, src, nb)
+        raw = json.dumps({"s": seq, "e": desc}, separators=(",", ":")).encode()
+        if len(raw) > DESC_MAX:          # too big for the control block: after the payloads
+            if self.data.size < off + len(raw):
+                self._grow(off + len(raw))
+                return self.post(item_id, entries)
+            ctypes.memmove(self.data.addr + off, raw, len(raw))
+            raw = json.dumps({"s": seq, "x": [name, off, len(raw)]}).encode()
+        self.f[F_SEQ] = -seq              # a seqlock: odd state "being written" (negative)
+        ctypes.memmove(self.ctl.addr + _ints(self.n) * 8, raw, len(raw))
         self.f[F_DLEN] = len(raw)
         self.f[F_GEN] = self.gen
-        self.seq += 1
-        self.f[F_SEQ] = self.seq          # last: the announcement
+        self.seq = seq
+        self.f[F_SEQ] = seq               # last: the announcement
         self.posted = item_id
         self.readers = set()
         for entry in desc:
@@ -206,22 +201,44 @@ class Channel:
 
     # -- reading --------------------------------------------------------------------------------
     def entry(self, p: int, key: str) -> Optional[Dict[str, Any]]:
-        """Peer ``p``'s posted entry ``key`` not consumed yet (None: not posted)."""
+        """Peer ``p``'s posted entry ``key`` not consumed yet (None: not posted, or being
+        posted right now)."""
         peer = self.peers[p]
         seq = peer.f[F_SEQ]
-        if seq != peer.desc_seq:
-            n = peer.f[F_DLEN]
-            raw = ctypes.string_at(peer.ctl.addr + (HDR + 2 * self.n) * 8, n)
-            if peer.f[F_SEQ] != seq:       # posted again while read (not meant for us)
+        if seq != peer.desc_seq and seq > 0:
+            desc = self._read_desc(p, peer, seq)
+            if desc is None:
                 return None
-            desc = json.loads(raw)
             peer.desc = {e["k"]: e for e in desc}
             peer.mine = {e["k"] for e in desc if e["to"] in (-1, self.rank)}
             peer.consumed = set()
             peer.desc_seq = seq
+        elif seq != peer.desc_seq:        # being written: its old items are all acked
+            return None
         if key in peer.consumed:
             return None
         return peer.desc.get(key)
+
+    def _read_desc(self, p: int, peer: "_Peer", seq: int) -> Optional[List[Dict[str, Any]]]:
+        """Peer ``p``'s descriptor of item ``seq``, or None when it changed while read (the
+        seqlock: ``seq`` again after the copy, and the descriptor's own ``s``)."""
+        n = peer.f[F_DLEN]
+        raw = ctypes.string_at(peer.ctl.addr + _ints(self.n) * 8, n)
+        if peer.f[F_SEQ] != seq:
+            return None
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            return None
+        if d.get("s") != seq:
+            return None
+        if "x" in d:                      # a big descriptor, after the payloads
+            name, off, length = d["x"]
+            raw = ctypes.string_at(self.address(p, {"g": name, "o": off}), length)
+            d = json.loads(raw)
+            if d.get("s") != seq:
+                return None
+        return d["e"]
 
     def address(self, p: int, e: Dict[str, Any]) -> int:
         """Where the payload of peer ``p``'s entry ``e`` is mapped in this process."""
@@ -241,6 +258,18 @@ class Channel:
         peer.consumed.add(key)
         if peer.mine <= peer.consumed:
             self.f[HDR + p] = peer.desc_seq
+
+    # -- connecting a pair for send/recv (NCCL's p2p preconnect) -------------------------------
+    def want(self, peer: int, bit: int) -> None:
+        """Post this rank's side of its connection with ``peer`` (P2P_SEND or P2P_RECV)."""
+        i = HDR + 2 * self.n + peer
+        self.f[i] = self.f[i] | bit
+
+    def met(self, peer: int, bit: int) -> bool:
+        """Whether ``peer`` posted the side that meets this rank's ``bit`` (its receive from
+        this rank for a send, its send for a receive)."""
+        other = P2P_RECV if bit == P2P_SEND else P2P_SEND
+        return bool(self.peers[peer].f[HDR + 2 * self.n + self.rank] & other)
 
     def warn_once(self, what: str) -> None:
         if what not in self.warned:

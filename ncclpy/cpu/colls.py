@@ -64,8 +64,10 @@ class Colls:
             peer = args["peer"]
             src, dst = (c.rank, peer) if fn == "Send" else (peer, c.rank)
             with e.lock:
-                seq = c.p2p_seq[(src, dst)]
-                c.p2p_seq[(src, dst)] += 1
+                # the k-th send of src to dst meets dst's k-th recv from src: one count per
+                # side (a rank sending to itself counts its sends and its recvs apart)
+                seq = c.p2p_seq[(src, dst, fn)]
+                c.p2p_seq[(src, dst, fn)] += 1
             op = _Op((c.world.id, "p2p", src, dst, seq, 2), c.rank, "p2p",
                      {"dir": fn.lower(), "buf": args["buf"], "nbytes": args["nbytes"]})
         else:

@@ -77,6 +77,8 @@ class _Item:
     ready: Optional[Callable[[], bool]] = None
     done: bool = False
     id: int = field(default_factory=itertools.count(1).__next__)
+    reached: bool = False                       # a wait item has been at its stream's head
+    pre: List["_Item"] = field(default_factory=list)   # waits that must be reached first
 
 
 class Graph:
@@ -101,7 +103,7 @@ class _Comm:
     abort_flag: bool = False
     busy: Dict[int, str] = field(default_factory=dict)   # thread ident -> call inside
     coll_seq: int = 0
-    p2p_seq: Dict[Tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+    p2p_seq: Dict[Tuple[int, int, str], int] = field(default_factory=lambda: defaultdict(int))
 
 
 @dataclass
@@ -195,7 +197,7 @@ class Engine:
                         if it.run is not None:
                             it.run()
                         it.done, changed = True, True
-                    elif it.kind == "wait" and it.ready():
+                    elif it.kind == "wait" and (setattr(it, "reached", True) or it.ready()):
                         it.done, changed = True, True
                 changed = self._advance([it for it in heads.values() if it.kind == "nccl"]) \
                     or changed
@@ -264,7 +266,13 @@ class Engine:
             total = count * n if name == "ReduceScatter" else count
             ins = [read(o.args["send"], total) for o in ops]
             op, sb = self._op(a["op"])
-            res = fast_reduce(ins, op, wire, n, scalar_bits=sb)
+            sbs = [o.args.get("_sb", self._op(o.args["op"])[1]) if sb is not None else None
+                   for o in ops]
+            if len(set(sbs)) > 1:      # PreMulSum: each rank's scalar on its own input
+                ins = [fast_reduce([x], op, wire, 1, scalar_bits=s) for x, s in zip(ins, sbs)]
+                res = fast_reduce(ins, "sum", wire, n)
+            else:
+                res = fast_reduce(ins, op, wire, n, scalar_bits=sb)
             for o in ops:
                 if name == "AllReduce":
                     write(o.args.get("recv"), res)

@@ -20,9 +20,9 @@ import ctypes
 import os
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
-from .engine import INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM, _World
+from .engine import INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM, _World
 from ncclpy._nccl.config import NcclConfigStruct
 
 from .windows import Windows
@@ -69,6 +69,10 @@ _OK_SUSPENDED = ("ncclCommResume", "ncclCommMemStats", "ncclCommAbort",
 
 
 class Part2(Windows):
+    #: seconds a blocking split waits for the other ranks' votes (threads in one test process:
+    #: bounded so a test cannot hang; None: unbounded, as NCCL's bootstrapAllGather)
+    split_wait: Optional[float] = 30.0
+
     """The part-2 calls (``self.e``: the engine)."""
 
     e: Any
@@ -127,9 +131,11 @@ class Part2(Windows):
                 return child
             self._run_task(c, self._child_task(make, addr))
             return SUCCESS
-        deadline = time.monotonic() + 30
+        deadline = None if self.split_wait is None else time.monotonic() + self.split_wait
         while len([k for k in sw.joined if k < 0]) < c.world.nranks:
-            if time.monotonic() > deadline:
+            if c.abort_flag:
+                return INTERNAL
+            if deadline is not None and time.monotonic() > deadline:
                 return SYSTEM
             time.sleep(0.001)
         with e.lock:

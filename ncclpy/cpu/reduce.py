@@ -4,8 +4,9 @@ with a native fast path where that is provably the same computation.
 For float32 and float64 sum and prod the reference folds left in float64 and rounds once to
 the wire type per step; for float32 that is float32 arithmetic (double rounding through
 float64 is innocuous for +, * when 53 >= 2*24 + 2 bits), for float64 it is float64's own.
-NaN payloads are where native arithmetic and the reference may differ, so every element whose
-native result is NaN is computed again by the reference.  Everything else (integers, half
+NaN payloads are where native arithmetic and the reference may differ (the reference's own
+payload can depend on an element's position in numpy's loops), so a result with any NaN is
+computed again by the reference, on the whole arrays, exactly as it would be called.  Everything else (integers, half
 types, fp8, min/max, avg, premul_sum) goes to the reference as it is.
 """
 from __future__ import annotations
@@ -35,8 +36,6 @@ def reduce(ins: List[np.ndarray], op: Any, wire: str, n: int,
                 np.add(acc, v, out=acc)
             else:
                 np.multiply(acc, v, out=acc)
-        bad = np.isnan(acc)
-    if bad.any():
-        with np.errstate(all="ignore"):
-            acc[bad] = R.reduce_arrays([np.asarray(v)[bad] for v in ins], op, wire, n)
+        if np.isnan(acc).any():     # NaN payloads: the reference's own, on the whole arrays
+            return R.reduce_arrays(ins, op, wire, n)
     return acc

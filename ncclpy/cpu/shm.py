@@ -9,6 +9,7 @@ owner then unlinks it, so a killed job leaves nothing behind in /dev/shm once it
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 from typing import Optional
@@ -20,7 +21,7 @@ try:
 except ImportError:  # pragma: no cover - not a POSIX system
     _posixshmem = None
 
-__all__ = ["Segment", "available"]
+__all__ = ["Segment", "available", "sweep"]
 
 
 def available() -> Optional[str]:
@@ -36,8 +37,10 @@ class Segment:
     """One mapped segment: ``addr`` (its address), ``i64`` (an int64 view of its start: the
     control fields), ``name`` (None once unlinked)."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, fd: int = -1) -> None:
         self.name: Optional[str] = name
+        self.made_as = name
+        self._fd = fd                     # an owner's: held with a shared flock while alive
         self.mm = mm
         self.size = len(mm)
         self.owner = owner
@@ -46,17 +49,24 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
-        """A new segment of ``size`` bytes (zeroed); fails if ``name`` exists."""
+        """A new segment of ``size`` bytes (zeroed); fails if ``name`` exists, and with an
+        :class:`OSError` naming /dev/shm when it has no room (never a SIGBUS later).  The
+        owner holds a shared ``flock`` on it while it lives: :func:`sweep` removes only
+        segments nobody holds."""
         fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
-            os.ftruncate(fd, size)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise OSError(e.errno, f"CPU backend: /dev/shm has no room for {size} bytes "
+                                       f"({e.strerror}); free it or make it larger") from None
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             _posixshmem.shm_unlink(name)
             raise
-        os.close(fd)
-        return cls(name, mm, True)
+        return cls(name, mm, True, fd)
 
     @classmethod
     def attach(cls, name: str) -> Optional["Segment"]:
@@ -95,3 +105,40 @@ class Segment:
             self.mm.close()
         except BufferError:     # a numpy view still alive: the mapping goes with it
             pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def sweep(root: str = "/dev/shm", min_age: float = 10.0) -> int:
+    """Unlink the CPU backend's segments no live process owns (a killed job's: its owner's
+    shared ``flock`` went with it; older than ``min_age`` seconds, so a segment being created
+    is never taken); how many.  Works across PID namespaces sharing /dev/shm."""
+    import time
+    n = 0
+    try:
+        names = [x for x in os.listdir(root) if x.startswith("ncclpy-")]
+    except OSError:
+        return 0
+    now = time.time()
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue                  # its owner is alive
+            try:
+                os.unlink(path)
+                n += 1
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    return n

@@ -10,18 +10,23 @@ completes once every reader acked it.  A device thread plays the GPU: it drives 
 while nobody waits on it, so a result is written without a host wait, as a kernel would.
 :class:`ProcNccl` makes the parts of NCCL's host API that meet other ranks (init, split)
 go through the channel; the calls it cannot carry across processes (grow, windows and
-one-sided RMA) are refused in one line.
+one-sided RMA) are refused in one line.  As NCCL does, the first send/recv between two ranks
+connects the pair on the host, inside the launch (``ncclSend``/``ncclRecv`` outside a group,
+else ``ncclGroupEnd``): on a blocking communicator the call returns only once the peer posted
+its side, or fails when the communicator is aborted (ncclpy/cpu/RULES.md, E7).
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 from collections import deque
 import logging
+import ctypes
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .channel import Channel
+from .channel import P2P_RECV, P2P_SEND, Channel
 from .engine import IN_PROGRESS, INTERNAL, INVALID_USAGE, SUCCESS, SYSTEM, Engine, _Item, \
     _Op, _World, _BY_ENUM
 from .nccl import CpuNccl
@@ -66,10 +71,21 @@ class ProcEngine(Engine):
         self.nccl = ProcNccl(self)
         self.channels: Dict[int, Channel] = {}       # comm handle -> its channel
         self.members: Dict[Tuple[int, int], int] = {}  # (world id, rank) -> comm handle
+        self.order: Dict[int, Any] = {}              # comm handle -> its items' ids, in order
         self.splits: List[Tuple[Channel, int, int, _World, int]] = []
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.failures = 0
+        atexit.register(self.close_all)
+
+    def close_all(self) -> None:
+        """Unlink and unmap every channel (at exit: a rank that never closed its communicator
+        leaves no shared memory behind)."""
+        with self.lock:
+            for ch in self.channels.values():
+                if not ch.closed:
+                    log.debug("CPU backend: closing the channel of %s at exit", ch.prefix)
+                    ch.close()
 
     # -- the device thread ---------------------------------------------------------------------
     def busy(self) -> bool:
@@ -122,14 +138,28 @@ class ProcEngine(Engine):
                    and self.members.get((it.ops[0].key[0], it.ops[0].rank)) == h)
 
     def enqueue(self, stream: int, make: Any, device: Optional[int] = None) -> Optional[_Item]:
-        item = super().enqueue(stream, make, device)
+        def made() -> _Item:              # a communicator's items, in the order it made them
+            it = make()
+            h = self._handle_of(it)
+            if h is not None:
+                self.order.setdefault(h, deque()).append(it.id)
+            return it
+        item = super().enqueue(stream, made, device)
         self.kick()
         return item
+
+    def _handle_of(self, it: _Item) -> Optional[int]:
+        if it.kind != "nccl" or not it.ops:
+            return None
+        return self.members.get((it.ops[0].key[0], it.ops[0].rank))
 
     # -- what runs at the stream heads -----------------------------------------------------------
     def progress(self) -> None:
         with self.lock:
             for ch, tag, nth, sw, nranks in list(self.splits):
+                if ch.closed:
+                    self.splits.remove((ch, tag, nth, sw, nranks))
+                    continue
                 got = ch.votes(tag, nth)
                 if got is not None:
                     for p, v in got.items():
@@ -137,7 +167,8 @@ class ProcEngine(Engine):
                     self.splits.remove((ch, tag, nth, sw, nranks))
             for h, ch in self.channels.items():
                 c = self.comms.get(h)
-                if not ch.connected and c is not None and not c.freed and ch.connect_step():
+                if not ch.connected and not ch.closed and c is not None and not c.freed and \
+                        ch.connect_step():
                     for p in range(c.world.nranks):
                         c.world.joined.setdefault(p, -1)
             super().progress()
@@ -145,35 +176,79 @@ class ProcEngine(Engine):
     def _advance(self, items: List[_Item]) -> bool:
         local, changed = [], False
         for it in sorted(items, key=lambda i: i.id):
-            h = self.members.get((it.ops[0].key[0], it.ops[0].rank)) if it.ops else None
+            h = self._handle_of(it)
             c = self.comms.get(h) if h is not None else None
             ch = self.channels.get(h) if h is not None else None
-            if ch is None:
+            if ch is None or c is None:
                 local.append(it)
                 continue
-            if c.freed or ch.closed:         # an aborted kernel ends; the stream goes on
-                it.done, changed = True, True
+            if c.freed or ch.closed or c.abort_flag or getattr(c, "revoked", False) or \
+                    getattr(c, "shrink_aborted", False):
+                # an abort, a revoke or a shrink's abort flag ends the in-flight kernels
+                # (init.cc ncclCommAbort / ncclCommRevoke / ncclCommShrink): the stream goes on
+                self._retire(it, h)
+                changed = True
                 continue
-            changed = self._advance_item(it, ch) or changed
+            try:
+                changed = self._advance_item(it, ch, h) or changed
+            except Exception as e:  # noqa: BLE001 - this communicator fails, not the process
+                log.error("CPU backend: rank %d's %s failed: %s: %s", c.rank,
+                          "/".join(op.args.get("fn", op.args.get("dir", "?")) for op in it.ops),
+                          type(e).__name__, e, exc_info=True)
+                self.nccl.last_text = f"CPU backend: {type(e).__name__}: {e}".encode()
+                c.async_state = INTERNAL
+                self._retire(it, h)
+                changed = True
         return super()._advance(local) or changed
 
-    def _advance_item(self, it: _Item, ch: Channel) -> bool:
+    def _retire(self, it: _Item, h: int) -> None:
+        for op in it.ops:
+            op.done = True
+        it.done = True
+        q = self.order.get(h)
+        if q and it.id in q:
+            q.remove(it.id)
+
+    def _advance_item(self, it: _Item, ch: Channel, h: int) -> bool:
         changed = False
         if ch.posted != it.id:
+            # NCCL launches a communicator's work in the order it was called (enqueue.cc: one
+            # device stream per communicator; a group's streams joined into one launch)
+            q = self.order.get(h)
+            if q and q[0] != it.id:
+                return False
+            if any(not j.reached for j in it.pre):
+                return False
             if not ch.connected or not ch.post(it.id, [self._entry(op) for op in it.ops]):
                 return False
             changed = True
         for op in it.ops:
             if op.done or (op.kind == "p2p" and op.args["dir"] == "send"):
                 continue
-            if (self._run_coll(op, ch) if op.kind == "coll" else self._run_recv(op, ch)):
+            if op.kind == "coll":
+                ran = self._run_coll(op, ch)
+            elif op.key[2] == ch.rank:
+                ran = self._run_self(op, it)
+            else:
+                ran = self._run_recv(op, ch)
+            if ran:
                 op.done, changed = True, True
         if all(op.done for op in it.ops if not (op.kind == "p2p" and op.args["dir"] == "send")) \
                 and ch.acked():
-            for op in it.ops:
-                op.done = True
-            it.done, changed = True, True
+            self._retire(it, h)
+            changed = True
         return changed
+
+    @staticmethod
+    def _run_self(op: _Op, it: _Item) -> bool:
+        """A recv from this rank itself: the matching send of the same group (ProcNccl's
+        submit refused one without it, as enqueue.cc does)."""
+        send = next(o for o in it.ops if o.kind == "p2p" and o.args["dir"] == "send"
+                    and o.key == op.key)
+        n = min(send.args["nbytes"], op.args["nbytes"])
+        if n:
+            ctypes.memmove(op.args["buf"], send.args["buf"], n)
+        return True
 
     @staticmethod
     def _key(op: _Op) -> str:
@@ -198,7 +273,10 @@ class ProcEngine(Engine):
         if root_only and op.rank != a["root"]:
             elems = 0
         nb = elems * _BY_ENUM[a["dtype"]].itemsize
-        return {"k": self._key(op), "to": -1, "m": self._meta(op)}, a["send"] or 0, nb
+        entry = {"k": self._key(op), "to": -1, "m": self._meta(op)}
+        if a.get("op") in self.premul:               # each rank's own scalar (nccl.h)
+            entry["sc"] = self._op(a["op"])[1]
+        return entry, a["send"] or 0, nb
 
     def _run_coll(self, op: _Op, ch: Channel) -> bool:
         k, meta = self._key(op), self._meta(op)
@@ -211,12 +289,15 @@ class ProcEngine(Engine):
                 return False
             if e["m"] != meta:
                 ch.warn_once(f"collective {k} of rank {p} is {e['m']}, rank {ch.rank}'s is "
-                             f"{meta}: they do not match, and wait (NCCL would hang)")
+                             f"{meta}: they do not match, and wait (NCCL would hang or compute "
+                             f"garbage)")
                 return False
             found[p] = e
         ops = [op]
         for p, e in found.items():
             args = dict(op.args, send=ch.address(p, e) if e["b"] else None, recv=None)
+            if "sc" in e:
+                args["_sb"] = e["sc"]
             ops.append(_Op(op.key, p, "coll", args))
         self._execute(ops)
         for p in found:
@@ -230,13 +311,12 @@ class ProcEngine(Engine):
         if e is None:
             return False
         n = op.args["nbytes"]
-        if e["b"] != n:
-            self.violations.append(f"send of {e['b']} bytes matched a recv of {n}")
-            ch.warn_once(f"rank {src} sent {e['b']} bytes to rank {ch.rank}, which receives "
-                         f"{n}: NCCL's counts must match")
-        if min(n, e["b"]):
-            import ctypes
-            ctypes.memmove(op.args["buf"], ch.address(src, e), min(n, e["b"]))
+        if e["b"] != n:                   # NCCL needs equal counts: it hangs or corrupts
+            ch.warn_once(f"rank {src} sends {e['b']} bytes to rank {ch.rank}, which receives "
+                         f"{n}: they do not match, and wait (NCCL's counts must be equal)")
+            return False
+        if n:
+            ctypes.memmove(op.args["buf"], ch.address(src, e), n)
         ch.consume(src, k)
         return True
 
@@ -245,6 +325,7 @@ class ProcNccl(CpuNccl):
     """The CPU libnccl of a :class:`ProcEngine`: communicators get a channel."""
 
     e: ProcEngine
+    split_wait = None                 # as NCCL: the other ranks' votes are waited for
 
     def _join(self, nranks: int, uid: bytes, rank: int, nonblocking: bool) -> int:
         e = self.e
@@ -279,24 +360,60 @@ class ProcNccl(CpuNccl):
                 return SYSTEM
             time.sleep(0.001)
 
+    def _connect(self, ops: List[Tuple[Any, int, _Op]]) -> bool:
+        """group.cc groupLaunch -> ncclP2PPreconnectFunc -> transport.cc
+        ncclTransportP2pSetup: a pair's first send (recv) marks its connector in
+        p2pTaskAppend, and the launch exchanges the connection with the peer through the
+        bootstrap, waiting on the host for the peer's matching side.  Modelled on blocking
+        communicators only (a nonblocking one's launch thread is not); False: aborted."""
+        e, wants = self.e, []
+        for c, _stream, op in ops:
+            ch = e.channels.get(c.handle)
+            if ch is None or c.nonblocking or op.kind != "p2p" or op.key[4] != 0:
+                continue
+            _w, _p2p, src, dst = op.key[:4]
+            peer, bit = (dst, P2P_SEND) if c.rank == src else (src, P2P_RECV)
+            if peer == c.rank:
+                continue
+            with e.lock:
+                if not ch.closed:
+                    ch.want(peer, bit)
+            wants.append((c, ch, peer, bit))
+        while wants:
+            with e.lock:
+                for w in list(wants):
+                    c, ch = w[0], w[1]
+                    if c.abort_flag or ch.closed:
+                        self.last_text = (f"CPU backend: communicator aborted while rank "
+                                          f"{c.rank} waited for rank {w[2]} to connect its "
+                                          f"send/recv").encode()
+                        return False
+                    if ch.met(w[2], w[3]):
+                        wants.remove(w)
+            if wants:
+                time.sleep(0.001)
+        return True
+
     def _call(self, fn: str, h: int, stream: int, **args: Any) -> int:
         if "op" in args:
             args["_opdesc"] = self._opdesc(args["op"], args["dtype"])
         return super()._call(fn, h, stream, **args)
 
     def _opdesc(self, op: int, dtype: int) -> Any:
-        """What must agree about a reduction op between processes (a PreMulSum's handle is
-        local: its scalar and dtype are what count)."""
-        if op in self.e.premul:
-            scalar, dt = self.e.premul[op]
-            return ["premul", bytes(scalar).hex(), dt]
+        """What must agree about a reduction op between processes: a PreMulSum's handle is
+        local and its scalar each rank's own ("pre-multiplies input values by a given scalar
+        locally", nccl.h): only its type."""
+        if op in self.e.premul:            # the scalar is each rank's own: only its type
+            return ["premul", self.e.premul[op][1]]
         return op
 
     def _ncclCommSplit(self, h: int, color: int, key: int, out: Any, cfg: Any) -> int:
+        """The votes (colour, key) go through the channel; the rest is the engine's split
+        (init.cc ncclCommSplit: EnsureReady first, so a refused split casts no vote)."""
         e = self.e
         c = e.comms.get(int(h or 0))
         ch = e.channels.get(int(h or 0))
-        if c is not None and ch is not None and not c.freed:
+        if c is not None and ch is not None and not c.freed and self._ready(c) == SUCCESS:
             with e.lock:
                 tag = (c.world.id, "split", c.coll_seq)
                 sw = e.worlds.setdefault(repr(tag).encode(), _World(repr(tag).encode(), 0))
@@ -305,6 +422,51 @@ class ProcNccl(CpuNccl):
                 e.splits.append((ch, c.coll_seq + 1, nth, sw, c.world.nranks))
             e.kick()
         return super()._ncclCommSplit(h, color, key, out, cfg)
+
+    def _submit(self, ops: List[Tuple[Any, int, _Op]]) -> int:
+        """A group's work: a send to this rank itself needs its recv in the same group
+        (enqueue.cc 2.28.9: "Trying to send to self without a matching recv" -> 5); a
+        communicator's work on several streams is one launch, on the first stream, after
+        every other stream's earlier work, and those streams wait for it (enqueue.cc joins
+        the group's streams)."""
+        e = self.e
+        by_comm: Dict[int, List[Tuple[Any, int, _Op]]] = {}
+        for c, stream, op in ops:
+            by_comm.setdefault(c.handle, []).append((c, stream, op))
+        for h, lst in by_comm.items():
+            selfp = {}
+            for c, _s, op in lst:
+                if op.kind == "p2p" and op.key[2] == op.key[3]:
+                    selfp[op.key] = selfp.get(op.key, 0) + (1 if op.args["dir"] == "send" else -1)
+            if any(selfp.values()):
+                self.last_text = b"Trying to send to self without a matching recv"
+                return self._group_err(INVALID_USAGE)
+        if not self._connect(ops):        # the pairs whose first send/recv this launch holds
+            return INTERNAL
+        plain: List[Tuple[Any, int, _Op]] = []
+        code = SUCCESS
+        for h, lst in by_comm.items():
+            streams = list(dict.fromkeys(s for _c, s, _op in lst))
+            c = lst[0][0]
+            if len(streams) == 1 or h not in e.channels or any(
+                    e.skey(s, c.device) in e.capturing for s in streams):
+                plain.extend(lst)
+                continue
+            holder: List[_Item] = []
+            joins = [e.enqueue(s, lambda holder=holder: _Item(
+                "wait", ready=lambda: bool(holder) and holder[0].done), device=c.device)
+                for s in streams[1:]]
+            batch = [op for _c, _s, op in lst]
+
+            def make(batch: List[_Op] = batch, joins: List[_Item] = joins) -> _Item:
+                it = _Item("nccl", ops=batch, pre=[j for j in joins if j is not None])
+                holder.append(it)
+                return it
+            e.enqueue(streams[0], make, device=c.device)
+            code = max(code, self._in_progress(c))
+        if plain:
+            code = max(code, super()._submit(plain))
+        return code
 
     def _refuse(self, h: int, call: str) -> int:
         if int(h or 0) in self.e.channels:
@@ -355,6 +517,18 @@ class ProcNccl(CpuNccl):
             time.sleep(0.001)
 
     def _ncclCommDestroy(self, h: int) -> int:
+        """init.cc commReclaim: without a finalize, commDestroySync synchronises the device
+        stream first -- queued work runs before the communicator goes."""
+        e = self.e
+        c = e.comms.get(int(h or 0))
+        if c is not None and int(h) in e.channels and not c.freed and not c.finalized:
+            while not c.abort_flag:
+                with e.lock:
+                    e.progress()
+                    if not e.queued_for(c.handle):
+                        break
+                e.kick()
+                time.sleep(0.001)
         code = super()._ncclCommDestroy(h)
         if code == SUCCESS:
             self._close_channel(h)

@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["default_timeout", "env_flag", "WatchState", "Decision", "Peer", "Published",
@@ -115,6 +116,8 @@ class Watchdog:
         self._seen: Deque[Tuple[int, float]] = collections.deque()
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
+        self._last_rec: Optional[list] = None   # its recorder entry (until the call path
+        self._last_work: Any = None             # attached it: the Work, weakly)
         self._beat = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -215,7 +218,10 @@ class Watchdog:
         n = self.taken = take(self.queue, p)
         if n:
             self.issued += n
-            self._last = p[-1].plan
+            w = p[-1]
+            self._last, self._last_rec = w.plan, getattr(w, "_rec", None)
+            self._last_work = weakref.ref(w) if self._last_rec is None and hasattr(
+                w, "__weakref__") else None
             self._seen.append((self.issued, now))   # Works up to this count: first seen now
         release_done(p)             # (a captured call, marked by the call, is let go: a
         seen = self._seen           # replay is the user's stream sync, not a Work)
@@ -291,17 +297,32 @@ class Watchdog:
         if h is not None:
             p.wait = max(now - h[2], 0.0)
         rec = getattr(self.comm, "_recorder", None)
-        e = rec.last() if rec is not None else None
+        blk = self.blocked(now)
+        stuck = blk is not None and now > blk[2]  # inside since an earlier tick: blocked there
+        # shown: the call blocked inside NCCL (the newest recorded), else the last one issued
+        # (numbered issued - 1: never a newer one in checked mode's compare, or refused)
+        e = (rec.last() if rec is not None else None) if stuck else self._last_entry(rec)
         if e is not None:
             p.call, p.site = e[1].plan.collective, site_text(e[2], e[3]) or ""
         elif self._last is not None:
             p.call = getattr(self._last, "collective", "?")
-        blk = self.blocked(now)
-        if blk is not None and now > blk[2]:  # inside since an earlier tick: blocked there
+        if stuck:
             p.blocked, p.wait = True, max(p.wait, now - blk[2])
             if e is None or e[1].plan.collective != blk[1]:  # no recorder entry for it
                 p.call, p.site = blk[1], ""
         return encode(p)
+
+    def _last_entry(self, rec: Any) -> Optional[list]:
+        """The recorder entry of the last Work drained (its call path attaches it just after
+        the Work was handed over: looked up again until then)."""
+        if rec is None or self._last is None:
+            return None
+        if self._last_rec is None and self._last_work is not None:
+            w = self._last_work()
+            self._last_rec = getattr(w, "_rec", None)
+            if self._last_rec is not None or w is None:
+                self._last_work = None
+        return self._last_rec if self._last_rec is not None else rec.last()
 
     def read_behind(self, seq: int) -> bool:
         """Ask once who has not issued call ``seq`` (one BEAT_BEHIND peek: O(listed)); False

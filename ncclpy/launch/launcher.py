@@ -34,6 +34,10 @@
   ranks per GPU) and :mod:`ncclpy.launch.mps` starts a CUDA MPS daemon for the run (``--mps``,
   ``NCCLPY_MPS``; default ``auto``), stopped when the run ends, whatever the outcome; the
   placement line says what was set.
+* ``--cpu`` (or ``NCCLPY_DEVICE=cpu`` in the launcher's environment): every rank gets
+  ``NCCLPY_DEVICE=cpu`` (the CPU backend, :mod:`ncclpy.cpu`): no GPU placement, no NCCL
+  variable, no MPS; one machine only (``--nnodes`` > 1, ``--ranks-per-gpu`` and ``--mps on``
+  are refused in one line).
 """
 from __future__ import annotations
 
@@ -54,8 +58,8 @@ from .limits import check_start_limits
 from ..cli_util import EXIT_CLOSED_PIPE
 from ..errors import ArgumentError, LaunchError
 from ._pdeath import PR_SET_PDEATHSIG, prctl_function
-from .mps import resolve_mode, setup_mps
-from .placement import Placement, place, summary_line, with_mps
+from .mps import MPS_ENV, resolve_mode, setup_mps
+from .placement import Placement, cpu_requested, place, plan_cpu, summary_line, with_mps
 from .forensics import Forensics
 from .jobfile import remove_job, write_job
 from .output import pump as _pump
@@ -79,7 +83,7 @@ HOSTED_ENV = "NCCLPY_STORE_HOSTED_BY"
 _FLAGS = {"nproc": "-n/--nprocs", "nnodes": "--nnodes", "node_rank": "--node-rank",
           "master_addr": "--master-addr", "master_port": "--master-port",
           "ranks_per_gpu": "--ranks-per-gpu", "grace": "--grace", "timeout": "--timeout",
-          "mps": "--mps", "command": "PROGRAM"}
+          "mps": "--mps", "cpu": "--cpu", "command": "PROGRAM"}
 #: seconds between looks, while ranks are being started, for a rank that already failed
 _START_POLL = 0.2
 
@@ -214,7 +218,8 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
            grace: float = DEFAULT_GRACE, env: Optional[Mapping[str, str]] = None,
            stdout: Any = None, stderr: Any = None, mps: Optional[str] = None,
            timeout: Optional[float] = None, checked: bool = False,
-           keep_going: bool = False, _flags: Optional[Mapping[str, str]] = None) -> int:
+           keep_going: bool = False, cpu: bool = False,
+           _flags: Optional[Mapping[str, str]] = None) -> int:
     """Start ``nproc`` local ranks of ``command`` and supervise them; returns the exit code.
 
     ``env`` (default ``os.environ``) is the base environment of every rank.  Multi-node runs
@@ -226,7 +231,9 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     to run a CUDA MPS daemon while ranks share a GPU (:mod:`ncclpy.launch.mps`).  ``timeout``
     (seconds, None: none) stops ranks still running after it (exit :data:`EXIT_TIMEOUT`);
     ``checked`` sets ``NCCLPY_CHECKED=1`` for every rank; ``keep_going``: a failed rank does not
-    stop the others (see the module docstring).  Errors name the keyword arguments
+    stop the others (see the module docstring); ``cpu`` (or ``NCCLPY_DEVICE=cpu`` in ``env``)
+    runs every rank on the CPU backend (:func:`ncclpy.launch.placement.plan_cpu`: one machine,
+    no GPU, no MPS).  Errors name the keyword arguments
     (``_flags``: the CLI's spellings instead).
     """
     fl = dict(_flags or {})
@@ -254,6 +261,14 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     if master_port is not None:
         check_port(master_port, N("master_port"))
     mps_mode = resolve_mode(mps, base, name=fl.get("mps", "--mps"))
+    cpu_plan: Optional[Placement] = None
+    if cpu or cpu_requested(base):     # before anything starts: its refusals are usage errors
+        why = (fl.get("cpu", "cpu=True") if cpu
+               else "NCCLPY_DEVICE=cpu in the launcher's environment")
+        cpu_plan = plan_cpu(nproc, why=why, from_env=not cpu, nnodes=nnodes,
+                            ranks_per_gpu=ranks_per_gpu, mps=mps_mode,
+                            names={"nnodes": N("nnodes"), "ranks_per_gpu": N("ranks_per_gpu"),
+                                   "mps": N("mps") if mps is not None else MPS_ENV})
     command = list(command)
     if not command:
         raise ArgumentError(f"{N('command')}: expected a program to run, got an empty command")
@@ -290,7 +305,8 @@ def launch(command: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: in
     assert master_addr is not None and master_port is not None
     world = nnodes * nproc
 
-    placement: Placement = place(nproc, ranks_per_gpu=ranks_per_gpu, single_node=single, env=base)
+    placement: Placement = cpu_plan or place(nproc, ranks_per_gpu=ranks_per_gpu,
+                                             single_node=single, env=base)
     mps_setup = setup_mps(mps_mode, placement.shared, base, name="--mps")
     if mps_setup.status is not None:
         placement = with_mps(placement, mps_setup.status, mps_setup.env, mps_setup.unset)
@@ -355,7 +371,8 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
             renv = _rank_env(base, rank=rank, world_size=world, local_rank=lr,
                              local_world_size=nproc, master_addr=master_addr,
                              master_port=master_port, token=token,
-                             device=placement.devices[lr], extra=placement.envs[lr])
+                             device=None if placement.cpu else placement.devices[lr],
+                             extra=placement.envs[lr])
             renv.setdefault("PYTHONUNBUFFERED", "1")
             for name in placement.unset:      # e.g. CUDA_VISIBLE_DEVICES under ncclpy's MPS
                 renv.pop(name, None)

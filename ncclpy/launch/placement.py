@@ -2,6 +2,10 @@
 
 Rules (``plan_placement``):
 
+* the CPU backend (``ncclpy run --cpu``, ``spawn(device="cpu")``, or ``NCCLPY_DEVICE=cpu`` in
+  the launcher's environment) -> mode ``"cpu"`` (:func:`plan_cpu`): every rank gets
+  ``NCCLPY_DEVICE=cpu``; no GPU is looked for, no NCCL variable set, no MPS; one machine only
+  (its ranks meet through shared memory).
 * no visible GPU -> mode ``"no-gpu"``: device index = local rank, no NCCL variables (CPU-only
   programs and tests still get a consistent ``NCCLPY_DEVICE``).
 * ranks fit one per GPU (and ``ranks_per_gpu`` is None or 1) -> ``"one-per-gpu"``: rank r -> GPU r.
@@ -46,14 +50,14 @@ import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from ..errors import ArgumentError
 
 __all__ = ["Placement", "plan_placement", "summary_line", "visible_gpu_count", "gpu_sm_count",
            "loaded_nccl_version", "place", "cta_limit", "with_mps", "MULTI_RANK_GPU_MIN_VERSION",
            "MAX_CTAS_MIN_VERSION", "SAFE_DEFAULT_RANKS_PER_GPU", "ASSUMED_SM_COUNT", "MODES",
-           "SHARED_MODES"]
+           "SHARED_MODES", "plan_cpu", "cpu_requested", "CPU_DEVICE"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,9 @@ CTA_CAP_64_VERSION = 22500
 SAFE_DEFAULT_RANKS_PER_GPU = 2
 #: SM count assumed when it cannot be read (small on purpose: an NVIDIA A2 has 10 SMs).
 ASSUMED_SM_COUNT = 8
-MODES = ("one-per-gpu", "multi-rank-gpu", "hostid-socket", "no-gpu")
+MODES = ("one-per-gpu", "multi-rank-gpu", "hostid-socket", "no-gpu", "cpu")
+#: ``NCCLPY_DEVICE``'s value for the CPU backend (:mod:`ncclpy.cpu`)
+CPU_DEVICE = "cpu"
 #: The modes in which several ranks share one GPU.
 SHARED_MODES = ("multi-rank-gpu", "hostid-socket")
 _SM_PROBE_TIMEOUT_S = 30.0
@@ -96,6 +102,11 @@ class Placement:
     max_ctas: Optional[int] = None
     mps: Optional[str] = None
     unset: tuple[str, ...] = field(default=())
+
+    @property
+    def cpu(self) -> bool:
+        """True on the CPU backend: ``NCCLPY_DEVICE=cpu`` in ``envs``, no GPU index to set."""
+        return self.mode == "cpu"
 
     @property
     def shared(self) -> bool:
@@ -432,6 +443,55 @@ def place(nranks: int, *, ranks_per_gpu: Optional[int] = None, single_node: bool
             plan = plan_placement(nranks, ngpus, version, ranks_per_gpu=ranks_per_gpu,
                                   single_node=single_node, env=env, sm_count=sms)
     return plan
+
+
+def cpu_requested(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``env`` (default os.environ) already says ``NCCLPY_DEVICE=cpu``."""
+    env = os.environ if env is None else env
+    return str(env.get("NCCLPY_DEVICE", "")).strip().lower() == CPU_DEVICE
+
+
+def _said(name: str, value: Any) -> str:
+    """``name`` set to ``value`` as the user wrote it: ``--mps on``, ``NCCLPY_MPS=on``,
+    ``mps='on'``."""
+    if name.startswith("-"):
+        return f"{name} {value}"
+    return f"{name}={value}" if name.isupper() else f"{name}={value!r}"
+
+
+def plan_cpu(nranks: int, *, why: str, from_env: bool = False, nnodes: int = 1,
+             ranks_per_gpu: Optional[int] = None, mps: Optional[str] = None,
+             names: Optional[Mapping[str, str]] = None) -> Placement:
+    """Place ``nranks`` local ranks on the CPU backend: ``NCCLPY_DEVICE=cpu`` for each.
+
+    ``why`` names who asked (``"--cpu"``, ``"device='cpu'"``, ``"NCCLPY_DEVICE=cpu"``;
+    ``from_env``: it was the environment, which the summary says).  What cannot go with it is
+    refused in one line (ArgumentError) naming the option as the caller spells it (``names``
+    for ``nnodes``, ``ranks_per_gpu``, ``mps``): several machines (the ranks meet through shared
+    memory on one), ranks per GPU, or MPS required (``mps``: the resolved mode).  Pure."""
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
+        raise ArgumentError(f"nranks: expected a positive int, got {nranks!r}")
+    nm = {"nnodes": "nnodes", "ranks_per_gpu": "ranks_per_gpu", "mps": "mps", **(names or {})}
+    if nnodes != 1:
+        raise ArgumentError(
+            f"{nm['nnodes']}: the CPU backend ({why}) runs every rank on this machine (its "
+            f"ranks meet through shared memory), so expected {_said(nm['nnodes'], 1)}, got "
+            f"{_said(nm['nnodes'], nnodes)}")
+    if ranks_per_gpu is not None:
+        raise ArgumentError(
+            f"{nm['ranks_per_gpu']}: the CPU backend ({why}) uses no GPU, so there is none to "
+            f"share; leave {nm['ranks_per_gpu']} out (got "
+            f"{_said(nm['ranks_per_gpu'], ranks_per_gpu)})")
+    if mps == "on":
+        raise ArgumentError(
+            f"{nm['mps']}: the CPU backend ({why}) uses no GPU, so CUDA MPS has nothing to "
+            f"serve; leave {nm['mps']} out or set {_said(nm['mps'], 'off')} (got "
+            f"{_said(nm['mps'], 'on')})")
+    src = ", from the environment" if from_env else ""
+    return Placement(nranks, 0, "cpu", tuple(range(nranks)),
+                     tuple({"NCCLPY_DEVICE": CPU_DEVICE} for _ in range(nranks)),
+                     f"placement: {_plural(nranks, 'rank')} on the CPU backend (NCCLPY_DEVICE="
+                     f"{CPU_DEVICE}{src}; no GPU used, not NCCL)")
 
 
 def summary_line(who: str, placement: Placement, where: str = "") -> str:

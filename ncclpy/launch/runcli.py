@@ -51,6 +51,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"CUDA MPS while ranks share a GPU: auto starts a daemon for the run when "
                         f"nvidia-cuda-mps-control is on PATH, on requires it, off never starts "
                         f"one (default: ${MPS_ENV}, else auto)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run every rank on ncclpy's CPU backend (sets NCCLPY_DEVICE=cpu in each: "
+                        "the same API on host buffers such as numpy arrays; no GPU used, not "
+                        "NCCL); one machine only, so not with --nnodes > 1, --ranks-per-gpu or "
+                        "--mps on.  NCCLPY_DEVICE=cpu already in this environment does the same")
     p.add_argument("--no-prefix", "--no_prefix", dest="no_prefix", action="store_true",
                    help="do not prefix output lines with '[rank R] '")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
@@ -106,7 +111,8 @@ def run_from_args(ns: argparse.Namespace, parser: Optional[argparse.ArgumentPars
                       ranks_per_gpu=ns.ranks_per_gpu, prefix=not ns.no_prefix, grace=ns.grace,
                       mps=getattr(ns, "mps", None), timeout=getattr(ns, "timeout", None),
                       checked=bool(getattr(ns, "checked", False)),
-                      keep_going=bool(getattr(ns, "keep_going", False)), _flags=flags)
+                      keep_going=bool(getattr(ns, "keep_going", False)),
+                      cpu=bool(getattr(ns, "cpu", False)), _flags=flags)
     except (ArgumentError, LaunchError) as e:
         text = " ".join(str(e).split())   # one line, as argparse's own errors
         sys.stderr.write(f"ncclpy run: error: {text}\n")

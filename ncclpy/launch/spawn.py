@@ -19,7 +19,9 @@ parent is SIGKILLed; what a child started is then left to the child).  GPU
 placement is ``ncclpy run``'s (:mod:`ncclpy.launch.placement`, ``ranks_per_gpu`` included), and
 when ranks share a GPU the same one-line mode statement goes to stderr, CUDA MPS included
 (``mps=``, as ``ncclpy run --mps``; :mod:`ncclpy.launch.mps`): a daemon started for the children
-is stopped once they have all ended, whatever the outcome.
+is stopped once they have all ended, whatever the outcome.  ``device="cpu"`` (or
+``NCCLPY_DEVICE=cpu`` in the environment) puts every child on the CPU backend instead, as
+``ncclpy run --cpu`` does: no GPU placement, no MPS.
 
 The job's ncclpy store lives in the parent, as ``ncclpy run``'s launcher hosts it: it listens
 before the first child starts (``NCCLPY_STORE_HOSTED_BY=launcher``: rank 0 joins it as a
@@ -161,17 +163,45 @@ def _stderr_line(line: str) -> None:
         pass
 
 
+def _device_choice(device: Any, user_env: Mapping[str, str],
+                   child_env: Mapping[str, str]) -> Optional[tuple[str, bool]]:
+    """``spawn(device=...)``: None (GPU placement, unless the children's environment says
+    ``NCCLPY_DEVICE=cpu``) or ``"cpu"``; for the CPU backend, (who asked, from the environment),
+    else None.  A precise error for anything else, before anything starts."""
+    from ncclpy.launch.placement import CPU_DEVICE, cpu_requested
+    if device is not None and not isinstance(device, str):
+        raise ArgumentTypeError(
+            f"device: expected None (GPU placement: rank r -> GPU r mod the GPU count) or "
+            f"'cpu' (the CPU backend), got {type(device).__name__} {device!r}")
+    if device is not None:
+        if device.strip().lower() != CPU_DEVICE:
+            raise ArgumentError(f"device: expected None (GPU placement, or the CPU backend when "
+                                f"NCCLPY_DEVICE=cpu is in the environment) or 'cpu', got "
+                                f"{device!r}")
+        return "device='cpu'", False
+    if cpu_requested(user_env):
+        return "env={'NCCLPY_DEVICE': 'cpu'}", True
+    if cpu_requested(child_env):
+        return "NCCLPY_DEVICE=cpu in the environment", True
+    return None
+
+
 def _plan_placement(nprocs: int, child_env: Mapping[str, str], ranks_per_gpu: Optional[int],
-                    mps_mode: str = "off"
+                    mps_mode: str = "off", cpu_plan: Any = None
                     ) -> tuple[list[Optional[int]], list[dict[str, str]], tuple[str, ...],
                                MpsSetup]:
     """The single placement call site (one node): device, extra variables and variables to
-    remove per rank, and the MPS set up for them (``mps_mode``, :mod:`ncclpy.launch.mps`).
+    remove per rank, and the MPS set up for them (``mps_mode``, :mod:`ncclpy.launch.mps`);
+    ``cpu_plan`` (:func:`~ncclpy.launch.placement.plan_cpu`): the CPU backend's, no GPU looked
+    for, no MPS, no device index (``NCCLPY_DEVICE=cpu`` is in each rank's variables).
 
     When ranks share a GPU the mode is stated in one line on stderr, as ``ncclpy run`` does.
     """
     from ncclpy.launch import placement
 
+    if cpu_plan is not None:
+        log.info("%s", placement.summary_line("ncclpy spawn", cpu_plan))
+        return [None] * nprocs, [cpu_plan.env(r) for r in range(nprocs)], (), MpsSetup(None)
     plan = placement.place(nprocs, ranks_per_gpu=ranks_per_gpu, single_node=True, env=child_env)
     mps_setup = setup_mps(mps_mode, plan.shared, child_env, name="mps")
     if mps_setup.status is not None:
@@ -380,7 +410,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
           timeout: Optional[float] = None, master_addr: str = "127.0.0.1",
           master_port: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
           start_method: str = "spawn", ranks_per_gpu: Optional[int] = None,
-          mps: Optional[str] = None, checked: Optional[bool] = None) -> Optional[SpawnContext]:
+          mps: Optional[str] = None, checked: Optional[bool] = None,
+          device: Optional[str] = None) -> Optional[SpawnContext]:
     """Run ``fn(rank, *args)`` in ``nprocs`` processes of one node with the rendezvous env set.
 
     ``master_port`` None picks two free ports, ncclpy's store on the first and torch's
@@ -394,7 +425,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     sharing a GPU, stopped when they have all ended.  ``checked`` is ``ncclpy run --checked``:
     True sets ``NCCLPY_CHECKED=1`` in every child (False: ``0``; None: inherited).  ``timeout``
     is ``ncclpy run --timeout``: children still running after it are stopped and named in the
-    :class:`LaunchError`.  ``join=False`` returns a
+    :class:`LaunchError`.  ``device`` is ``ncclpy run --cpu``: ``"cpu"`` (or None with
+    ``NCCLPY_DEVICE=cpu`` in this process's environment or in ``env``) sets
+    ``NCCLPY_DEVICE=cpu`` in every child, the CPU backend (:mod:`ncclpy.cpu`): no GPU placement,
+    no MPS (so not with ``ranks_per_gpu`` or ``mps="on"``).  ``join=False`` returns a
     :class:`SpawnContext`; with ``join=True`` this returns None when every child exited 0 and
     raises otherwise (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for
     a non-zero exit, a signal, or ``timeout`` seconds passing; the other children are stopped in
@@ -436,13 +470,20 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
         user_env["NCCLPY_CHECKED"] = "1" if checked else "0"
     child_env = {**os.environ, **user_env}
     mps_mode = resolve_mode(mps, child_env, name="mps")
+    cpu_plan = None
+    on_cpu = _device_choice(device, user_env, child_env)
+    if on_cpu is not None:
+        from ncclpy.launch.placement import plan_cpu
+        cpu_plan = plan_cpu(nprocs, why=on_cpu[0], from_env=on_cpu[1],
+                            ranks_per_gpu=ranks_per_gpu, mps=mps_mode,
+                            names={"mps": "mps" if mps is not None else "NCCLPY_MPS"})
     if master_port is None:
         master_port, torch_port = _two_free_ports(master_addr)
     else:
         torch_port = None  # rank_env's default: master_port + 1
     token = secrets.token_hex(16)
     devices, extras, unset, mps_setup = _plan_placement(nprocs, child_env, ranks_per_gpu,
-                                                        mps_mode)
+                                                        mps_mode, cpu_plan)
     try:
         envs = [{k: v for k, v in {**user_env, **rank_env(
                     r, nprocs, r, nprocs, master_addr, master_port, token, device=devices[r],
