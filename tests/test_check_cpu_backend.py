@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
 
-#: the real runs' subset (the whole default matrix took 93 s at 2 ranks and 733 s at 4 on
+#: the real runs' subset (the whole default matrix took 67 s at 2 ranks and 381 s at 4 on
 #: a 2-core machine; docs/performance.md): every collective, every dtype (NCCL's 12, bool and
 #: the complex types), every op, roots 0 and n-1, in and out of place, even and uneven
 #: all_to_all, at element counts 0, 1 and 7 (the 1 MiB and 1024 sizes left out)
