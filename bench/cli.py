@@ -196,9 +196,11 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                         "ncclpy.init(device='cpu'), not NCCL), cupy (raw cupy.cuda.nccl; cuda "
                         "only), torch (torch.distributed: NCCL on cuda, gloo on cpu; alias "
                         "gloo, torch-gloo). Several alternate per size and ratios are printed. "
-                        "Default: ncclpy on cuda, torch on cpu")
+                        "Default: ncclpy on cuda and under NCCLPY_DEVICE=cpu (ncclpy run --cpu), "
+                        "torch on cpu")
     x.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="where buffers live (default auto: cuda when a GPU is visible)")
+                   help="where buffers live (default auto: cpu under NCCLPY_DEVICE=cpu, as "
+                        "ncclpy run --cpu sets it, else cuda when a GPU is visible)")
     x.add_argument("--timer", default="host", choices=("host", "events"),
                    help="host: wall clock around the iterations and a stream sync, as nccl-tests; "
                         "events: CUDA events recorded on the stream (GPU only)")
@@ -303,6 +305,12 @@ def _plot_problem(path: str) -> str:
     return check_output_path(path)
 
 
+def _env_wants_cpu() -> bool:
+    """Whether ``NCCLPY_DEVICE=cpu`` (``ncclpy run --cpu``) asks for ncclpy's CPU backend."""
+    from ncclpy.cpu.backend import wants_cpu
+    return wants_cpu(None)
+
+
 def _gpu_visible() -> bool:
     try:
         from ncclpy.launch.placement import visible_gpu_count
@@ -359,15 +367,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
             raise ArgumentError(f"{p.flag('root')}: {root} is not a rank of a run of {world} "
                                 f"rank{'s' if world != 1 else ''}; expected 0..{world - 1} or all")
     device = a.device
-    if device == "auto":
-        device = "cuda" if _gpu_visible() else "cpu"
+    if device == "auto":            # NCCLPY_DEVICE=cpu (ncclpy run --cpu): the CPU backend
+        device = "cpu" if _env_wants_cpu() else ("cuda" if _gpu_visible() else "cpu")
     elif device == "cuda":
         why = _no_gpu_reason()
         if why:
             raise ArgumentError(f"{p.flag('device')} cuda: no usable GPU here ({why}); use "
                                 f"--device cpu (the torch backend on gloo) or a GPU machine")
     backends = flagged("backend", parse_backends, a.backend) if a.backend else (
-        ["ncclpy"] if device == "cuda" else ["torch"])
+        ["ncclpy"] if device == "cuda" or _env_wants_cpu() else ["torch"])
     if device == "cpu":
         _refuse_on_cpu(p, a, backends)
         if a.cudagraph:
@@ -417,7 +425,8 @@ def _refuse_on_cpu(p: Any, a: Any, backends: Sequence[str]) -> None:
     """With --device cpu: the backends without a CPU form (cupy), and the flags that drive
     NCCL itself (algorithm, estimate, registration, memory statistics, CTA policy), refused in
     one line naming the flag as typed."""
-    where = "--device cpu" if a.device == "cpu" else "--device auto (cpu: no GPU here)"
+    where = "--device cpu" if a.device == "cpu" else (
+        "NCCLPY_DEVICE=cpu" if _env_wants_cpu() else "--device auto (cpu: no GPU here)")
     bad = [b for b in backends if b not in CPU_FORMS]
     if bad:
         forms = "; ".join(f"{k}: {v}" for k, v in CPU_FORMS.items())
@@ -429,7 +438,8 @@ def _refuse_on_cpu(p: Any, a: Any, backends: Sequence[str]) -> None:
                  ("local_register", a.local_register != 0, "registers buffers with NCCL"),
                  ("memory_report", a.memory_report != 0, "reports NCCL's memory"),
                  ("cta_policy", a.cta_policy is not None, "sets NCCL's CTA policy"))
-    if a.device == "auto" and "ncclpy" in backends:   # never CPU figures by accident
+    if a.device == "auto" and "ncclpy" in backends and not _env_wants_cpu():
+        # never CPU figures by accident: --device cpu or NCCLPY_DEVICE=cpu asks for them
         raise ArgumentError(f"{p.flag('backend')} {a.backend}: no usable GPU here "
                             f"({_no_gpu_reason() or 'none visible'}); --device cpu runs "
                             f"ncclpy's CPU backend (CPU figures, not NCCL's)")

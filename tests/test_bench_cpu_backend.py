@@ -130,3 +130,28 @@ def test_cpu_backend_script_refuses_in_one_line(args, words):
     assert cp.returncode == 2 and cp.stdout == "", (cp.stdout, cp.stderr)
     assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
     assert cp.stderr.startswith(f"python -m bench.cpu_backend: error: {words}"), cp.stderr
+
+
+def test_ncclpy_device_cpu_in_the_environment_means_the_cpu_backend(monkeypatch):
+    """Under ``ncclpy run --cpu`` (NCCLPY_DEVICE=cpu) the default device is cpu and the default
+    backend ncclpy (its CPU backend), whether or not a GPU is visible; refusals name it."""
+    import bench.cli
+    monkeypatch.setattr(bench.cli, "_gpu_visible", lambda: True)    # even with a GPU
+    monkeypatch.setenv("NCCLPY_DEVICE", "cpu")
+    cfg = parse_args(["all_reduce"])
+    assert cfg.device == "cpu" and cfg.backends == ["ncclpy"]
+    assert parse_args(["all_reduce", "--backend", "ncclpy,gloo"]).backends == ["ncclpy", "torch"]
+    with pytest.raises(ArgumentError, match=r"^--backend cupy: cupy needs a GPU \(raw CuPy NCCL "
+                                            r"has no CPU form\); with NCCLPY_DEVICE=cpu"):
+        parse_args(["all_reduce", "--backend", "cupy"])
+    monkeypatch.delenv("NCCLPY_DEVICE")
+    assert parse_args(["all_reduce"]).device == "cuda"
+
+
+def test_under_ncclpy_run_cpu_the_sweep_measures_the_cpu_backend():
+    cp = run_module("ncclpy", "run", "--cpu", "-n", "2", "-m", "bench", "all_reduce", "-b", "8",
+                    "-e", "1K", "-f", "32", "-n", "2", "-q", timeout=240)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert "[rank 0] # ncclpy bench " in cp.stdout
+    assert "backend=ncclpy/cpu-backend nccl-library=0" in cp.stdout
+    assert "[rank 0] # Out of bounds values : 0 OK" in cp.stdout

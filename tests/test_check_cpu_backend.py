@@ -222,3 +222,17 @@ def test_a_cpu_backend_that_does_not_start_fails_the_run(tmp_path):
     assert doc["problems"][0].startswith("ncclpy's CPU backend did not run: ArgumentError")
     assert doc["compared"] == "torch (gloo) vs numpy reference only; ncclpy (CPU backend) did " \
                               "not run"
+
+
+def test_auto_is_cpu_where_the_environment_asks_for_the_cpu_backend():
+    """``ncclpy run --cpu`` sets NCCLPY_DEVICE=cpu: ``--backend auto`` then checks ncclpy's CPU
+    backend; an explicit --backend still wins."""
+    env = {"NCCLPY_DEVICE": "cpu"}
+    p = run_check("-n", "2", "--list", "--collectives", "broadcast", "--dtypes", "u32",
+                  "--sizes", "3", env=env)
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("on 2 ranks (cpu)"), p.stdout
+    p = run_check("-n", "2", "--list", "--backend", "gloo", "--collectives", "broadcast",
+                  "--dtypes", "i8", "--sizes", "3", env=env)
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("(gloo)"), p.stdout
+    p = run_check("-n", "2", "--torch-backend", "nccl", env=env)
+    assert p.returncode == 2 and "this run's backend is cpu (NCCLPY_DEVICE=cpu)" in p.stderr

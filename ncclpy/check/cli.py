@@ -7,8 +7,9 @@ the rank the environment names (under torchrun, which places nothing, the placem
 says so at once, first on stderr; a failure to meet the other ranks is one line, exit status 2
 (:mod:`ncclpy.check.launched`: the variables are often left over from another job).  With a
 GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one torch's
-gloo backend is checked against the reference on CPU.  ``--backend cpu`` runs ncclpy on its
-CPU backend (``ncclpy.init(device="cpu")``, no GPU) against torch's gloo and the reference
+gloo backend is checked against the reference on CPU.  ``--backend cpu`` (``auto`` under
+``NCCLPY_DEVICE=cpu``, as ``ncclpy run --cpu`` sets it) runs ncclpy on its CPU backend
+(``ncclpy.init(device="cpu")``, no GPU) against torch's gloo and the reference
 (:mod:`ncclpy.check.cpu_side`).
 
 Every argument is checked before anything starts (the ``--json`` file included); a bad one is
@@ -84,7 +85,8 @@ def build_parser() -> OneLineParser:
                    help="nccl: ncclpy on a GPU vs torch's NCCL; gloo: torch's gloo vs the "
                         "reference (ncclpy does not run); cpu: ncclpy's CPU backend "
                         "(ncclpy.init(device='cpu'), not NCCL, no GPU) vs torch's gloo and the "
-                        "reference; auto picks nccl when a GPU is visible, else gloo")
+                        "reference; auto picks cpu under NCCLPY_DEVICE=cpu (ncclpy run --cpu), "
+                        "else nccl when a GPU is visible, else gloo")
     p.add_argument("--torch-backend", default=None, metavar="NAMES",
                    help=f"GPU: torch's NCCL backends to check, each against ncclpy and the "
                         f"reference (comma list of {', '.join(TB.TORCH_NCCL_BACKENDS)}; default "
@@ -216,8 +218,9 @@ def _torch_backends(parser: OneLineParser, ns: argparse.Namespace, backend: str,
     except ValueError as e:
         parser.error(f"{flag}: {e}")
     if backend == "cpu":            # the run's choice first: its torch side is gloo
+        chosen = "--backend cpu" if ns.backend == "cpu" else "NCCLPY_DEVICE=cpu"
         parser.error(f"{flag} {text}: torch's NCCL backends run on a GPU (--backend nccl); "
-                     f"this run's backend is cpu (--backend cpu), whose torch side is gloo")
+                     f"this run's backend is cpu ({chosen}), whose torch side is gloo")
     version, offered = TB.offered_backends()
     bad = TB.refusal(names, version, offered)
     if bad:
@@ -336,7 +339,7 @@ def _main(argv: List[str]) -> int:
         if why:
             parser.error(f"{parser.flag('json')}: {why}")
     gpu, why = _gpu_available()
-    backend = ns.backend if ns.backend != "auto" else ("nccl" if gpu else "gloo")
+    backend = ns.backend if ns.backend != "auto" else _auto_backend(gpu)
     if backend == "nccl" and not gpu:
         parser.error(f"{parser.flag('backend')} nccl: {why}")
     if backend == "cpu" and not (ns.list or ns.list_skips):
@@ -381,6 +384,15 @@ def _main(argv: List[str]) -> int:
         cfg["launched"] = job.to_cfg()
         return worker(job.rank, cfg)
     return _spawn(n, cfg)
+
+
+def _auto_backend(gpu: bool) -> str:
+    """``--backend auto``: cpu where the environment asks for ncclpy's CPU backend
+    (``NCCLPY_DEVICE=cpu``, as ``ncclpy run --cpu`` sets it), else nccl with a GPU, else gloo."""
+    from ..cpu.backend import wants_cpu
+    if wants_cpu(None):
+        return "cpu"
+    return "nccl" if gpu else "gloo"
 
 
 def _refuse_what_cannot_fit(parser: OneLineParser, ns: argparse.Namespace, cases: List[Any],
