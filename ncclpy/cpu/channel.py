@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .shm import Segment, sweep
 
-__all__ = ["Channel", "DESC_MAX", "segment_prefix", "sweep"]
+__all__ = ["Channel", "DESC_MAX", "segment_prefix", "stable_id", "sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,11 @@ P2P_SEND, P2P_RECV = 1, 2
 def _ints(n: int) -> int:
     """The int64 fields of an ``n``-rank control block before its descriptor."""
     return HDR + 3 * n
+
+
+def stable_id(uid: bytes) -> int:
+    """A communicator's id from its unique id, the same in every process."""
+    return int.from_bytes(hashlib.blake2b(bytes(uid), digest_size=6).digest(), "little")
 
 
 def segment_prefix(uid: bytes) -> str:
