@@ -92,6 +92,19 @@ def collectives(rank: int, out: str) -> None:
     report(out, rank, {"checked": seen})
 
 
+class _DLPackOnly:
+    """A producer seen only through DLPack (numpy's capsule)."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> Any:
+        return self.a.__dlpack_device__()
+
+
 def p2p_and_groups(rank: int, out: str) -> None:
     """send/recv, a ring in one group, send_recv, list forms, premul_sum, object collectives,
     prepared calls, eager calls completed by ncclpy.cpu.synchronize, torch CPU tensors."""
@@ -142,6 +155,12 @@ def p2p_and_groups(rank: int, out: str) -> None:
     later = np.zeros(4, np.float32)
     comm.all_reduce(z, later).wait()             # on stream 0, after stream 5's call
     _same(later, np.full(4, float(n * n), np.float32), "a call ordered after another stream's")
+    raw = np.full(6, rank, np.int32)             # a raw pointer to host memory
+    comm.all_reduce(ncclpy.Buffer(raw.ctypes.data, 6, "int32", device="cpu")).wait()
+    _same(raw, np.full(6, sum(range(n)), np.int32), "ncclpy.Buffer(device='cpu')")
+    dl = np.full(3, 2.0, np.float64)             # DLPack from CPU: only __dlpack__ to go by
+    comm.all_reduce(_DLPackOnly(dl)).wait()
+    _same(dl, np.full(3, 2.0 * n), "a DLPack CPU buffer")
     eager = np.full(16, 1.0, np.float32)
     w = comm.all_reduce(eager)
     ncclpy.cpu.synchronize()
