@@ -420,7 +420,8 @@ def test_bench_refuses_algo_and_predict_where_they_cannot_work(monkeypatch):
                         (["all_reduce", "--device", "cuda", "--backend", "ncclpy,torch",
                           "--predict"], "--predict: needs --backend ncclpy"),
                         (["all_reduce", "--algo", "ring", "--device", "cpu"],
-                         "--algo: needs --backend ncclpy")):
+                         "--algo ring: forces NCCL's algorithm, and --device cpu runs no "
+                         "NCCL")):
         with pytest.raises(errors.ArgumentError, match=words):
             cli.parse_args(argv)
 
