@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from check_util import cmp, parts
 from ncclpy.check import cases as C
 from ncclpy.check import compare as K
 from ncclpy.check import overview as O
@@ -65,14 +66,7 @@ def test_cpu_matrix_runs_what_gloo_cannot_on_ncclpys_side():
 
 
 # -- merging: "reference only" ------------------------------------------------------------
-def _parts(n, **per_rank):
-    return [{"rank": r, **{k: (v[r] if isinstance(v, list) else v) for k, v in per_rank.items()}}
-            for r in range(n)]
-
-
-def _cmp(equal, ulp=0.0):
-    return K.Comparison(equal, ulp if not equal else 0.0, 0 if equal else 1,
-                        -1 if equal else 0).as_dict()
+_parts, _cmp = parts, cmp
 
 
 def test_reference_only_is_its_own_status_never_passed():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ncclpy import numerics as nm
+from check_util import cmp, parts
 from ncclpy.check import cases as C
 from ncclpy.check import compare as K
 from ncclpy.check import report as Rp
@@ -163,14 +164,7 @@ def test_known_refusals_are_narrow():
     assert D.known_refusal("nccl", c("broadcast", "float8_e4m3"), f8) is None
 
 
-def _parts(n, **per_rank):
-    return [{"rank": r, **{k: (v[r] if isinstance(v, list) else v) for k, v in per_rank.items()}}
-            for r in range(n)]
-
-
-def _cmp(equal, ulp=0.0):
-    return K.Comparison(equal, ulp if not equal else 0.0, 0 if equal else 1,
-                        -1 if equal else 0).as_dict()
+_parts, _cmp = parts, cmp
 
 
 def test_merge_a_torch_side_not_called_is_unsupported_and_ncclpy_still_judged():
