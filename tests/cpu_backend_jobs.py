@@ -17,12 +17,15 @@ __all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "two_nodes"
 
 
 def report(out: str, rank: int, data: Dict[str, Any]) -> None:
-    """What this rank saw, for the test to read, with its pid and its channels' shared-memory
-    name prefixes (what it must not leave in /dev/shm)."""
+    """What this rank saw, for the test to read, with its pid, its channels' shared-memory
+    name prefixes (what it must not leave in /dev/shm) and the NCCL rules its engine saw
+    broken (``violations``)."""
     from ncclpy.cpu.backend import get_engine
-    prefixes = sorted({ch.prefix.lstrip("/") for ch in get_engine().channels.values()})
+    eng = get_engine()
+    prefixes = sorted({ch.prefix.lstrip("/") for ch in eng.channels.values()})
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(dict(data, pid=os.getpid(), prefixes=prefixes), f)
+        json.dump(dict(data, pid=os.getpid(), prefixes=prefixes,
+                       violations=list(eng.violations)), f)
 
 
 def _inputs(n: int, count: int, dtype: str, seed: int) -> List[np.ndarray]:
@@ -37,11 +40,69 @@ def _same(got: np.ndarray, want: Any, what: str) -> None:
     assert got.tobytes() == want.astype(got.dtype).tobytes(), f"{what}: {got} != {want}"
 
 
+#: hand-computed results (the engine reduces with the reference, so the reference alone cannot
+#: judge it) for n ranks, rank r holding x = [2r+1, 2r+2], y = (r+1) * [1..2n],
+#: t = [10r + d for d < n]; by rank, None: no output
+LITERALS: Dict[int, Dict[str, List[Any]]] = {
+    2: {"sum": [[4, 6]] * 2, "avg": [[2, 3]] * 2, "premul": [[2, 3]] * 2,
+        "reduce": [None, [3, 4]], "broadcast": [[3, 4]] * 2, "all_gather": [[1, 2, 3, 4]] * 2,
+        "reduce_scatter": [[3, 6], [9, 12]], "all_to_all": [[0, 10], [1, 11]],
+        "gather": [[1, 2, 3, 4], None], "scatter": [[11, 12], [13, 14]],
+        "ring": [[3, 4], [1, 2]]},
+    4: {"sum": [[16, 20]] * 4, "avg": [[4, 5]] * 4, "premul": [[8, 10]] * 4,
+        "reduce": [None, None, None, [7, 8]], "broadcast": [[7, 8]] * 4,
+        "all_gather": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4,
+        "reduce_scatter": [[10, 20], [30, 40], [50, 60], [70, 80]],
+        "all_to_all": [[0, 10, 20, 30], [1, 11, 21, 31], [2, 12, 22, 32], [3, 13, 23, 33]],
+        "gather": [[1, 2, 3, 4, 5, 6, 7, 8], None, None, None],
+        "scatter": [[11, 12], [13, 14], [15, 16], [17, 18]],
+        "ring": [[7, 8], [1, 2], [3, 4], [5, 6]]},
+}
+
+
+def _literals(comm: Any, rank: int) -> int:
+    """Each collective once on small inputs, against :data:`LITERALS`; how many checked."""
+    n, f = comm.world_size, np.float32
+    want = LITERALS[n]
+    x = np.array([2 * rank + 1, 2 * rank + 2], f)
+    got: Dict[str, Any] = {}
+    for name, op in (("sum", "sum"), ("avg", "avg"), ("premul", ncclpy.premul_sum(0.5))):
+        y = x.copy()
+        comm.all_reduce(y, op=op).wait()
+        got[name] = y
+    y = np.full(2, -1, f)
+    comm.reduce(x, y, root=n - 1, op="max").wait()
+    got["reduce"] = y if rank == n - 1 else None
+    assert rank == n - 1 or y.tolist() == [-1, -1], "reduce: a non-root's output was written"
+    y = x.copy()
+    comm.broadcast(y, root=n - 1).wait()
+    got["broadcast"] = y
+    got["all_gather"] = np.zeros(2 * n, f)
+    comm.all_gather(x, got["all_gather"]).wait()
+    got["reduce_scatter"] = np.zeros(2, f)
+    comm.reduce_scatter(np.arange(1, 2 * n + 1, dtype=f) * (rank + 1),
+                        got["reduce_scatter"]).wait()
+    got["all_to_all"] = np.zeros(n, np.int32)
+    comm.all_to_all(np.arange(n, dtype=np.int32) + 10 * rank, got["all_to_all"]).wait()
+    got["gather"] = np.zeros(2 * n, f) if rank == 0 else None
+    comm.gather(x, got["gather"], root=0).wait()
+    got["scatter"] = np.zeros(2, f)
+    comm.scatter(np.arange(11, 11 + 2 * n, dtype=f) if rank == 0 else None, got["scatter"],
+                 root=0).wait()
+    got["ring"] = np.zeros(2, f)
+    comm.send_recv(x, got["ring"], (rank + 1) % n, (rank - 1) % n).wait()
+    for name, w in want.items():
+        g = got[name]
+        assert (None if g is None else g.tolist()) == w[rank], f"{name}: {g} != {w[rank]}"
+    return len(want)
+
+
 def collectives(rank: int, out: str) -> None:
-    """Every collective, flat form, in and out of place, every root, float32/float64/int32/
-    int8 with each op NCCL has for them: bit for bit with the reference."""
+    """Every collective against hand-computed values (:data:`LITERALS`); then flat form, in
+    and out of place, every root, float32/float64/int32/int8 with each op NCCL has for them:
+    bit for bit with the reference."""
     comm = ncclpy.init(device="cpu")
-    n, seen = comm.world_size, 0
+    n, seen = comm.world_size, _literals(comm, rank)
     for dt in ("float32", "float64", "int32", "int8", "uint8"):
         ops = ("sum", "prod", "max", "min", "avg") if dt.startswith("float") else \
             ("sum", "prod", "max", "min")

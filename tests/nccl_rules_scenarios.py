@@ -37,13 +37,16 @@ class Inconclusive(Exception):
 @dataclass(frozen=True)
 class Scenario:
     """One behaviour of NCCL: ``run(lib) -> observation``; ``expected`` (or
-    ``expected(version)``) is what NCCL's source says (row ``row`` of the table)."""
+    ``expected(version)``) is what NCCL's source says (row ``row`` of the table).
+    ``violations``: the stand-in violations the scenario commits on purpose (patterns, each
+    matching exactly one; tests/nccl_standin.py ``check_violations``)."""
 
     id: str
     row: str
     needs: Tuple[str, ...]
     run: Callable[[Any], Any]
     expected: Any
+    violations: Tuple[str, ...] = ()
 
     def expect(self, version: int) -> Any:
         """The expected observation for NCCL ``version``."""
@@ -422,6 +425,25 @@ def s_redop(lib: Any) -> Any:
             lib.fn("ncclCommAbort")(h)
 
 
+def s_redop_owner(lib: Any) -> Any:
+    """A PreMulSum op belongs to one comm and one datatype (P7)."""
+    with _Buf(lib) as buf:
+        a, b = _ready(lib), None
+        try:
+            b, op, scalar = _ready(lib), ctypes.c_int(-1), (ctypes.c_float * 2)(2.0, 0.0)
+            create = lib.fn("ncclRedOpCreatePreMulSum")(ctypes.byref(op), ctypes.addressof(scalar),
+                                                        7, 1, a)       # float32, host immediate
+            return {"create": create,
+                    "other_dtype": _allreduce(lib, a, buf, op=op.value, dtype=8),   # float64
+                    "other_dtype_empty": _allreduce(lib, a, buf, count=0, op=op.value, dtype=8),
+                    "other_comm": _allreduce(lib, b, buf, op=op.value),
+                    "destroy_on_other_comm": lib.fn("ncclRedOpDestroy")(op.value, b),
+                    "destroy": lib.fn("ncclRedOpDestroy")(op.value, a)}
+        finally:
+            lib.fn("ncclCommAbort")(a)
+            _abort(lib, b)
+
+
 def s_args_check(lib: Any) -> Any:
     with _Buf(lib) as buf:
         h = _ready(lib)
@@ -489,10 +511,11 @@ SCENARIOS: Tuple[Scenario, ...] = (
              s_destroy_in_progress, {"during": INVALID_ARG, "depth_left": 1, "after": OK}),
     Scenario("queries", "Q1", ("ncclCommCuDevice",), s_queries, [[0, 1], [0, 0], [0, 0]]),
     Scenario("finalize-twice", "F4", ("ncclCommFinalize",), s_finalize_twice,
-             {"first": OK, "second": INVALID_ARG, "destroy": OK}),
+             {"first": OK, "second": INVALID_ARG, "destroy": OK}, ("ncclCommFinalize twice",)),
     Scenario("finalize-twice-nonblocking", "F2/F4", ("ncclCommFinalize",),
              s_finalize_twice_nonblocking,
-             {"first_ok": True, "done": OK, "second": INVALID_ARG, "state": INVALID_ARG}),
+             {"first_ok": True, "done": OK, "second": INVALID_ARG, "state": INVALID_ARG},
+             ("ncclCommFinalize twice",)),
     Scenario("null-handles", "F6/G1/H1/K2", ("ncclCommFinalize",), s_null_handles,
              lambda v: {"ncclCommFinalize": 0, "ncclCommDestroy": 0, "ncclCommAbort": 0,
                         **({"ncclCommRevoke": 0} if v >= 22807 else {})}),
@@ -503,21 +526,32 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("revoke-nonblocking", "K4", _REVOKE, s_revoke_nonblocking,
              {"rc_ok": True, "final": OK}),
     Scenario("calls-after-revoke", "E3/F5", _REVOKE + ("ncclMemAlloc",), s_after_revoke,
-             {"allreduce": INVALID_USAGE, "send": INVALID_USAGE, "finalize": INVALID_ARG}),
-    Scenario("destroy-after-revoke", "G6", _REVOKE, s_destroy_revoked, OK),
+             {"allreduce": INVALID_USAGE, "send": INVALID_USAGE, "finalize": INVALID_ARG},
+             ("ncclCommFinalize after ncclCommRevoke",)),
+    Scenario("destroy-after-revoke", "G6", _REVOKE, s_destroy_revoked, OK,
+             ("ncclCommDestroy of a revoked communicator",)),
     Scenario("shrink-refusals", "J1", ("ncclCommShrink",), s_shrink_refusals,
              {"count0": INVALID_ARG, "null_list": INVALID_ARG, "self": INVALID_ARG,
-              "null": True, "usable": OK}),
+              "null": True, "usable": OK}, ("ncclCommShrink called by excluded rank 0",)),
     Scenario("split-nocolor", "I2", ("ncclCommSplit",), s_split_nocolor, {"rc": OK, "null": True}),
     Scenario("split-one-rank-child", "I1/I3", ("ncclCommSplit",), s_split_child,
              {"rc": OK, "count": [OK, 1], "destroy": OK}),
     Scenario("deregister-null-and-unknown", "P2", ("ncclCommDeregister",), s_deregister,
-             {"null": OK, "unknown": INVALID_USAGE}),
+             {"null": OK, "unknown": INVALID_USAGE}, ("ncclCommDeregister of an unknown handle",)),
     Scenario("memfree-null-and-host-pointer", "P4", ("ncclMemFree",), s_memfree,
-             {"null": OK, "host_pointer": CUDA_ERR}),
+             {"null": OK, "host_pointer": CUDA_ERR}, ("ncclMemFree of unknown memory",)),
     Scenario("premulsum-destroy-twice", "P6/E4", ("ncclRedOpDestroy", "ncclMemAlloc"), s_redop,
              {"create": OK, "use": OK, "destroy": OK, "again": INVALID_ARG,
-              "use_destroyed": INVALID_ARG, "builtin": INVALID_ARG}),
+              "use_destroyed": INVALID_ARG, "builtin": INVALID_ARG},
+             ("ncclRedOpDestroy with a destroyed PreMulSum op",
+              "ncclAllReduce with a destroyed PreMulSum op")),
+    Scenario("premulsum-other-comm-and-dtype", "P7", ("ncclRedOpDestroy", "ncclMemAlloc"),
+             s_redop_owner, {"create": OK, "other_dtype": INVALID_ARG, "other_dtype_empty": OK,
+                             "other_comm": INVALID_ARG, "destroy_on_other_comm": INVALID_ARG,
+                             "destroy": OK},
+             (r"ncclAllReduce with PreMulSum op \d+ made for datatype 7 on datatype 8",
+              "ncclAllReduce with a PreMulSum op of another communicator",
+              "ncclRedOpDestroy with a PreMulSum op of another communicator")),
     Scenario("args-check", "E4", ("ncclSend", "ncclMemAlloc"), s_args_check,
              {"root": INVALID_ARG, "neg_root": INVALID_ARG, "dtype": INVALID_ARG,
               "peer": INVALID_ARG, "ok": OK}),
@@ -527,7 +561,8 @@ SCENARIOS: Tuple[Scenario, ...] = (
              s_one_rank_nonblocking, {"allreduce": OK, "empty": OK, "state": OK}),
     Scenario("suspend-twice-resume-not-suspended", "M4/M5", ("ncclCommSuspend",),
              s_suspend_resume, {"resume_not_suspended": INVALID_USAGE, "suspend": OK,
-                                "again": INVALID_USAGE, "resume": OK}),
+                                "again": INVALID_USAGE, "resume": OK},
+             ("ncclCommSuspend on a suspended communicator",)),
 )
 
 

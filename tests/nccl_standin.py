@@ -8,8 +8,9 @@ tests stay in tests/gpu and run against the real library.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from ncclpy._nccl import cuda as _cuda
 from ncclpy._nccl import lib as _lib
@@ -18,7 +19,7 @@ from ncclpy.cpu.engine import (_BY_ENUM, _OPS, IN_PROGRESS, INTERNAL, INVALID_AR
                                Graph, _Comm, _Item, _Mem, _Op, _World)
 from ncclpy.cpu.runtime import CpuCudaError, CpuRuntime, DevArray, _captured  # noqa: F401
 
-__all__ = ["StandIn", "standin", "DevArray", "run_ranks", "Graph"]
+__all__ = ["StandIn", "standin", "check_violations", "DevArray", "run_ranks", "Graph"]
 
 #: the engine's names as the tests knew them
 StandIn = Engine
@@ -26,9 +27,29 @@ StandInCuda = CpuRuntime
 StandInCudaError = CpuCudaError
 
 
+def check_violations(found: Sequence[str], expected: Sequence[str] = ()) -> None:
+    """Raise AssertionError unless ``found`` (an engine's ``violations``) is exactly
+    ``expected``: one violation per pattern (``re.search``), in any order, and nothing else."""
+    left = list(found)
+    for pat in expected:
+        hit = next((v for v in left if re.search(pat, v)), None)
+        if hit is None:
+            raise AssertionError(f"the stand-in recorded no violation matching {pat!r}; "
+                                 f"it recorded {list(found)}")
+        left.remove(hit)
+    if left:
+        raise AssertionError(f"ncclpy broke NCCL's rules (stand-in violations): {left}")
+
+
 @contextlib.contextmanager
-def standin(**kw: Any) -> Iterator[StandIn]:
-    """The stand-in in place of libnccl and CUDA for the block (see the module docstring)."""
+def standin(expect_violations: Sequence[str] = (), **kw: Any) -> Iterator[StandIn]:
+    """The stand-in in place of libnccl and CUDA for the block (see the module docstring).
+
+    A block that ends normally must leave ``eng.violations`` exactly ``expect_violations``
+    (patterns, :func:`check_violations`; empty unless a test provokes a violation on
+    purpose): the stand-in forgives nothing, so no test can pass while ncclpy breaks a rule."""
+    if isinstance(expect_violations, str):
+        raise TypeError("expect_violations: a sequence of patterns, not one string")
     eng = StandIn(**kw)
     from ncclpy.comm import work
     from ncclpy.comm.reaper import reaper
@@ -38,6 +59,7 @@ def standin(**kw: Any) -> Iterator[StandIn]:
         with _lib.use_lib(eng.nccl), _cuda.use(eng.cuda):
             yield eng
         eng.nccl.cdll.raise_pending()      # a stand-in function raised inside a C call
+        check_violations(list(eng.violations), expect_violations)
     finally:
         work._pools.clear()
         work._pools.update(pools)

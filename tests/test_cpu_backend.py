@@ -34,6 +34,7 @@ def _run(fn, n: int, tmp_path, *args) -> list:
     out = [json.load(open(tmp_path / f"{r}.json")) for r in range(n)]
     assert all(o["prefixes"] for o in out), out
     assert _left_behind(out) == [], "the job left shared memory behind"
+    assert [o["violations"] for o in out] == [[]] * n, "NCCL rules broken"
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from .engine import (_BY_ENUM, INVALID_ARG, INVALID_USAGE, SUCCESS, _Comm, _Item, _Op)
 
-__all__ = ["Colls", "live_ops", "maker"]
+__all__ = ["Colls", "live_ops", "op_owners", "overlap", "maker"]
 
 
 class Colls:
@@ -50,6 +50,8 @@ class Colls:
         code = self._ready(c)
         if code == SUCCESS:
             code = self._args_check(c, fn, args)
+            if code == SUCCESS and fn not in ("Send", "Recv") and args["count"]:
+                code = self._redop_type(c, fn, args)     # taskAppend: hostToDevRedOp
             if code and c.nonblocking:
                 c.async_state = code
         elif c.nonblocking:                  # fail: ncclCommSetAsyncError(comm, ret), even
@@ -71,6 +73,9 @@ class Colls:
             op = _Op((c.world.id, "p2p", src, dst, seq, 2), c.rank, "p2p",
                      {"dir": fn.lower(), "buf": args["buf"], "nbytes": args["nbytes"]})
         else:
+            bad = overlap(fn, c.rank, c.world.nranks, args)
+            if bad:
+                e.violations.append(f"nccl{fn} (rank {c.rank}): {bad}")
             with e.lock:
                 seq = c.coll_seq
                 c.coll_seq += 1
@@ -102,6 +107,34 @@ class Colls:
             self.last_text = (f"{fn} : reduction operation {op} unknown to this communicator"
                               if op >= 5 else f"{fn} : invalid reduction operation {op}"
                               ).encode()
+            self._stale_op(c, "nccl" + fn, op)
+            return INVALID_ARG
+        return SUCCESS
+
+    def _stale_op(self, c: _Comm, call: str, op: int) -> None:
+        """A PreMulSum op ncclpy must never pass again: destroyed (NCCL reuses its slot for
+        the next op created: enqueue.cc ncclRedOpDestroy pushes it to the free list), or made
+        on another communicator (ops are per comm: ncclUserRedOpMangle).  An op never
+        created is NCCL's 4 alone."""
+        owner = op_owners(self.e).get(op)
+        if owner is None:
+            return
+        what = ("a destroyed PreMulSum op" if op not in live_ops(self.e)
+                else "a PreMulSum op of another communicator")
+        self.e.violations.append(f"{call} with {what} {op} (rank {c.rank})")
+
+    def _redop_type(self, c: _Comm, fn: str, args: Dict[str, Any]) -> int:
+        """enqueue.cc taskAppend -> hostToDevRedOp (2.28.9-dev; after the empty-collective
+        discard): a PreMulSum op used with another datatype than it was created for -> 4
+        ("Data type supplied to user-created ncclRedOp_t does not match type given to
+        reduction operation"), also a violation."""
+        op = args.get("op", 0)
+        made = self.e.premul.get(op)
+        if op >= 5 and made is not None and made[1] != args["dtype"]:
+            self.last_text = (b"Data type supplied to user-created ncclRedOp_t does not match "
+                              b"type given to reduction operation")
+            self.e.violations.append(f"nccl{fn} with PreMulSum op {op} made for datatype "
+                                     f"{made[1]} on datatype {args['dtype']} (rank {c.rank})")
             return INVALID_ARG
         return SUCCESS
 
@@ -171,6 +204,52 @@ def live_ops(e: Any) -> Dict[int, int]:
     if not hasattr(e, "premul_live"):
         e.premul_live = {}
     return e.premul_live
+
+
+def op_owners(e: Any) -> Dict[int, int]:
+    """Every PreMulSum op ever made, destroyed or not: op -> the comm that made it."""
+    if not hasattr(e, "premul_owner"):
+        e.premul_owner = {}
+    return e.premul_owner
+
+
+def _extent(fn: str, c: int, n: int, me: int, root: int) -> Any:
+    """(send elements, recv elements, sendbuff - recvbuff in elements when in place (None: no
+    in-place form), whether only the root's pair is used) of collective ``fn``, or None.
+    nccl.h (src/nccl.h.in, 2.28.9-dev) "In-place operation(s) will happen if ...": AllReduce,
+    Broadcast, Reduce sendbuff == recvbuff; ReduceScatter recvbuff == sendbuff + rank*recvcount;
+    AllGather sendbuff == recvbuff + rank*sendcount; Gather sendbuff == recvbuff + root*count;
+    Scatter recvbuff == sendbuff + root*count; AlltoAll has none (also
+    docs/userguide/source/usage/inplace.rst, 2.30.7)."""
+    return {"AllReduce": (c, c, 0, False), "Broadcast": (c, c, 0, True),
+            "Reduce": (c, c, 0, True), "ReduceScatter": (c * n, c, -me * c, False),
+            "AllGather": (c, c * n, me * c, False), "Gather": (c, c * n, root * c, True),
+            "Scatter": (c * n, c, -root * c, True), "AlltoAll": (c * n, c * n, None, False),
+            }.get(fn)
+
+
+def overlap(fn: str, rank: int, nranks: int, args: Dict[str, Any]) -> str:
+    """"" unless this rank's send and recv buffers overlap other than in NCCL's in-place
+    form (undefined behaviour: NCCL checks nothing and its kernels read what they already
+    wrote), else what is wrong.  Broadcast, Reduce, Gather and Scatter use the pair on the
+    root only (nccl.h: "On non-root ranks, recvbuff is not used"; ArgsCheck checks a
+    Broadcast's sendbuff on the root only)."""
+    root = args.get("root", 0)
+    ext = _extent(fn, args["count"], nranks, rank, root)
+    if ext is None or not args.get("send") or not args.get("recv"):
+        return ""
+    sn, rn, want, root_only = ext
+    if root_only and rank != root:
+        return ""
+    isz = _BY_ENUM[args["dtype"]].itemsize
+    s, r = int(args["send"]), int(args["recv"])
+    if not (s < r + rn * isz and r < s + sn * isz):
+        return ""                          # disjoint
+    if want is not None and s - r == want * isz:
+        return ""                          # in place
+    form = "none exists" if want is None else f"sendbuff == recvbuff {want * isz:+d} bytes"
+    return (f"sendbuff {s:#x} ({sn * isz} bytes) and recvbuff {r:#x} ({rn * isz} bytes) "
+            f"overlap, not in place (NCCL's in-place form: {form})")
 
 
 def maker(batch: List[_Op]) -> Callable[[], _Item]:

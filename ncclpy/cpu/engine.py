@@ -16,8 +16,11 @@ what abort frees) cites the NCCL source it models in ncclpy/cpu/RULES.md.  It re
 call (``calls``) and every violation of NCCL's rules that ncclpy must never commit
 (``violations``, each also logged): a call on a freed or aborted handle, a second
 ``ncclCommAbort``, a finalize or destroy after an abort, two threads inside NCCL on one
-communicator, an ``ncclCommAbort`` while another thread is inside a call.  Fault injection
-(``slow``, ``fail``, ``async_fail``, ``graph_refs``) is only ever filled by tests.
+communicator, an ``ncclCommAbort`` while another thread is inside a call, ranks that disagree on
+a collective (function, datatype, count, root, op), buffers that overlap other than in place, a
+PreMulSum op destroyed, of another communicator or of another datatype (RULES.md E5, E8, E9,
+P6, P7).  Fault injection (``slow``, ``fail``, ``async_fail``, ``graph_refs``) is only ever
+filled by tests.
 
 It is not NCCL: no GPU, no NCCL kernels, no performance claim.
 """
@@ -242,10 +245,10 @@ class Engine:
         ops = sorted(ops, key=lambda o: o.rank)
         a = ops[0].args
         name, dt, count = a["fn"], _BY_ENUM[a["dtype"]], a["count"]
-        for o in ops[1:]:
-            if (o.args["fn"], o.args["dtype"], o.args["count"]) != (name, a["dtype"], count):
-                self.violations.append(f"mismatched collective: {a} vs {o.args}")
-                return
+        bad = self._mismatch(ops)
+        if bad:                        # NCCL: undefined (hang or garbage); never rank 0's call
+            self.violations.append(f"mismatched collective: {bad}")
+            return
         n = len(ops)
         wire, isz = dt.name, dt.itemsize
 
@@ -302,6 +305,24 @@ class Engine:
                 write(o.args.get("recv"), data[o.rank * count:(o.rank + 1) * count])
         else:  # pragma: no cover
             self.violations.append(f"stand-in has no {name}")
+
+    def _signature(self, args: Dict[str, Any]) -> Dict[str, Any]:
+        """What every rank of one collective must pass alike (RULES.md E8): the function,
+        datatype, count, root and reduction op (a PreMulSum's handle and scalar are each
+        rank's own, nccl.h: only its being a PreMulSum of that datatype)."""
+        op = args.get("op")
+        if op is not None and op not in _OPS:
+            op = ("premul_sum", self.premul[op][1]) if op in self.premul else ("unknown", op)
+        return {"fn": args["fn"], "dtype": args["dtype"], "count": args["count"],
+                "root": args.get("root"), "op": op}
+
+    def _mismatch(self, ops: List[_Op]) -> str:
+        """"" when the ranks of one collective (``ops``, rank order) agree, else what differs
+        (each field with every rank's value)."""
+        sigs = [self._signature(o.args) for o in ops]
+        diff = [k for k in sigs[0] if any(s[k] != sigs[0][k] for s in sigs[1:])]
+        return "; ".join(f"{k} differs across ranks: " + ", ".join(
+            f"rank {o.rank} {s[k]!r}" for o, s in zip(ops, sigs)) for k in diff)
 
     def _op(self, op: int) -> Tuple[Any, Optional[int]]:
         if op in _OPS:

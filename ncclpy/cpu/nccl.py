@@ -21,8 +21,8 @@ from .engine import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
                           UNHANDLED_CUDA, Engine, _Comm, _Mem, _World)
 
 from .part2 import (Part2, PART2_HANDLE_FIRST,  # noqa: E402
-                                 PART2_HANDLE_LAST, _rma_cfg_of)
-from .colls import Colls, live_ops  # noqa: E402
+                    PART2_HANDLE_LAST, _OK_SUSPENDED, _rma_cfg_of)
+from .colls import Colls, live_ops, op_owners  # noqa: E402
 
 __all__ = ["CpuNccl"]
 
@@ -77,9 +77,7 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
                     e.violations.append(f"two threads inside NCCL on one communicator (rank "
                                         f"{c.rank}): {name} while {','.join(others)}")
                 c.busy[me] = name
-                if getattr(c, "suspended", False) and name not in (
-                        "ncclCommResume", "ncclCommMemStats", "ncclCommAbort",
-                        "ncclCommGetAsyncError"):
+                if getattr(c, "suspended", False) and name not in _OK_SUSPENDED:
                     e.violations.append(f"{name} on a suspended communicator (rank {c.rank})")
         try:
             slow = e.slow.get(name)
@@ -391,23 +389,27 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
         op = 5 + len(self.e.premul)          # the scalar is kept for ops already enqueued
         self.e.premul[op] = (ctypes.string_at(int(scalar), 8), dtype)
         live_ops(self.e)[op] = int(h)
+        op_owners(self.e)[op] = int(h)
         out[0] = op
         return SUCCESS
 
     def _ncclRedOpDestroy(self, op: int, h: int) -> int:
         """enqueue.cc ncclRedOpDestroy (all): builtin (0-4) or garbage -> 4; comm NULL -> 4;
-        an op unknown to this comm or already destroyed -> 4; else the op is freed."""
+        an op unknown to this comm or already destroyed -> 4 (the last two also violations:
+        RULES.md P6, P7); else the op is freed."""
         if 0 <= op < 5:
             self.last_text = b"ncclRedOpDestroy : operator is a NCCL builtin."
             return INVALID_ARG
         if op < 0:
             self.last_text = b"ncclRedOpDestroy :  operator is garbage."
             return INVALID_ARG
-        if self.e.comm(h, "ncclRedOpDestroy") is None:
+        c = self.e.comm(h, "ncclRedOpDestroy")
+        if c is None:
             return INVALID_ARG
         live = live_ops(self.e)
         if live.get(op) != int(h):
             self.last_text = b"ncclRedOpDestroy : operator unknown to this communicator."
+            self._stale_op(c, "ncclRedOpDestroy", op)   # destroyed, or another comm's
             return INVALID_ARG
         del live[op]
         return SUCCESS

@@ -50,7 +50,7 @@ def real_run(tmp_path_factory):
 @pytest.mark.gpu_world(1)
 @pytest.mark.parametrize("sid", [s.id for s in S.SCENARIOS])
 def test_real_nccl_and_the_standin_agree(real_run, sid):
-    from nccl_standin import standin
+    from nccl_standin import check_violations, standin
     version, results, tail = real_run
     s = S.by_id(sid)
     real = results.get(sid)
@@ -61,6 +61,9 @@ def test_real_nccl_and_the_standin_agree(real_run, sid):
         pytest.skip(f"row {s.row}: {real['skip']}")
     with standin(version=version) as eng:
         stand = S.run_one(s, eng.nccl)
+        if "obs" in stand:    # the violations the scenario commits on purpose, exactly those
+            check_violations(eng.violations, s.violations)
+            eng.violations.clear()
     problems = []
     if "error" in real:
         problems.append(f"the real run raised {real['error']}")
