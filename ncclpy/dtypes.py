@@ -15,7 +15,7 @@ from .errors import ArgumentTypeError, NcclpyError, UnsupportedError
 
 __all__ = ["DType", "DTYPES", "LOGICAL", "Logical", "NCCL_DTYPE_NAMES", "dtype_name",
            "logical", "nccl_dtype", "ALL_DTYPE_NAMES", "C_NAMES", "NAME_TABLE", "SHORT_NAMES",
-           "TESTS_NAMES", "accepted_names"]
+           "TESTS_NAMES", "accepted_names", "format_version"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,10 @@ _NAMES: Dict[str, str] = _parse_table()
 _NUMPY_CODES = {"i1": "int8", "u1": "uint8", "i2": "int16", "u2": "uint16", "i4": "int32",
                 "u4": "uint32", "f2": "float16", "f4": "float32", "f8": "float64",
                 "c8": "complex64", "c16": "complex128", "b1": "bool"}
+#: numpy 1's scalar type aliases by their names (``str(np.float_)``): numpy's meaning (float_
+#: is float64), never the NCCL name the stem would give (ncclFloat is float32)
+_NUMPY_SCALAR_ALIASES = {"bool_": "bool", "int_": "int64", "float_": "float64",
+                         "complex_": "complex128"}
 _TYPESTR = re.compile(r"^[<>|=][a-z]\d+$")
 
 _NO_NCCL = {"int16", "uint16", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
@@ -193,8 +197,7 @@ def dtype_name(obj: Any) -> str:
     if s.startswith("<") or s.startswith("dtype("):  # repr forms
         s = s.strip("<>").replace("dtype(", "").replace(")", "").replace("'", "")
     s = s.split(".")[-1]
-    if s.endswith("_") and s != "bool_":
-        s = s[:-1]
+    s = _NUMPY_SCALAR_ALIASES.get(s, s)
     if s in _NUMPY_CODES and s not in _NAMES:
         raise _numpy_code_error(obj, s)
     s = _NAMES.get(s, s)
@@ -232,12 +235,13 @@ def nccl_dtype(obj: Any, nccl_version: int = 0,
     lg = logical(obj)
     if nccl_version and lg.wire.min_nccl > nccl_version:
         raise UnsupportedError(
-            f"dtype {lg.name!r} needs NCCL >= {_fmt_version(lg.wire.min_nccl)}; "
-            f"{version_note.format(_fmt_version(nccl_version))}")
+            f"dtype {lg.name!r} needs NCCL >= {format_version(lg.wire.min_nccl)}; "
+            f"{version_note.format(format_version(nccl_version))}")
     return lg.wire
 
 
-def _fmt_version(code: int) -> str:
+def format_version(code: int) -> str:
+    """'2.28.3' from an NCCL version code (both NCCL_VERSION forms: 2708 and 22803)."""
     if code < 10000:  # NCCL_VERSION for <= 2.8
         return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
     return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .dtypes import Logical, logical
+from .dtypes import Logical, format_version, logical
 from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 __all__ = ["RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum", "parse_op", "NCCL_OPS",
@@ -95,13 +95,6 @@ def parse_op(op: Any) -> RedOp:
         return RedOp(key)
     raise ArgumentError(f"op: unknown reduction {name!r}; expected one of "
                         f"'sum', 'prod', 'max', 'min', 'avg' or ncclpy.premul_sum(x)")
-
-
-def format_version(code: int) -> str:
-    """'2.28.3' from an NCCL version code."""
-    if code < 10000:
-        return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
-    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
 
 
 def op_min_version(op: RedOp) -> int:

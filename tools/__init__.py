@@ -1,0 +1,1 @@
+"""Developer tools of the ncclpy checkout (not installed with the package)."""

@@ -1,0 +1,78 @@
+"""What the mutation run covers: each module whose contract matters, the functions in it that
+carry the contract (None: all), and the tests of its area that must kill its mutants."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+__all__ = ["Target", "TARGETS"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module of the run: ``path`` (from the checkout's root), ``tests`` (pytest arguments),
+    ``funcs`` (the contract's functions; None for every function), ``sample`` (mutants drawn,
+    with a fixed seed, when the module has more: the run fits a 2-core machine)."""
+    path: str
+    tests: Tuple[str, ...]
+    funcs: Optional[Tuple[str, ...]] = None
+    sample: int = 40
+    why: str = ""
+
+
+TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
+    ("reference", Target("ncclpy/reference.py",
+                         ("tests/test_reference.py", "tests/test_numerics.py"),
+                         why="the oracle every result is judged against")),
+    ("numerics", Target("ncclpy/numerics.py",
+                        ("tests/test_numerics.py", "tests/test_reference.py"),
+                        why="reduction order, ULP distances, tolerances")),
+    ("dtypes", Target("ncclpy/dtypes.py",
+                      ("tests/test_dtypes_contract.py", "tests/test_dtype_names.py",
+                       "tests/test_dtypes_ops.py"),
+                      why="names, aliases and NCCL enums of every dtype")),
+    ("check_compare", Target("ncclpy/check/compare.py",
+                             ("tests/test_check_compare.py", "tests/test_check_report.py"),
+                             why="bit-for-bit comparison and the verdicts of ncclpy check")),
+    ("store_ops", Target("ncclpy/store/ops.py",
+                         ("tests/test_store.py", "tests/test_store_contract.py",
+                          "tests/test_store_int64.py"),
+                         funcs=("_wake", "_finish_waiter", "_unlink", "_cancel_waiter", "_park",
+                                "_op_set", "_op_get", "_counter", "_op_add", "_op_arrive",
+                                "_op_cas", "_op_delete", "_op_wait", "_op_num_keys", "_op_check",
+                                "_parse_keys", "_key_ok", "_value_ok"),
+                         why="what each store operation does on the server")),
+    ("store_sync", Target("ncclpy/store/sync.py",
+                          ("tests/test_store_contract.py", "tests/test_store.py"),
+                          why="barriers and waits on several keys")),
+    ("store_auth_server", Target("ncclpy/store/ops.py",
+                                 ("tests/test_store_contract.py", "tests/test_store_hardening.py"),
+                                 funcs=("_op_auth", "_unauthenticated"),
+                                 why="the server's side of the challenge-response")),
+    ("store_auth_client", Target("ncclpy/store/transport.py",
+                                 ("tests/test_store_contract.py", "tests/test_store_hardening.py"),
+                                 funcs=("_handshake",),
+                                 why="the client's side: it refuses a server without the token")),
+    ("launcher", Target("ncclpy/launch/launcher.py",
+                        ("tests/test_launcher.py", "tests/test_launcher_stop.py"),
+                        funcs=("_supervise", "_how", "_signal_group"),
+                        why="fail-fast and the job's exit code")),
+    ("watchdog_verdicts", Target("ncclpy/debug/verdicts.py",
+                                 ("tests/test_watchdog.py", "tests/test_watchdog_pauses.py"),
+                                 why="who is dead, who is suspected, who decides")),
+    ("resolver", Target("ncclpy/comm/resolver.py",
+                        ("tests/test_resolver.py", "tests/test_call_path.py",
+                         "tests/test_prepared.py"),
+                        why="re-planning when the context changes, inside groups too")),
+    ("execute", Target("ncclpy/comm/execute.py",
+                       ("tests/test_call_path.py", "tests/test_call_path_lifecycle.py",
+                        "tests/test_fast_path.py"),
+                       why="resource lifetimes of an issued call, groups")),
+    ("bench_verify", Target("bench/verify.py",
+                            ("tests/test_bench_verify.py", "tests/test_bench.py"),
+                            why="the bench's #wrong")),
+    ("bandwidth", Target("ncclpy/registry.py", ("tests/test_bench.py", "tests/test_plan.py"),
+                         funcs=("Collective.bandwidths", "<lambda>", "_ring", "_part",
+                                "_whole", "Collective.sizes", "Collective.divisor"),
+                         why="algbw and busbw as nccl-tests defines them")),
+]}
