@@ -22,7 +22,8 @@ class Target:
 
 TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
     ("reference", Target("ncclpy/reference.py",
-                         ("tests/test_reference.py", "tests/test_numerics.py"),
+                         ("tests/test_reference_contract.py", "tests/test_reference.py",
+                          "tests/test_numerics.py"),
                          why="the oracle every result is judged against")),
     ("numerics", Target("ncclpy/numerics.py",
                         ("tests/test_numerics.py", "tests/test_reference.py"),
@@ -71,7 +72,7 @@ TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
     ("bench_verify", Target("bench/verify.py",
                             ("tests/test_bench_verify.py", "tests/test_bench.py"),
                             why="the bench's #wrong")),
-    ("bandwidth", Target("ncclpy/registry.py", ("tests/test_bench.py", "tests/test_plan.py"),
+    ("bandwidth", Target("ncclpy/registry.py", ("tests/test_bandwidth.py",),
                          funcs=("Collective.bandwidths", "<lambda>", "_ring", "_part",
                                 "_whole", "Collective.sizes", "Collective.divisor"),
                          why="algbw and busbw as nccl-tests defines them")),
