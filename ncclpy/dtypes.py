@@ -147,6 +147,9 @@ _NUMPY_CODES = {"i1": "int8", "u1": "uint8", "i2": "int16", "u2": "uint16", "i4"
 #: is float64), never the NCCL name the stem would give (ncclFloat is float32)
 _NUMPY_SCALAR_ALIASES = {"bool_": "bool", "int_": "int64", "float_": "float64",
                          "complex_": "complex128"}
+#: Python's scalar types as dtypes, numpy's and torch's meaning (``np.dtype(float)`` and
+#: ``torch.tensor(1., dtype=float)`` are float64), never the NCCL name ``float`` (float32)
+_PY_TYPES = {float: "float64", int: "int64", bool: "bool", complex: "complex128"}
 _TYPESTR = re.compile(r"^[<>|=][a-z]\d+$")
 
 _NO_NCCL = {"int16", "uint16", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
@@ -183,6 +186,8 @@ def dtype_name(obj: Any) -> str:
     """
     if isinstance(obj, (DType, Logical)):
         return obj.name
+    if obj in _PY_TYPES:       # Python's own: as numpy and torch read them (float is double)
+        return _PY_TYPES[obj]
     if isinstance(obj, type):  # numpy scalar types, e.g. np.float32
         obj = getattr(obj, "__name__", str(obj))
     s = str(getattr(obj, "name", None) or obj) if not isinstance(obj, str) else obj

@@ -30,6 +30,8 @@ def test_accepted_names_are_the_names_of_that_dtype_only():
     ("float_", "float64"), ("int_", "int64"), ("complex_", "complex128"), ("bool_", "bool"),
     ("numpy.float_", "float64"), ("<class 'numpy.bool_'>", "bool"), ("dtype('int32')", "int32"),
     ("torch.bfloat16", "bfloat16"), ("<f8", "float64"), ("|b1", "bool"),
+    (float, "float64"), (int, "int64"), (bool, "bool"), (complex, "complex128"),
+    ("float", "float32"),                  # the NCCL name (ncclFloat) stays float32
 ])
 def test_numpy_scalar_types_and_aliases_mean_what_numpy_means(obj, want):
     assert D.dtype_name(obj) == want
@@ -56,6 +58,7 @@ def test_a_dtype_newer_than_nccl_names_both_versions_in_both_forms():
     assert str(e.value) == "dtype 'float8_e4m3' needs NCCL >= 2.24.0; planned for NCCL 2.23.9"
     assert D.nccl_dtype("float8_e4m3", 22400).name == "float8_e4m3"
     assert D.nccl_dtype("bfloat16", 0).name == "bfloat16"      # 0: no version to check
+    assert D.nccl_dtype("float8_e5m2").name == "float8_e5m2"   # the default: no check
 
 
 @pytest.mark.parametrize("code,text", [(9999, "9.9.99"), (10000, "1.0.0"), (2708, "2.7.8"),
