@@ -234,8 +234,9 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                         "synchronisation of the ncclpy and cupy backends, whose communicator is "
                         "then aborted")
     x.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    # test-only hook: corrupt this many elements of rank 0's checked output (never in a real run)
-    x.add_argument("--test-corrupt", type=int, default=0, help=argparse.SUPPRESS)
+    # test-only hook: corrupt elements of the checked output (never in a real run): N on rank 0,
+    # or RANK:N[,RANK:N...] on those ranks
+    x.add_argument("--test-corrupt", type=_corrupt, default={}, help=argparse.SUPPRESS)
     return p
 
 
@@ -244,6 +245,18 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _corrupt(text: str) -> dict:
+    """--test-corrupt: ``N`` (rank 0) or ``RANK:N[,RANK:N...]`` -> {rank: elements}."""
+    if ":" not in text:
+        n = _int(text)
+        return {0: n} if n else {}
+    out = {}
+    for item in text.split(","):
+        rank, _, n = item.partition(":")
+        out[_int(rank)] = _int(n)
+    return out
 
 
 def _average(text: str) -> int:

@@ -62,7 +62,8 @@ class SweepConfig:
     plot: Optional[str] = None
     timeout: float = 300.0
     quiet: bool = False
-    test_corrupt: int = 0
+    #: test-only: rank -> how many of its checked output's elements to corrupt (--test-corrupt)
+    test_corrupt: Dict[int, int] = field(default_factory=dict)
     #: --algo: NCCL's algorithm for every call (CollConfig); --predict: NCCL's estimate column
     algo: Optional[str] = None
     predict: bool = False
@@ -380,8 +381,8 @@ class _Rank:
         exp = self._expected_cache[key]
         if exp is None:  # NCCL leaves this rank's output undefined (e.g. reduce off root)
             return 0
-        if self.cfg.test_corrupt and self.rank == 0:
-            out = verify.corrupt(out, self.cfg.test_corrupt)
+        if self.cfg.test_corrupt.get(self.rank):
+            out = verify.corrupt(out, self.cfg.test_corrupt[self.rank])
         return verify.count_wrong(out, exp, bufs.dtype, op)
 
     # -- the whole sweep --

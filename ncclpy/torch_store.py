@@ -25,6 +25,16 @@ def _key(key: Key) -> str:
     return key.decode() if isinstance(key, (bytes, bytearray)) else str(key)
 
 
+def _seconds(timeout: Union[float, int, datetime.timedelta, None], default: float) -> float:
+    """A timeout in seconds, given as ncclpy's store takes it: seconds or a timedelta (None:
+    ``default``)."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
 def _looks_like_timeout(e: BaseException) -> bool:
     text = f"{type(e).__name__} {e}".lower()
     return "timeout" in text or "timed out" in text
@@ -61,10 +71,11 @@ class TorchStoreAdapter:
         k = _key(key)
         self._call("set", k, None, self._store.set, k, value)
 
-    def get(self, key: Key, timeout: Optional[float] = None) -> bytes:
-        """The value of ``key``, waiting up to ``timeout`` seconds (default: the store's)."""
+    def get(self, key: Key, timeout: Union[float, datetime.timedelta, None] = None) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` (seconds or a timedelta; default:
+        the store's)."""
         k = _key(key)
-        t = self.timeout if timeout is None else float(timeout)
+        t = _seconds(timeout, self.timeout)
         self._call("get", k, t, self._store.wait, [k], datetime.timedelta(seconds=t))
         return bytes(self._call("get", k, t, self._store.get, k))
 
@@ -82,9 +93,12 @@ class TorchStoreAdapter:
         k = _key(key)
         return bool(self._call("delete", k, None, self._store.delete_key, k))
 
-    def wait(self, keys: Union[Key, Iterable[Key]], timeout: Optional[float] = None) -> None:
+    def wait(self, keys: Union[Key, Iterable[Key]],
+             timeout: Union[float, datetime.timedelta, None] = None) -> None:
+        """Block until every key exists, up to ``timeout`` (seconds or a timedelta, as
+        ncclpy's store and torch's take it; default: the store's)."""
         ks = [_key(keys)] if isinstance(keys, (str, bytes, bytearray)) else [_key(k) for k in keys]
-        t = self.timeout if timeout is None else float(timeout)
+        t = _seconds(timeout, self.timeout)
         self._call("wait", ",".join(ks), t, self._store.wait, ks, datetime.timedelta(seconds=t))
 
     def check(self, keys: Union[Key, Iterable[Key]]) -> bool:

@@ -155,3 +155,31 @@ def test_under_ncclpy_run_cpu_the_sweep_measures_the_cpu_backend():
     assert "[rank 0] # ncclpy bench " in cp.stdout
     assert "backend=ncclpy/cpu-backend nccl-library=0" in cp.stdout
     assert "[rank 0] # Out of bounds values : 0 OK" in cp.stdout
+
+
+# -- #wrong is every rank's count, summed -----------------------------------------------------
+def test_the_corruption_hook_names_ranks():
+    assert parse_args(["all_reduce", "--test-corrupt", "3"]).test_corrupt == {0: 3}
+    assert parse_args(["all_reduce", "--test-corrupt", "1:2,2:5"]).test_corrupt == {1: 2, 2: 5}
+    assert parse_args(["all_reduce"]).test_corrupt == {}
+
+
+@pytest.mark.parametrize("corrupt, wrong", [
+    ("2:4", 4),            # only a rank other than 0 is wrong: still counted
+    ("1:2,2:5", 7),        # two ranks, different counts: their sum (a max would say 5)
+    ("0:1,1:3,2:6", 10),   # every rank
+])
+def test_wrong_elements_of_every_rank_are_summed(corrupt, wrong, tmp_path):
+    """The #wrong column and the JSON's nwrong count the wrong elements of every rank's checked
+    output, as nccl-tests' does (a sum over the ranks), out of place and in place."""
+    js = tmp_path / "r.json"
+    cp = run_module("bench", "all_reduce", "--device", "cpu", "--backend", "ncclpy",
+                    "--nproc", "3", "-b", "256", "-e", "256", "-n", "1", "-w", "1", "-c", "1",
+                    "-q", "-J", str(js), "--test-corrupt", corrupt, timeout=240)
+    assert cp.returncode == 1, cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert "# Out of bounds values : 2 FAILED" in cp.stdout
+    rows = [ln.split() for ln in cp.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert len(rows) == 1 and rows[0][8] == rows[0][12] == str(wrong), rows
+    doc = json.loads(js.read_text())
+    res = doc["results"][0]
+    assert res["out_of_place"]["nwrong"] == res["in_place"]["nwrong"] == wrong

@@ -8,6 +8,8 @@ tests/test_call_path_lifecycle.py.  None of this runs NCCL or a GPU: tests/gpu d
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -149,6 +151,44 @@ def test_groups_fuse_calls_and_record_works_at_the_outermost_end(route):
     outs, _ = _on_ranks(3, _grouped, route)
     for r, o in enumerate(outs):
         assert o == [3.0, 30.0, float((r - 1) % 3)]
+
+
+def _replanned_in_group(r: int, n: int) -> tuple:
+    """A gather made twice outside a group (the second from the fast path's entry), again in
+    a group, then again in the same group after ``force_fallback`` changed, and once more
+    after the group: the last two must be NCCL's send/recv, not the cached ncclGather.
+    Returns this thread's ident and what the root gathered each time."""
+    c = _comm(r, n, "ctypes")
+    x = _arr([r + 1.0], r)
+    out = _arr(np.zeros(n), r) if r == 0 else None
+    got = []
+    for _ in range(2):
+        c.gather(x, out, root=0).wait()
+    with ncclpy.group():
+        w1 = c.gather(x, out, root=0)             # the same call: served from the cache
+        c.force_fallback = True
+        w2 = c.gather(x, out, root=0)             # the same call again, in the new context
+    w1.wait()
+    w2.wait()
+    got.append(None if out is None else out.a.tolist())
+    if out is not None:
+        out.a[:] = 0
+    c.gather(x, out, root=0).wait()               # after the group: the fast path's entry?
+    got.append(None if out is None else out.a.tolist())
+    c.close()
+    return threading.get_ident(), got
+
+
+def test_a_context_change_inside_a_group_replans_the_next_call():
+    n = 3
+    outs, eng = _on_ranks(n, _replanned_in_group)
+    assert outs[0][1] == [[1.0, 2.0, 3.0]] * 2
+    for r, (me, _) in enumerate(outs):
+        calls = [c[0] for c in eng.calls
+                 if c[2] == me and c[0] in ("ncclGather", "ncclSend", "ncclRecv")]
+        p2p = ["ncclRecv"] * (n - 1) if r == 0 else ["ncclSend"]
+        # twice outside, once in the group as cached, then the new plan in the group and after
+        assert calls == ["ncclGather"] * 3 + p2p * 2, (r, calls)
 
 
 def _prepared(r: int, n: int) -> list:

@@ -7,8 +7,6 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
 
 # -- fairness: pins, placement under torchrun, the libnccl each side calls -------------------
 def test_fairness_pins_algorithm_protocol_and_channels():

@@ -16,11 +16,15 @@ from check_util import cmp, parts
 from ncclpy.check import cases as C
 from ncclpy.check import compare as K
 from ncclpy.check import report as Rp
-
-torch = pytest.importorskip("torch")
-from ncclpy.check import runner as Rn  # noqa: E402  (imports no torch itself, but uses it)
+from ncclpy.check import runner as Rn   # imports no torch itself: torch is passed in
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torch():
+    """torch, for the tests that run it or whose ranks run torch's gloo; the harness's own
+    parts (merging, inputs, references, refusals before a rank starts) run without it."""
+    return pytest.importorskip("torch")
 
 
 def run_check(*args: str, env: dict | None = None, timeout: float = 240.0,
@@ -284,6 +288,7 @@ def test_report_row_and_summary(tmp_path):
 # -- the torch side's conversions -----------------------------------------------------------
 @pytest.mark.parametrize("dtype", C.ALL_DTYPES)
 def test_torch_roundtrip_keeps_every_bit(dtype):
+    torch = _torch()
     a = nm.verifiable_input(dtype, 33, op=None, world_size=2, seed=5, rank=0, random_bits=True)
     t = Rn.to_torch(torch, a, dtype)
     assert t.numel() == 33 and t.dtype == Rn._torch_dtype(torch, dtype)
@@ -329,6 +334,7 @@ def _summary(out: str) -> str:
 def test_full_gloo_matrix(n, tmp_path):
     """The whole default CPU matrix (every collective, dtype gloo runs, op, size incl. 1 MiB,
     root 0 and n-1, in/out of place), bit for bit against the reference."""
+    _torch()
     js = tmp_path / "check.json"
     p = run_check("-n", str(n), "-q", "--json", str(js))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -372,6 +378,7 @@ INJ = ["-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes", "floa
 def test_injected_corruption_is_a_mismatch(spec, tmp_path):
     """Corrupting torch's output, or the reference the harness compares with, in different ways:
     each is a mismatch with exit status 1 (size 0 has no byte to corrupt and passes)."""
+    _torch()
     js = tmp_path / "inj.json"
     p = run_check(*INJ, "--json", str(js), env={"NCCLPY_CHECK_INJECT": spec})
     assert p.returncode == 1, p.stdout + p.stderr
@@ -394,6 +401,7 @@ def test_injected_corruption_is_a_mismatch(spec, tmp_path):
 
 def test_corrupted_torch_output_in_a_divergence_cell_is_a_mismatch(tmp_path):
     """A documented divergence excuses only torch's predicted wrong output, nothing else."""
+    _torch()
     args = ("-n", "2", "--collectives", "all_reduce", "--dtypes", "bool", "--ops", "sum",
             "--sizes", "7")
     clean = run_check(*args, "--json", str(tmp_path / "a.json"))
@@ -408,6 +416,7 @@ def test_corrupted_torch_output_in_a_divergence_cell_is_a_mismatch(tmp_path):
 
 
 def test_inject_needs_the_side_it_corrupts():
+    _torch()
     p = run_check("-n", "2", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3",
                   env={"NCCLPY_CHECK_INJECT": "broadcast:0:ncclpy"})
     assert p.returncode == 2 and "no ncclpy column" in p.stderr, p.stdout + p.stderr
@@ -424,6 +433,7 @@ def test_zero_cases_is_an_error():
 
 
 def test_json_to_stdout_keeps_the_table_on_stderr():
+    _torch()
     p = run_check("-n", "2", "--collectives", "broadcast,barrier", "--dtypes", "int8",
                   "--sizes", "3", "--json", "-")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -436,12 +446,14 @@ def test_json_to_stdout_keeps_the_table_on_stderr():
 
 
 def test_run_timeout_stops_the_ranks():
+    _torch()
     p = run_check("-n", "2", "--run-timeout", "3")       # the full matrix needs ~10 s
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "timeout=3 s passed" in p.stderr
 
 
 def test_runs_under_the_launcher_with_rank_env():
+    _torch()
     p = run_check("-n", "2", "--collectives", "all_to_all,send_recv,barrier", "--dtypes",
                   "float16", "--sizes", "3", launcher=True)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -449,6 +461,7 @@ def test_runs_under_the_launcher_with_rank_env():
 
 
 def test_runs_under_torchrun():
+    _torch()
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT", "NCCLPY_DEVICE"):
@@ -524,6 +537,7 @@ if __name__ == "__main__":
 def test_gloo_avg_divergence_model_matches_real_gloo(tmp_path):
     """On inputs where the two semantics differ, real gloo's AVG output is exactly the
     divergence model's prediction (and not the reference's)."""
+    _torch()
     script = tmp_path / "avg.py"
     script.write_text(_GLOO_AVG_SCRIPT)
     out = tmp_path / "avg.json"

@@ -17,8 +17,14 @@ from ncclpy.check import compare as K
 from ncclpy.check import divergences as D
 from ncclpy.check import torch_backends as TB
 
-torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
+
+
+def _torch():
+    """(torch, torch.distributed), for the tests that read torch's version or backends or run
+    it; the tables and the argument checks run without it."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    return torch, dist
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text())
@@ -88,6 +94,7 @@ def test_tables_are_keyed_by_the_torch_they_were_validated_with():
 
 # -- header and JSON of a real run ----------------------------------------------------------
 def test_header_and_json_record_torch_and_its_backend(tmp_path):
+    torch, dist = _torch()
     js = tmp_path / "c.json"
     p = _check("-n", "2", *SMALL, "--json", str(js))
     assert p.returncode == 0, p.stdout + p.stderr
@@ -111,6 +118,7 @@ def test_a_torch_the_tables_were_not_validated_with_is_said_in_the_summary(tmp_p
     """The tables' record names torch 2.11 for gloo: the run still reports (the bool sum is
     still recognised), but the header, the list of divergences and the summary's last line
     say that they were found on this torch, not known."""
+    torch, _ = _torch()
     js = tmp_path / "u.json"
     p = _job("unvalidated", js)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -131,6 +139,7 @@ def test_a_torch_the_tables_were_not_validated_with_is_said_in_the_summary(tmp_p
 def test_two_torch_groups_are_each_checked_against_the_reference(tmp_path):
     """The path of ``--torch-backend a,b`` on CPU: two gloo groups, every case through each,
     one record per case and group, a report section and a summary per group."""
+    _torch()
     js = tmp_path / "two.json"
     p = _job("two", js)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -190,6 +199,7 @@ def test_parse_torch_backends():
 
 def test_offered_backends_are_what_torch_can_create():
     """Read from torch's metadata without importing it, the same as torch's own answer."""
+    torch, dist = _torch()
     version, offered = TB.offered_backends()
     assert version == torch.__version__
     assert offered == [b for b in TB.TORCH_NCCL_BACKENDS if dist.is_backend_available(b)]

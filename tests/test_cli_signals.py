@@ -16,7 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
-torch = pytest.importorskip("torch")     # check and bench run torch's gloo backend
+
+
+def _needs_torch() -> None:
+    """check and bench run torch's gloo backend: those tests skip without torch (check --list,
+    --list-skips and info run without it)."""
+    pytest.importorskip("torch")
 
 
 def _env() -> dict:
@@ -73,6 +78,7 @@ CHECK = [sys.executable, "-m", "ncclpy", "check", "-n", "2"]
 def test_ctrl_c_during_check_is_one_line_and_130(to_group, tmp_path):
     """SIGINT mid-run (after the header, while the cases run): the parent stops its ranks and
     says one line; with the terminal's group-wide Ctrl-C the ranks stay quiet too."""
+    _needs_torch()
     err = open(tmp_path / "err", "w+")
     p = _start(CHECK, err)
     try:
@@ -97,6 +103,7 @@ def test_ctrl_c_during_check_is_one_line_and_130(to_group, tmp_path):
 def test_closed_pipe_stops_check_quietly(tmp_path):
     """``ncclpy check | head -3``: rank 0 notices the reader is gone and the run stops at once,
     quietly, with 141; no rank is left."""
+    _needs_torch()
     err = open(tmp_path / "err", "w+")
     p = _start(CHECK, err)
     try:
@@ -123,6 +130,8 @@ def test_closed_pipe_stops_check_quietly(tmp_path):
 def test_output_into_a_closed_pipe_is_quiet(cmd, tmp_path):
     """The reader closes before the command writes anything: no BrokenPipeError, nothing on
     stderr, exit status 141."""
+    if cmd[1] == "bench":
+        _needs_torch()
     r, w = os.pipe()
     os.close(r)
     with open(tmp_path / "err", "w+") as err:
@@ -136,6 +145,7 @@ def test_output_into_a_closed_pipe_is_quiet(cmd, tmp_path):
 
 
 def test_ctrl_c_during_bench_is_one_line_and_130(tmp_path):
+    _needs_torch()
     err = open(tmp_path / "err", "w+")
     p = _start([sys.executable, "-m", "bench", "all_reduce", "-b", "1M", "-e", "1M", "-n",
                 "1000000", "-w", "0", "-q"], err, PYTHONUNBUFFERED="1")

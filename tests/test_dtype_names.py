@@ -105,6 +105,74 @@ def test_torch_dtypes_parse():
     assert dtype_name(torch.complex64) == "complex64" and dtype_name(torch.bool) == "bool"
 
 
+# -- the aliases, written out here (not read from NAME_TABLE) -----------------------------------
+#: every name ncclpy accepts for each dtype (lower case; any case is accepted): canonical,
+#: short (bits), nccl-tests' type name, nccl.h's ncclDataType_t names, torch's, the rest
+ALIASES = {
+    "int8": {"int8", "i8", "ncclint8", "ncclchar", "char"},
+    "uint8": {"uint8", "u8", "nccluint8", "byte"},
+    "int32": {"int32", "i32", "ncclint32", "ncclint", "int"},
+    "uint32": {"uint32", "u32", "nccluint32"},
+    "int64": {"int64", "i64", "ncclint64", "long"},
+    "uint64": {"uint64", "u64", "nccluint64"},
+    "float16": {"float16", "f16", "half", "ncclfloat16", "ncclhalf", "fp16"},
+    "float32": {"float32", "f32", "float", "ncclfloat32", "ncclfloat", "fp32"},
+    "float64": {"float64", "f64", "double", "ncclfloat64", "nccldouble", "fp64"},
+    "bfloat16": {"bfloat16", "bf16", "ncclbfloat16"},
+    "float8_e4m3": {"float8_e4m3", "e4m3", "f8e4m3", "ncclfloat8e4m3", "float8_e4m3fn",
+                    "fp8_e4m3", "f8_e4m3"},
+    "float8_e5m2": {"float8_e5m2", "e5m2", "f8e5m2", "ncclfloat8e5m2", "fp8_e5m2", "f8_e5m2"},
+    "bool": {"bool", "bool_"},
+    "complex32": {"complex32", "c32", "chalf"},
+    "complex64": {"complex64", "c64", "cfloat"},
+    "complex128": {"complex128", "c128", "cdouble"},
+}
+#: torch's dtype attributes -> ncclpy's dtype (torch.half is torch.float16, and so on)
+TORCH = {"int8": "int8", "uint8": "uint8", "int32": "int32", "int": "int32",
+         "uint32": "uint32", "int64": "int64", "long": "int64", "uint64": "uint64",
+         "float16": "float16", "half": "float16", "float32": "float32", "float": "float32",
+         "float64": "float64", "double": "float64", "bfloat16": "bfloat16",
+         "float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2", "bool": "bool",
+         "complex32": "complex32", "chalf": "complex32", "complex64": "complex64",
+         "cfloat": "complex64", "complex128": "complex128", "cdouble": "complex128"}
+#: torch dtypes NCCL cannot carry: refused as unsupported
+TORCH_REFUSED = ("int16", "short", "uint16", "float8_e4m3fnuz", "float8_e5m2fnuz", "quint8",
+                 "qint8", "qint32", "quint4x2")
+
+
+@pytest.mark.parametrize("canon", list(ALIASES))
+def test_every_alias_means_its_dtype_and_no_other(canon):
+    for nm in sorted(ALIASES[canon]):
+        for spelled in (nm, nm.upper(), nm.capitalize(), f" {nm}\t", f"torch.{nm}"):
+            if spelled.startswith("torch.") and nm not in TORCH and nm != canon:
+                continue
+            assert dtype_name(spelled) == canon, (spelled, canon)
+    assert set(accepted_names(canon)) == ALIASES[canon]      # nothing more, nothing less
+    assert accepted_names(canon)[0] == canon
+
+
+def test_the_alias_table_covers_every_dtype_once():
+    assert set(ALIASES) == set(LOGICAL)
+    every = [nm for names in ALIASES.values() for nm in names]
+    assert len(every) == len(set(every))
+    assert {TORCH[t] for t in TORCH} == set(LOGICAL)
+
+
+def test_every_torch_dtype_is_its_dtype_or_refused():
+    torch = pytest.importorskip("torch")
+    for attr, canon in TORCH.items():
+        assert dtype_name(getattr(torch, attr)) == canon, attr
+    for attr in TORCH_REFUSED:
+        if hasattr(torch, attr):
+            with pytest.raises(errors.UnsupportedError, match="has no NCCL equivalent"):
+                dtype_name(getattr(torch, attr))
+    for attr in dir(torch):                 # whatever else torch has: mapped, or refused
+        t = getattr(torch, attr)
+        if isinstance(t, torch.dtype) and attr not in TORCH:
+            with pytest.raises(errors.NcclpyError):
+                dtype_name(t)
+
+
 # -- the reports --------------------------------------------------------------------------------
 
 def test_check_matrix_titles_parse_back_to_their_column():

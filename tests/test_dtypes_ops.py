@@ -17,23 +17,28 @@ from ncclpy.plan.scalars import (encode_scalar, float_to_bf16_bits, float_to_e4m
                                  float_to_e5m2_bits)
 from ncclpy.plan.types import PREMUL_OP, PlanContext
 
-torch = pytest.importorskip("torch")
-
 PTR = 0x7F00_0000_0000
 FLOATS = ["float16", "bfloat16", "float32", "float64", "float8_e4m3", "float8_e5m2"]
 INTS = ["int8", "uint8", "int32", "uint32", "int64", "uint64"]
-_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64, "float8_e4m3": torch.float8_e4m3fn,
-          "float8_e5m2": torch.float8_e5m2}
-_UVIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _torch():
+    """torch and its dtypes by ncclpy name (the tests comparing with torch need it; the
+    others run without it): (torch, {wire: dtype}, {itemsize: int view})."""
+    torch = pytest.importorskip("torch")
+    return torch, {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                   "float32": torch.float32, "float64": torch.float64,
+                   "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}, \
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def torch_bits(x: float, wire: str) -> int:
     """torch.tensor([x]).to(dtype) viewed as an unsigned integer."""
-    d = _TORCH[wire]
-    t = torch.tensor([x], dtype=torch.float64 if wire == "float64" else torch.float32).to(d)
+    torch, types, views = _torch()
+    t = torch.tensor([x], dtype=torch.float64 if wire == "float64" else torch.float32).to(
+        types[wire])
     size = DTYPES[wire].itemsize
-    return int(t.view(_UVIEW[size]).item()) & ((1 << (8 * size)) - 1)
+    return int(t.view(views[size]).item()) & ((1 << (8 * size)) - 1)
 
 
 def _values():
@@ -79,13 +84,14 @@ def test_premul_scalar_matches_torch(wire):
                                       (float_to_e5m2_bits, "float8_e5m2")])
 def test_bit_converters_match_torch_everywhere(fn, wire):
     """The raw converters agree with torch including saturation/inf (NaN: any NaN)."""
+    torch, types, views = _torch()
     for x in VALUES + [1e6, -1e6, 480.0, 500.0, 70000.0, 1e39, float("inf"), float("-inf")]:
         assert fn(x) == torch_bits(x, wire), (wire, x)
     nan = fn(float("nan"))
-    t = torch.tensor([float("nan")]).to(_TORCH[wire]).float()
+    t = torch.tensor([float("nan")]).to(types[wire]).float()
     assert math.isnan(t.item())
     size = DTYPES[wire].itemsize
-    back = torch.tensor([nan], dtype=torch.int64).to(_UVIEW[size]).view(_TORCH[wire]).float()
+    back = torch.tensor([nan], dtype=torch.int64).to(views[size]).view(types[wire]).float()
     assert math.isnan(back.item())
 
 

@@ -15,16 +15,20 @@ import pytest
 
 from gpu_util import cuda_reason
 
-cupy = pytest.importorskip("cupy")
-
-import ncclpy  # noqa: E402
-from ncclpy import errors  # noqa: E402
-from ncclpy._nccl import lib as L  # noqa: E402
-from ncclpy._nccl.config import (CONFIG_FIELDS, CONFIG_MAGIC, CONFIG_UNDEF_INT,  # noqa: E402
+import ncclpy
+from ncclpy import errors
+from ncclpy._nccl import lib as L
+from ncclpy._nccl.config import (CONFIG_FIELDS, CONFIG_MAGIC, CONFIG_UNDEF_INT,
                                  CONFIG_VERSION, Config, NcclConfigStruct)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = bool(cuda_reason())
+
+
+def _cupy():
+    """CuPy, for the tests that use it; libnccl is loaded through it, so the tests that call
+    NCCL skip without it too (:func:`_nccl_or_skip`), and the rest run."""
+    return pytest.importorskip("cupy")
 
 
 def _nccl_or_skip():
@@ -55,6 +59,7 @@ def test_import_ncclpy_loads_nothing_heavy():
 
 
 def test_binds_the_copy_cupy_loaded_and_no_second_one():
+    _cupy()
     r = _run_py("""
         import json
         import cupy.cuda.nccl
@@ -90,6 +95,7 @@ def test_binds_the_copy_cupy_loaded_and_no_second_one():
 
 
 def test_version_matches_cupy_and_wheel():
+    _cupy()
     lib = _nccl_or_skip()
     from cupy.cuda import nccl
     assert lib.version == nccl.get_version() == lib.cupy_version
@@ -203,6 +209,7 @@ def test_comm_init_without_a_driver_is_an_unhandled_cuda_error():
 
 @pytest.mark.skipif(NO_GPU, reason=f"needs a GPU: {cuda_reason()}")
 def test_comm_init_rank_config_world_of_one():  # pragma: no cover - GPU machines
+    cupy = _cupy()
     lib = _nccl_or_skip()
     with cupy.cuda.Device(0):
         h, code = lib.comm_init_rank_config(1, lib.get_unique_id(), 0,
@@ -422,13 +429,17 @@ def test_stream_handles():
     assert as_stream_handle(0) == 0 and as_stream_handle(0x7F00) == 0x7F00
     assert as_stream_handle(Proto()) == 0x1234
     assert as_stream_handle(TorchLike()) == 0x55
-    assert as_stream_handle(cupy.cuda.Stream.null) == 0
     assert resolve_stream(77, [], 0) == 77
     for bad, words in ((True, "bool"), (-1, ">= 0"), ("s", "not a CUDA stream"),
                        (Bad(), "(version, handle)")):
         with pytest.raises(errors.ArgumentTypeError) as ei:
             as_stream_handle(bad)
         assert words in str(ei.value)
+
+
+def test_cupys_null_stream_is_handle_0():
+    from ncclpy.comm.streams import as_stream_handle
+    assert as_stream_handle(_cupy().cuda.Stream.null) == 0
 
 
 def test_default_stream_from_cai_v3():

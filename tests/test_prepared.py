@@ -100,6 +100,24 @@ def test_a_new_context_replans_from_the_same_buffers():
     assert [f for f, _ in pc.bind().calls] == ["Gather"]
 
 
+def test_a_new_context_replans_inside_a_group_too():
+    """A prepared call bound in a group before and after the context changes (in the group)
+    gives the new plan, in the group and out of it afterwards."""
+    res = Resolver(ctx(rank=1))
+    pc = PreparedCall(res, "gather", B(), None, (0,), stream=ST)
+    with ncclpy.group():
+        r = pc.bind()
+        assert r.in_group and [f for f, _ in r.calls] == ["Gather"]
+        res.set_context(ctx(rank=1, ff=True))
+        r = pc.bind()
+        assert r.in_group and [f for f, _ in r.calls] == ["Send"] and r.group
+        res.set_context(ctx(rank=1))
+        assert [f for f, _ in pc.bind().calls] == ["Gather"]
+        res.set_context(ctx(rank=1, ff=True))
+    r = pc.bind()
+    assert not r.in_group and [f for f, _ in r.calls] == ["Send"]
+
+
 def test_the_group_state_is_planned_for():
     res = Resolver(ctx())
     with pytest.raises(errors.ArgumentError, match="inside a group"):

@@ -232,6 +232,32 @@ def test_force_fallback_and_nccl_version_replan():
         ar(res, B(dt="bfloat16"))
 
 
+def test_force_fallback_and_nccl_version_replan_inside_a_group():
+    """The same changes made inside ``ncclpy.group()``: a call resolved in the group before the
+    change is not served after it, and the in-group planning context follows the new one."""
+    res = Resolver(ctx(rank=1))
+    gather = ("gather", ST, B(), None, (0,))
+    assert _fns(res.resolve(*gather)) == ["Gather"]          # cached outside, too
+    with ncclpy.group():
+        native = res.resolve(*gather)
+        assert native.in_group and _fns(native) == ["Gather"]
+        assert res.resolve(*gather) is native                 # served from the cache
+        res.set_context(ctx(rank=1, ff=True))
+        p2p = res.resolve(*gather)
+        assert p2p.in_group and _fns(p2p) == ["Send"] and p2p.plan.path == "p2p"
+        res.set_context(ctx(rank=1))
+        assert _fns(res.resolve(*gather)) == ["Gather"]
+        res.set_context(ctx(rank=1, ver=OLD))                 # no native gather before 2.28
+        assert _fns(res.resolve(*gather)) == ["Send"]
+        res.set_context(ctx(ver=20900))                       # bfloat16 needs NCCL >= 2.10
+        with pytest.raises(errors.UnsupportedError, match="bfloat16"):
+            ar(res, B(dt="bfloat16"))
+        res.set_context(ctx(rank=1, n=2))
+        send_self = ("send", ST, B(), None, (1,))             # to itself: fine in a group
+        assert _fns(res.resolve(*send_self)) == ["Send"]
+    assert _fns(res.resolve(*gather)) == ["Gather"]           # and outside again
+
+
 def test_mode_and_clear_drop_everything():
     res = Resolver(ctx(), mode="blocking")
     a = ar(res, B())

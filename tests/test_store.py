@@ -159,22 +159,7 @@ def test_num_keys_and_check(store):
     assert store.num_keys() == 1
 
 
-def test_wait_for_several_keys(server, store):
-    store.set("w1", b"")
-
-    def later():
-        time.sleep(0.2)
-        with TCPStore(*server.address, timeout=5) as other:
-            other.set("w2", b"")
-            other.add("w3", 1)
-
-    t = threading.Thread(target=later)
-    t.start()
-    store.wait(["w1", "w2", "w3"], timeout=5)
-    store.wait(["w1"], datetime.timedelta(seconds=1))  # torch-style timedelta
-    store.wait("w2")
-    t.join()
-    store.ping()
+# a wait on several keys: tests/test_store_contract.py
 
 
 # ---------------------------------------------------------------------------- timeouts
@@ -824,17 +809,7 @@ def _torch_pair():
     return dist, master
 
 
-def test_barrier_over_a_real_torch_store():
-    dist, master = _torch_pair()
-    world = 4
-
-    def rank_fn(rank: int) -> None:
-        s = master if rank == 0 else dist.TCPStore(
-            "127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        for _ in range(3):
-            barrier(s, rank, world, tag="torch", timeout=30)
-
-    run_ranks(world, rank_fn)
+# the barrier over torch's stores: tests/test_store_contract.py
 
 
 def test_same_answers_as_torch_store(server, store):

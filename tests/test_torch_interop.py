@@ -20,8 +20,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 pytestmark = pytest.mark.timeout(300)
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
+
+
+def _torch_dist():
+    """torch.distributed, for the tests that run it (the object collectives over ncclpy's own
+    store, with the writer hosting it, need no torch and run without it)."""
+    return pytest.importorskip("torch.distributed")
 
 
 def _uid_available() -> str:
@@ -36,6 +40,8 @@ def _uid_available() -> str:
 # ------------------------------------------------------------------ the rank (script mode)
 def _rank_main(mode: str, portfile: str, rank: int, world: int) -> None:
     import datetime
+
+    import torch.distributed as dist
     from port_file import publish_port, read_port
     tmo = datetime.timedelta(seconds=60)
     if rank == 0:       # the job's store on a port the kernel picked (no free-port race)
@@ -133,6 +139,7 @@ def _job(mode: str, tmp: str, world: int = 3) -> list:
 
 @pytest.mark.parametrize("mode", ["store", "broadcast"])
 def test_from_torch_shares_one_uid_per_group_and_generation(mode, tmp_path):
+    _torch_dist()
     why = _uid_available()
     if why:
         pytest.skip(f"libnccl cannot make a unique id here: {why}")
@@ -151,6 +158,7 @@ def test_from_torch_shares_one_uid_per_group_and_generation(mode, tmp_path):
 
 
 def test_object_collectives_through_torchs_store(tmp_path):
+    _torch_dist()
     outs = _job("objects", str(tmp_path))
     for o in outs:
         assert o["b"] == {"from": 1, "x": [1.5, 1]}
@@ -188,6 +196,7 @@ def test_from_torch_errors_come_before_any_gpu_or_store(monkeypatch):
     import ncclpy
     from ncclpy.errors import (ArgumentError, ArgumentTypeError, CudaUnavailableError,
                                RendezvousError)
+    dist = _torch_dist()
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialised in this test process")
     with pytest.raises(RendezvousError, match="torch.distributed is not initialised"):

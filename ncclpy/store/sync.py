@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Optional, Tuple
 
-from ..errors import ArgumentError, StoreError, StoreTimeout
+from ..errors import ArgumentError, StoreTimeout
 from .client import TCPStore
 
 __all__ = ["barrier", "count_out", "wait_counted_out", "delete_key", "wait_key", "is_timeout"]
@@ -102,8 +102,8 @@ def barrier(store, rank: int, world_size: int, *, tag: str = "barrier",
 def _arrivals(store, key: str, world_size: int) -> str:
     """'k of n ranks arrived' for the newest generation of counter ``key`` (best effort)."""
     try:
-        c = store.add(key, 0)
-    except StoreError:
+        c = int(store.add(key, 0))
+    except Exception:   # best effort: ncclpy's StoreError, or whatever another store raises
         return f"arrivals unknown, world_size {world_size}"
     gen = max(c - 1, 0) // world_size
     return f"{min(max(c - gen * world_size, 0), world_size)} of {world_size} ranks arrived"
@@ -150,7 +150,9 @@ def _barrier_from_keys(store, prefix: str, tag: str, rank: int, world_size: int,
             store.set(done, b"1")
         _wait(store, done, timeout)
         left = store.add(left_key, 1) if depart else 0
-    except StoreTimeout as e:
+    except Exception as e:   # torch's stores time out with their own errors
+        if not is_timeout(e):
+            raise
         raise StoreTimeout(f"barrier {tag!r} (generation {gen}) timed out on rank {rank}: "
                            f"{_arrivals(store, arrived_key, world_size)}; {_SAME}; {e}") from e
     if not depart:
@@ -161,7 +163,9 @@ def _barrier_from_keys(store, prefix: str, tag: str, rank: int, world_size: int,
     if hosting:
         try:
             _wait(store, gone, timeout)
-        except StoreTimeout as e:
+        except Exception as e:
+            if not is_timeout(e):
+                raise
             raise StoreTimeout(f"barrier {tag!r} (generation {gen}): rank {rank} hosts the store "
                                f"and timed out waiting for every rank to leave; {e}") from e
 

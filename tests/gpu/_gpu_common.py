@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from _op_rules import must_work
+
 HANG_S = 150.0
 WAIT_S = 60.0
 OPS = ("sum", "prod", "max", "min", "avg", "premul_sum")
@@ -327,12 +329,9 @@ def op_arg(s: Session, op: str) -> Any:
 
 
 def supported(s: Session, dt: DT, op: str) -> bool:
-    """Whether ncclpy should accept ``op`` on ``dt`` (else it must raise UnsupportedError)."""
-    try:
-        s.ncclpy.ops.effective_op(op_arg(s, op), dt.name, s.comm.nccl_version, s.n)
-        return True
-    except s.ncclpy.UnsupportedError:
-        return False
+    """Whether ncclpy must accept ``op`` on ``dt`` here (else it must raise UnsupportedError):
+    NCCL's and torch's rules as ``_op_rules`` writes them out, never ncclpy's own answer."""
+    return must_work(dt.name, op, s.comm.nccl_version, s.n)
 
 
 def done(w: Any) -> None:

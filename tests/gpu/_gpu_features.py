@@ -87,15 +87,28 @@ def chk_premul_bf16_raw(s: Session) -> None:
     assert np.array_equal(got, np.full(C, float(s.n))), got   # sum of 0.5*2 = n, not 0
 
 
+#: chk_large's values: (i + LARGE_SHIFT * rank) % LARGE_PERIOD, a prime below 2**21, so a sum
+#: over up to 8 ranks stays below 2**24 (exact in float32) and every element within a window of
+#: 2 Mi differs from every other: a chunk delivered to the wrong offset (chunk offsets are sums
+#: of powers of two, never a multiple of this prime) or from the wrong rank shows
+LARGE_PERIOD = 2097143
+LARGE_SHIFT = 7919
+
+
 def chk_large(s: Session) -> None:
     import cupy
     n = 64 << 20                                # 64 Mi float32 = 256 MiB per buffer
-    x = cupy.full(n, float(s.rank + 1), dtype=cupy.float32)
-    y = cupy.empty(n, dtype=cupy.float32)
+    i = cupy.arange(n, dtype=cupy.int64)
+    x = ((i + LARGE_SHIFT * s.rank) % LARGE_PERIOD).astype(cupy.float32)
+    y = cupy.full(n, -1.0, dtype=cupy.float32)
     done(s.comm.all_reduce(x, y))
-    total = s.n * (s.n + 1) / 2
-    assert bool(cupy.all(y == total)), "256 MiB all_reduce wrong"
-    del x, y
+    want = sum((i + LARGE_SHIFT * r) % LARGE_PERIOD for r in range(s.n)).astype(cupy.float32)
+    bad = cupy.flatnonzero(y != want)
+    if bad.size:
+        k = int(bad[0])
+        raise AssertionError(f"256 MiB all_reduce wrong at {int(bad.size)} of {n} elements; "
+                             f"first at {k}: {float(y[k])}, expected {float(want[k])}")
+    del i, x, y, want, bad
     cupy.get_default_memory_pool().free_all_blocks()
 
 

@@ -11,7 +11,9 @@ from _gpu_common import (ALL_DTYPES, B, C, DT, OPS, Session, Skip, a2a_data, dev
 
 
 def _reduction(s: Session, dt: DT, op: str, run: Callable[[], Any]) -> bool:
-    """True when the op/dtype pair is valid; else assert ncclpy refuses it precisely."""
+    """True when the op/dtype pair must work (``_op_rules``: NCCL's and torch's rules, not
+    ncclpy's); else assert ncclpy refuses it precisely.  A pair that must work and that ncclpy
+    refuses fails the check where the caller runs it."""
     if dt.name.startswith("float8") and not s.fp8_reductions:
         raise Skip("FP8 reductions need compute capability >= 9.0")
     if supported(s, dt, op):
