@@ -34,7 +34,7 @@ TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
                        "tests/test_dtypes_ops.py"),
                       why="names, aliases and NCCL enums of every dtype")),
     ("check_compare", Target("ncclpy/check/compare.py",
-                             ("tests/test_check_verdicts.py", "tests/test_check_compare.py",
+                             ("tests/test_check_verdicts.py", "tests/test_check_bits.py",
                               "tests/test_check_report.py"),
                              why="bit-for-bit comparison and the verdicts of ncclpy check")),
     ("store_ops", Target("ncclpy/store/ops.py",
