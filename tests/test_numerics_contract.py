@@ -35,3 +35,42 @@ def test_ulp_distance_is_monotone_through_negatives_and_zero(dtype, bits, one):
     # (through both zeros, which are 0 apart); -0 vs +0; +1 vs -1
     assert [int(x) for x in got[:5]] == [1, 3, 1, 2, 0]
     assert int(got[5]) == 2 * one
+
+
+@pytest.mark.parametrize("x,e", [(1.0, 0), (8.0, 3), (0.25, -2), (-0.5, -1), (3.0, None),
+                                 (0.75, None), (0.0, None), (float("inf"), None),
+                                 (float("nan"), None)])
+def test_pow2_exp(x, e):
+    assert nm._pow2_exp(x) == e
+
+
+@pytest.mark.parametrize("dtype,k", [("float64", 10 ** 6), ("float32", 10 ** 6),
+                                     ("float16", 2047), ("bfloat16", 255), ("float8_e4m3", 15),
+                                     ("float8_e5m2", 7)])
+def test_min_max_values_are_integers_the_format_holds_exactly(dtype, k):
+    assert nm.exact_plan(dtype, "max", 4) == ("minmax", k)
+    assert nm.exact_plan(dtype, "min", 2) == ("minmax", k)
+
+
+def test_a_power_of_two_premul_scalar_keeps_the_sum_exact_and_others_do_not():
+    plain = nm.exact_plan("float16", "premul_sum", 4, scalar=1.0)
+    assert nm.exact_plan("float16", "premul_sum", 4, scalar=2.0) == plain
+    assert nm.exact_plan("float16", "premul_sum", 4, scalar=3.0) == ("unit", 2)
+
+
+def test_slot_units_deal_to_every_rank_and_no_more_than_k():
+    n, k, count = 4, 3, 4000
+    for distinct in (False, True):
+        ms = [nm._slot_units(np.random.default_rng(5), count, n, r, k, distinct)
+              for r in range(n)]
+        for r, m in enumerate(ms):
+            assert np.count_nonzero(m > 0) > count // 20, (distinct, r)   # every rank dealt
+            assert np.count_nonzero(m < 0) > count // 20, (distinct, r)
+            assert np.abs(m).max() <= (1 if distinct else k)
+        total = np.sum(ms, axis=0)
+        assert np.abs(total).max() <= k                  # at most k slots of each sign
+
+
+def test_values_of_gives_the_values():
+    assert nm.values_of(np.array([1.5, -2.0], np.float32), "float32").tolist() == [1.5, -2.0]
+    assert nm.values_of(np.array([0x3FC0], np.uint16), "bfloat16").tolist() == [1.5]
