@@ -156,3 +156,31 @@ class ScriptedServer:
         self.lsock.close()
         for c in self.held:
             c.close()
+
+
+#: seconds: a bound on a hang only.  The calls it bounds end in about a second on an idle
+#: machine and later on a loaded one, never this late; no test expects a duration under it.
+HANG = 30.0
+
+
+def wait_until(pred, what: str, bound: float = HANG) -> None:
+    """Return once ``pred()`` is true; fail naming ``what`` if it is not within ``bound`` s (a
+    hang)."""
+    end = time.monotonic() + bound
+    while not pred():
+        assert time.monotonic() < end, f"{what}: not within {bound:g} s"
+        time.sleep(0.005)
+
+
+def wait_parked(srv: StoreServer, key, bound: float = HANG) -> None:
+    """Return once a get or wait for ``key`` is parked on ``srv`` (the server's waiter table:
+    the request was received and is waiting for the key), so that a test's set comes after it
+    for certain."""
+    k = key.encode() if isinstance(key, str) else bytes(key)
+    wait_until(lambda: k in srv._waiters, f"a get of {k!r} parked on the server", bound)
+
+
+def wait_gated(srv: StoreServer, key, bound: float = HANG) -> None:
+    """Return once an arrive on ``key`` is parked on ``srv`` (waiting for its group)."""
+    k = key.encode() if isinstance(key, str) else bytes(key)
+    wait_until(lambda: k in srv._gates, f"an arrive on {k!r} parked on the server", bound)
