@@ -11,6 +11,7 @@ import time
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Status
+from wait_util import HANG, wait_until   # the store tests' waits (re-exported)
 
 __all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy",
            "run_ranks", "ScriptedServer"]
@@ -156,20 +157,6 @@ class ScriptedServer:
         self.lsock.close()
         for c in self.held:
             c.close()
-
-
-#: seconds: a bound on a hang only.  The calls it bounds end in about a second on an idle
-#: machine and later on a loaded one, never this late; no test expects a duration under it.
-HANG = 30.0
-
-
-def wait_until(pred, what: str, bound: float = HANG) -> None:
-    """Return once ``pred()`` is true; fail naming ``what`` if it is not within ``bound`` s (a
-    hang)."""
-    end = time.monotonic() + bound
-    while not pred():
-        assert time.monotonic() < end, f"{what}: not within {bound:g} s"
-        time.sleep(0.005)
 
 
 def wait_parked(srv: StoreServer, key, bound: float = HANG) -> None:
