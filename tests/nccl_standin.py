@@ -18,6 +18,7 @@ from ncclpy.cpu.engine import (_BY_ENUM, _OPS, IN_PROGRESS, INTERNAL, INVALID_AR
                                INVALID_USAGE, REMOTE, SUCCESS, SYSTEM, UNHANDLED_CUDA, Engine,
                                Graph, _Comm, _Item, _Mem, _Op, _World)
 from ncclpy.cpu.runtime import CpuCudaError, CpuRuntime, DevArray, _captured  # noqa: F401
+from wait_util import wait_until
 
 __all__ = ["StandIn", "standin", "check_violations", "DevArray", "run_ranks", "Graph"]
 
@@ -93,3 +94,23 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
         if e is not None:
             raise e
     return out
+
+
+def inside(eng: StandIn, comm: Any, name: str) -> bool:
+    """Whether a thread is inside NCCL's ``name`` on ``comm``'s handle now (the engine's
+    record of the calls in progress)."""
+    with eng.lock:
+        c = eng.comms.get(comm._handle)
+        return c is not None and name in c.busy.values()
+
+
+def wait_inside(eng: StandIn, comm: Any, name: str) -> None:
+    """Return once a thread is inside NCCL's ``name`` on ``comm``'s handle: a test's next step
+    then happens during that call for certain (a bound on a hang only)."""
+    wait_until(lambda: inside(eng, comm, name), f"a thread inside {name}")
+
+
+def wait_called(eng: StandIn, comm: Any, name: str) -> None:
+    """Return once NCCL's ``name`` was called on ``comm``'s handle (a bound on a hang only)."""
+    wait_until(lambda: any(n == name and h == comm._handle for n, h, _ in list(eng.calls)),
+               f"a call of {name}")

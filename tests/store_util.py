@@ -11,6 +11,7 @@ import time
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Status
+from wait_util import HANG, wait_until   # the store tests' waits (re-exported)
 
 __all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy",
            "run_ranks", "ScriptedServer"]
@@ -156,3 +157,17 @@ class ScriptedServer:
         self.lsock.close()
         for c in self.held:
             c.close()
+
+
+def wait_parked(srv: StoreServer, key, bound: float = HANG) -> None:
+    """Return once a get or wait for ``key`` is parked on ``srv`` (the server's waiter table:
+    the request was received and is waiting for the key), so that a test's set comes after it
+    for certain."""
+    k = key.encode() if isinstance(key, str) else bytes(key)
+    wait_until(lambda: k in srv._waiters, f"a get of {k!r} parked on the server", bound)
+
+
+def wait_gated(srv: StoreServer, key, bound: float = HANG) -> None:
+    """Return once an arrive on ``key`` is parked on ``srv`` (waiting for its group)."""
+    k = key.encode() if isinstance(key, str) else bytes(key)
+    wait_until(lambda: k in srv._gates, f"an arrive on {k!r} parked on the server", bound)

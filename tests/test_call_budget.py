@@ -30,6 +30,7 @@ from ncclpy.comm.reaper import reaper
 from ncclpy.rendezvous import free_port
 
 from nccl_standin import DevArray, run_ranks, standin
+from wait_util import HANG
 
 #: the stand-in CUDA object's methods that are CUDA runtime (or driver) calls
 CUDA_CALLS = ("get_device", "set_device", "stream_is_capturing", "capture_status",
@@ -61,7 +62,7 @@ def _nccl_calls(eng: Any, me: int, since: int) -> List[str]:
 def _settle(comm: Any) -> None:
     """Let the tracker release what completed (the pool then holds what was in flight)."""
     wd = comm._watchdog
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + HANG
     while time.monotonic() < deadline:
         if wd is not None:
             if not wd.queue and not wd.pending:

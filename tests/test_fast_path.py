@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -31,7 +30,8 @@ from ncclpy.comm import Communicator
 from ncclpy.comm.reaper import reaper
 from ncclpy.comm.work import Work, event_pool, new_work, release_done
 
-from nccl_standin import DevArray, run_ranks, standin
+from nccl_standin import DevArray, inside, run_ranks, standin
+from wait_util import HANG, wait_until
 
 UID = bytes(range(128))
 
@@ -125,9 +125,11 @@ def test_calls_in_a_group_take_the_general_path_and_are_recorded_at_its_end():
     assert eng.violations == []
 
 
-def test_an_abort_waits_for_a_fast_call_inside_nccl_and_the_watchdog_times_it():
+def test_an_abort_waits_for_a_fast_call_inside_nccl_and_the_watchdog_times_it(monkeypatch):
     import threading
+    from ncclpy.comm import lifecycle
     from ncclpy.watchdog import Watchdog
+    monkeypatch.setattr(lifecycle, "ABORT_GRACE", HANG)   # outlasts the call whatever the load
     with standin() as eng:
         c0, c1 = _pair()
         x0 = _arr([1.0], 0)
@@ -146,18 +148,16 @@ def test_an_abort_waits_for_a_fast_call_inside_nccl_and_the_watchdog_times_it():
                 out["e"] = e
         t = threading.Thread(target=call, daemon=True)
         t.start()
-        deadline = time.monotonic() + 2
-        while c0._life.hot is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert c0._life.hot is not None             # the marker: inside NCCL
+        wait_until(lambda: c0._life.hot is not None, "the marker: inside NCCL")
         wd = Watchdog(c0, None)
         blk = wd.blocked(100.0)
         assert blk is not None and blk[1] == "all_reduce" and blk[2] == 100.0
         assert wd.blocked(101.0)[2] == 100.0         # the same call, still inside
-        t0 = time.monotonic()
+        assert inside(eng, c0, "ncclAllReduce")      # (0.6 s: a marker set ahead of it)
         c0.abort()                   # waits for the call to leave NCCL (within its grace)
-        assert time.monotonic() - t0 > 0.3 and c0.state == "aborted"
-        t.join(5)
+        # it waited (neither deferred, nor an abort while the call was inside: a violation)
+        assert c0.state == "aborted" and not inside(eng, c0, "ncclAllReduce")
+        t.join(HANG)
         assert c0._life.hot is None and "w" in out      # the call itself returned
         with pytest.raises(errors.NcclpyError):
             c0.all_reduce(x0)                        # and every later one is refused

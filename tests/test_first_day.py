@@ -140,17 +140,18 @@ def test_init_docstring_names_every_keyword_a_torch_user_needs():
 
 def test_object_collectives_say_when_the_store_refuses_the_result():
     """all_gather_object's joined result larger than the store's values may be: every rank
-    raises, at once, saying so (no rank waits out its timeout)."""
+    raises, at once, saying so (no rank waits out its timeout: 300 s here, so HANG tells)."""
     import threading
     import time
     from ncclpy.comm.objects import ObjectExchange
     from ncclpy.store import StoreServer, TCPStore
+    from wait_util import HANG
     srv = StoreServer("127.0.0.1", 0, limits={"max_value_size": 4096}).start()
     out: dict = {}
 
     def rank(r: int) -> None:
-        store = TCPStore("127.0.0.1", srv.port, timeout=20)
-        ex = ObjectExchange(store, r, 3, "big/obj", 20)
+        store = TCPStore("127.0.0.1", srv.port, timeout=10 * HANG)
+        ex = ObjectExchange(store, r, 3, "big/obj", 10 * HANG)
         try:
             ex.all_gather(bytes(2000))                # each fits; the three together do not
         except ArgumentError as e:
@@ -163,10 +164,10 @@ def test_object_collectives_say_when_the_store_refuses_the_result():
         for t in ts:
             t.start()
         for t in ts:
-            t.join(30)
+            t.join(HANG)
     finally:
         srv.close()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < HANG
     for r in range(3):
         assert out[r].startswith("all_gather_object: the store refused "), out
         assert out[(r, "next")] == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ncclpy.launch.launcher import build_command, launch
+from ncclpy.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)   # a deadline for a hang (the tests wait for events)
@@ -48,6 +49,12 @@ def run(args, *, env=None, timeout=30, **kw):
 #: a deadline for a hang in tests whose ranks would otherwise sleep 60 s: on an idle machine
 #: the launcher acts within a fraction of a second, on a loaded one later, never this late
 HANG = 30
+
+
+def _user_port() -> int:
+    """A port P the test passes as --master-port (the user's choice), free now with P+1 (torch's
+    store): never a fixed number another run on this machine may hold."""
+    return free_port("127.0.0.1", span=2)
 
 
 def summary_lines(stderr: str) -> list[str]:
@@ -111,16 +118,18 @@ def test_fresh_token_each_run(tmp_path):
 
 def test_explicit_master_addr_and_port(tmp_path):
     prog = _script(tmp_path, ENV_DUMP)
-    cp = run(["--nproc-per-node", 2, "--master_addr", "127.0.0.1", "--master-port", 29999, prog])
+    port = _user_port()
+    cp = run(["--nproc-per-node", 2, "--master_addr", "127.0.0.1", "--master-port", port, prog])
     assert cp.returncode == 0, cp.stderr
     envs = _parse_env_lines(cp.stdout)
-    assert {e["NCCLPY_MASTER_PORT"] for e in envs.values()} == {"29999"}
+    assert {e["NCCLPY_MASTER_PORT"] for e in envs.values()} == {str(port)}
 
 
 def test_multi_node_ranks_and_shared_token(tmp_path):
     prog = _script(tmp_path, ENV_DUMP)
+    port = _user_port()
     args = ["-n", 2, "--nnodes", 2, "--node_rank", 1, "--master-addr", "127.0.0.1",
-            "--master_port", 29990, prog]
+            "--master_port", port, prog]
     cp = run(args, env=_env(NCCLPY_STORE_TOKEN="shared-secret"))
     assert cp.returncode == 0, cp.stderr
     envs = _parse_env_lines(cp.stdout)
@@ -128,14 +137,14 @@ def test_multi_node_ranks_and_shared_token(tmp_path):
     for r, e in envs.items():
         assert e["WORLD_SIZE"] == "4" and e["LOCAL_RANK"] == str(r - 2)
         assert e["LOCAL_WORLD_SIZE"] == "2" and e["NCCLPY_STORE_TOKEN"] == "shared-secret"
-        assert e["NCCLPY_MASTER_PORT"] == "29990"
+        assert e["NCCLPY_MASTER_PORT"] == str(port)
     assert "node 1 of 2" in summary_lines(cp.stderr)[0]
 
 
 def test_multi_node_without_token_is_an_error(tmp_path):
     prog = _script(tmp_path, "print('never')")
     cp = run(["-n", 2, "--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1",
-              "--master-port", 29991, prog])
+              "--master-port", _user_port(), prog])
     assert cp.returncode == 2 and "never" not in cp.stdout
     assert "NCCLPY_STORE_TOKEN" in cp.stderr and "shared" in cp.stderr
 
@@ -169,10 +178,11 @@ def _bindable(addr: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("extra", [[], ["--master-port", "29995"]])
-def test_non_local_master_addr_on_one_node_is_a_precise_error(tmp_path, extra):
+@pytest.mark.parametrize("with_port", [False, True])
+def test_non_local_master_addr_on_one_node_is_a_precise_error(tmp_path, with_port):
     if _bindable(NON_LOCAL):
         pytest.skip(f"this machine can bind {NON_LOCAL} (ip_nonlocal_bind?)")
+    extra = ["--master-port", _user_port()] if with_port else []
     prog = _script(tmp_path, "print('never')")
     cp = run(["-n", 2, "--master-addr", NON_LOCAL, *extra, prog])
     assert cp.returncode == 2 and "Traceback" not in cp.stderr and "never" not in cp.stdout

@@ -25,17 +25,17 @@ PROG = """
     s.set(f"up/{rank}", b"1")
     epoch = int(s.get("ncclpy/dead/epoch", timeout=25))
     print("survivor saw:", s.get("ncclpy/dead/2").decode(), "epoch", epoch, flush=True)
-    time.sleep(1.0)                              # outlives the death: not stopped
+    time.sleep(float(os.environ["SURVIVOR_SLEEP"]))   # outlives the death, unless stopped
     print("finished", flush=True)
 """
 
 
-def _run(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+def _run(tmp_path, *flags: str, survivor_sleep: float = 1.0) -> subprocess.CompletedProcess:
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent(PROG))
     env = {k: v for k, v in os.environ.items()
            if k not in ("CUDA_VISIBLE_DEVICES", "NCCLPY_STORE_TOKEN")}
-    env.update(PYTHONPATH=ROOT, NCCLPY_MPS="off")
+    env.update(PYTHONPATH=ROOT, NCCLPY_MPS="off", SURVIVOR_SLEEP=str(survivor_sleep))
     return subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "3", *flags,
                            str(prog)], capture_output=True, text=True, timeout=80, env=env)
 
@@ -52,6 +52,8 @@ def test_keep_going_lets_the_survivors_finish_and_still_reports_the_failure(tmp_
 
 
 def test_without_keep_going_the_survivors_are_stopped(tmp_path):
-    cp = _run(tmp_path, "--grace", "1")
+    """The survivors would sleep 300 s after seeing the death: only the launcher's stop ends
+    them (the run's 80 s bound is a hang's)."""
+    cp = _run(tmp_path, "--grace", "1", survivor_sleep=300)
     assert cp.returncode == 128 + 9
     assert "finished" not in cp.stdout and "stopped the other 2 ranks" in cp.stderr, cp.stderr

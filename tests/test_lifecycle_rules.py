@@ -22,7 +22,8 @@ from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator, lifecycle
 from ncclpy.rendezvous import free_port
 
-from nccl_standin import DevArray, StandInCudaError, run_ranks, standin
+from nccl_standin import DevArray, StandInCudaError, run_ranks, standin, wait_inside
+from wait_util import HANG, wait_until
 
 UID = bytes(range(7, 135))
 NEW = 23203
@@ -51,21 +52,21 @@ def test_suspend_and_resume_wait_for_every_rank(blocking):
         c = _comm(r, blocking=blocking)
         try:
             if r == 1:
-                time.sleep(0.3)                      # the barrier waits for this rank
-            t0 = time.monotonic()
+                time.sleep(0.3)                      # late: the barrier waits for this rank
+            entered = time.monotonic()
             c.suspend()
-            took = time.monotonic() - t0
+            left = time.monotonic()
             assert c.suspended and c.mem_stats()["suspended"] == 1
             with pytest.raises(errors.NcclpyError, match="suspended"):
                 c.all_reduce(_arr([1.0], r))
             c.resume()
             c.all_reduce(_arr([1.0], r)).wait()
-            return took
+            return entered, left
         finally:
             c.close()
     with standin(version=NEW) as eng:
-        took = run_ranks(2, rank)
-    assert took[0] > 0.2, took                       # rank 0 waited for rank 1
+        (_, left0), (entered1, _) = run_ranks(2, rank)
+    assert left0 >= entered1, (left0, entered1)      # rank 0 left only once rank 1 came
     assert eng.violations == []
     assert [n for n, *_ in eng.calls].count("ncclCommSuspend") == 2
 
@@ -75,22 +76,27 @@ def test_close_of_a_suspended_communicator_is_bounded_when_a_peer_never_resumes(
     """close() resumes first, and resume is collective: with a peer that neither resumes nor
     closes, close() ends after the timeout (+1 s, the abort's grace) with CommAbortedError,
     instead of waiting in NCCL's barrier for good."""
+    closed = threading.Event()
+
     def rank(r: int):
         c = _comm(r, blocking=blocking, timeout=0.5)
         c.suspend()
-        if r == 1:                                   # never resumes: gone quiet
-            time.sleep(2.5)
+        if r == 1:                                   # never resumes: gone quiet ...
+            assert closed.wait(HANG)                 # ... until rank 0's close gave up
             c.resume() if blocking else None         # lets rank 0's stuck resume return
             c.abort()
             return None
         t0 = time.monotonic()
-        with pytest.raises(errors.CommAbortedError) as ei:
-            c.close()
-        return ei.value, time.monotonic() - t0
+        try:
+            with pytest.raises(errors.CommAbortedError) as ei:
+                c.close()
+        finally:
+            closed.set()
+        return ei.value, time.monotonic() - t0, c
     with standin(version=NEW) as eng:
-        (err, took), _ = run_ranks(2, rank)
-        time.sleep(0.5 if blocking else 0.0)         # the deferred abort, once it returned
-    assert took < 0.5 + 1.0 + 0.3 + 0.5, took
+        (err, took, c0), _ = run_ranks(2, rank)
+        wait_until(lambda: c0.state == "aborted", "the deferred abort, once the resume returned")
+    assert 0.5 <= took < HANG, took                  # its timeout, then the abort: no hang
     assert err.reason == "resume_timeout" and "collective" in str(err) and "Resume" in str(err)
     assert "ncclCommDestroy" not in [n for n, *_ in eng.calls]
     assert eng.violations == []
@@ -101,6 +107,7 @@ def test_a_nonblocking_call_in_progress_for_good_gets_the_watchdogs_verdict():
     """_wait_ready's polls used to count as new calls, so the watchdog's blocked timer restarted
     at every tick and no verdict came: the wait ran into its own timeout."""
     port = free_port()
+    verdict = threading.Event()
 
     def rank(r: int):
         c = ncclpy.init(f"nb{port}", rank=r, world_size=2, master_addr="127.0.0.1",
@@ -108,18 +115,21 @@ def test_a_nonblocking_call_in_progress_for_good_gets_the_watchdogs_verdict():
                         config=Config(blocking=False))
         c.all_reduce(_arr([1.0], r)).wait()
         if r == 1:
-            time.sleep(4.0)                          # never posts its recv
+            assert verdict.wait(HANG)                # never posts its recv
             c.abort()
             return None
         eng.polls = 10 ** 9                          # NCCL's job stays in progress
-        t0 = time.monotonic()
-        with pytest.raises(errors.CommAbortedError) as ei:
-            c.send(_arr([1.0], 0), 1)
-        return ei.value, time.monotonic() - t0
+        try:
+            with pytest.raises(errors.CommAbortedError) as ei:
+                c.send(_arr([1.0], 0), 1)
+        finally:
+            verdict.set()
+        return ei.value
     with standin() as eng:
-        (err, took), _ = run_ranks(2, rank)
+        err, _ = run_ranks(2, rank)
+    # the watchdog's verdict on a blocked call (the wait's own timeout: NcclTimeoutError)
     assert err.reason == "timeout" and err.collective == "send", err
-    assert "blocked inside its NCCL call" in str(err) and took < 3.0
+    assert "blocked inside its NCCL call" in str(err)
     assert eng.violations == []
 
 
@@ -164,17 +174,22 @@ def test_a_call_on_another_stream_during_a_global_capture_keeps_the_capture_and_
     makes no query (its CUDA calls, the record and the capture query, are allowed) and the
     trackers query in the thread-local mode: the capture stays valid, and a Work that may
     still run keeps its buffers."""
+    captured = threading.Event()
+
     def rank(r: int):
         c = _comm(r)
         try:
             x = _arr([1.0, 2.0], r)
             c.all_reduce(x)                          # dropped at once: kept until done
-            if r == 0:
-                time.sleep(0.2)                      # rank 1's side waits: still running
+            if r == 0:                               # rank 1's side waits: still running
+                assert captured.wait(HANG)           # through rank 1's whole capture
             s = eng.cuda.new_stream()
             eng.cuda.begin_capture(s)                # global mode, this thread
             w = c.all_reduce(_arr([3.0], r), stream=eng.cuda.new_stream())
-            eng.cuda.end_capture(s)                  # raises if it was invalidated
+            try:
+                eng.cuda.end_capture(s)              # raises if it was invalidated
+            finally:
+                captured.set()
             w.wait()                                 # (after the capture: allowed)
             return True
         finally:
@@ -239,21 +254,20 @@ def test_a_deferred_abort_runs_on_its_own_thread_even_when_the_last_caller_holds
     with standin(version=NEW) as eng:
         c0, c1 = run_ranks(2, lambda r: _comm(r))
         wins = run_ranks(2, lambda r: (c0, c1)[r].register_window((c0, c1)[r].mem_alloc(64)))
-        eng.slow["ncclAllReduce"] = 0.8
+        eng.slow["ncclAllReduce"] = 2.0              # outlasts the steps below and the grace
         t1 = threading.Thread(target=lambda: _swallow(c0.all_reduce, _arr([1.0], 0)),
                               daemon=True)
         t1.start()
-        time.sleep(0.05)
+        wait_inside(eng, c0, "ncclAllReduce")
         t2 = threading.Thread(target=lambda: _swallow(wins[0].user_ptr), daemon=True)
         t2.start()                                   # waits for the API lock, window locked
-        time.sleep(0.05)
+        wait_until(wins[0]._lock.locked, "user_ptr holding its window's lock")
         c0.abort()                                   # deferred: all_reduce is inside
+        assert c0._life.deferred
         for t in (t1, t2):
-            t.join(5)
-        deadline = time.monotonic() + 5
-        while c0.state != "aborted" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert c0.state == "aborted" and wins[0].state == "lost"
+            t.join(HANG)
+        wait_until(lambda: c0.state == "aborted", "the deferred abort")
+        assert wins[0].state == "lost"
         c1.abort()
     assert not t1.is_alive() and not t2.is_alive()
     assert eng.violations == []
@@ -268,11 +282,11 @@ def test_a_shrink_waits_for_a_revoke_deferred_behind_a_blocked_call():
             c.abort()
             return None
         if r == 0:
-            eng.slow["ncclAllReduce"] = 0.6          # a call inside NCCL on another thread
+            eng.slow["ncclAllReduce"] = 1.5          # a call inside NCCL on another thread
             t = threading.Thread(target=_swallow, args=(c.all_reduce, _arr([1.0], 0)),
                                  daemon=True)
             t.start()
-            time.sleep(0.05)
+            wait_inside(eng, c, "ncclAllReduce")
         c.revoke()                                   # rank 0: deferred behind that call
         child = c.shrink([2])
         assert child.world_size == 2

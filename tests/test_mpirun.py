@@ -17,6 +17,7 @@ import pytest
 from ncclpy.bootstrap import UID_BYTES, choose_uid_exchange
 from ncclpy.errors import ArgumentError, UnsupportedError
 from ncclpy.rendezvous import resolve
+from wait_util import HANG
 
 MPIRUN = shutil.which("mpirun")
 needs_mpirun = pytest.mark.skipif(
@@ -119,13 +120,13 @@ def test_mpirun_4_ranks_hold_one_uid_over_mpi_bcast(tmp_path):
 @needs_mpirun
 def test_mpirun_ends_the_job_when_a_rank_fails_and_the_error_is_readable(tmp_path):
     """Rank 2 makes a mistake after the first exchange: it exits 1 with ncclpy's error, and
-    mpirun stops rank 0, which waits (up to 30 s) for rank 2 to read the next uid, at once."""
-    res, took = _mpirun(tmp_path, 4, exports=("FAIL_RANK",), FAIL_RANK="2")
+    mpirun stops rank 0, which would wait (up to 300 s) for rank 2 to read the next uid."""
+    res, took = _mpirun(tmp_path, 4, exports=("FAIL_RANK", "T"), FAIL_RANK="2", T="300")
     assert res.returncode != 0
     assert "ArgumentError: uid_exchange: expected one of store, mpi, auto, got argument " \
            "uid_exchange='carrier-pigeon'" in res.stderr
     assert "non-zero" in res.stdout + res.stderr     # mpirun's own account of the abort
-    assert took < 20, f"mpirun took {took:.1f} s to end the job"
+    assert took < HANG, f"mpirun took {took:.1f} s to end the job (rank 0 waits 300 s)"
     assert not (tmp_path / "rank0.txt").exists() and not (tmp_path / "rank2.txt").exists()
 
 

@@ -21,8 +21,8 @@ import pytest
 
 import ncclpy
 from ncclpy.errors import ArgumentError, LaunchError, ProcessRaisedException
-from ncclpy.launch.mps import (CONTROL, DEFAULT_MPS, MPS_CHECK_ENV, MPS_ENV, MpsDaemon,
-                               check_client, daemon_ready, resolve_mode, setup_mps)
+from ncclpy.launch.mps import (CONTROL, DEFAULT_MPS, MPS_CHECK_ENV, MPS_ENV, STOP_TIMEOUT_S,
+                               MpsDaemon, check_client, daemon_ready, resolve_mode, setup_mps)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,9 +241,10 @@ def test_daemon_that_never_gets_ready_is_stopped(fake):
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"created no control pipe in .*/pipe within 0.5 s"):
         setup_mps("on", True, env, starter=starter)
-    assert time.monotonic() - t0 < 5           # no quit sent, no quit waited for
+    assert time.monotonic() - t0 < STOP_TIMEOUT_S   # not a quit's wait (10 s) before SIGTERM
     events = read_record(record)
-    assert events[0]["event"] == "start" and not alive(events[0]["pid"])
+    assert [e["event"] for e in events] == ["start", "sigterm"]   # no quit sent: SIGTERM
+    assert not alive(events[0]["pid"])
     assert not Path(events[0]["pipe"]).parent.exists()       # its directory is gone too
 
 
@@ -253,7 +254,8 @@ def test_daemon_that_ignores_quit_gets_sigterm(fake):
     s = setup_mps("on", True, env)
     t0 = time.monotonic()
     s.daemon.stop(timeout=0.5)
-    assert time.monotonic() - t0 < 10 and not alive(s.daemon.pid)
+    # SIGTERM after its 0.5 s, not after the default STOP_TIMEOUT_S (10 s)
+    assert time.monotonic() - t0 < STOP_TIMEOUT_S and not alive(s.daemon.pid)
     assert [e["event"] for e in read_record(record)] == ["start", "command", "sigterm"]
 
 

@@ -22,6 +22,7 @@ from nccl_standin import DevArray, run_ranks, standin
 
 from part2_util import NEW, UID, calls as _calls, comm as _comm
 from part2_util import fill as _fill, read as _read
+from wait_util import HANG
 
 
 # -- windows -----------------------------------------------------------------------------------
@@ -352,18 +353,22 @@ def test_a_revoking_watchdog_names_the_suspects_and_leaves_the_handle_for_shrink
     import logging
     from ncclpy.debug.watchdog import Watchdog
     caplog.set_level(logging.ERROR, logger="ncclpy.debug.watchdog")
+    verdict = threading.Event()
 
     def one(r: int, n: int):
         c = _comm(n, r, timeout=1.0)
         if r == 1:
-            time.sleep(2.5)                             # never makes the all_reduce
+            assert verdict.wait(HANG)                   # never makes the all_reduce
             c.abort()
             return None
         c.on_failure = "revoke"
         c._watchdog = Watchdog(c, None, interval=0.2, tick=0.05).start()
         w = c.all_reduce(DevArray(np.ones(2, np.float32), device=r))
-        with pytest.raises(errors.CommAbortedError) as ei:
-            w.wait(timeout=30)
+        try:
+            with pytest.raises(errors.CommAbortedError) as ei:
+                w.wait(timeout=30)
+        finally:
+            verdict.set()
         c.close()
         return ei.value
     with standin(version=NEW) as eng:

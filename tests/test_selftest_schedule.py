@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ncclpy.selftest import gpuenv, order, schedule as SC, stages as S
+from wait_util import HANG
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,16 +59,15 @@ def _overlap(a: dict, b: dict) -> bool:
 def test_shared_stages_run_side_by_side_and_timed_ones_alone_after_them(tmp_path):
     stages = [_span(tmp_path, "a", 2), _span(tmp_path, "b", 2), _span(tmp_path, "c", 2),
               _span(tmp_path, "timed", 1, exclusive=True)]
-    t0 = time.monotonic()
     res, interrupted = SC.run_stages(stages, _ctx(tmp_path), str(ROOT), 120,
                                      say=lambda s: None, jobs=3, capacity=8,
                                      env_for=lambda s: {"X_SEEN": s.name})
-    took = time.monotonic() - t0
     assert not interrupted and [r.status for r in res] == ["passed"] * 4
     sp = _spans(tmp_path)
-    assert _overlap(sp["a"], sp["b"]) and _overlap(sp["b"], sp["c"])
+    # the three shared ones at once (each pair overlaps: not one after another), the timed one
+    # alone after them -- read from the stages' own spans, not from the run's duration
+    assert _overlap(sp["a"], sp["b"]) and _overlap(sp["b"], sp["c"]) and _overlap(sp["a"], sp["c"])
     assert sp["timed"]["start"] >= max(sp[n]["end"] for n in "abc")     # alone, after them
-    assert took < 6.5, took                                  # 2 s side by side + 1 s, not 7 s
     assert {n: sp[n]["seen"] for n in sp} == {n: n for n in sp}        # env_for reached each
 
 
@@ -149,7 +149,7 @@ def test_ctrl_c_stops_every_stage_that_runs(tmp_path):
     res, interrupted = SC.run_stages(stages, _ctx(tmp_path), str(ROOT), 120,
                                      say=lambda s: None, jobs=2, grace_s=2)
     th.join(5)
-    assert interrupted and time.monotonic() - t0 < 20
+    assert interrupted and time.monotonic() - t0 < HANG      # not the stages' 60 s
     assert [r.status for r in res] == ["interrupted", "interrupted", "not run"]
     assert res[2].reason == "the run was interrupted first"
 

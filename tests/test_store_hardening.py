@@ -22,8 +22,9 @@ from ncclpy.errors import (ArgumentError, StoreConnectionError, StoreProtocolErr
 from ncclpy.store import StoreLimits, StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Op, Status
-from store_util import (U32, assert_healthy as _assert_healthy, env as _env, frame as _frame,
-                        is_closed as _is_closed, raw as _raw, read_reply as _read_reply)
+from store_util import (HANG, U32, assert_healthy as _assert_healthy, env as _env,
+                        frame as _frame, is_closed as _is_closed, raw as _raw,
+                        read_reply as _read_reply, wait_until)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -318,18 +319,15 @@ def test_reconnect_failure_names_the_operation_and_key():
     try:
         c.set("before", b"1")
         srv.close()
-        deadline = time.monotonic() + 10
-        while srv.running and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not srv.running, "the server closed")
         with pytest.raises(StoreConnectionError):  # notices the loss (or fails to reconnect)
             c.get("before")
-        t0 = time.monotonic()
         with pytest.raises(StoreConnectionError) as ei:
             c.set("my/key", b"v")
         msg = str(ei.value)
         assert msg.startswith("set:") and "my/key" in msg and _addr(srv) in msg, msg
         assert "reconnect" in msg and "attempt" in msg, msg
-        assert time.monotonic() - t0 < 5
+        assert "within 0.5 s" in msg, msg          # its own connect timeout, no other
     finally:
         c.close()
 
@@ -360,7 +358,7 @@ def test_a_silent_peer_fails_fast_naming_the_missing_greeting(monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(StoreProtocolError) as ei:
             TCPStore("127.0.0.1", port, timeout=60)
-        assert time.monotonic() - t0 < 20  # not the 60 s connect timeout
+        assert time.monotonic() - t0 < HANG  # not the 60 s connect timeout
         msg = str(ei.value)
         assert f"127.0.0.1:{port}" in msg and "did not send the ncclpy greeting" in msg, msg
         assert len(held) == 1  # no retries: it is the wrong kind of server
@@ -446,10 +444,9 @@ def test_pipelined_requests_are_answered_in_order_and_errors_keep_the_stream_in_
     r = store._pipeline([store._req_set("p/a", b"1"), store._req_add("p/n", 5),
                          store._req_wait(["p/a"], 1.0), store._req_add("p/n", 1)])
     assert r == [b"", b"5", b"", b"6"]
-    t0 = time.monotonic()
-    with pytest.raises(StoreTimeout, match="p/missing"):
+    with pytest.raises(StoreTimeout, match="p/missing") as ei:
         store._pipeline([store._req_wait(["p/missing"], 0.3), store._req_add("p/n", 1)])
-    assert time.monotonic() - t0 < 5
+    assert "(timeout 0.30 s)" in str(ei.value)     # the wait's own, not the store's 10 s
     assert store.get("p/n") == b"7"  # the request behind the timed-out wait still ran
     store.set("p/text", b"abc")
     with pytest.raises(StoreRequestError, match="not a decimal integer"):

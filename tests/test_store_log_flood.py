@@ -15,7 +15,7 @@ import pytest
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store.loglimit import LogLimiter
-from store_util import assert_healthy
+from store_util import HANG, assert_healthy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,7 +97,7 @@ def test_a_flood_of_bad_frames_logs_a_bounded_number_of_lines_with_true_counts(c
         elapsed = time.monotonic() - start
         assert sum(sent.values()) >= 100, sent        # a real flood, however slow the machine
         # the summary of the last interval comes by itself once it ends: no traffic needed
-        deadline = time.monotonic() + 2.0 + 10
+        deadline = time.monotonic() + HANG
         while time.monotonic() < deadline:
             if _pending(srv) == 0 and all(
                     sum(_counts(caplog.records, k)) >= n for k, n in sent.items()):
@@ -123,7 +123,7 @@ def test_closing_the_server_flushes_the_pending_summary(caplog):
     try:
         for _ in range(12):
             _bad_connection(srv.address, KINDS["protocol error"])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG
         while time.monotonic() < deadline and sum(_counts(caplog.records, "protocol error")) + (
                 _pending(srv)) < 12:
             time.sleep(0.02)

@@ -6,15 +6,20 @@ process (tests/watchdog_crowd.py), the last rank alone in another, SIGSTOPped an
   pauses 60 s) while no call is in flight: no verdict anywhere, and the job goes on;
 * paused 1.5 s while every other rank waits in a call on it (timeout 300 s): no verdict;
 * paused for good while every other rank waits on it: every waiting rank names it, and only
-  it, within the silence limit + 1 s (named, or following the first verdict published in the
+  it, silent past the silence limit (named, or following the first verdict published in the
   table); once resumed it is left alone while idle, and its next call follows that verdict:
   one cause in every rank's error;
-* killed, with the launcher's notice: every rank names it within 2 s, waiting or not.
+* killed, with the launcher's notice: every rank names it from that notice (peer_dead, or
+  following the first such verdict), waiting or not -- not from its silence.
+
+How soon the verdicts come is a speed (``python -m bench.scale``), not asserted here: the reads
+that wait for them are bounded by :data:`wait_util.HANG`, a hang's bound.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -27,6 +32,7 @@ import pytest
 from ncclpy.debug.deaths import publish_deaths
 from ncclpy.store import StoreLimits, StoreServer, TCPStore
 from store_util import env as _env
+from wait_util import HANG
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -110,46 +116,43 @@ def test_a_paused_rank_comes_back_to_a_working_job_unless_a_call_waits_on_it(wor
         job.read(1.0)
         job.tell("wait")
         job.read(0.5)
-        stopped = time.time()
         job.victim.send_signal(signal.SIGSTOP)         # for good, while they wait on it
-        job.read(LIMIT + 8.0, lambda: len(job.lines[job.crowd]) >= world - 1)
+        job.read(HANG, lambda: len(job.lines[job.crowd]) >= world - 1)
         crowd = job.lines[job.crowd]
         job.victim.send_signal(signal.SIGCONT)
         job.read(2.0)
         idle = list(job.lines[job.victim])              # idle: its communicator left alone
         job.tell("wait", job.victim)                     # its next call follows at once
-        job.read(5.0, lambda: job.lines[job.victim])
+        job.read(HANG, lambda: job.lines[job.victim])
     finally:
         job.close()
     assert sorted(v["rank"] for v in crowd) == list(range(world - 1)), len(crowd)
     for v in crowd:
         assert v["suspects"] == [victim], v
         assert v["reason"] in ("peer_silent", "peer_aborted"), v
-        assert f"rank {victim} silent" in v["message"], v
+        m = re.search(rf"rank {victim} silent (\d+\.\d) s", v["message"])
+        assert m and float(m.group(1)) >= LIMIT, v          # silent past the limit, not before
     named = [v for v in crowd if v["reason"] == "peer_silent"]
     assert named and all("read afresh from the store" in v["message"] for v in named)
-    took = max(v["t"] for v in crowd) - stopped
-    assert took <= LIMIT + 1.0, took
     assert idle == []
     (back,) = job.lines[job.victim]                     # the victim follows, naming itself
     assert back["reason"] == "peer_aborted" and back["suspects"] == [victim], back
 
 
-def test_a_killed_rank_is_named_by_every_rank_within_2_s_from_the_launchers_notice():
+def test_a_killed_rank_is_named_by_every_rank_from_the_launchers_notice():
     job = Job(16)
     try:
         job.read(1.5)
         job.victim.kill()
         job.victim.wait(10)
-        killed = time.time()
         with TCPStore("127.0.0.1", job.srv.port, timeout=5) as s:   # what ncclpy run does
             publish_deaths(s, [15], "was killed by signal SIGKILL")
-        job.read(5.0, lambda: len(job.lines[job.crowd]) >= 15)
+        job.read(HANG, lambda: len(job.lines[job.crowd]) >= 15)
     finally:
         job.close()
     crowd = job.lines[job.crowd]
     assert sorted(v["rank"] for v in crowd) == list(range(15))
     assert all(v["suspects"] == [15] for v in crowd), crowd[:2]
+    # from the notice (peer_dead, or following the first such verdict): never its silence
     assert sum(v["reason"] == "peer_dead" for v in crowd) >= 1
     assert all(v["reason"] in ("peer_dead", "peer_aborted") for v in crowd)
-    assert max(v["t"] for v in crowd) - killed <= 2.0
