@@ -2,8 +2,8 @@
 carry the contract (None: all), and the tests of its area that must kill its mutants."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 __all__ = ["Target", "TARGETS"]
 
