@@ -23,7 +23,7 @@ SUM, MAX = 0, 2
 
 
 def _raw(n: int, body: Callable[[int, Any, int, DevArray], None],
-         expect: Tuple[str, ...] = ()) -> List[np.ndarray]:
+         expect: Tuple[str, ...] = (), **kw: Any) -> List[np.ndarray]:
     """``body(rank, fn, handle, mem)`` on ``n`` thread-ranks (``fn``: the stand-in's declared
     NCCL functions; ``mem``: 16 float32 of the rank's "device" memory, rank r holding
     ``(1..16) * 10**r``), inside ``standin(expect_violations=expect)``; every rank's memory
@@ -37,7 +37,7 @@ def _raw(n: int, body: Callable[[int, Any, int, DevArray], None],
             body(r, eng.nccl.fn, c.handle, mems[r])
         finally:
             c.close()
-    with standin(expect_violations=expect) as eng:
+    with standin(expect_violations=expect, **kw) as eng:
         run_ranks(n, rank)
     return [m.a.copy() for m in mems]
 
@@ -171,3 +171,27 @@ def test_disjoint_buffers_and_a_non_roots_unused_pair_are_never_flagged():
     outs = _raw(2, body)
     assert outs[0][:12].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 99, 110]   # 9+90, 10+100
     assert outs[1][:12].tolist() == [10, 2, 3, 40, 50, 60, 70, 80, 90, 100, 99, 110]
+
+
+# -- refusals that depend on the communicator and on the NCCL version (RULES.md E4) -------------
+E4M3, BF16, AVG = 10, 9, 4
+
+
+def test_a_float8_premul_sum_on_one_rank_is_refused_as_nccl_does():
+    """ncclLaunchOneRank has no float8 PreMulSum on the host (src/device/onerank.cu): avg on
+    float8 -> 4 on a one-rank comm, after the empty-collective discard; sum is fine."""
+    def body(r, fn, h, mem):
+        assert fn("ncclAllReduce")(mem.ptr, mem.ptr + 32, 2, E4M3, AVG, h, None) == 4
+        assert fn("ncclAllReduce")(mem.ptr, mem.ptr + 32, 0, E4M3, AVG, h, None) == 0
+        assert fn("ncclAllReduce")(mem.ptr, mem.ptr + 32, 2, E4M3, SUM, h, None) == 0
+        assert fn("ncclAllReduce")(mem.ptr, mem.ptr + 32, 2, F32, AVG, h, None) == 0
+    _raw(1, body, (r"float8 PreMulSum \(op 4\) on a one-rank communicator",))
+
+
+@pytest.mark.parametrize("version,dtype,op,code", [
+    (22309, E4M3, SUM, 4), (22309, BF16, AVG, 0), (22403, E4M3, SUM, 0), (22809, E4M3, AVG, 0),
+    (22809, 12, SUM, 4)])
+def test_datatypes_and_ops_exist_from_their_nccl_version(version, dtype, op, code):
+    def body(r, fn, h, mem):
+        assert fn("ncclAllReduce")(mem.ptr, mem.ptr + 32, 2, dtype, op, h, None) == code
+    _raw(2, body, version=version)

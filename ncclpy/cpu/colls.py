@@ -99,11 +99,17 @@ class Colls:
             self.last_text = (f"{fn} : invalid root {root} (root should be in the "
                               f"0..{c.world.nranks} range)").encode()
             return INVALID_ARG
-        if args["dtype"] not in _BY_ENUM:
+        v = self.e.version
+        # ncclNumTypes: 9 before 2.10 (no bfloat16), 10 to 2.23, 12 from 2.24.3 (float8);
+        # ncclNumOps: 4 before 2.10 (no ncclAvg) (src/nccl.h.in at v2.9.9-1, v2.23.4-1,
+        # v2.24.3-1; src/misc/argcheck.cc "invalid type" / "invalid reduction operation")
+        ntypes = 12 if v >= 22403 else 10 if v >= 21003 else 9
+        nops = 5 if v >= 21003 else 4
+        if args["dtype"] not in _BY_ENUM or args["dtype"] >= ntypes:
             self.last_text = f"{fn} : invalid type {args['dtype']}".encode()
             return INVALID_ARG
         op = args.get("op", 0)
-        if op < 0 or (op >= 5 and live_ops(self.e).get(op) != c.handle):
+        if op < 0 or (nops <= op < 5) or (op >= 5 and live_ops(self.e).get(op) != c.handle):
             self.last_text = (f"{fn} : reduction operation {op} unknown to this communicator"
                               if op >= 5 else f"{fn} : invalid reduction operation {op}"
                               ).encode()
@@ -135,6 +141,14 @@ class Colls:
                               b"type given to reduction operation")
             self.e.violations.append(f"nccl{fn} with PreMulSum op {op} made for datatype "
                                      f"{made[1]} on datatype {args['dtype']} (rank {c.rank})")
+            return INVALID_ARG
+        if c.world.nranks == 1 and args["dtype"] in (10, 11) and (op == 4 or op >= 5):
+            # taskAppend -> ncclLaunchOneRank (src/device/onerank.cu, 2.24.3-dev): a float8
+            # PreMulSum (avg on a float, or a user op) falls to "default: return
+            # ncclInvalidArgument" (its fp8 cases are compiled for device code only); no WARN.
+            # ncclpy refuses it before (ops.effective_op): passing it is a violation.
+            self.e.violations.append(f"nccl{fn} of a float8 PreMulSum (op {op}) on a one-rank "
+                                     f"communicator (rank {c.rank})")
             return INVALID_ARG
         return SUCCESS
 

@@ -5,7 +5,10 @@ test that holds ncclpy's refusals to it (tests/test_op_rules.py) both use it.
 
 NCCL 2.28.9 (``git show v2.28.9-1:src/enqueue.cc``, ``hostToDevRedOp``; ``src/device/onerank.cu``):
 
-* ncclSum, ncclProd, ncclMax, ncclMin and ncclAvg are valid for every ``ncclDataType_t``: avg is
+* ncclSum, ncclProd, ncclMax, ncclMin and ncclAvg are valid for every ``ncclDataType_t`` (float8
+  reductions need every GPU of the communicator at sm90 or newer: ``taskAppend`` refuses them with
+  4, "FP8 reduction support begins with sm90 capable devices."; the matrix skips float8 on an
+  older local GPU, which is the communicator's minimum on the one-GPU machine it runs on): avg is
   ``SumPostDiv`` on the integer types and ``PreMulSum`` by 1/n on the floating ones (float8
   included); ``ncclRedOpCreatePreMulSum`` makes a PreMulSum op for any datatype;
 * on a one-rank communicator a PreMulSum op (avg on a float, premul_sum) runs through
@@ -17,8 +20,9 @@ NCCL 2.28.9 (``git show v2.28.9-1:src/enqueue.cc``, ``hostToDevRedOp``; ``src/de
 
 torch.distributed's rules, which ncclpy follows for the dtypes NCCL lacks:
 
-* bool travels as uint8 with sum -> max and prod -> min (so those four work); avg and premul_sum
-  are refused;
+* bool travels as uint8 (torch's ``getNcclReduceOp`` maps sum to ncclMax and keeps prod as
+  ncclProd; ncclpy maps prod to min, the same on 0/1 values), so those four work; avg and
+  premul_sum are refused;
 * complex travels as pairs of floats: sum, avg and premul_sum (a real scalar) work; prod, max
   and min are refused (torch: "all_reduce does not support ... on complex tensors").
 """
