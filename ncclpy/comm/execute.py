@@ -286,6 +286,8 @@ def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
     outer = st.depth > 0            # inside a user group: NCCL launches at its outermost end
     table = comm._dispatch
     res = Resources(comm, plan, stream)
+    if res.op is not None:          # ncclRedOpCreatePreMulSum was a call of its own: what is
+        comm._life._what = plan.collective   # inside NCCL from here on is the plan's call
     work = Work(comm, comm.device, stream, plan, keep=(res, keep))
     issued = False
     try:
