@@ -169,3 +169,16 @@ def test_the_cli_refuses_an_unknown_target_precisely():
     assert p.returncode != 0
     assert "unknown target(s) ['nosuch']" in p.stderr and "reference" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_mutant_that_crashes_the_tests_is_killed_and_says_so(tmp_path):
+    root = _toy_repo(tmp_path)
+    (tmp_path / "repo" / "tests" / "test_m.py").write_text(
+        "import os, signal\nfrom pkg.m import clamp\n\ndef test_clamp():\n"
+        "    if clamp(5, 3) != 3:\n        os.kill(os.getpid(), signal.SIGKILL)\n")
+    ws = Workspace(root, str(tmp_path / "work"))
+    src = open(os.path.join(root, "pkg/m.py"), "rb").read()
+    ms = [m for m in find_mutants(src) if m.before == "return hi"]
+    rep = run_target(ws, Target("pkg/m.py", ("tests/test_m.py",)), ms, {}, 600, lambda s: None)
+    assert [(r["outcome"], r["by"]) for r in rep["results"]] == [
+        ("killed", "pytest killed by signal 9")]

@@ -1,6 +1,7 @@
 """Run mutants: a copy of the checkout per worker, one mutant planted at a time, the target's
-tests run against it (``pytest -x``); a failing test kills it, a hang past the time bound kills
-it (``timeout``), a green run means it survived."""
+tests run against it (``pytest -x``); a failing test or a crash (a signal) kills it, a hang past
+the time bound kills it (``timeout``), a green run means it survived; pytest's own errors
+(internal, usage, no tests) are ``error``, never counted as killed."""
 from __future__ import annotations
 
 import os
@@ -127,6 +128,8 @@ def run_target(ws: Workspace, t: Target, mutants: Sequence[Mutant], equivalent: 
                 o = Outcome(m, "timeout", f"no end within {bound:.0f} s", secs)
             elif rc == 0:
                 o = Outcome(m, "survived", "", secs)
+            elif rc < 0:                        # the test process crashed: caught too
+                o = Outcome(m, "killed", f"pytest killed by signal {-rc}", secs)
             elif rc in (1, 2):
                 hit = _FAILED.search(out)
                 o = Outcome(m, "killed", hit.group(1) if hit else f"exit {rc}", secs)
