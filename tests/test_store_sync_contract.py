@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 import types
 from typing import Callable, List
 
 import pytest
 
 from ncclpy.errors import ArgumentError, StoreTimeout
-from ncclpy.store import StoreServer, TCPStore, barrier
+from ncclpy.store import TCPStore, barrier
 from ncclpy.store import protocol as P
 from ncclpy.store import sync
 from ncclpy.store.sync import count_out, delete_key, is_timeout, wait_counted_out, wait_key
