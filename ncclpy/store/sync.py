@@ -140,23 +140,22 @@ def _barrier_from_keys(store, prefix: str, tag: str, rank: int, world_size: int,
     waits for."""
     arrived_key = f"{prefix}/arrived"
     n = store.add(arrived_key, 1)
+    if world_size == 1 and not hosting:   # its own arrival completes it; nothing to clean up
+        return                            # (a done key here would be left behind every call)
     gen = (n - 1) // world_size
     done = f"{prefix}/done/{gen}"
     left_key = f"{prefix}/left/{gen}"
     gone = f"{prefix}/gone/{gen}"
-    depart = world_size > 1 or hosting
     try:
         if n % world_size == 0:
             store.set(done, b"1")
         _wait(store, done, timeout)
-        left = store.add(left_key, 1) if depart else 0
+        left = store.add(left_key, 1)
     except Exception as e:   # torch's stores time out with their own errors
         if not is_timeout(e):
             raise
         raise StoreTimeout(f"barrier {tag!r} (generation {gen}) timed out on rank {rank}: "
                            f"{_arrivals(store, arrived_key, world_size)}; {_SAME}; {e}") from e
-    if not depart:
-        return
     if left == world_size:  # last out: clean up, then signal (last op)
         _delete(store, done, left_key, f"{prefix}/gone/{gen - 1}")
         store.set(gone, b"1")
@@ -179,7 +178,9 @@ def count_out(store, key: str) -> None:
 def wait_counted_out(store, key: str, want: int, timeout: float, what: str) -> None:
     """The writer's half: poll ``key`` until ``want`` readers have counted themselves out
     (:func:`count_out`), within ``timeout`` seconds.  Unlike a barrier, no reply to a reader
-    is still in flight when this returns, so a writer that hosts the store may then exit."""
+    is still in flight when this returns, so a writer that hosts the store may then exit.
+    Polls start 1 ms apart and back off, doubling, to 50 ms: a hand-over that is already
+    done costs one round trip, a slow one at most 20 polls a second."""
     deadline, pause = time.monotonic() + timeout, 0.001
     while int(store.add(key, 0)) < want:
         if time.monotonic() >= deadline:
