@@ -47,7 +47,7 @@ TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
                          why="what each store operation does on the server")),
     ("store_sync", Target("ncclpy/store/sync.py",
                           ("tests/test_store_sync_contract.py", "tests/test_store_contract.py",
-                           "tests/test_store.py"),
+                           "tests/test_store_barrier.py"),
                           why="barriers and waits on several keys")),
     ("store_auth_server", Target("ncclpy/store/ops.py",
                                  ("tests/test_store_auth_contract.py", "tests/test_store_auth.py"),
