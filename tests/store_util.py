@@ -7,13 +7,14 @@ import socket
 import struct
 import threading
 import time
+from typing import Callable, List
 
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Status
 from wait_util import HANG, wait_until   # the store tests' waits (re-exported)
 
-__all__ = ["ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy",
+__all__ = ["run_threads", "recv_exact", "ROOT", "U32", "env", "frame", "raw", "read_reply", "is_closed", "assert_healthy",
            "run_ranks", "ScriptedServer"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,3 +172,33 @@ def wait_gated(srv: StoreServer, key, bound: float = HANG) -> None:
     """Return once an arrive on ``key`` is parked on ``srv`` (waiting for its group)."""
     k = key.encode() if isinstance(key, str) else bytes(key)
     wait_until(lambda: k in srv._gates, f"an arrive on {k!r} parked on the server", bound)
+
+
+def run_threads(fns: List[Callable[[], None]]) -> List[BaseException]:
+    """Run every fn in its own thread (ranks at a barrier); what they raised.  Fails if one is
+    still inside after the hang bound."""
+    errors: List[BaseException] = []
+
+    def guarded(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:   # noqa: B902 - reported by the caller
+            errors.append(e)
+
+    ts = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(HANG * 2)
+    assert not any(t.is_alive() for t in ts), "a rank is still inside the barrier"
+    return errors
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``s``; fails if the peer closes first."""
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, f"peer closed after {len(buf)} of {n} bytes"
+        buf += chunk
+    return buf

@@ -24,7 +24,7 @@ from ncclpy.rendezvous import free_port
 from ncclpy.watchdog import Decision
 
 from nccl_standin import DevArray, inside, run_ranks, standin, wait_called, wait_inside
-from wait_util import HANG, wait_until
+from wait_util import HANG, in_thread, wait_until
 
 UID = bytes(range(128))
 
@@ -49,26 +49,13 @@ def _pair(route="ctypes", timeout=5.0):
     return run_ranks(2, lambda r: Communicator(2, r, UID, r, cfg, timeout=timeout))
 
 
-def _in_thread(fn, *args):
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: B902 - examined by the test
-            out["error"] = e
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    return t, out
-
-
 # -- abort: once per handle, never on a handle in use ------------------------------------------
 def test_abort_waits_for_a_call_inside_nccl_and_happens_once(monkeypatch):
     monkeypatch.setattr(lifecycle, "ABORT_GRACE", HANG)     # outlasts the 0.2 s call for sure
     with standin() as eng:
         c0, c1 = _pair()
         eng.slow["ncclAllReduce"] = 0.2
-        t, out = _in_thread(c0.all_reduce, _arr([1.0], 0))
+        t, out = in_thread(c0.all_reduce, _arr([1.0], 0))
         wait_inside(eng, c0, "ncclAllReduce")              # rank 0 is inside ncclAllReduce
         aborts = [threading.Thread(target=c0.abort) for _ in range(3)]
         for a in aborts:
@@ -96,7 +83,7 @@ def test_an_abort_never_frees_a_blocking_communicator_under_a_call_inside_nccl()
     with standin() as eng:
         c0, c1 = _pair()
         eng.slow["ncclAllReduce"] = 3.0                     # blocked, like a dead peer's
-        t, out = _in_thread(c0.all_reduce, _arr([1.0], 0))
+        t, out = in_thread(c0.all_reduce, _arr([1.0], 0))
         wait_inside(eng, c0, "ncclAllReduce")
         t0 = time.monotonic()
         c0.abort()
@@ -121,7 +108,7 @@ def test_a_nonblocking_wait_ends_at_once_when_the_watchdog_aborts():
     with standin() as eng:
         c0, c1 = _pair("nonblocking", timeout=10 * HANG)   # its own timeout: never reached
         eng.polls = 10 ** 9                                  # the call stays in progress
-        t, out = _in_thread(c0.all_reduce, _arr([1.0], 0))
+        t, out = in_thread(c0.all_reduce, _arr([1.0], 0))
         wait_called(eng, c0, "ncclCommGetAsyncError")        # the wait is polling
         c0._watchdog_abort(Decision("timeout", "all_reduce", 7, (1,), "watchdog: rank 1 gone"))
         t.join(HANG)
@@ -139,7 +126,7 @@ def test_close_and_an_abort_racing_never_finalize_or_destroy_after_the_abort():
     with standin() as eng:
         c0, c1 = _pair()
         eng.slow["ncclCommFinalize"] = 0.2
-        t, out = _in_thread(c0.close)
+        t, out = in_thread(c0.close)
         wait_inside(eng, c0, "ncclCommFinalize")            # close is inside the finalize
         c0.abort()
         t.join(HANG)

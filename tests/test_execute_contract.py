@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -37,6 +35,7 @@ from ncclpy.comm import Communicator, lifecycle
 from ncclpy.errors import CallCheckTimeout, CommAbortedError
 
 from nccl_standin import DevArray, run_ranks, standin
+from wait_util import in_thread, wait_until
 
 UID = bytes(range(128))
 REMOTE = 6                                   # ncclRemoteError
@@ -60,28 +59,6 @@ def _one(blocking=True) -> Communicator:
 
 def _names(eng, since=0) -> list:
     return [c[0] for c in eng.calls[since:]]
-
-
-def _wait_for(pred, what, bound=10.0):
-    """Wait for an event (``pred()`` true); the bound only stops a hang."""
-    deadline = time.monotonic() + bound
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.002)
-
-
-def _in_thread(fn, *args):
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn(*args)
-        except BaseException as e:  # noqa: B902 - examined by the test
-            out["error"] = e
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    return t, out
 
 
 def _self_exchange(c, x, y):
@@ -194,8 +171,8 @@ def test_the_group_end_is_a_call_inside_nccl_for_the_watchdog_and_other_threads(
         c._dispatch["GroupEnd"] = end
         eng.slow["ncclGroupEnd"] = 0.8                     # the other call comes meanwhile
         x, y = _arr([1.0]), _arr([0.0])
-        t, out = _in_thread(_self_exchange, c, x, y)
-        _wait_for(lambda: inside, "the group end inside NCCL")
+        t, out = in_thread(_self_exchange, c, x, y)
+        wait_until(lambda: inside, "the group end inside NCCL")
         life = c._life
         assert life.calls == 1 and life._what == "ncclGroupEnd"
         seen = []
@@ -314,8 +291,8 @@ def test_a_call_an_abort_waited_for_raises_the_abort(monkeypatch, tmp_path):
     with standin() as eng:
         c0, c1 = _pair()
         eng.slow["ncclAllReduce"] = 1.0                     # blocked, like a dead peer's
-        t, out = _in_thread(c0.all_reduce, _arr([1.0]), None, ncclpy.premul_sum(2.0))
-        _wait_for(lambda: "ncclAllReduce" in _names(eng), "the all_reduce inside NCCL")
+        t, out = in_thread(c0.all_reduce, _arr([1.0]), None, ncclpy.premul_sum(2.0))
+        wait_until(lambda: "ncclAllReduce" in _names(eng), "the all_reduce inside NCCL")
         c0._watchdog_abort(Decision("peer_dead", "all_reduce", 3, (1,), "rank 1 died"))
         assert c0.state == "aborting" and "ncclCommAbort" not in _names(eng)
         assert c0._life._what == "all_reduce"               # not the op's creation, done
@@ -323,7 +300,7 @@ def test_a_call_an_abort_waited_for_raises_the_abort(monkeypatch, tmp_path):
         err = out.get("error")
         assert isinstance(err, CommAbortedError) and err.reason == "peer_dead", out
         assert err.suspects == [1] and "waits until all_reduce returns" in str(err)
-        _wait_for(lambda: c0.state == "aborted", "the deferred abort")
+        wait_until(lambda: c0.state == "aborted", "the deferred abort")
         names = _names(eng)
         assert names.index("ncclAllReduce") < names.index("ncclCommAbort")
         c1.abort()
@@ -473,8 +450,8 @@ def test_a_call_that_returned_within_the_aborts_grace_returns_its_work(monkeypat
     with standin() as eng:
         c = _one()
         eng.slow["ncclAllReduce"] = 0.3
-        t, out = _in_thread(c.all_reduce, _arr([1.0]), None, ncclpy.premul_sum(2.0))
-        _wait_for(lambda: "ncclAllReduce" in _names(eng), "the all_reduce inside NCCL")
+        t, out = in_thread(c.all_reduce, _arr([1.0]), None, ncclpy.premul_sum(2.0))
+        wait_until(lambda: "ncclAllReduce" in _names(eng), "the all_reduce inside NCCL")
         c.abort()                                           # waits for it, then aborts
         t.join(10)
         assert "error" not in out and c.state == "aborted" and not c._life.deferred

@@ -22,26 +22,17 @@ from ncclpy.errors import StoreAuthError
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Op, Status
-from store_util import frame, is_closed, read_reply
+from store_util import frame, is_closed, read_reply, recv_exact
 
 pytestmark = pytest.mark.timeout(60)
 
 TOKEN = b"the-shared-token"
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, f"peer closed after {len(buf)} of {n} bytes"
-        buf += chunk
-    return buf
-
-
 def _greeted(srv: StoreServer) -> Tuple[socket.socket, bytes]:
     """A raw connection to ``srv`` and the nonce its greeting challenges it with."""
     s = socket.create_connection(srv.address, timeout=10)
-    magic, _v, flags, _k, _v2, nonce = P.parse_hello(_recv(s, P.HELLO_SIZE))
+    magic, _v, flags, _k, _v2, nonce = P.parse_hello(recv_exact(s, P.HELLO_SIZE))
     assert magic == P.MAGIC and flags & P.FLAG_AUTH
     return s, nonce
 
@@ -113,9 +104,9 @@ class Impostor:
         with conn:
             conn.settimeout(20)
             conn.sendall(P.pack_hello(flags, 4096, 1 << 20, os.urandom(P.NONCE_SIZE)))
-            op, n = P.REQ_HEADER.unpack(_recv(conn, P.HEADER_SIZE))
+            op, n = P.REQ_HEADER.unpack(recv_exact(conn, P.HEADER_SIZE))
             assert op == Op.AUTH, op
-            self.auth = _recv(conn, n)
+            self.auth = recv_exact(conn, n)
             reply = answer(self.auth)
             conn.sendall(P.REP_HEADER.pack(status, len(reply)) + reply)
             try:

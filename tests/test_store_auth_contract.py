@@ -28,7 +28,7 @@ from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import protocol as P
 from ncclpy.store import transport
 from ncclpy.store.protocol import Op, Status
-from store_util import frame, is_closed, read_reply
+from store_util import frame, is_closed, read_reply, recv_exact
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,20 +52,11 @@ def logs(caplog):
     return caplog
 
 
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        assert chunk, f"peer closed after {len(buf)} of {n} bytes"
-        buf += chunk
-    return buf
-
-
 def _greeted(srv: StoreServer) -> Tuple[socket.socket, int, bytes, str]:
     """A raw connection to ``srv``: (socket, greeting flags, nonce, the peer name the server
     gives it in its logs)."""
     s = socket.create_connection(srv.address, timeout=10)
-    magic, _v, flags, _k, _mv, nonce = P.parse_hello(_recv(s, P.HELLO_SIZE))
+    magic, _v, flags, _k, _mv, nonce = P.parse_hello(recv_exact(s, P.HELLO_SIZE))
     assert magic == P.MAGIC
     host, port = s.getsockname()[:2]
     return s, flags, nonce, f"{host}:{port}"
@@ -290,9 +281,9 @@ def reads(monkeypatch) -> "queue.Queue[int]":
 
 
 def _read_auth(conn: socket.socket) -> bytes:
-    op, n = P.REQ_HEADER.unpack(_recv(conn, P.HEADER_SIZE))
+    op, n = P.REQ_HEADER.unpack(recv_exact(conn, P.HEADER_SIZE))
     assert op == Op.AUTH, op
-    return _recv(conn, n)
+    return recv_exact(conn, n)
 
 
 def _await_read(reads: "queue.Queue[int]", n: int, fake: "Scripted") -> None:

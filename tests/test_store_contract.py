@@ -23,7 +23,7 @@ from ncclpy.errors import StoreTimeout
 from ncclpy.store import TCPStore, barrier
 from ncclpy.store import protocol as P
 from ncclpy.store.protocol import Op, Status
-from store_util import U32, frame, raw, read_reply
+from store_util import U32, frame, raw, read_reply, run_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,25 +162,6 @@ def kind(request, tmp_path, server):
     k.close()
 
 
-def _threads(fns: List[Callable[[], None]]) -> List[BaseException]:
-    """Run every fn in its own thread; what they raised."""
-    errors: List[BaseException] = []
-
-    def guarded(fn):
-        try:
-            fn()
-        except BaseException as e:   # noqa: B902 - reported by the caller
-            errors.append(e)
-
-    ts = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(HANG * 2)
-    assert not any(t.is_alive() for t in ts), "a rank is still inside the barrier"
-    return errors
-
-
 def _wait_count(store, key: str, want: int) -> None:
     """Return once the counter ``key`` reached ``want`` (the ranks counted themselves in)."""
     deadline = time.monotonic() + HANG
@@ -198,7 +179,7 @@ def test_no_rank_leaves_the_barrier_while_one_is_missing(kind):
         s = kind.open(rank)
         return lambda: barrier(s, rank, world, tag="short", timeout=1.0)
 
-    errors = _threads([early(0), early(1)])
+    errors = run_threads([early(0), early(1)])
     assert len(errors) == 2, f"a rank left a barrier that one rank never reached: {errors}"
     for e in errors:
         assert isinstance(e, StoreTimeout), repr(e)
@@ -227,7 +208,7 @@ def test_a_late_rank_releases_the_others_every_generation(kind):
             if rank != late:
                 early_left.append(arrived.is_set())
 
-        errors = _threads([lambda r=r: run(r) for r in range(world)])
+        errors = run_threads([lambda r=r: run(r) for r in range(world)])
         assert not errors, errors
         assert early_left == [True, True], f"generation {g}: a rank left before rank {late} " \
                                            f"arrived"
@@ -240,11 +221,11 @@ def test_a_straggler_after_the_others_timed_out(kind):
     must not be reused.  On a new tag the three meet again."""
     world = 3
     stores = [kind.open(r) for r in range(world)]
-    errors = _threads([lambda r=r: barrier(stores[r], r, world, tag="gone", timeout=0.5)
+    errors = run_threads([lambda r=r: barrier(stores[r], r, world, tag="gone", timeout=0.5)
                        for r in (0, 1)])
     assert len(errors) == 2 and all(isinstance(e, StoreTimeout) for e in errors), errors
     assert int(stores[2].add(kind.count_key("gone"), 0)) == 2    # both arrivals still count
     barrier(stores[2], 2, world, tag="gone", timeout=HANG)         # completes generation 0
     assert int(stores[2].add(kind.count_key("gone"), 0)) == 3
-    assert not _threads([lambda r=r: barrier(stores[r], r, world, tag="again", timeout=HANG)
+    assert not run_threads([lambda r=r: barrier(stores[r], r, world, tag="again", timeout=HANG)
                          for r in range(world)])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 import types
-from typing import Callable, List
+from typing import List
 
 import pytest
 
@@ -21,10 +21,9 @@ from ncclpy.store import TCPStore, barrier
 from ncclpy.store import protocol as P
 from ncclpy.store import sync
 from ncclpy.store.sync import count_out, delete_key, is_timeout, wait_counted_out, wait_key
+from store_util import HANG, run_threads
 
 pytestmark = pytest.mark.timeout(120)
-
-HANG = 30.0      # seconds: only ever a bound on a hang
 
 
 class KeysView:
@@ -36,24 +35,6 @@ class KeysView:
 
     def __getattr__(self, name):
         return getattr(self.store, name)
-
-
-def _threads(fns: List[Callable[[], None]]) -> List[BaseException]:
-    errors: List[BaseException] = []
-
-    def guarded(fn):
-        try:
-            fn()
-        except BaseException as e:   # noqa: B902 - reported by the caller
-            errors.append(e)
-
-    ts = [threading.Thread(target=guarded, args=(fn,)) for fn in fns]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(HANG * 2)
-    assert not any(t.is_alive() for t in ts), "a rank is still inside the barrier"
-    return errors
 
 
 def _keys(store: TCPStore, candidates: List[str]) -> List[str]:
@@ -255,7 +236,7 @@ def test_rounds_of_a_world_leave_only_the_counters_behind(server, path):
             for _ in range(rounds):
                 barrier(views[rank], rank, world, tag="r", timeout=HANG)
 
-        assert not _threads([lambda r=r: rank_fn(r) for r in range(world)])
+        assert not run_threads([lambda r=r: rank_fn(r) for r in range(world)])
         s = stores[0]
         if path == "server":
             assert s.get("ncclpy/barrier/r/count") == b"9"
@@ -285,7 +266,7 @@ def test_the_hosting_rank_passes_with_the_others_every_generation(path):
             for _ in range(rounds):
                 barrier(views[rank], rank, world, tag="hp", timeout=10)
 
-        assert not _threads([lambda r=r: rank_fn(r) for r in range(world)])
+        assert not run_threads([lambda r=r: rank_fn(r) for r in range(world)])
         if path == "server":
             assert host.get("ncclpy/barrier/hp/count") == b"9"
             assert host.get("ncclpy/barrier/hp/out") == b"9"
@@ -306,7 +287,7 @@ def test_a_timed_out_rank_counts_the_arrivals_of_its_own_generation(server):
         a = TCPStore(*server.address, timeout=HANG)
         b = TCPStore(*server.address, timeout=HANG)
         try:
-            assert not _threads([lambda: barrier(view(a), 0, 2, tag=tag, timeout=HANG),
+            assert not run_threads([lambda: barrier(view(a), 0, 2, tag=tag, timeout=HANG),
                                  lambda: barrier(view(b), 1, 2, tag=tag, timeout=HANG)])
             with pytest.raises(StoreTimeout) as ei:
                 barrier(view(a), 0, 2, tag=tag, timeout=0.2)
