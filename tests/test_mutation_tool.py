@@ -182,3 +182,16 @@ def test_a_mutant_that_crashes_the_tests_is_killed_and_says_so(tmp_path):
     rep = run_target(ws, Target("pkg/m.py", ("tests/test_m.py",)), ms, {}, 600, lambda s: None)
     assert [(r["outcome"], r["by"]) for r in rep["results"]] == [
         ("killed", "pytest killed by signal 9")]
+
+
+def test_survivors_without_a_report_is_refused_in_one_line(tmp_path):
+    """--survivors needs the target's last report; without one: one line, no traceback."""
+    from tools.mutation import __main__ as cli
+    saved = cli.OUT
+    cli.OUT = str(tmp_path)
+    try:
+        with pytest.raises(SystemExit, match=r"--survivors: reference has no report .*"
+                                              r"run its sample first"):
+            cli.main(["run", "reference", "--survivors", "--work", str(tmp_path / "w")])
+    finally:
+        cli.OUT = saved

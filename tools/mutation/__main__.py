@@ -57,11 +57,14 @@ def cmd_run(a: argparse.Namespace) -> int:
                             capture_output=True, text=True).stdout.strip()
     for name in _targets(a.targets, a.all):
         t = TARGETS[name]
-        ws = Workspace(ROOT, os.path.join(a.work, name))
         src = open(os.path.join(ROOT, t.path), "rb").read()
         ms = select(t, src, a.seed, a.sample)
         old = None
         if a.survivors:
+            if not os.path.exists(_report_path(name)):
+                raise SystemExit(f"mutation: --survivors: {name} has no report "
+                                 f"({_report_path(name)}); run its sample first: "
+                                 f"python -m tools.mutation run {name}")
             with open(_report_path(name)) as f:
                 old = json.load(f)
             again = {r["id"] for r in old["results"] if r["outcome"] in ("survived", "error")}
@@ -70,6 +73,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             if gone:
                 print(f"# {name}: {len(gone)} survivors no longer exist in the source "
                       f"(the code changed): run the whole sample again", file=sys.stderr)
+        ws = Workspace(ROOT, os.path.join(a.work, name))
         rep = run_target(ws, t, ms, eq.get(name, {}), a.budget,
                          lambda s: print(f"# {name}: {s}", flush=True))
         rep.update(target=name, sites=len(find_mutants(src, t.funcs)), seed=a.seed,
