@@ -25,7 +25,10 @@ def test_the_tour_runs_on_the_cpu_backend_as_the_readme_says(tmp_path):
     assert 'ncclpy.spawn(main, nprocs=4, device="cpu")' in readme      # what it tells users
     cpu = code.replace("import cupy as cp", "import numpy as np").replace("cp.", "np.")
     cpu = cpu.replace("ncclpy.spawn(main, nprocs=4)", 'ncclpy.spawn(main, nprocs=4, device="cpu")')
-    cpu = cpu.replace("    comm.close()", "    comm.close()\n    print('rank', rank, 'y', y.tolist())")
+    # one write per line: the spawned ranks share the stdout pipe, and print()'s separate writes
+    # of each word interleave across ranks when stdout is unbuffered (PYTHONUNBUFFERED=1, as CI)
+    cpu = cpu.replace("    comm.close()", "    comm.close()\n    import os\n"
+                      "    os.write(1, f'rank {rank} y {y.tolist()}\\n'.encode())")
     script = tmp_path / "tour.py"
     script.write_text(cpu)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCLPY_", "RANK", "WORLD"))}
