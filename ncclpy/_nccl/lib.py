@@ -27,7 +27,7 @@ from ..errors import (CudaUnavailableError, MissingDependencyError, NcclError, N
 from ..ops import format_version
 from .functions import FUNCTIONS, UniqueId, nccl_version_code
 
-__all__ = ["NcclLib", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
+__all__ = ["NcclLib", "CPU_BACKEND_PATH", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
            "UniqueId", "require_version", "CudaUnavailableError", "INSTALL_HINT",
            "NCCL_SUCCESS", "is_loaded", "use_lib", "NCCL_IN_PROGRESS", "NCCL_SPLIT_NOCOLOR",
            "SCALAR_HOST_IMMEDIATE"]
@@ -43,12 +43,21 @@ INSTALL_HINT = ("install the CUDA extra that matches your driver: pip install 'n
                 "(CUDA 13) or pip install 'ncclpy[cu12]' (CUDA 12)")
 
 
+#: how the CPU backend's engine names itself in ``lib.path`` (ncclpy.cpu.backend sets it)
+CPU_BACKEND_PATH = "ncclpy CPU backend"
+
+
 def require_version(name: str, loaded: int, path: str = "") -> None:
     """Raise VersionError if NCCL function ``name`` is newer than the ``loaded`` version code."""
     if name not in FUNCTIONS:
         raise KeyError(f"{name} is not an NCCL function ncclpy binds")
     need = FUNCTIONS[name][2]
     if need and loaded < need:
+        if path.startswith(CPU_BACKEND_PATH):   # no wheel to upgrade: the engine models one NCCL
+            raise VersionError(f"{name} needs NCCL >= {format_version(need)}, and ncclpy's CPU "
+                               f"backend models NCCL {format_version(loaded)}, which lacks it: "
+                               f"the CPU backend cannot run {name} (on a GPU, NCCL >= "
+                               f"{format_version(need)} does)")
         where = f" ({path})" if path else ""
         raise VersionError(f"{name} needs NCCL >= {format_version(need)}; the loaded NCCL is "
                            f"{format_version(loaded)}{where}; upgrade the nvidia-nccl wheel "

@@ -56,6 +56,18 @@ class NcclMemory:
         self.free()
 
 
+def _not_on_cpu(what: str) -> None:
+    """These make CuPy / torch GPU memory: refused in one line on the CPU backend, whose
+    communicators take host memory (its own ``ncclMemAlloc`` is ``comm.mem_alloc``)."""
+    from ..cpu.backend import installed
+    if installed():
+        from ..errors import UnsupportedError
+        raise UnsupportedError(f"{what}: makes CuPy/torch arrays in NCCL's GPU memory, and this "
+                               f"process runs on the CPU backend (no GPU); allocate with "
+                               f"comm.mem_alloc (host memory, a Buffer of device 'cpu') or use "
+                               f"numpy arrays")
+
+
 def _device(device: Optional[int]) -> int:
     if device is None:
         from .cuda import cuda
@@ -76,6 +88,7 @@ def nccl_empty(shape: Union[int, Sequence[int]], dtype: Any = "float32", *,
         raise ArgumentTypeError(f"nccl_empty: shape: expected an int or a sequence of ints, "
                                 f"got {type(shape).__name__}")
     dims = tuple(as_int(f"nccl_empty: shape[{i}]", d, 0) for i, d in enumerate(dims))
+    _not_on_cpu("nccl_empty")
     import cupy
     from ..dtypes import dtype_name, logical
     name = dtype_name(dtype)
@@ -108,6 +121,7 @@ def nccl_allocator(device: Optional[int] = None) -> Callable[[int], Any]:
     """A CuPy allocator (``cupy.cuda.set_allocator`` / ``using_allocator``) handing out NCCL
     memory on ``device`` (default: CuPy's current device at each allocation)."""
     fixed = None if device is None else as_int("device", device, 0)
+    _not_on_cpu("nccl_allocator")
 
     def alloc(nbytes: int) -> Any:
         import cupy

@@ -544,9 +544,13 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
 
     def __repr__(self) -> str:
         state = "open" if self._life.state is USABLE else self._life.state
-        how = "cupy" if self._nc is not None else "ctypes"
+        from ..cpu.backend import installed
+        if installed():     # its device is a label (the local rank), its NCCL the CPU engine
+            where, how = f"cpu:{self._device}", "CPU backend"
+        else:
+            where, how = f"device {self._device}", "cupy" if self._nc is not None else "ctypes"
         return (f"<ncclpy.Communicator {self.name!r} rank {self._rank}/{self._world_size} "
-                f"device {self._device} ({how}, {state})>")
+                f"{where} ({how}, {state})>")
 
 
 def _parse(obj: Any, name: str) -> Any:

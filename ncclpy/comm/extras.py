@@ -218,7 +218,10 @@ class CommExtras:
             self._lib.check(self._lib.ncclMemAlloc(ctypes.byref(p), max(nbytes, 1)),
                             "ncclMemAlloc")
         self._allocations[p.value] = nbytes
-        return Buffer(p.value, count, name, self._device)
+        from ..buffers import host_memory
+        # the CPU backend's ncclMemAlloc is host memory: a Buffer of device 'cpu' (a CUDA
+        # ordinal would make this communicator refuse its own allocation as GPU memory)
+        return Buffer(p.value, count, name, "cpu" if host_memory() else self._device)
 
     def mem_free(self, buf: Any) -> None:
         """``ncclMemFree`` a buffer from ``mem_alloc`` (a Buffer or its pointer)."""

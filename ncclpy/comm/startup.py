@@ -7,7 +7,7 @@ before the rendezvous, so peers are never kept waiting for a rank that cannot jo
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from .._nccl.config import Config
 from .._nccl.cuda import cuda
@@ -56,10 +56,10 @@ def init(name: str = "default", config: Optional[Config] = None,
     checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
     watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
     from ..bootstrap import _check_device_arg, bootstrap
-    from ..cpu.backend import install, wants_cpu
+    from ..cpu.backend import install
     _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
     _check_device_arg(resolve_kwargs.get("device"), cpu_ok=True)
-    on_cpu = wants_cpu(resolve_kwargs.get("device"), resolve_kwargs.get("env"))
+    on_cpu = _on_cpu(resolve_kwargs.get("device"), resolve_kwargs.get("env"))
     if on_cpu:
         resolve_kwargs["device"] = None     # each rank's label: its local rank
     from ..rendezvous.scalable import SCALABLE_FROM, check_unique_ids, exchange_unique_ids
@@ -127,6 +127,28 @@ def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
                                or choice.lower() not in UID_EXCHANGES):
         raise ArgumentError(f"ncclpy.init: {src}: expected one of {', '.join(UID_EXCHANGES)}, "
                             f"got {choice!r}")
+
+
+def _on_cpu(device: Any, env: Optional[Mapping[str, str]]) -> bool:
+    """Whether this ``init`` runs on the CPU backend: asked for (``device="cpu"``,
+    ``NCCLPY_DEVICE=cpu``), or the process already runs there and nothing names a GPU.  A GPU
+    named in a process on the CPU backend is refused in one line: a process runs on one of them
+    (:func:`ncclpy.cpu.install` refuses the reverse)."""
+    from ..cpu.backend import installed, wants_cpu
+    if wants_cpu(device, env):
+        return True
+    if not installed():
+        return False
+    named, src = device, "device"
+    if named is None:
+        named = (os.environ if env is None else env).get("NCCLPY_DEVICE", "").strip() or None
+        src = "NCCLPY_DEVICE"
+    if named is None:
+        return True
+    raise ArgumentError(f"ncclpy.init: {src}={named!r}: this process runs on the CPU backend (an "
+                        f"earlier ncclpy.init(device='cpu')), and a process runs either on the "
+                        f"GPU or on the CPU backend, not both; give device='cpu' (or None), or "
+                        f"run the GPU communicator in another process")
 
 
 def _one_machine(bs: Any) -> None:

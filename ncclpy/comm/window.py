@@ -197,10 +197,12 @@ class CommWindows:
             if code not in (0, NCCL_IN_PROGRESS):
                 self._slots.remove(win)      # the task was refused before it was queued
                 err = lib.error(code, "ncclCommWindowRegister", self._handle)
+                from ..cpu.backend import installed
+                hint = "" if installed() else (   # host memory there; its refusal says why
+                    "; a window needs cuMem memory NCCL can map (comm.mem_alloc, "
+                    "ncclpy.nccl_empty), registered by every rank in the same order")
                 raise type(err)(err.code, "ncclCommWindowRegister",
-                                f"{err.last_error}; a window needs cuMem memory NCCL can map "
-                                f"(comm.mem_alloc, ncclpy.nccl_empty), registered by every "
-                                f"rank in the same order") from None
+                                f"{err.last_error}{hint}") from None
             if code == NCCL_IN_PROGRESS or self._nonblocking:
                 self._wait_ready("ncclCommWindowRegister")   # raises: the slot stays kept
         if win.value:             # (0: NCCL may still write it -- a group opened outside

@@ -71,7 +71,7 @@ def install() -> Any:
         from .transport import ProcEngine
         sweep()
         eng = ProcEngine(ndev=DEVICE_COUNT, version=MODELLED_VERSION)
-        eng.nccl.path = (f"ncclpy CPU backend (models NCCL {MODELLED_VERSION // 10000}."
+        eng.nccl.path = (f"{_lib.CPU_BACKEND_PATH} (models NCCL {MODELLED_VERSION // 10000}."
                          f"{MODELLED_VERSION // 100 % 100}.{MODELLED_VERSION % 100}; not NCCL)")
         eng.cuda.host_buffers = True
         with _lib._lock:
