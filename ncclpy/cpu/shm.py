@@ -4,7 +4,11 @@ rank and communicator (its control block) and one per rank for its payloads.
 Segments are opened with ``shm_open`` and mapped with ``mmap`` directly (not
 ``multiprocessing.shared_memory``, whose resource tracker would start a process and unlink
 segments a peer still maps).  A name exists only until every peer has mapped the segment: the
-owner then unlinks it, so a killed job leaves nothing behind in /dev/shm once it got that far.
+owner then unlinks it; so are a rank's control blocks once every peer mapped them.  Payload
+segments keep their names while their rank lives (peers map each new one as it grows), so a
+killed rank leaves its payload segments behind: ``ncclpy run --cpu`` and ``ncclpy.spawn`` unlink
+those of their ranks once the job has ended (:func:`sweep` with ``pids``), and every CPU-backend
+process sweeps what dead processes left (older than 10 s) when it starts.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import ctypes
 import fcntl
 import mmap
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
@@ -110,16 +114,23 @@ class Segment:
             self._fd = -1
 
 
-def sweep(root: str = "/dev/shm", min_age: float = 10.0) -> int:
+def sweep(root: str = "/dev/shm", min_age: float = 10.0,
+          pids: Optional[Iterable[int]] = None) -> int:
     """Unlink the CPU backend's segments no live process owns (a killed job's: its owner's
     shared ``flock`` went with it; older than ``min_age`` seconds, so a segment being created
-    is never taken); how many.  Works across PID namespaces sharing /dev/shm."""
+    is never taken); how many.  Works across PID namespaces sharing /dev/shm.  ``pids``: only
+    the payload segments of those processes (named ``...-p<pid>``), whatever their age: a
+    launcher's ranks, once they have all ended."""
     import time
     n = 0
     try:
         names = [x for x in os.listdir(root) if x.startswith("ncclpy-")]
     except OSError:
         return 0
+    if pids is not None:
+        ends = tuple(f"-p{int(p)}" for p in pids)
+        names = [x for x in names if ends and x.endswith(ends)]
+        min_age = 0.0
     now = time.time()
     for name in names:
         path = os.path.join(root, name)

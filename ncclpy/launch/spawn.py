@@ -265,10 +265,14 @@ class SpawnContext:
         self._server = server   # the job's store, hosted here until every child ended
 
     def _end(self) -> None:
-        """Every child has ended: close the job's store and stop the MPS daemon."""
+        """Every child has ended: close the job's store, unlink the shared memory a CPU-backend
+        rank killed mid-job left, stop the MPS daemon."""
         server, self._server = self._server, None
         if server is not None:
             server.close()
+        if any(e.get("NCCLPY_DEVICE") == "cpu" for e in self.envs):
+            from ncclpy.cpu.shm import sweep     # what a killed rank left in /dev/shm
+            sweep(pids=[p.pid for p in self.processes if p.pid and p.exitcode is not None])
         self._end_mps()
 
     def _end_mps(self) -> None:
