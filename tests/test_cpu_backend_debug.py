@@ -179,6 +179,10 @@ def test_a_mismatched_count_waits_as_nccl_would_and_trace_marks_the_count(tmp_pa
     rc, err, d = _run("mismatch", tmp_path)
     assert rc == 1, err
     assert "they do not match, and wait (NCCL would hang" in err, err    # the engine says so
+    said = re.findall(r"CPU backend: collective #\d+ on this communicator is (ncclAllReduce\("
+                      r"float32, count \d+, op sum\)) on rank (\d), (ncclAllReduce\(float32, "
+                      r"count \d+, op sum\)) on rank (\d)", err)
+    assert said and said[0][0] != said[0][2], err     # in words: the counts differ
     verdicts = re.findall(r"\[rank (\d)\] ncclpy watchdog: communicator 'job' rank \d/2: "
                           r"(.*)", err)
     assert verdicts, err                # every peer issued it: nobody is behind

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any, Dict, List, Optional, Tuple
 
 from .channel import Channel
-from .engine import INTERNAL, Engine, _Item, _Op, _World, _BY_ENUM
+from .engine import INTERNAL, Engine, _Item, _Op, _World, _BY_ENUM, _OPS
 
 __all__ = ["ProcEngine"]
 
@@ -47,6 +47,21 @@ class _Violations(list):
         super().append(what)
         if len(self) > 100:
             del self[:-100]
+
+
+def _said(meta: List[Any]) -> str:
+    """A collective's description (:meth:`ProcEngine._meta`) in words: ``ncclAllReduce(float32,
+    count 8, op sum)``; a barrier is an all_reduce of one element to NCCL."""
+    fn, dtype, count, root, op = meta
+    d = _BY_ENUM.get(dtype)
+    parts = [d.name if d is not None else f"datatype {dtype}", f"count {count}"]
+    if root is not None and root >= 0:
+        parts.append(f"root {root}")
+    if isinstance(op, list):                       # ["premul", dtype]: a PreMulSum op
+        parts.append("op premul_sum")
+    elif op is not None:
+        parts.append(f"op {_OPS.get(op, op)}")
+    return f"nccl{fn}({', '.join(parts)})"
 
 
 class ProcEngine(Engine):
@@ -277,9 +292,9 @@ class ProcEngine(Engine):
             if e is None:
                 return False
             if e["m"] != meta:
-                ch.warn_once(f"collective {k} of rank {p} is {e['m']}, rank {ch.rank}'s is "
-                             f"{meta}: they do not match, and wait (NCCL would hang or compute "
-                             f"garbage)")
+                ch.warn_once(f"collective #{op.key[2]} on this communicator is {_said(e['m'])} "
+                             f"on rank {p}, {_said(meta)} on rank {ch.rank}: they do not "
+                             f"match, and wait (NCCL would hang or compute garbage)")
                 return False
             found[p] = e
         ops = [op]
