@@ -14,11 +14,11 @@ from ncclpy.buffers import (DEVICE_UNKNOWN, Buffer, BufferSpec, as_buffer, from_
 from ncclpy.bufkey import Uncacheable, buffer_key
 from ncclpy.comm import hot, streams
 from ncclpy.comm.resolver import Resolver
-from ncclpy.cpu.runtime import DevArray
 from ncclpy.dtypes import LOGICAL
 from ncclpy.errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from ncclpy.plan import checks
 from ncclpy.plan.types import PlanContext
+from nccl_standin import DevArray
 from test_buffers import PTR, CupyLike, DLPackCuda, TorchLike
 
 GPU = "is in GPU memory, but this process's communicators run on the CPU backend " \

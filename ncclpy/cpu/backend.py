@@ -73,7 +73,6 @@ def install() -> Any:
         eng = ProcEngine(ndev=DEVICE_COUNT, version=MODELLED_VERSION)
         eng.nccl.path = (f"{_lib.CPU_BACKEND_PATH} (models NCCL {MODELLED_VERSION // 10000}."
                          f"{MODELLED_VERSION // 100 % 100}.{MODELLED_VERSION % 100}; not NCCL)")
-        eng.cuda.host_buffers = True
         with _lib._lock:
             _lib._lib = eng.nccl
         with _cuda._backend_lock:

@@ -19,8 +19,14 @@ call (``calls``) and every violation of NCCL's rules that ncclpy must never comm
 communicator, an ``ncclCommAbort`` while another thread is inside a call, ranks that disagree on
 a collective (function, datatype, count, root, op), buffers that overlap other than in place, a
 PreMulSum op destroyed, of another communicator or of another datatype (RULES.md E5, E8, E9,
-P6, P7).  Fault injection (``slow``, ``fail``, ``async_fail``, ``graph_refs``) is only ever
-filled by tests.
+P6, P7).
+
+It cannot fail or slow a call on purpose and never poses as a GPU: the tests' fault injection
+(a call made slow or failing, an async error) and their GPU-posing runtime (buffers exporting
+``__cuda_array_interface__``) are a layer over it in tests/ (tests/nccl_standin.py), which
+subclasses :class:`Engine` (``nccl_type``, ``runtime_type``) and fills the hooks that are no-ops
+here (CpuNccl's ``_injected_failure``, ``_injected_delay``, ``_injected_async_error``;
+CpuRuntime's ``device_array``).
 
 It is not NCCL: no GPU, no NCCL kernels, no performance claim.
 """
@@ -118,7 +124,14 @@ class _World:
 
 
 class Engine:
-    """The engine: the stand-in libnccl (``.nccl``) and CUDA runtime (``.cuda``) share it."""
+    """The engine: the stand-in libnccl (``.nccl``) and CUDA runtime (``.cuda``) share it.
+
+    ``nccl_type`` / ``runtime_type``: the classes of ``.nccl`` and ``.cuda``, each made once with
+    the engine (None: :class:`ncclpy.cpu.nccl.CpuNccl`, :class:`ncclpy.cpu.runtime.CpuRuntime`,
+    which import this module); a subclass names its own."""
+
+    nccl_type: Optional[type] = None
+    runtime_type: Optional[type] = None
 
     def __init__(self, ndev: int = 8, version: int = 22809, polls: int = 2) -> None:
         self.lock = threading.RLock()
@@ -129,9 +142,6 @@ class Engine:
         self.configs: List[Tuple[str, int]] = []       # (collective, ncclCollConfig_t address)
         self.scalable_ids: List[Tuple[int, bytes]] = []  # (rank, ids) of InitRankScalable
         self.violations: List[str] = []
-        self.slow: Dict[str, float] = {}         # NCCL call -> seconds it blocks
-        self.fail: Dict[str, int] = {}           # NCCL call -> code it returns (once)
-        self.async_fail: Dict[int, int] = {}     # handle -> async error to report
         self.graph_refs: Dict[int, int] = defaultdict(int)   # handle -> live graphs holding it
         self.comms: Dict[int, _Comm] = {}
         self.worlds: Dict[bytes, _World] = {}
@@ -146,8 +156,8 @@ class Engine:
         self._ids = itertools.count(0x1000, 0x10)
         from .nccl import CpuNccl
         from .runtime import CpuRuntime
-        self.nccl = CpuNccl(self)
-        self.cuda = CpuRuntime(self)
+        self.nccl = (self.nccl_type or CpuNccl)(self)
+        self.cuda = (self.runtime_type or CpuRuntime)(self)
 
     # -- thread state ---------------------------------------------------------------------------
     def tls(self) -> Any:

@@ -1,6 +1,6 @@
-"""STAND-IN for libnccl (the C functions under ``ncclpy._nccl.lib.NcclLib``): the libnccl half
-of ncclpy/cpu/engine.py's stand-in (see there).  CPU tests of ncclpy's own logic only; it
-never makes a GPU test pass.
+"""The CPU engine's libnccl (the C functions under ``ncclpy._nccl.lib.NcclLib``): the libnccl
+half of ncclpy/cpu/engine.py (see there), for the CPU backend and the CPU tests of ncclpy's own
+logic alike.  It never makes a GPU test pass.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ncclpy._nccl import lib as _lib
 from ncclpy._nccl.config import NcclConfigStruct
@@ -63,9 +63,8 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
         me = threading.get_ident()
         with e.lock:
             e.calls.append((name, h, me))
-            code = e.fail.pop(name, None)
+            code = self._injected_failure(name)
             if code is not None:
-                self.last_text = f"stand-in: {name} made to fail".encode()
                 return code
             c = e.comms.get(h) if h else None
             if c is not None:
@@ -80,18 +79,33 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
                 if getattr(c, "suspended", False) and name not in _OK_SUSPENDED:
                     e.violations.append(f"{name} on a suspended communicator (rank {c.rank})")
         try:
-            slow = e.slow.get(name)
-            if slow:
-                end = time.monotonic() + slow
-                while time.monotonic() < end and not (c is not None and c.abort_flag):
-                    time.sleep(0.005)
-                if c is not None and c.abort_flag and name != "ncclCommAbort":
-                    return INTERNAL
+            code = self._injected_delay(name, c)
+            if code is not None:
+                return code
             return impl(*args)
         finally:
             if c is not None:
                 with e.lock:
                     c.busy.pop(me, None)
+
+    # -- hooks: no-ops here, so this engine never fails or slows a call on purpose; the tests'
+    #    fault injection (tests/nccl_standin.py) is a subclass that fills them -------------
+    def _injected_failure(self, name: str) -> Optional[int]:
+        """A code for the call ``name`` to return at once, without running (None: it runs).
+        Called under the engine's lock once the call is recorded in ``calls``, before it is
+        marked as inside its communicator."""
+        return None
+
+    def _injected_delay(self, name: str, c: Optional[_Comm]) -> Optional[int]:
+        """Called inside the call ``name`` (on ``c``, None for no communicator) just before it
+        runs, outside the engine's lock: it may block; a code to return instead of running
+        (None: it runs)."""
+        return None
+
+    def _injected_async_error(self, h: int) -> Optional[int]:
+        """An asynchronous error for ``ncclCommGetAsyncError`` on handle ``h`` to report instead
+        of the communicator's state (None: its state)."""
+        return None
 
     # -- errors and versions --------------------------------------------------------------------
     def _ncclGetVersion(self, out: Any) -> int:
@@ -170,8 +184,9 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
             return INVALID_ARG
         with e.lock:
             e.progress()
-            if h in e.async_fail:
-                out[0] = e.async_fail[h]
+            code = self._injected_async_error(h)
+            if code is not None:
+                out[0] = code
                 return SUCCESS
             pending = getattr(c, "pending", None)
             if pending:                      # group tasks run asynchronously (windows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -13,31 +12,7 @@ import numpy as np
 from .._nccl.cuda import CapturedEventError
 from .engine import Engine, Graph, _Item, _Mem
 
-__all__ = ["CpuRuntime", "CpuCudaError", "DevArray"]
-
-
-# -- "device" memory --------------------------------------------------------------------------
-class DevArray:
-    """A numpy array posing as device memory: ``__cuda_array_interface__`` v3 with a real host
-    address, and ``.device``."""
-
-    def __init__(self, arr: np.ndarray, device: int = 0, stream: Optional[int] = None) -> None:
-        self.a = np.ascontiguousarray(arr)
-        self.device = device
-        self._stream = stream
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        d = {"shape": self.a.shape, "typestr": self.a.dtype.str,
-             "data": (self.a.ctypes.data if self.a.size else 0, False), "version": 3,
-             "strides": None}
-        if self._stream is not None:
-            d["stream"] = self._stream
-        return d
-
-    @property
-    def ptr(self) -> int:
-        return self.a.ctypes.data
+__all__ = ["CpuRuntime", "CpuCudaError"]
 
 
 class CpuCudaError(RuntimeError):
@@ -59,9 +34,6 @@ class CpuRuntime:
     """``ncclpy._nccl.cuda``'s object, on host memory and queues (see the module docstring)."""
 
     name = "standin"
-    #: True in a CPU-backend process (buffers are host arrays); False for the tests' stand-in,
-    #: which poses as a GPU (buffers export __cuda_array_interface__)
-    host_buffers = False
 
     def __init__(self, eng: Engine) -> None:
         self.e = eng
@@ -225,25 +197,16 @@ class CpuRuntime:
         self.e.enqueue(stream, lambda: _Item("free", run=lambda: self.e.async_allocs.pop(ptr,
                                                                                      None)))
 
+    def device_array(self, arr: np.ndarray, device: int) -> Any:
+        """``arr`` as memory of ``device``: ``arr`` itself, host memory being the device's here.
+        A hook: X wraps it as device
+        memory (``__cuda_array_interface__``)."""
+        return arr
+
     def zeros_float32(self, count: int, device: int) -> Any:
-        if self.host_buffers:               # the product: host memory is the device's
-            return np.zeros(count, np.float32)
-        return DevArray(np.zeros(count, np.float32), device)
+        return self.device_array(np.zeros(count, np.float32), device)
 
     def thread_capture_mode_local(self) -> bool:
         self.local_capture_threads.append(threading.get_ident())
         self.exchange_capture_mode(1)
         return True
-
-    def synchronize(self, stream: int, timeout: float = 10.0) -> None:
-        """Test helper: wait until everything queued on ``stream`` ran."""
-        deadline = time.monotonic() + timeout
-        key = self.e.skey(stream)
-        while True:
-            with self.e.lock:
-                self.e.progress()
-                if not any(not it.done for it in self.e.streams[key]):
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stream {stream} did not drain")
-            time.sleep(0.001)

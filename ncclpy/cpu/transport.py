@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .channel import Channel
 from .engine import INTERNAL, Engine, _Item, _Op, _World, _BY_ENUM, _OPS
+from .proc_nccl import ProcNccl
 
 __all__ = ["ProcEngine"]
 
@@ -67,12 +68,12 @@ def _said(meta: List[Any]) -> str:
 class ProcEngine(Engine):
     """The engine of one process whose ranks meet other processes' through channels."""
 
+    nccl_type = ProcNccl
+
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.calls = deque(maxlen=1000)             # a product process: bounded
         self.violations = _Violations()
-        from .proc_nccl import ProcNccl
-        self.nccl = ProcNccl(self)
         self.channels: Dict[int, Channel] = {}       # comm handle -> its channel
         self.members: Dict[Tuple[int, int], int] = {}  # (world id, rank) -> comm handle
         self.order: Dict[int, Any] = {}              # comm handle -> its items' ids, in order
