@@ -4,7 +4,6 @@ them once every rank has ended.  Real processes, a real SIGKILL."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap

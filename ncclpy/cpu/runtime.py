@@ -199,7 +199,7 @@ class CpuRuntime:
 
     def device_array(self, arr: np.ndarray, device: int) -> Any:
         """``arr`` as memory of ``device``: ``arr`` itself, host memory being the device's here.
-        A hook: X wraps it as device
+        A hook: the tests' GPU-posing runtime (tests/nccl_standin.py) wraps it as device
         memory (``__cuda_array_interface__``)."""
         return arr
 
