@@ -1,7 +1,8 @@
 """The CPU backend beside real NCCL (marker ``gpu``): on a GPU machine the same example gives the
 same values on both (the CPU backend claims NCCL's results, bit for bit); a CuPy array (GPU
-memory) handed to a CPU communicator is refused in one line; a process that runs a GPU
-communicator cannot switch to the CPU backend.  Each needs a GPU: real NCCL, real CuPy device
+memory) handed to a CPU communicator is refused in one line, and a numpy array (host memory)
+handed to a GPU communicator; a process that runs a GPU communicator cannot switch to the CPU
+backend.  Each needs a GPU: real NCCL, real CuPy device
 memory, a real CUDA runtime in the process."""
 from __future__ import annotations
 
@@ -65,8 +66,13 @@ comm.close()
 """
 
 _GPU_THEN_CPU = """
-import ncclpy
+import numpy as np, ncclpy
 g = ncclpy.init("g", rank=0, world_size=1, master_addr="127.0.0.1", master_port={port})
+try:
+    g.all_reduce(np.ones(4, np.float32))
+    print("HOST ACCEPTED")
+except ncclpy.NcclpyError as e:
+    print("HOST REFUSED", type(e).__name__, e)
 try:
     ncclpy.init("c", device="cpu", rank=0, world_size=1, master_addr="127.0.0.1",
                 master_port={port2})
@@ -81,6 +87,7 @@ g.close()
 @pytest.mark.gpu_world(1)
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_gpu_memory_to_a_cpu_communicator_and_a_gpu_process_switching_are_refused():
+    """Also host memory to a GPU communicator (the reverse), in one line."""
     from ncclpy.launch.ports import free_port
     r = _run([sys.executable, "-c", _CUPY_TO_CPU_COMM.format(port=free_port("127.0.0.1"))])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -90,6 +97,9 @@ def test_gpu_memory_to_a_cpu_communicator_and_a_gpu_process_switching_are_refuse
     r = _run([sys.executable, "-c", _GPU_THEN_CPU.format(port=free_port("127.0.0.1"),
                                                         port2=free_port("127.0.0.1"))])
     assert r.returncode == 0, r.stderr[-2000:]
+    host = [ln for ln in r.stdout.splitlines() if ln.startswith("HOST ")]
+    assert len(host) == 1 and host[0].startswith("HOST REFUSED ArgumentError sendbuf: ") and \
+        "is in host memory" in host[0] and "ncclpy.init(device='cpu')" in host[0], host
     line = r.stdout.strip().splitlines()[-1]
     assert line.startswith("REFUSED ArgumentError") and "either on the GPU or on the CPU" \
         in line, line
