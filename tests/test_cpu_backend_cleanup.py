@@ -1,6 +1,7 @@
 """A CPU-backend rank killed mid-job leaves its payload segments in /dev/shm (their names live
-as long as the rank: peers map each new one); ``ncclpy.spawn`` and ``ncclpy run --cpu`` unlink
-them once every rank has ended.  Real processes, a real SIGKILL."""
+as long as the rank: peers map each new one); ``ncclpy.spawn`` and ``ncclpy run`` unlink them
+once every rank has ended, whether the job asked for the CPU backend or each rank chose it.
+Real processes, a real SIGKILL."""
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ RANK = """
     import ncclpy
 
     def rank_body(rank, outdir):
-        comm = ncclpy.init(timeout=60, watchdog=False)
+        comm = ncclpy.init(device="cpu", timeout=60, watchdog=False)   # the rank chooses
         x = np.ones(1 << 18, np.float32)
         comm.all_reduce(x).wait()
         with open(os.path.join(outdir, f"{rank}.pid"), "w") as f:
@@ -52,18 +53,20 @@ def _left(tmp_path: Path) -> list:
             and any(n.endswith(f"-p{p}") for p in pids)]
 
 
-def test_spawn_unlinks_what_a_killed_rank_left(tmp_path):
+@pytest.mark.parametrize("device", [{"device": "cpu"}, {}], ids=["device-cpu", "rank-chooses"])
+def test_spawn_unlinks_what_a_killed_rank_left(tmp_path, device):
     with pytest.raises(LaunchError, match=r"rank 1 .*SIGKILL"):
-        ncclpy.spawn(_rank, 2, args=(str(tmp_path),), device="cpu", timeout=120)
+        ncclpy.spawn(_rank, 2, args=(str(tmp_path),), timeout=120, **device)
     assert _left(tmp_path) == []
 
 
-def test_ncclpy_run_cpu_unlinks_what_a_killed_rank_left(tmp_path):
+@pytest.mark.parametrize("flag", [["--cpu"], []], ids=["cpu-flag", "rank-chooses"])
+def test_ncclpy_run_unlinks_what_a_killed_rank_left(tmp_path, flag):
     prog = tmp_path / "rank.py"
     prog.write_text(textwrap.dedent(RANK))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCLPY_", "RANK", "WORLD"))}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", "2",
+    r = subprocess.run([sys.executable, "-m", "ncclpy", "run", *flag, "-n", "2",
                         sys.executable, str(prog), str(tmp_path)], env=env, capture_output=True,
                        text=True, timeout=150)
     assert r.returncode != 0, r.stderr[-2000:]

@@ -3,12 +3,11 @@ rank and communicator (its control block) and one per rank for its payloads.
 
 Segments are opened with ``shm_open`` and mapped with ``mmap`` directly (not
 ``multiprocessing.shared_memory``, whose resource tracker would start a process and unlink
-segments a peer still maps).  A name exists only until every peer has mapped the segment: the
-owner then unlinks it; so are a rank's control blocks once every peer mapped them.  Payload
-segments keep their names while their rank lives (peers map each new one as it grows), so a
-killed rank leaves its payload segments behind: ``ncclpy run --cpu`` and ``ncclpy.spawn`` unlink
-those of their ranks once the job has ended (:func:`sweep` with ``pids``), and every CPU-backend
-process sweeps what dead processes left (older than 10 s) when it starts.
+segments a peer still maps).  A control block's name exists only until every peer has mapped
+it: its owner then unlinks it.  Payload segments keep their names while their rank lives (peers map each new one as it grows), so a
+killed rank leaves its payload segments behind: ``ncclpy run`` and ``ncclpy.spawn`` unlink those
+of their ranks once the job has ended (:func:`sweep` with ``pids``; with ``--cpu`` or not), and
+every CPU-backend process sweeps what dead processes left (older than 10 s) when it starts.
 """
 from __future__ import annotations
 

@@ -405,9 +405,10 @@ def _start_and_supervise(command: list[str], base: Mapping[str, str], placement:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if placement.cpu:      # what a CPU-backend rank killed mid-job left in /dev/shm
-            from ncclpy.cpu.shm import sweep
-            sweep(pids=[p.pid for p in procs if p.poll() is not None])
+        # what a CPU-backend rank killed mid-job left in /dev/shm (--cpu, or a rank's own
+        # init(device="cpu"); a GPU job has none: one directory listing)
+        from ncclpy.cpu.shm import sweep
+        sweep(pids=[p.pid for p in procs if p.poll() is not None])
 
 
 def _supervise(procs: list[subprocess.Popen], ranks: list[int], out: _Sink, err: _Sink,

@@ -270,9 +270,10 @@ class SpawnContext:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        if any(e.get("NCCLPY_DEVICE") == "cpu" for e in self.envs):
-            from ncclpy.cpu.shm import sweep     # what a killed rank left in /dev/shm
-            sweep(pids=[p.pid for p in self.processes if p.pid and p.exitcode is not None])
+        # what a CPU-backend rank killed mid-job left in /dev/shm (whether the job asked for
+        # the backend or each rank chose it; a GPU job has none: one directory listing)
+        from ncclpy.cpu.shm import sweep
+        sweep(pids=[p.pid for p in self.processes if p.pid and p.exitcode is not None])
         self._end_mps()
 
     def _end_mps(self) -> None:
