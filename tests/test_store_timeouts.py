@@ -84,17 +84,23 @@ def timeout_kind(request, monkeypatch):
     return request.param
 
 
-def test_unresponsive_server_times_out_client_side(timeout_kind):
-    """A peer that greets but never answers: the socket timeout still bounds the call."""
-    fake = _ScriptedServer([None])
+def _set_gets_no_reply(script: list, timeout: float) -> None:
+    """A set against a server playing ``script`` ends in "no reply" at the client's ``timeout``
+    (not before, and not hanging)."""
+    fake = _ScriptedServer(script)
     try:
-        with TCPStore("127.0.0.1", fake.port, timeout=0.5) as s:
+        with TCPStore("127.0.0.1", fake.port, timeout=timeout) as s:
             t0 = time.monotonic()
             with pytest.raises(StoreTimeout, match="no reply"):
                 s.set("k", b"v")
-            assert 0.5 - TICK <= time.monotonic() - t0 < HANG
+            assert timeout - TICK <= time.monotonic() - t0 < HANG
     finally:
         fake.close()
+
+
+def test_unresponsive_server_times_out_client_side(timeout_kind):
+    """A peer that greets but never answers: the socket timeout still bounds the call."""
+    _set_gets_no_reply([None], 0.5)
 
 
 def test_reply_later_than_the_armed_bound_but_within_the_calls_own_is_received(timeout_kind):
@@ -147,15 +153,7 @@ def test_trickled_reply_cannot_outlast_the_calls_bound(timeout_kind):
     """A peer sending its reply a byte at a time (each recv returns in time) is still cut off at
     the call's bound: the bound is on the whole reply, not on each recv (which would receive
     the whole reply, 55 bytes at >= 0.05 s each: >= 2.75 s, and succeed)."""
-    fake = _ScriptedServer([(0.0, b"x" * 50, 0.05)])
-    try:
-        with TCPStore("127.0.0.1", fake.port, timeout=2.0) as s:
-            t0 = time.monotonic()
-            with pytest.raises(StoreTimeout, match="no reply"):
-                s.set("k", b"v")
-            assert 2.0 - TICK <= time.monotonic() - t0 < HANG
-    finally:
-        fake.close()
+    _set_gets_no_reply([(0.0, b"x" * 50, 0.05)], 2.0)
 
 
 def test_barrier_round_trip_waits_out_its_own_bound(timeout_kind):
