@@ -20,7 +20,8 @@ _LAZY = {
         "StoreProtocolError", "StoreRequestError", "NcclError", "CallMismatchError",
         "CallCheckTimeout", "CommAbortedError", "NcclTimeoutError", "NcclUnhandledCudaError",
         "NcclSystemError", "NcclInternalError", "NcclInvalidArgument", "NcclInvalidUsage",
-        "NcclRemoteError", "NcclInProgress", "EnvironmentMismatchError", "NotLaunchedError")},
+        "NcclRemoteError", "NcclInProgress", "EnvironmentMismatchError", "NotLaunchedError",
+        "CannotPredict")},
     "CudaUnavailableError": "ncclpy.errors",
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},

@@ -1,5 +1,5 @@
 """The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``,
-``plan`` (the NCCL calls of one call, without a GPU), ``trace`` (what went wrong, from the
+``plan`` (the NCCL calls of one call, without a GPU), ``order`` (the order NCCL adds in), ``trace`` (what went wrong, from the
 flight-recorder dumps), ``status`` (where every rank of a running job is), ``bench`` (the
 nccl-tests-style sweep of ``python -m bench``, from any directory).
 
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print NCCL's effective parameters (its parameter API, NCCL >= "
                            "2.30.4; no GPU needed): NAME = value, as NCCL resolved them")
     sub.add_parser("check", help="cross-check ncclpy against references (see 'ncclpy check -h')",
+                   add_help=False)
+    sub.add_parser("order", help="the order in which NCCL adds the ranks' contributions, "
+                                 "predicted from NCCL's source (see 'ncclpy order -h')",
                    add_help=False)
     sub.add_parser("plan", help="print the exact NCCL calls each rank would make for one call, "
                                 "without a GPU (see 'ncclpy plan -h')", add_help=False)
@@ -192,6 +195,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "plan":
         from .plan.cli import main as plan_main
         return plan_main(argv[1:])
+    if argv and argv[0] == "order":
+        from .order.cli import main as order_main
+        return order_main(argv[1:])
     if argv and argv[0] == "trace":
         from .debug.tracecli import main as trace_main
         return trace_main(argv[1:])

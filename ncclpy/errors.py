@@ -20,7 +20,7 @@ __all__ = [
     "NcclInvalidArgument", "NcclInvalidUsage", "NcclRemoteError", "NcclInProgress",
     "NcclTimeoutError", "nccl_error_from_code", "NCCL_RESULT_NAMES",
     "CallMismatchError", "CallCheckTimeout", "CommAbortedError", "EnvironmentMismatchError",
-    "NotLaunchedError",
+    "NotLaunchedError", "CannotPredict",
 ]
 
 
@@ -133,6 +133,13 @@ class EnvironmentMismatchError(NcclpyError, RuntimeError):
 class NotLaunchedError(NcclpyError, RuntimeError):
     """The call was made inside ``group(simulate=True)``: NCCL only estimated its time
     (``ncclGroupSimulateEnd``) and never launched it, so its Work has no result to wait for."""
+
+
+class CannotPredict(NcclpyError):
+    """The reduction-order model (:mod:`ncclpy.order`) does not cover this configuration;
+    ``str(e)`` says why (an unchecked NCCL version, an algorithm other than Ring/Tree, a
+    missing log line, ...).  ``ncclpy order`` reports it as the verdict CANNOT_PREDICT: an
+    answer with its reason, not a failure of any call."""
 
 
 class CommAbortedError(NcclpyError, RuntimeError):

@@ -32,6 +32,8 @@ INTERNAL_EXCEPTIONS = {
     "ncclpy.cpu.runtime.CpuCudaError": "the CPU backend's CuPy CUDARuntimeError (a status "
                                        "code, e.g. an invalid device): what a GPU run raises "
                                        "there is CuPy's, not an NcclpyError either",
+    "ncclpy.order.logs.LogError": "a log line the order model needs is missing: always "
+                                  "caught, becomes the verdict CANNOT_PREDICT with its reason",
     "ncclpy.selftest.debt.CollectError": "the GPU tests could not be collected: always caught "
                                          "by the selftest (exit 2, or the fixed stage order)",
 }
