@@ -93,8 +93,9 @@ _PART2 = "tests/gpu/test_part2_gpu.py"
 _EXAMPLES = "tests/gpu/test_examples_gpu.py"
 _BENCH = "tests/gpu/test_bench_gpu.py"
 _DIFF = "tests/gpu/test_standin_differential.py"
+_ORDER = "tests/gpu/test_order_gpu.py"
 #: the GPU test files with a stage of their own; the rest are the communicator's tests
-_OWN = (_CHECK, _FORENSICS, _PART2, _EXAMPLES, _BENCH, _DIFF)
+_OWN = (_CHECK, _FORENSICS, _PART2, _EXAMPLES, _BENCH, _DIFF, _ORDER)
 
 STAGES: Tuple[Stage, ...] = (
     Stage("info", "versions and ncclpy info", "info", 60, 20, ranks=0,
@@ -134,6 +135,12 @@ STAGES: Tuple[Stage, ...] = (
           notes="3-rank jobs on one GPU: a skipped collective, a send without its recv (and "
                 "the status table showing it blocked), a SIGSTOPped rank, the status table "
                 "while a job hangs"),
+    Stage("order", "NCCL's reduction order: the model's bits against real NCCL's", "pytest",
+          240, 120, ranks=7, paths=(_ORDER,),
+          notes="ncclpy order --observe --matrix proof: ranks 3 and 4 (hostid-socket: each "
+                "rank its own node), Ring and Tree, LL/LL128/Simple, 1 and 2 channels, "
+                "float32/bfloat16/float16, alignment path, one and several loops, the split's "
+                "second channel; reduce_scatter and reduce on Ring; 0 mismatches"),
     Stage("bench", "bench sweep all_reduce 8 B - 256 MiB, n=2, ncclpy/cupy/torch", "bench",
           150, 45, ranks=2, exclusive=True,
           args=("all_reduce", "-b", "8", "-e", "256M", "-f", "2", "--nproc", "2",
