@@ -79,4 +79,18 @@ TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
                          funcs=("Collective.bandwidths", "<lambda>", "_ring", "_part",
                                 "_whole", "Collective.sizes", "Collective.divisor"),
                          why="algbw and busbw as nccl-tests defines them")),
+    ("order_split", Target("ncclpy/order/split.py",
+                           ("tests/test_order_literals.py", "tests/test_order_model.py",
+                            "tests/test_order_translit.py::test_host_split_equals_"
+                            "transliteration_on_every_port_and_any_world_size",
+                            "tests/test_order_translit.py::test_host_split_edge_cases_equal_"
+                            "transliteration"),
+                           why="NCCL's channel tuning, split and chunks: where every fold "
+                               "starts")),
+    ("order_model", Target("ncclpy/order/model.py",
+                           ("tests/test_order_literals.py", "tests/test_order_model.py"),
+                           why="the fold of every output element, and its bits")),
+    ("order_reveal", Target("ncclpy/order/reveal.py",
+                            ("tests/test_order_model.py", "tests/test_order_observe.py"),
+                            why="inputs whose sum shows its order, and the decoder")),
 ]}
