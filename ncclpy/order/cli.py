@@ -16,6 +16,8 @@ import json
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+import numpy as np
+
 from ..cli_util import run_main
 from .args import PROG, build_parser, config_from_args
 from .split import COLLECTIVES
@@ -102,7 +104,12 @@ def _print_text(pred: Prediction, rank: int, elements: Optional[List[int]]) -> N
               f"{cfg.nthreads} threads x {cfg.threshold}; NCCL's thread count is its 'Max "
               f"NThreads' line: --nthreads)")
     whose = "the output" if cfg.collective == "all_reduce" else f"rank {rank}'s output"
-    print(f"folds of {whose} (a + b: one rounded add of those ranks' inputs):")
+    step = {"prod": "one rounded multiply", "min": "their min", "max": "their max"}.get(
+        cfg.op, "one rounded add")
+    from ..dtypes import DTYPES
+    if cfg.op in ("min", "max") or DTYPES[cfg.dtype].kind != "float":
+        print(f"the order does not change the bits of {cfg.op} on {cfg.dtype} (shown anyway)")
+    print(f"folds of {whose} (a + b: {step} of those ranks' inputs):")
     part_of = {q.channel: q for q in pred.split.parts}
     if elements:
         for e in elements:
@@ -118,7 +125,6 @@ def _print_text(pred: Prediction, rank: int, elements: Optional[List[int]]) -> N
         print(f"  ... {len(runs) - SHOWN_RUNS} more runs (--element E or --json for any "
               f"element)")
     print("elements sharing a fold:")
-    import numpy as np
     sizes = np.bincount(m.group, minlength=len(m.exprs))
     nruns = np.bincount(np.array([g for _, _, g in runs], dtype=np.int64),
                         minlength=len(m.exprs))
@@ -131,7 +137,7 @@ def _main(argv: List[str]) -> int:
     p = build_parser()
     ns = p.parse_args(argv)
     if ns.observe:
-        from .observe import observe_main
+        from .observe_cli import observe_main
         return observe_main(p, ns)
     for f in ("matrix", "out", "timeout"):
         if getattr(ns, f) is not None:

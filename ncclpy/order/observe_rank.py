@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .topology import ring_rotation, tree_expr
 from .verdict import CANNOT_PREDICT, MISMATCH, judge, order_free_bound
 from .versions import CannotPredict
 
-__all__ = ["run_rank", "case_inputs", "LOG_WAIT_S"]
+__all__ = ["run_rank", "case_inputs", "read_records", "LOG_WAIT_S"]
 
 #: how long a rank waits for another rank's log lines to appear
 LOG_WAIT_S = 30.0
@@ -228,18 +228,22 @@ def run_rank(rank: int, job: Job, job_dir: str) -> None:
         results.close()
 
 
-def _record_error(results: Any, group: Group, job: Job, rank: int, err: Exception) -> None:
-    done = set()
-    results.flush()
-    path = results.name
+def read_records(path: str) -> Iterator[Dict[str, Any]]:
+    """The result lines of one rank's file (a line cut short by a killed rank is skipped)."""
+    if not os.path.exists(path):
+        return
     with open(path) as f:
         for ln in f:
             try:
-                rec = json.loads(ln)
+                yield json.loads(ln)
             except ValueError:
                 continue
-            if rec.get("algo") == group.algo and rec.get("proto") == group.proto:
-                done.add(rec.get("case"))
+
+
+def _record_error(results: Any, group: Group, job: Job, rank: int, err: Exception) -> None:
+    results.flush()
+    done = {rec.get("case") for rec in read_records(results.name)
+            if rec.get("algo") == group.algo and rec.get("proto") == group.proto}
     why = " ".join(f"{type(err).__name__}: {err}".split())[:300]
     for case in group.cases:
         if case.name() not in done:
