@@ -8,7 +8,7 @@ import os
 from typing import Any, List, Sequence, Tuple
 
 from ..cli_util import OneLineParser, int_at_least
-from .config import OPS, OrderConfig
+from .config import DEFAULT_VERSION, OPS, OrderConfig
 from .split import ALGOS, COLLECTIVES, PROTOS
 from .versions import parse_version
 
@@ -196,7 +196,7 @@ def config_from_args(p: OneLineParser, ns: argparse.Namespace) -> OrderConfig:
     try:
         return OrderConfig.make(ns.collective, ns.ranks, ns.count, dtype=dtype, algo=ns.algo,
                                 proto=ns.proto, op=op, scalar=scalar, root=ns.root,
-                                version=ns.nccl_version or 22809, channels=ns.channels,
+                                version=ns.nccl_version or DEFAULT_VERSION, channels=ns.channels,
                                 ring=ns.ring, buffsizes=buffs, max_threads=threads)
     except ValueError as e:
         field = str(e).split(":", 1)[0]

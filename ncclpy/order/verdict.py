@@ -10,7 +10,7 @@ labelled as such.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -61,7 +61,6 @@ class Verdict:
     compared: int = 0
     first: Tuple[Difference, ...] = ()
     bound: str = ""
-    extra: Dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
         """One line: ``PREDICTED  all_reduce ring/ll, ... (4096 elements x 4 ranks)``."""
@@ -86,7 +85,6 @@ class Verdict:
                            "predicted_bits": x.predicted, "observed_bits": x.observed,
                            "predicted_order": expr_to_json(x.predicted_fold),
                            "observed_orders": list(x.observed_folds)} for x in self.first]
-        d.update(self.extra)
         return d
 
 
