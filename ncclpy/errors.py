@@ -62,13 +62,16 @@ class LaunchError(NcclpyError, RuntimeError):
 
 
 class ProcessRaisedException(LaunchError):
-    """A child started by :func:`ncclpy.spawn` raised; carries its rank and formatted traceback."""
+    """A child started by :func:`ncclpy.spawn` raised; carries its rank and formatted traceback
+    (``message``: one line said instead of the traceback, for a known mistake)."""
 
-    def __init__(self, rank: int, exitcode: Optional[int], tb: str) -> None:
+    def __init__(self, rank: int, exitcode: Optional[int], tb: str,
+                 message: Optional[str] = None) -> None:
         self.rank = rank
         self.exitcode = exitcode
         self.traceback = tb
-        super().__init__(f"rank {rank} raised an exception (exit code {exitcode}):\n{tb}")
+        super().__init__(message or
+                         f"rank {rank} raised an exception (exit code {exitcode}):\n{tb}")
 
 
 class StoreError(NcclpyError, RuntimeError):

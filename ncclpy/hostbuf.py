@@ -12,13 +12,17 @@ cannot carry, NULL pointers of non-empty buffers, the read-only flag.
 GPU memory (CuPy arrays, torch CUDA tensors, ``__cuda_array_interface__`` objects, DLPack
 kDLCUDA / kDLCUDAManaged, a Buffer on a CUDA device) is refused in one line naming the argument
 and what is expected instead.  Like the device parsers, nothing here dereferences a pointer.
+
+Imports point down: :mod:`ncclpy.buffers` imports this module (its host memory mode dispatches
+here); this module takes the checks it shares with the device parsers from
+:mod:`ncclpy.bufspec` and never imports :mod:`ncclpy.buffers`.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any, Dict, Tuple
 
-from .buffers import (_NP_NAMES, _TYPESTRS, DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, _cai_dtype,
+from .bufspec import (_NP_NAMES, _TYPESTRS, DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, _cai_dtype,
                       _check_layout, _dtype, _prod, _shape, _spec, torch_spec)
 from .dlpack import DL_DEVICE_NAMES, dlpack_dtype, parse_dlpack_capsule
 from .dtypes import LOGICAL

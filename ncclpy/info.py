@@ -328,9 +328,8 @@ def collect(import_torch: bool = False) -> dict[str, Any]:
 def _cpu_backend_section() -> dict[str, Any]:
     """Whether the CPU backend (``ncclpy.init(device="cpu")``) can run here, and what it
     models (it is not NCCL)."""
-    from .cpu.backend import MODELLED_VERSION
-    from .cpu.shm import available
-    why = available()
+    from .cpu.backend import MODELLED_VERSION, cannot_run
+    why = cannot_run()
     v = MODELLED_VERSION
     return {"available": why is None, "error": why,
             "models": f"{v // 10000}.{v // 100 % 100}.{v % 100}"}

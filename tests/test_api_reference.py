@@ -36,6 +36,9 @@ INTERNAL_EXCEPTIONS = {
                                   "caught, becomes the verdict CANNOT_PREDICT with its reason",
     "ncclpy.selftest.debt.CollectError": "the GPU tests could not be collected: always caught "
                                          "by the selftest (exit 2, or the fixed stage order)",
+    "ncclpy.cpu.shm.ShmFull": "/dev/shm had no room: always caught by the CPU backend (the "
+                              "communicator fails with ncclSystemError, its text naming the "
+                              "rank and --shm-size)",
 }
 
 #: classes whose public members (methods, properties) must each be documented

@@ -1,7 +1,8 @@
-"""A CPU-backend rank killed mid-job leaves its payload segments in /dev/shm (their names live
-as long as the rank: peers map each new one); ``ncclpy.spawn`` and ``ncclpy run`` unlink them
-once every rank has ended, whether the job asked for the CPU backend or each rank chose it.
-Real processes, a real SIGKILL."""
+"""A CPU-backend rank killed mid-job leaves nothing in /dev/shm: its file's name is unlinked once
+every peer has opened it (issue 49; a job killed whole: tests/test_cpu_backend_failures.py);
+what a rank killed while still connecting left, ``ncclpy.spawn`` and ``ncclpy run`` unlink once
+every rank has ended, whether the job asked for the CPU backend or each rank chose it.  Real
+processes, a real SIGKILL."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from ncclpy.errors import LaunchError
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 
-#: a rank: a 1 MiB all_reduce (its payload segment), its pid written, then rank 1 dies by
+#: a rank: a 1 MiB all_reduce (its payload area grows), its pid written, then rank 1 dies by
 #: SIGKILL while rank 0 waits in a second all_reduce (the launcher stops it)
 RANK = """
     import os, signal, sys

@@ -374,6 +374,11 @@ def test_a_call_completed_before_its_entry_is_attached_is_stamped_completed():
         def append(self, w):
             super().append(w)
             w.is_completed()
+
+        def __iadd__(self, ws):           # the call path hands Works over with +=
+            for w in ws:
+                self.append(w)
+            return self
     with standin() as eng:
         c = _one()
         c._watch = AtOnce()

@@ -24,10 +24,11 @@ NOTE = ("ncclpy ran on its CPU backend (ncclpy.init(device='cpu')): the CPU engi
 
 
 def unavailable() -> str:
-    """Why the CPU backend cannot run on this machine ('' when it can): POSIX shared memory."""
-    from ..cpu.shm import available
-    why = available()
-    return f"the CPU backend needs POSIX shared memory: {why}" if why else ""
+    """Why the CPU backend cannot run on this machine ('' when it can): x86-64 Linux with POSIX
+    shared memory."""
+    from ..cpu.backend import cannot_run
+    why = cannot_run()
+    return f"the CPU backend cannot run here: {why}" if why else ""
 
 
 def setup(ctx: Dict[str, Any], header: Dict[str, Any], timeout: float) -> None:

@@ -228,7 +228,7 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
         self._checker: Any = None            # checked mode (ncclpy.checked.Checker)
         #: the tracker of issued Work: the watchdog's deque, else the process reaper's
         self._watch: Any = reaper().lane()
-        self._captured_events: List[int] = []   # events of captured calls (destroyed at close)
+        self._captured_events: List[Any] = []   # Works of captured calls (events: close)
         self._watchdog: Any = None
         self._recorder: Any = None           # the flight recorder (ncclpy.debug.recorder)
         self._objects: Any = None            # broadcast_object / all_gather_object (objects.py)

@@ -24,14 +24,16 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from functools import partial
+from threading import get_ident
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from .._nccl.cuda import cuda
 from .._nccl.group import GroupState, closed, group_depth, group_state, opened
-from ..debug.recorder import note_dump
-from ..errors import CallCheckTimeout, NcclpyError
+from ..debug.recorder import interrupted, note_dump
+from ..errors import CallCheckTimeout, NcclError, NcclpyError
 from ..plan.types import PREMUL_OP, Copy, NcclCall, Scratch
 from .lifecycle import ABORTED, ABORTING, USABLE
+from .streams import keep_memory, torch_record
 from .work import Work
 
 __all__ = ["execute", "issue", "group_scope", "group_state", "group_depth", "segments",
@@ -128,8 +130,7 @@ def _join(st: GroupState, comm: Any) -> None:
     (an abort waits for it) until the outermost group end."""
     if id(comm) not in st.comms:
         _refuse_simulated(st, comm)
-        comm._life.hold()
-        st.comms[id(comm)] = comm
+        comm._life.hold("group", st.comms, id(comm), comm)
 
 
 def _refuse_simulated(st: GroupState, comm: Any, sim: Any = None) -> None:
@@ -157,13 +158,14 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
                                "first, plain groups may nest inside it")
     if comm is not None and id(comm) not in st.comms:
         _refuse_simulated(st, comm, sim)     # this group's simulation, or an outer one's
-        comm._life.hold()
+        held: dict = {}
+        comm._life.hold("group", held, id(comm), comm)
         try:
             start()
         except BaseException:
             comm._life.release_hold()
             raise
-        st.comms[id(comm)] = comm
+        st.comms.update(held)
     else:
         start()
     st.depth += 1
@@ -280,8 +282,10 @@ def _late_copies(res: Resources, steps: Sequence[Copy], stream: int,
         res.copy(steps, stream)
 
 
-def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
-    """Run ``plan`` on ``comm`` on ``stream``; returns the call's Work."""
+def execute(comm: Any, plan: Any, stream: int, keep: Any = (),
+            took: Optional[List[Any]] = None) -> Work:
+    """Run ``plan`` on ``comm`` on ``stream``; returns the call's Work.  ``took``: [the flight
+    recorder's entry]; the Work is appended once it has the entry (:func:`_recorded`)."""
     st = group_state()
     outer = st.depth > 0            # inside a user group: NCCL launches at its outermost end
     table = comm._dispatch
@@ -289,7 +293,11 @@ def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
     if res.op is not None:          # ncclRedOpCreatePreMulSum was a call of its own: what is
         comm._life._what = plan.collective   # inside NCCL from here on is the plan's call
     work = Work(comm, comm.device, stream, plan, keep=(res, keep))
+    if took is not None and not outer:
+        work._rec = took[0]
+        took.append(work)
     issued = False
+    begun = 0                       # steps begun (copies, NCCL calls): what may be enqueued
     try:
         if outer:
             _join(st, comm)
@@ -298,29 +306,60 @@ def execute(comm: Any, plan: Any, stream: int, keep: Any = ()) -> Work:
                 if issued and outer:
                     st.pending.append(partial(_late_copies, res, steps, stream))
                 else:
+                    begun += 1
                     res.copy(steps, stream)
             elif plan.group:
+                begun += 1
                 with group_scope(table["GroupStart"], table["GroupEnd"], comm):
                     for c in steps:
                         table[c.fn](*res.args(c), stream=stream)
             else:
                 for c in steps:
+                    begun += 1
                     table[c.fn](*res.args(c), stream=stream)
             issued = issued or is_call
-    except BaseException:
+        if not outer:
+            work._record()          # recorded and tracked, then the op and scratch released
+            begun = -1
+            res.release()
+    except BaseException as x:
         if outer:   # NCCL may still launch what was enqueued: keep the op until the group ends
             st.pending.append(res.release)
         else:
+            if begun > 1 or begun == 1 and not _own_failure(comm, x):
+                try:                # (an interrupt, or a failure after something was
+                    if work._event is None:     # enqueued: the Work keeps the buffers until
+                        work._record()          # the GPU passed it, and stamps the
+                    else:                       # recorder's entry)
+                        work._track()
+                    if took is not None:
+                        interrupted(took[0], x)
+                except Exception as e:  # noqa: BLE001 - no event: let go
+                    log.warning("a %s failed after its first step: its event could not be "
+                                "recorded (%s)", plan.collective, e)
+                    if took is not None:
+                        del took[1:]
+            elif took is not None and begun == 0:
+                del took[1:]        # nothing enqueued: the entry fails with the call
             res.release()
         raise
     if outer:
         st.pending.append(partial(_finish, res, work))
-    else:
-        _finish(res, work, None)
     return work
 
 
-def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
+def _own_failure(comm: Any, x: BaseException) -> bool:
+    """Whether ``x`` is an NCCL call's (or a CUDA copy's) own failure: nothing enqueued."""
+    if isinstance(x, NcclError):
+        return True
+    from .._nccl.dispatch import cupy_status
+    return isinstance(x, Exception) and (cupy_status(x, comm._lib) is not None or
+                                         type(x).__name__.endswith("CudaError") or
+                                         "cudaError" in str(x))
+
+
+def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0,
+          _took: Optional[List[Any]] = None) -> Work:
     """Run the resolved call ``r`` on ``comm`` (see module docstring); returns its Work.
 
     A communicator in checked mode (``comm._checker``) first compares the call across ranks
@@ -330,6 +369,16 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
     (``comm._recorder``) records the call first; the Work reaches its tracker (``comm._watch``:
     the watchdog's deque, or the reaper's) when its event is recorded (``Work._record``)."""
     if not _after:
+        kept = keep_memory(keep)      # torch: the storages too, and the allocator told
+        if kept is not keep:
+            work = issue(comm, r, kept, 4)
+            torch_record(kept, work)
+            return work
+        rec = comm._recorder
+        if rec is not None:
+            return _recorded(comm, rec, r, keep)
+    elif _after == 4:
+        _after = 0
         rec = comm._recorder
         if rec is not None:
             return _recorded(comm, rec, r, keep)
@@ -338,35 +387,100 @@ def issue(comm: Any, r: Any, keep: Any = (), _after: int = 0) -> Work:
     if not _after and comm._checker is not None:
         return _checked_issue(comm, r, keep)
     life = comm._life
-    life.enter(r.plan.collective)     # refused once aborted or closed: nothing touches the handle
-    life.plan = r.plan                # which peers it waits on, if it blocks inside NCCL
-    try:
-        calls = r.calls
-        if calls is None:             # scratch, copies or a PreMulSum op: the plan's executor
-            work = execute(comm, r.plan, r.stream, keep)
-        elif r.group or r.in_group:
-            work = _issue_grouped(comm, r, keep)
-        else:
-            table, s = comm._dispatch, r.stream
-            for fn, args in calls:
-                table[fn](*args, stream=s)
-            work = Work(comm, comm._device, s, r.plan, keep)
-            work._record()
-    except Exception as e:  # noqa: BLE001 - aborted while inside NCCL: say why
-        ab = _aborted((comm,), e)
-        if ab is e:
-            raise
-        raise ab from e
-    finally:
-        life.leave()
+    name = r.plan.collective
+    work = None
+    made = 0
+    # Safe against an interrupt at any point (tests/test_interrupts.py): the API lock is held
+    # by ``with`` (no check between its acquire and the block), the counts are taken and
+    # ``counted`` set with no check between, and given back in the ``finally`` the same way;
+    # once an NCCL call may have been made, the Work that keeps the buffers reaches the
+    # tracker (_interrupted).  A missed wake-up of an abort is its poller's (lifecycle).
+    with life.api:
+        counted = False
+        try:
+            with life.lock:     # enter: refused once aborted or closed (nothing touches it)
+                if life.state is not USABLE:
+                    raise life.refusal(name)
+                if life.holder is not None and life.holder != get_ident():
+                    raise life.foreign_group(name)   # it would join that thread's group
+                life.inflight += 1
+                life.calls += 1
+                life.entered += 1
+                life._what = name
+                counted = True
+            life.plan = r.plan        # which peers it waits on, if it blocks inside NCCL
+            calls = r.calls
+            if calls is None:         # scratch, copies or a PreMulSum op: the plan's executor
+                made = 2
+                work = execute(comm, r.plan, r.stream, keep, _took)
+            elif r.group or r.in_group:
+                made = 2
+                work = _issue_grouped(comm, r, keep)
+            else:
+                table, s = comm._dispatch, r.stream
+                for fn, args in calls:
+                    made += 1
+                    table[fn](*args, stream=s)
+                work = Work(comm, comm._device, s, r.plan, keep)
+                if _took is not None:     # the flight recorder's entry goes with the Work
+                    work._rec = _took[0]
+                    _took.append(work)
+                work._record()
+                made = -1             # recorded and tracked (no check since _record's last)
+        except BaseException as e:  # noqa: B902 - aborted while inside NCCL: say why
+            if made > 0 and r.calls is not None and not (r.group or r.in_group):
+                _interrupted(comm, r, keep, work, made, e, _took)
+            if not isinstance(e, Exception):
+                raise
+            ab = _aborted((comm,), e)
+            if ab is e:
+                raise
+            raise ab from e
+        finally:
+            if counted:               # leave: the counts, then an abort waiting for them
+                with life.lock:
+                    life.inflight -= 1
+                    life.calls -= 1
+                    idle = not life.inflight and (life.waiters or life.on_idle is not None)
+                    counted = False
+                if idle:
+                    life.idle()
     if life.state is not USABLE and life.deferred and life.state in _GONE_ABORT:
-        err = life.refusal(r.plan.collective)   # the abort waited for this call: say so
-        if life.state is ABORTED:               # NCCL stopped its work: nothing kept
+        err = life.refusal(name)      # the abort waited for this call: say so
+        if life.state is ABORTED:     # NCCL stopped its work: nothing kept
             work._fail(err)
-        else:                                   # the abort has yet to run: the buffers
-            work._error = err                   # stay kept (a dropped Work's sweep)
+        else:                         # the abort has yet to run: the buffers
+            work._error = err         # stay kept (a dropped Work's sweep)
         raise err
     return work
+
+
+def _interrupted(comm: Any, r: Any, keep: Any, work: Optional[Work], made: int,
+                 x: BaseException, took: Optional[List[Any]] = None) -> None:
+    """An exception after ``made`` NCCL calls of the plain route were begun: unless it is
+    the first call's own failure (nothing was enqueued), the ops may be on the stream, so the
+    Work that keeps the buffers is made (or finished: its event recorded, its capture asked)
+    and handed to the tracker; the caller still raises ``x``."""
+    from .._nccl.dispatch import cupy_status
+    if made == 1 and work is None and (isinstance(x, NcclError) or isinstance(x, Exception)
+                                       and cupy_status(x, comm._lib) is not None):
+        return
+    if work is None:
+        work = Work(comm, comm._device, r.stream, r.plan, keep)
+    if took is not None:              # the recorder's entry: stamped by the Work, and said
+        work._rec = took[0]           # interrupted (NCCL may not have had the call)
+        interrupted(took[0], x)
+        took.append(work)
+    try:
+        if work._event is None:
+            work._record()
+        else:
+            work._track()
+    except Exception as e:  # noqa: BLE001 - no event: nothing to wait on
+        log.warning("a %s interrupted after its NCCL call: its event could not be recorded "
+                    "(%s); its buffers are let go", r.plan.collective, e)
+        if took is not None:
+            del took[1:]              # not tracked: the entry fails with the call
 
 
 def _recorded(comm: Any, rec: Any, r: Any, keep: Any) -> Work:
@@ -375,9 +489,14 @@ def _recorded(comm: Any, rec: Any, r: Any, keep: Any) -> Work:
     nv = rec.nvtx
     if nv is not None:
         nv.push(r.plan, e[0])
+    took = [e]                        # [entry, the Work that took it, if one did]
     try:
-        work = issue(comm, r, keep, 3)
+        work = issue(comm, r, keep, 3, took)
     except BaseException as err:  # noqa: B902 - recorded, then re-raised
+        if len(took) > 1 and took[-1]._event is not None and took[-1]._error is None:
+            if took[-1]._done:        # tracked (an interrupt after NCCL may have had the
+                rec.done(e)           # call): its Work stamps the entry when the GPU is done
+            raise
         rec.fail(e, err)
         if isinstance(err, CallCheckTimeout):   # a hang caught by checked mode: dump
             note_dump(err, rec.try_dump("checked mode timeout"))

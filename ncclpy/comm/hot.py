@@ -4,9 +4,13 @@ Each communicator method tries its fast path first (``comm._hot``, made here per
 communicator).  A call is *hot* when it was seen before with the same objects: the entry is
 found by the identity of the buffer objects and the plain arguments (name, ``id(sendbuf)``,
 ``id(recvbuf)``, op/root/peer), then checked by reading again everything its plan depends on
--- each buffer's key (:mod:`ncclpy.bufkey`: pointer, count, dtype, device, layout) and the
-stream handle -- so a reused id, a re-pointed tensor or another current stream is a miss,
-never a stale plan.  A miss resolves the call (:class:`~ncclpy.comm.resolver.Resolver`, every
+-- each buffer's key (:mod:`ncclpy.bufkey`: pointer, count, dtype, device, layout), the
+stream handle (``stream=None``: the current stream of the first buffer's framework, as
+:func:`ncclpy.comm.streams.default_stream_of` resolves it), and that an int argument is still
+an int (``1.0`` and ``True`` equal ``1``; the general path refuses them) -- so a reused id, a
+re-pointed tensor or another current stream is a miss, never a stale plan, and the fast path
+refuses exactly what the general path refuses.  An entry planned while another thread
+cleared the cache (``force_fallback``) is used once and not kept.  A miss resolves the call (:class:`~ncclpy.comm.resolver.Resolver`, every
 check) and keeps an entry when the call is one final NCCL call; anything else (a group, checked
 mode, scratch, copies, a PreMulSum op, several NCCL calls, a nonblocking communicator, NVTX
 ranges asked for) takes the general path (:func:`ncclpy.comm.execute.issue`).
@@ -22,9 +26,17 @@ tracker asking instead could meet a stream already destroyed: it crashed, on an 
 2026-11-26).  No ``cudaGetDevice``, no event creation once the pool holds what is in flight,
 no event query (docs/reference/concepts/streams.rst and graphs.rst say what this means).  The
 entries are dropped with the resolver's cache (context change, close, abort, split).
+
+A Ctrl-C may arrive wherever CPython checks for signals (tests/interrupt_util.py): the API
+lock is held by ``with``, the in-call marker is set and cleared with nothing interruptible
+between it and the lock, and once the NCCL call may have been made the Work reaches its
+tracker whatever is interrupted (:func:`_interrupted`).  Torch tensors' storages are kept
+with the Work, and a call on a stream other than torch's current one records them with
+torch's caching allocator (:func:`ncclpy.comm.streams.torch_keep`).
 """
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from functools import partial
@@ -37,10 +49,12 @@ from .._nccl.dispatch import CUPY_METHODS, cupy_status
 from .._nccl.group import OPEN
 from ..buffers import type_kind
 from ..bufkey import _KEYERS, keyer
+from ..errors import NcclError
 from .execute import _aborted, issue
+from ..debug.recorder import interrupted
 from .lifecycle import ABORTED, ABORTING, USABLE
-from .streams import cai_stream, stream_handle, torch_stream
-from .work import Work, captures, event_pool, record_event
+from .streams import cai_stream, stream_handle, torch_keep, torch_record, torch_stream
+from .work import Work, captures, event_pool, new_work, record_event
 
 __all__ = ["make_hot", "Entry", "MAX_ENTRIES", "entry_of"]
 
@@ -49,6 +63,7 @@ MAX_ENTRIES = 256
 _PLAIN = frozenset((str, int, type(None)))
 _P2P = frozenset(("send", "recv"))
 _getframe = sys._getframe
+log = logging.getLogger(__name__)
 _new = object.__new__
 
 
@@ -59,10 +74,11 @@ class Entry:
     recorder numbers collectives only)."""
 
     __slots__ = ("r", "plan", "call", "method", "fn", "args", "s", "ka", "key_a", "kb",
-                 "key_b", "wa", "wb", "default", "p2p")
+                 "key_b", "wa", "wb", "default", "p2p", "ints", "mem", "x")
 
     def __init__(self, r: Any, method: Any, fn: Any, args: Tuple[Any, ...], ka: Any,
-                 key_a: Hashable, kb: Any, key_b: Hashable, default: Any) -> None:
+                 key_a: Hashable, kb: Any, key_b: Hashable, default: Any,
+                 ints: Tuple[int, ...] = (), mem: Any = None) -> None:
         self.r, self.plan, self.s = r, r.plan, r.stream
         self.method, self.fn, self.args = method, fn, args
         self.call = partial(method, *args, r.stream) if method is not None else \
@@ -71,6 +87,9 @@ class Entry:
         self.wa = self.wb = _NOBODY      # the same object, unchangeable: see _same()
         self.default = default
         self.p2p = r.plan.collective in _P2P
+        self.ints = ints        # the params that were ints: a hit checks they still are
+        self.mem = mem          # torch tensors: their storages kept, the allocator told
+        self.x = bool(ints) or mem is not None      # either: one test on the common path
 
 
 def _NOBODY() -> None:       # a weak reference to nothing: the key is read again
@@ -106,7 +125,14 @@ def _default_getter(a: Any, key_a: Any) -> Optional[Callable[[int], int]]:
     if _buffers._host:
         return _cupy_current
     kind = type_kind(type(a))
-    if kind in ("cupy", "raw", "cupy-cai", "spec"):
+    if kind == "spec":                  # a BufferSpec: its framework's (as default_stream)
+        obj, fw = getattr(a, "obj", None), str(getattr(a, "framework", "") or "").lower()
+        if fw == "torch" or type_kind(type(obj)) == "torch":
+            return torch_stream
+        if fw == "cupy" or obj is None or type_kind(type(obj)) == "cupy":
+            return _cupy_current
+        return None                     # an export that may name its stream: resolved
+    if kind in ("cupy", "raw", "cupy-cai"):
         return _cupy_current
     if kind == "torch":
         return torch_stream
@@ -166,99 +192,174 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                 s = (_HANDLES.get(type(stream)) or _handle_of(type(stream)))(stream)
             hit = s == e.s and (e.wa() is a or e.ka(a) == e.key_a) and \
                 (b is None or e.wb() is b or e.kb(b) == e.key_b)
+            if e.x:                         # 1.0 and True equal 1: an int must be an int
+                for i in e.ints:
+                    if type(params[i]) is not int:
+                        hit = False
         except Exception:   # noqa: BLE001 - not seen (KeyError), an odd object: resolve it
             hit = False
         if not hit:
             e = _miss(key, name, a, b, params, stream)
             if e is None or type(e) is not Entry:
                 return e                    # the general path's Work, or None
-        rec = comm._recorder                # -- from here on: fire(e), inlined
-        ent = None if rec is None else rec.open_at(e.r, _getframe(2), e.p2p)
-        api.acquire()
-        life.hot = e                        # before the state check: an abort sees it
-        if life.state is not USABLE:
-            return _refused(life, api, rec, ent, name)
-        life.hot_n += 1
+        if e.x and e.mem is not None:       # torch: the storages too, the allocator told
+            return _torch_call(fire, e, a, b, _getframe(2))
+        keep = (a, b)
+        rec = comm._recorder
+        ent = None
+        if rec is not None:                 # (appended below: see Recorder.entry_at)
+            ent = rec.entry_at(e.r, _getframe(2), e.p2p)
+        w = ev = None
+        made = False
         try:
+            if ent is not None:
+                rec.ring.append(ent)
+            api.acquire()                   # (an interrupt after it: the handler finds it ours)
+            life.hot = e                    # before the state check: an abort sees it
+            if life.state is not USABLE or life.holder is not None:
+                life.hot = None             # (a holder is another thread's: this one's group
+                if life.state is USABLE:    # takes the general path)
+                    raise life.foreign_group(e.plan.collective)
+                raise life.refusal(e.plan.collective)
+            life.hot_n += 1
+            made = True
             e.call()                        # the NCCL call
             try:
-                ev = free.pop()
+                ev = free[-1]               # (no check between the two: no other thread, no
+                del free[-1]                # interrupt)
             except IndexError:              # the pool is empty: a new event
                 ev = _record_slow(None, pool, None, e.s)
+                cur = False
             else:
                 try:
-                    _cudamod._backend.event_record(ev, e.s)     # the first CUDA call
-                except BaseException:  # noqa: B902 - another device current, or a failure
-                    ev = _record_slow(None, pool, ev, e.s)
+                    _cudamod._backend.event_record(ev, e.s)  # the first CUDA call
+                    cur = True              # (on stream 2: only with its device current)
+                except Exception:   # noqa: BLE001 - another device current, a failure
+                    ev0, ev = ev, None
+                    ev = _record_slow(None, pool, ev0, e.s)
+                    cur = False
             w = _new(Work)
-            w._comm, w._device, w._stream, w._event, w.plan, w._keep, w._rec = \
-                comm, dev, e.s, ev, e.plan, (a, b), ent
+            w._comm = comm
+            w._device = dev
+            w._stream = e.s
+            w._event = ev
+            w.plan = e.plan
+            w._keep = keep
+            w._rec = ent
             w._owned = w._done = False
             w._error = None
-            if captures(_cudamod._backend, e.s, dev):   # the second CUDA call
-                w._captured()               # before a tracker sees it: never queried
-            comm._watch.append(w)           # to its tracker, in record order
-        except BaseException as x:  # noqa: B902 - said precisely, then raised
-            life.hot = None
-            api.release()
-            raise _failed(comm, lib, life, rec, ent, e, x) from None
-        life.hot = None
-        api.release()
+            s = e.s                         # the second CUDA call: captures(), inlined
+            if s > 2 or s == 2 and cur:     # (0, 1: the legacy stream, never capturing)
+                try:
+                    if _cudamod._backend.capture_status(s):
+                        w._captured()       # before a tracker sees it: never queried
+                except Exception:   # noqa: BLE001 - an invalidated capture: captured
+                    w._captured()
+            elif s == 2 and captures(_cudamod._backend, s, dev):
+                w._captured()
+            life.hot = None                 # (then nothing interrupts before the append:
+            comm._watch.append(w)           # cleared means handed over) to its tracker,
+            api.release()                   # in record order
+        except BaseException as x:  # noqa: B902 - the abort's error, NCCL's, an interrupt
+            _fault(comm, lib, life, api, rec, ent, e, keep, x, w, ev, pool, made)
+            raise
         if life.state is not USABLE:
-            _after_abort(life, w, name)
+            _after_abort(life, w, e.plan.collective)
         return w
 
     def fire(e: Entry, keep: Any, frame: Any) -> Any:
-        """Issue entry ``e`` (a prepared call's): what :func:`hot` does once it found it."""
+        """Issue entry ``e`` (a prepared call's) keeping ``keep`` alive until the GPU ran it;
+        ``frame``: the user's.  What :func:`hot` does once it found its entry (the same
+        lines: one Python frame fewer for the eager call); interrupt-safe (see
+        :func:`_fault`)."""
         rec = comm._recorder
-        ent = None if rec is None else rec.open_at(e.r, frame, e.p2p)
-        api.acquire()
-        life.hot = e
-        if life.state is not USABLE:
-            return _refused(life, api, rec, ent, e.plan.collective)
-        life.hot_n += 1
+        ent = None
+        if rec is not None:                 # (appended below: see Recorder.entry_at)
+            ent = rec.entry_at(e.r, frame, e.p2p)
+        w = ev = None
+        made = False
         try:
-            e.call()
+            if ent is not None:
+                rec.ring.append(ent)
+            api.acquire()                   # (an interrupt after it: the handler finds it ours)
+            life.hot = e                    # before the state check: an abort sees it
+            if life.state is not USABLE or life.holder is not None:
+                life.hot = None             # (a holder is another thread's: this one's group
+                if life.state is USABLE:    # takes the general path)
+                    raise life.foreign_group(e.plan.collective)
+                raise life.refusal(e.plan.collective)
+            life.hot_n += 1
+            made = True
+            e.call()                        # the NCCL call
             try:
-                ev = free.pop()
-            except IndexError:
+                ev = free[-1]               # (no check between the two: no other thread, no
+                del free[-1]                # interrupt)
+            except IndexError:              # the pool is empty: a new event
                 ev = _record_slow(None, pool, None, e.s)
+                cur = False
             else:
                 try:
-                    _cudamod._backend.event_record(ev, e.s)
-                except BaseException:  # noqa: B902
-                    ev = _record_slow(None, pool, ev, e.s)
+                    _cudamod._backend.event_record(ev, e.s)  # the first CUDA call
+                    cur = True              # (on stream 2: only with its device current)
+                except Exception:   # noqa: BLE001 - another device current, a failure
+                    ev0, ev = ev, None
+                    ev = _record_slow(None, pool, ev0, e.s)
+                    cur = False
             w = _new(Work)
-            w._comm, w._device, w._stream, w._event, w.plan, w._keep, w._rec = \
-                comm, dev, e.s, ev, e.plan, keep, ent
+            w._comm = comm
+            w._device = dev
+            w._stream = e.s
+            w._event = ev
+            w.plan = e.plan
+            w._keep = keep
+            w._rec = ent
             w._owned = w._done = False
             w._error = None
-            if captures(_cudamod._backend, e.s, dev):
+            s = e.s                         # the second CUDA call: captures(), inlined
+            if s > 2 or s == 2 and cur:     # (0, 1: the legacy stream, never capturing)
+                try:
+                    if _cudamod._backend.capture_status(s):
+                        w._captured()       # before a tracker sees it: never queried
+                except Exception:   # noqa: BLE001 - an invalidated capture: captured
+                    w._captured()
+            elif s == 2 and captures(_cudamod._backend, s, dev):
                 w._captured()
-            comm._watch.append(w)
-        except BaseException as x:  # noqa: B902
-            life.hot = None
-            api.release()
-            raise _failed(comm, lib, life, rec, ent, e, x) from None
-        life.hot = None
-        api.release()
+            life.hot = None                 # (then nothing interrupts before the append:
+            comm._watch.append(w)           # cleared means handed over) to its tracker,
+            api.release()                   # in record order
+        except BaseException as x:  # noqa: B902 - the abort's error, NCCL's, an interrupt
+            _fault(comm, lib, life, api, rec, ent, e, keep, x, w, ev, pool, made)
+            raise
         if life.state is not USABLE:
             _after_abort(life, w, e.plan.collective)
         return w
 
     def _miss(key: Hashable, name: str, a: Any, b: Any, params: Tuple[Any, ...],
               stream: Any) -> Any:
+        gen = resolver.generation
         r = resolver.resolve(name, stream, a, b, params)
         e = _entry(comm, r, a, b, params, stream)
         if e is None:
             return issue(comm, r, (a, b, None))
-        if len(cache) >= MAX_ENTRIES:
-            cache.clear()
-        cache[key] = e
+        if resolver.generation == gen:      # not planned before a clear (force_fallback,
+            if len(cache) >= MAX_ENTRIES:   # another thread): kept, else used once
+                cache.clear()
+            cache[key] = e
+            if resolver.generation != gen:  # cleared meanwhile: gone with the others
+                cache.pop(key, None)
         return e
 
     hot.fire = fire                         # type: ignore[attr-defined]
     return hot
+
+
+def _torch_call(fire: Callable[..., Any], e: Entry, a: Any, b: Any, frame: Any) -> Any:
+    """A fast call on torch tensors: their storages kept with the Work, and the tensors
+    recorded with torch's caching allocator on the call's stream (streams.torch_record)."""
+    keep = torch_keep(a, b)
+    w = fire(e, keep, frame)
+    torch_record(keep, w)
+    return w
 
 
 def entry_of(comm: Any, r: Any) -> Optional[Entry]:
@@ -290,6 +391,7 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
     for p in params:
         if type(p) not in _PLAIN:
             return None
+    ints = tuple(i for i, p in enumerate(params) if type(p) is int)
     try:
         ka = _KEYERS.get(type(a)) or keyer(type(a))
         key_a = ka(a)
@@ -303,31 +405,20 @@ def _entry(comm: Any, r: Any, a: Any, b: Any, params: Tuple[Any, ...],
     fn, args = calls[0]
     nc = comm._nc
     method = getattr(nc, CUPY_METHODS[fn]) if nc is not None and fn in CUPY_METHODS else None
-    e = Entry(r, method, comm._dispatch[fn], args, ka, key_a, kb, key_b, default)
+    mem = True if type_kind(type(a)) == "torch" or (
+        b is not None and type_kind(type(b)) == "torch") else None
+    e = Entry(r, method, comm._dispatch[fn], args, ka, key_a, kb, key_b, default, ints, mem)
     e.wa = _same(a, key_a)
     if b is not None:
         e.wb = _same(b, key_b)
     return e
 
 
-def _refused(life: Any, api: Any, rec: Any, ent: Any, name: str) -> Any:
-    """The state changed between the first check and the API lock: refused as usual."""
-    life.hot = None
-    api.release()
-    life.hot_left()
-    err = life.refusal(name)
-    if ent is not None:
-        rec.fail(ent, err)
-    raise err
-
-
-def _failed(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry,
-            x: BaseException) -> BaseException:
-    """The error a failed NCCL call raises: CuPy's NcclError (or its KeyError for codes
-    7/8) as ncclpy's NcclError; the abort's CommAbortedError when the watchdog aborted the
-    communicator while the call was inside NCCL."""
-    if life.state is not USABLE:
-        life.hot_left()
+def _failed(comm: Any, lib: Any, life: Any, e: Entry, x: BaseException) -> BaseException:
+    """The error a call that never reached NCCL, or whose NCCL call failed, raises: the
+    refusal as it is; CuPy's NcclError (or its KeyError for codes 7/8) as ncclpy's NcclError;
+    the abort's CommAbortedError when the watchdog aborted the communicator while the call
+    was inside NCCL."""
     err = x
     if e.method is not None and isinstance(x, Exception):
         code = cupy_status(x, lib)
@@ -335,11 +426,79 @@ def _failed(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry,
             err = lib.error(code, "nccl" + e.r.calls[0][0], comm._handle)
     if isinstance(err, Exception):
         err = _aborted((comm,), err)
-    if ent is not None:
-        rec.fail(ent, err)
     if err is not x and err.__cause__ is None:
         err.__cause__ = x
     return err
+
+
+def _nccl_failed(lib: Any, e: Entry, x: BaseException) -> bool:
+    """Whether ``x`` is the NCCL call's own failure (nothing was enqueued)."""
+    if isinstance(x, NcclError):
+        return True
+    return e.method is not None and isinstance(x, Exception) and cupy_status(x, lib) is not None
+
+
+def _fault(comm: Any, lib: Any, life: Any, api: Any, rec: Any, ent: Any, e: Entry, keep: Any,
+           x: BaseException, w: Any, ev: Optional[int], pool: Any, made: bool) -> None:
+    """An exception in a fast call (``x``: a refusal, NCCL's error, an interrupt anywhere):
+    under the API lock if this call holds it (the fast path never holds it re-entrantly, so
+    holding it means this call took it), the in-call marker cleared; once the NCCL call may
+    have been made and its Work is not with its tracker yet, :func:`_interrupted` makes sure
+    it is; the lock given back; the recorder's entry failed unless a Work took it; an abort
+    waiting for the call woken.  NCCL's error is raised here, said as ncclpy's; anything else
+    the caller re-raises as it is."""
+    if api._is_owned():
+        tracked = made and life.hot is None     # cleared right before the hand-over
+        life.hot = None
+        if made and not tracked:
+            w = _interrupted(comm, lib, life, rec, ent, e, keep, x, w, ev, pool)
+        api.release()
+    if not made:
+        w = None
+    err = _failed(comm, lib, life, e, x) if w is None else x
+    if ent is not None and (w is None or w._rec is not ent):
+        rec.fail(ent, err)                  # never reached NCCL (a tracked Work stamps it)
+    if life.state is not USABLE:
+        life.hot_left()
+    if err is not x:
+        raise err from err.__cause__        # (CuPy's error, or NCCL's under the abort's)
+
+
+def _interrupted(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry, keep: Any,
+                 x: BaseException, w: Any, ev: Optional[int], pool: Any) -> Any:
+    """An exception inside the API lock, after the state check (the in-call marker is
+    already clear).  The NCCL call's own failure: nothing was enqueued, None.  Anything else
+    -- an interrupt, a signal handler's error, a failed event record -- may come after NCCL
+    enqueued the op: its Work is made (what was not done yet: the event recorded again, which
+    is harmless, the capture asked) and handed to the tracker, so the buffers stay kept until
+    the GPU ran the op; that Work (the caller still gets ``x``)."""
+    if w is None and ev is None and _nccl_failed(lib, e, x):
+        return None
+    cu = _cudamod.cuda()
+    dev = pool.device
+    if w is None:
+        try:
+            if ev is None:
+                ev = record_event(cu, pool, e.s)
+            else:
+                try:
+                    cu.event_record(ev, e.s)
+                except Exception:  # noqa: BLE001 - another device current: made again
+                    ev0, ev = ev, None
+                    ev = _record_slow(cu, pool, ev0, e.s)
+        except Exception as err:  # noqa: BLE001 - no event: nothing to wait on
+            log.warning("a %s interrupted after its NCCL call: its event could not be "
+                        "recorded (%s); its buffers are let go", e.plan.collective, err)
+            return None
+        w = new_work(comm, dev, e.s, e.plan, keep, ev)
+        w._rec = ent
+    if ent is not None:
+        interrupted(ent, x)
+    if captures(cu, e.s, dev):
+        w._captured()
+    watch = comm._watch
+    watch += (w,)
+    return w
 
 
 def _record_slow(cu: Any, pool: Any, ev: Optional[int], stream: int) -> int:

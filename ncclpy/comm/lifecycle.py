@@ -40,11 +40,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import CommAbortedError, NcclpyError
 
-__all__ = ["Lifecycle", "USABLE", "FINALIZED", "CLOSING", "CLOSED",
+__all__ = ["Lifecycle", "BUSY", "USABLE", "FINALIZED", "CLOSING", "CLOSED",
            "ABORTING", "ABORTED", "REVOKED", "SUSPENDED", "ABORT_GRACE", "ABORT_JOIN"]
 
 USABLE, FINALIZED, CLOSING, CLOSED, ABORTING, ABORTED = (
@@ -61,6 +61,18 @@ ABORT_GRACE = 2.0
 ABORT_JOIN = 5.0
 
 
+#: what :meth:`Lifecycle.try_call` returns when it would have to wait
+BUSY = object()
+
+
+def _depth(api: Any) -> int:
+    """How many times this thread holds RLock ``api`` (0: not at all)."""
+    rc = getattr(api, "_recursion_count", None)
+    if rc is not None:
+        return rc()
+    return 1 if api._is_owned() else 0      # (before 3.11: re-entry is not told apart)
+
+
 def _run_deferred(fn: Callable[[], None], owner: str) -> None:
     try:
         fn()
@@ -72,7 +84,8 @@ class Lifecycle:
     """The state, the lock and the count of threads inside NCCL with this handle."""
 
     __slots__ = ("lock", "cond", "state", "inflight", "waiters", "abort_error", "owner", "_what",
-                 "calls", "entered", "api", "on_idle", "deferred", "plan", "hot", "hot_n")
+                 "calls", "entered", "api", "on_idle", "deferred", "plan", "hot", "hot_n",
+                 "holder", "nhold")
 
     def __init__(self, owner: str) -> None:
         self.lock = threading.Lock()
@@ -100,40 +113,98 @@ class Lifecycle:
         #: counts those calls (the watchdog tells a new one from the same one still inside)
         self.hot: object = None
         self.hot_n = 0
+        #: the thread whose open group holds the handle (NCCL launches a communicator's calls
+        #: at the end of the group it joined, group.cc: another thread's call would join it)
+        self.holder: Optional[int] = None
+        self.nhold = 0
+
+    # -- calls: interrupt-safe (tests/test_interrupts.py) -------------------------------------
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, states: tuple = (),
+             timed: bool = True, poll: bool = False) -> Any:
+        """``fn(*args)`` -- a C call with the handle -- holding the API lock and counted
+        inside NCCL, or the refusal (a state not usable nor in ``states``).  ``timed``: a new
+        call for the watchdog (``calls``, ``entered``); ``poll``: one poll of a wait (its
+        name is not the call's).  Safe against an interrupt at any point: the API lock is
+        held by ``with`` (no check between its acquire and the block), the counts are taken
+        and ``counted`` set, and given back, each under the state lock with nothing
+        interruptible between; a missed wake-up of an abort is :meth:`_poll_idle`'s."""
+        with self.api:
+            counted = False
+            try:
+                with self.lock:
+                    st = self.state
+                    if st is not USABLE and st not in states:
+                        raise self.refusal(what)
+                    self.inflight += 1
+                    if timed:
+                        self.calls += 1
+                        self.entered += 1
+                    if not poll:
+                        self._what = what
+                        self.plan = None
+                    counted = True
+                return fn(*args)
+            finally:
+                if counted:
+                    with self.lock:
+                        self.inflight -= 1
+                        if timed:
+                            self.calls -= 1
+                        idle = not self.inflight and (self.waiters or self.on_idle is not None)
+                        counted = False
+                    if idle:
+                        self.idle()
+
+    def try_call(self, what: str, fn: Callable[..., Any], *args: Any,
+                 states: tuple = ()) -> Any:
+        """:meth:`call` (a poll: not timed) without waiting for the API lock: :data:`BUSY`
+        when another thread is inside NCCL with the handle or the state refuses; then
+        nothing is held.  The non-blocking acquire cannot be interrupted while waiting (it
+        does not wait): an interrupt after it finds the lock one level deeper, and gives it
+        back."""
+        api = self.api
+        depth = None
+        try:
+            depth = _depth(api)
+            if not api.acquire(blocking=False):
+                return BUSY
+        except BaseException:
+            if depth is not None and _depth(api) > depth:
+                api.release()
+            raise
+        try:
+            with self.lock:
+                st = self.state
+                if st is not USABLE and st not in states:
+                    return BUSY
+            return self.call(what, fn, *args, states=states, timed=False, poll=True)
+        finally:
+            api.release()
 
     # -- calls (the hot path: the state lock, then the API lock) ------------------------------
     def enter(self, what: str) -> None:
         """A call may touch the handle (usable state), or raise why not; the caller holds the
         API lock until :meth:`leave`."""
-        lock = self.lock
-        lock.acquire()
-        if self.state is USABLE:
+        with self.lock:
+            if self.state is not USABLE:
+                raise self.refusal(what)
             self.inflight += 1
             self.calls += 1
             self.entered += 1
             self._what = what
-            lock.release()
-            api = self.api            # (inlined _take_api: the hot path)
-            try:
-                api.acquire()
-            except BaseException:     # interrupted while waiting: nothing stays counted
-                self._leave_counts(True)
-                raise
-            if self.state is not USABLE:   # aborted or closed while it waited its turn
-                api.release()
-                self._leave_counts(True)
-                raise self.refusal(what)
-            return
-        lock.release()
-        raise self.refusal(what)
+        self._take_api(what, (), timed=True)
 
     def _take_api(self, what: str, states: tuple = (), timed: bool = True) -> None:
         """The API lock, after another thread's call; refused (and left) if the state
         changed meanwhile (an abort took the handle while this thread waited its turn).
         ``timed``: the call was counted in ``calls`` too."""
+        api = self.api
+        depth = _depth(api)
         try:
-            self.api.acquire()
-        except BaseException:        # interrupted while waiting: nothing stays counted
+            api.acquire()
+        except BaseException:        # interrupted while waiting, or just after: nothing
+            if _depth(api) > depth:  # stays held or counted
+                api.release()
             self._leave_counts(timed)
             raise
         st = self.state
@@ -163,18 +234,58 @@ class Lifecycle:
             self.inflight += 1
             return True
 
-    def hold(self, what: str = "group") -> None:
+    def hold(self, what: str = "group", into: Optional[dict] = None, key: Any = None,
+             comm: Any = None) -> None:
         """A thread's open group takes the handle (usable state), or raises why not; ended
-        by :meth:`release_hold` at the group end."""
+        by :meth:`release_hold` at the group end.  Refused while another thread's open group
+        holds it (:meth:`foreign_group`).  ``into[key] = comm`` (the group's list of what it
+        holds, which its end releases) is set with the counts, nothing interruptible
+        between: an interrupt never leaves a hold nobody releases."""
+        me = threading.get_ident()
         with self.lock:
             if self.state is USABLE:
+                if self.holder is not None and self.holder != me:
+                    raise self.foreign_group(what)
                 self.inflight += 1
+                self.holder = me
+                self.nhold += 1
+                if into is not None:
+                    into[key] = comm
                 return
         raise self.refusal(what)
 
     def release_hold(self) -> None:
         """End of a :meth:`hold` (no API lock taken)."""
+        with self.lock:
+            self.nhold -= 1
+            if self.nhold <= 0:
+                self.nhold, self.holder = 0, None
         self._leave_counts(timed=False)
+
+    def foreign_group(self, what: str) -> NcclpyError:
+        """The error of a call made while another thread's open group holds the handle: NCCL
+        keeps one group per thread and a communicator in one group at a time (group.cc
+        ncclGroupCommJoin), so the call would join that group and run at its end, launched
+        by the other thread, while this one's Work completed at once."""
+        return NcclpyError(
+            f"{what}: the communicator ({self.owner}) is in an open group() of another thread "
+            f"(thread {self.holder}); NCCL would launch this call at the end of that group, "
+            f"not now: make the call inside that group, on that thread, or after it ended")
+
+    def idle(self) -> None:
+        """A call left and nothing else is inside: wake an abort waiting for it, and run the
+        abort it deferred (on a thread of its own: see :meth:`defer_until_idle`)."""
+        with self.lock:
+            if self.inflight:
+                return
+            if self.waiters:
+                self.cond.notify_all()
+            run = None
+            if self.hot is None:
+                run, self.on_idle = self.on_idle, None
+        if run is not None:
+            threading.Thread(target=_run_deferred, args=(run, self.owner), daemon=True,
+                             name=f"ncclpy-abort ({self.owner})").start()
 
     def release(self) -> None:
         """End of :meth:`enter_as` / :meth:`enter_poll`: the API lock, then the counts."""
@@ -217,33 +328,20 @@ class Lifecycle:
     def leave(self) -> None:
         """End of :meth:`enter` (or a timed :meth:`enter_as`)."""
         self.api.release()
-        lock = self.lock              # (the hot path: _leave_counts inlined)
-        lock.acquire()
-        self.inflight -= 1
-        self.calls -= 1
-        if self.inflight or (not self.waiters and self.on_idle is None):
-            lock.release()
-            return
-        self.inflight += 1            # the rare end: waiters or a deferred abort
-        self.calls += 1
-        lock.release()
         self._leave_counts(timed=True)
 
     def _leave_counts(self, timed: bool) -> None:
-        lock = self.lock
-        lock.acquire()
-        self.inflight -= 1
-        if timed:
-            self.calls -= 1
-        if self.inflight:
-            lock.release()
-            return
-        if self.waiters:
-            self.cond.notify_all()
-        run = None
-        if self.hot is None:          # a fast-path call inside runs it when it leaves
-            run, self.on_idle = self.on_idle, None
-        lock.release()
+        with self.lock:
+            self.inflight -= 1
+            if timed:
+                self.calls -= 1
+            if self.inflight:
+                return
+            if self.waiters:
+                self.cond.notify_all()
+            run = None
+            if self.hot is None:      # a fast-path call inside runs it when it leaves
+                run, self.on_idle = self.on_idle, None
         if run is not None:          # the deferred abort: the last call has left NCCL
             threading.Thread(target=_run_deferred, args=(run, self.owner), daemon=True,
                              name=f"ncclpy-abort ({self.owner})").start()
@@ -251,14 +349,12 @@ class Lifecycle:
     def hot_left(self) -> None:
         """A fast-path call left NCCL while the state is no longer usable: wake an abort
         waiting for it, and run the abort it deferred once nothing else is inside."""
-        lock = self.lock
-        lock.acquire()
-        if self.waiters:
-            self.cond.notify_all()
-        run = None
-        if not self.inflight and self.hot is None:
-            run, self.on_idle = self.on_idle, None
-        lock.release()
+        with self.lock:
+            if self.waiters:
+                self.cond.notify_all()
+            run = None
+            if not self.inflight and self.hot is None:
+                run, self.on_idle = self.on_idle, None
         if run is not None:
             threading.Thread(target=_run_deferred, args=(run, self.owner), daemon=True,
                              name=f"ncclpy-abort ({self.owner})").start()
@@ -281,11 +377,31 @@ class Lifecycle:
         that leaves last may hold locks of its own (a window's) that the abort takes, and its
         caller gets its own result or error, not the abort's."""
         with self.lock:
-            if self._busy():
-                self.on_idle = fn
-                self.deferred = True
-                return True
-        return False
+            if not self._busy():
+                return False
+            self.on_idle = fn
+            self.deferred = True
+        threading.Thread(target=self._poll_idle, daemon=True,
+                         name=f"ncclpy-abort-wait ({self.owner})").start()
+        return True
+
+    def _poll_idle(self) -> None:
+        """The deferred abort's backstop: the call that leaves last runs it, but one
+        interrupted between leaving and that step (a KeyboardInterrupt) would not; this
+        thread finds the handle idle within a moment and runs it (once: whoever takes
+        ``on_idle`` under the lock runs it)."""
+        delay = 0.02
+        while True:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            with self.lock:
+                if self.on_idle is None:
+                    return
+                if self._busy():
+                    continue
+                run, self.on_idle = self.on_idle, None
+            _run_deferred(run, self.owner)
+            return
 
     def refusal(self, what: str) -> NcclpyError:
         """The error a call gets in the current state."""

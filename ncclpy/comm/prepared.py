@@ -31,7 +31,7 @@ from .execute import issue
 from .hot import entry_of
 from .lifecycle import USABLE
 from .resolver import Resolved, Resolver, first_buffer
-from .streams import as_stream_handle, default_stream_of, stream_handle
+from .streams import as_stream_handle, default_stream_of, stream_handle, torch_record
 from .work import Work
 
 _getframe = sys._getframe
@@ -114,14 +114,17 @@ class PreparedCall:
     """A call parsed and planned once (GPU-less: needs only a Resolver); :meth:`bind` gives
     the :class:`Resolved` call for a stream and the current group state."""
 
-    __slots__ = ("name", "_resolver", "_specs", "_params", "_stream", "_first", "_plans",
-                 "_entries", "_gen")
+    __slots__ = ("name", "_resolver", "_specs", "_params", "_stream", "_stream_obj", "_first",
+                 "_plans", "_entries", "_gen")
 
     def __init__(self, resolver: Resolver, name: str, a: Any, b: Any = None,
                  params: Tuple[Any, ...] = (), stream: Any = None) -> None:
         self.name = name
         self._resolver = resolver
         self._stream: Optional[int] = None if stream is None else stream_handle(stream)
+        #: the stream object itself: its handle stays valid while the call may use it (a
+        #: dropped CuPy or torch stream is destroyed, and its handle recycled)
+        self._stream_obj = stream
         self._first = first_buffer(a, b)
         self._specs = resolver.parse(name, a, b)
         self._params = params
@@ -170,6 +173,17 @@ class PreparedCall:
         return r
 
 
+def _torch_cuda(specs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """The torch CUDA tensors among the parsed buffers ``specs``."""
+    out = []
+    for spec in specs:
+        for sp in spec if isinstance(spec, list) else (spec,):
+            obj = getattr(sp, "obj", None)
+            if getattr(sp, "framework", None) == "torch" and getattr(obj, "is_cuda", False):
+                out.append(obj)
+    return tuple(out)
+
+
 def _memory_owners(specs: Tuple[Any, ...]) -> Tuple[Any, ...]:
     """What keeps each buffer's memory alive even if its object is re-pointed later."""
     out = []
@@ -198,7 +212,8 @@ class Prepared:
     watchdog's CommAbortedError with its reason after a watchdog abort, else NcclpyError).
     """
 
-    __slots__ = ("_comm", "_call", "_keep", "_fast", "_gen", "_fire", "__weakref__")
+    __slots__ = ("_comm", "_call", "_keep", "_fast", "_gen", "_fire", "_ents", "_egen",
+                 "_torch", "__weakref__")
 
     def __init__(self, comm: Any, name: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                  stream: Any = None) -> None:
@@ -210,6 +225,11 @@ class Prepared:
         self._gen = -1                   # the resolver's generation it was made under
         hot = comm._hot
         self._fire = None if hot is None else hot.fire
+        self._ents: Dict[Any, Any] = {}  # Resolved -> its fast-path entry (made once)
+        self._egen = -1
+        #: its torch CUDA tensors: recorded with torch's allocator at each call
+        #: (streams.torch_record)
+        self._torch = _torch_cuda(self._call.specs)
 
     @property
     def name(self) -> str:
@@ -225,15 +245,36 @@ class Prepared:
         e = self._fast                 # its stream fixed by prepare(), no group, same plan
         if e is not None and stream is None and not OPEN[0] and comm._checker is None and \
                 self._gen == comm._resolver.generation:
-            return self._fire(e, self._keep, _getframe(1))
+            w = self._fire(e, self._keep, _getframe(1))
+            if self._torch:
+                torch_record(self._torch, w)
+            return w
+        gen = comm._resolver.generation     # before bind: an entry is never newer than it
         r = self._call.bind(stream)
-        if comm._checker is None and not r.in_group and self._fire is not None:
-            e = entry_of(comm, r)      # the fast path (ncclpy.comm.hot)
+        if comm._checker is None and not r.in_group and self._fire is not None and \
+                not OPEN[0]:            # (another thread's group: the general path refuses)
+            ents = self._ents
+            if self._egen != gen:
+                ents.clear()
+                self._egen = gen
+            e = ents.get(r)
+            if e is None:
+                e = entry_of(comm, r)  # the fast path (ncclpy.comm.hot), made once
+                if e is not None:
+                    if len(ents) >= 64:
+                        ents.clear()
+                    ents[r] = e
             if e is not None:
                 if stream is None and self._call.fixed_stream:
-                    self._fast, self._gen = e, comm._resolver.generation
-                return self._fire(e, self._keep, _getframe(1))
-        return issue(comm, r, self._keep)
+                    self._fast, self._gen = e, gen
+                w = self._fire(e, self._keep, _getframe(1))
+                if self._torch:
+                    torch_record(self._torch, w)
+                return w
+        w = issue(comm, r, self._keep)
+        if self._torch:
+            torch_record(self._torch, w)
+        return w
 
     def __repr__(self) -> str:
         return f"<ncclpy.Prepared {self.name} on {self._comm!r}>"

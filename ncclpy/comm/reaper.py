@@ -11,9 +11,11 @@ whose event was recorded in a capture is marked captured (:meth:`ncclpy.comm.wor
 Why a thread and not the next call: a sweep of dropped Works on the call path cost the caller
 1-9 ``cudaEventQuery`` per call; the thread costs the caller nothing and releases within a
 tick.  A query that fails proves nothing about the call: the Work stays held and is tried
-again, and given up after :data:`GIVE_UP` failed ticks (a broken CUDA context), logged.
-A lane whose communicator is gone (nothing else refers to its deque) and which holds nothing
-is dropped.
+again, and given up after :data:`GIVE_UP` consecutive failed looks at its lane (a broken CUDA
+context), logged.  Each lane counts its own failures: another lane's successful look never
+resets them, and failures of several lanes never add up to let a Work go early.  A lane
+whose communicator is gone (nothing else refers to its deque) and which holds nothing is
+dropped.
 """
 from __future__ import annotations
 
@@ -33,12 +35,25 @@ log = logging.getLogger(__name__)
 
 #: seconds between two looks at the held Works
 TICK = 0.1
-#: failed ticks after which a Work whose event cannot be queried is let go
+#: consecutive failed looks at a lane after which its oldest Work (whose event cannot be
+#: queried) is let go
 GIVE_UP = 50
 #: Works held at which the next look comes ten times sooner: a busy caller's Works are let go
 #: young (before the garbage collector's oldest generation holds them and every full
 #: collection walks them)
 BUSY = 256
+
+
+class _Lane(List[Any]):
+    """One lane: ``[deque the call path appends to, list of the Works taken from it]`` (a
+    list: ``q, pend = lane`` unpacks it), and ``failed``: the consecutive failed looks at its
+    oldest Work (this lane's own count)."""
+
+    __slots__ = ("failed",)
+
+    def __init__(self, q: Deque[Any], pending: List[Any]) -> None:
+        super().__init__((q, pending))
+        self.failed = 0
 
 
 class Reaper:
@@ -48,8 +63,7 @@ class Reaper:
 
     def __init__(self, tick: float = TICK) -> None:
         self.tick_s = float(tick)
-        self.lanes: List[List[Any]] = []  # [deque the call path appends to, list taken]
-        self.failed = 0                   # consecutive failed looks at one lane's oldest
+        self.lanes: List[_Lane] = []      # [deque the call path appends to, list taken]
         self.ticks = 0
         self.taken = 0                    # Works the last look took (many: look sooner)
         self._thread: Optional[threading.Thread] = None
@@ -122,7 +136,7 @@ class Reaper:
                         threading.current_thread() is self._thread:   # its own thread: never
                     cu.set_device(dev)          # a context on GPU 0 for another device's events
                     self._device = dev
-                self._look(pend)
+                self._look(lane)
             held += len(pend)
             if not pend and not q and sys.getrefcount(q) <= 3:   # its communicator is gone
                 gone.append(lane)
@@ -139,16 +153,21 @@ class Reaper:
             self.lanes = [ln for ln in self.lanes
                           if ln[0] or ln[1] or sys.getrefcount(ln[0]) > 2]
 
-    def _look(self, pend: List[Any]) -> None:
+    def _look(self, lane: _Lane) -> None:
+        """Release what completed in ``lane``; a failed query is counted on the lane (its
+        oldest Work is let go after :data:`GIVE_UP` consecutive failed looks)."""
+        pend = lane[1]
+        n = len(pend)
         try:
             release_done(pend, raising=True)
-            self.failed = 0
+            lane.failed = 0
         except Exception as e:  # noqa: BLE001 - a query failed: held, tried again
-            self.failed += 1
-            if self.failed >= GIVE_UP:
-                self.failed = 0
+            # a look that released some Works before it failed: a new oldest, counted afresh
+            lane.failed = 1 if len(pend) < n else lane.failed + 1
+            if lane.failed >= GIVE_UP:
+                lane.failed = 0
                 w = pend.pop(0)
-                log.warning("reaper: the event of a %s could not be queried for %d ticks "
+                log.warning("reaper: the event of a %s could not be queried in %d looks in a row "
                             "(%s); its buffers are let go",
                             getattr(getattr(w, "plan", None), "collective", "call"), GIVE_UP, e)
 
@@ -156,7 +175,7 @@ class Reaper:
         """Track deque ``q`` (the call path appends to it) and the Works ``pending`` already
         taken from it, oldest first (a watchdog that stopped hands over its own)."""
         with self._lock:
-            self.lanes.append([q, pending])
+            self.lanes.append(_Lane(q, pending))
         self.start()
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .._nccl.lib import NCCL_IN_PROGRESS, NCCL_SUCCESS
 from ..errors import (NCCL_RESULT_NAMES, ArgumentError, NcclTimeoutError, StoreError,
@@ -46,12 +46,11 @@ def survivors_ready(comm: Any, excluded: List[int], states: tuple) -> Optional[i
     if ex is None or ex.store is None:
         return None
     life, lib, h = comm._life, comm._lib, comm._handle
-    life.enter_poll("shrink", *states)
-    try:
+    def poll() -> Tuple[int, str]:
         code = lib.async_error(h)
-        text = lib.fresh_error_text(h) if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS) else ""
-    finally:
-        life.release()
+        return code, (lib.fresh_error_text(h) if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS)
+                      else "")
+    code, text = life.call("shrink", poll, states=states, timed=False, poll=True)
     if code == NCCL_IN_PROGRESS:           # ncclCommEnsureReady: 7 -> 4, with this WARN
         code, text = _INVALID_ARGUMENT, _IN_PROGRESS_TEXT
     seq = comm._shrink_votes = getattr(comm, "_shrink_votes", 0) + 1

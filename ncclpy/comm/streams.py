@@ -15,7 +15,7 @@ group end.
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 from .. import buffers as _buffers
 from .._nccl.cuda import cuda
@@ -23,7 +23,8 @@ from ..buffers import type_kind
 from ..errors import ArgumentTypeError
 
 __all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream",
-           "stream_handle", "default_stream_of", "torch_stream", "cai_stream"]
+           "stream_handle", "default_stream_of", "torch_stream", "cai_stream", "torch_keep",
+           "keep_memory", "torch_record"]
 
 
 def as_stream_handle(stream: Any, name: str = "stream") -> int:
@@ -145,3 +146,76 @@ def default_stream_of(obj: Any, device: int) -> int:
     if kind == "torch":
         return torch_stream(device)
     return default_stream((obj,), device)
+
+
+#: device -> a stream of torch's own that a call on a stream torch does not own is recorded on
+_GUARDS: Dict[int, Any] = {}
+
+
+def _tensors(x: Any) -> Iterable[Any]:
+    """The torch tensors in buffer argument ``x``: a tensor, a BufferSpec of one, or a list
+    or tuple of those (the list forms)."""
+    if type(x) is list or type(x) is tuple:
+        for y in x:
+            yield from _tensors(y)
+        return
+    k = type_kind(type(x))
+    if k == "spec":
+        x = getattr(x, "obj", None)
+        k = type_kind(type(x))
+    if k == "torch":
+        yield x
+
+
+def torch_keep(a: Any, b: Any) -> Tuple[Any, ...]:
+    """What a call on torch tensors in ``a``, ``b`` keeps until the GPU ran it: the buffers
+    and each tensor's storage, so a tensor re-pointed with ``set_()`` while the call is in
+    flight leaves its old memory kept, not freed (:func:`torch_record` does the rest)."""
+    keep = [a, b]
+    for x in (a, b):
+        for t in _tensors(x):
+            try:
+                keep.append(t.untyped_storage())
+            except Exception:  # noqa: BLE001 - an exotic tensor: the tensor stays kept
+                pass
+    return tuple(keep)
+
+
+def torch_record(keep: Tuple[Any, ...], work: Any) -> None:
+    """Record the torch CUDA tensors of ``keep`` with torch's caching allocator for ``work``'s
+    call: a storage freed in place while the call is in flight (``resize_(0)``, FSDP's idiom)
+    frees the block whoever keeps the storage, and the allocator hands it out again on the
+    stream it was allocated on -- unless the block was recorded on the call's stream
+    (``record_stream``, what torch.distributed does for its NCCL stream; a no-op where the two
+    are the same).  A stream torch owns (its current one) is recorded as it is; any other
+    (CuPy's, a raw handle: it may be destroyed before the memory is freed, when torch records
+    an event on it) through a stream of torch's own per device, made to wait for the call.  A
+    call captured into a CUDA graph is not recorded (its memory is the graph's)."""
+    if _buffers._host or work is None or work._owned:
+        return
+    tensors = [t for x in keep for t in _tensors(x) if getattr(t, "is_cuda", False)]
+    if not tensors:
+        return
+    import torch
+    device, stream = work._device, work._stream
+    if stream == torch_stream(device):
+        on = torch.cuda.current_stream(device)
+    else:
+        on = _GUARDS.get(device)
+        if on is None:
+            on = _GUARDS[device] = torch.cuda.Stream(device=device)
+        work.wait(on.cuda_stream)           # ordered after the call (no host block)
+    for t in tensors:
+        t.record_stream(on)
+
+
+def keep_memory(keep: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """``keep`` (a general-path call's ``(sendbuf, recvbuf, ...)``) with :func:`torch_keep`
+    applied to its two buffers when either holds a torch tensor (or a BufferSpec of one, or
+    a list of them)."""
+    if type(keep) is not tuple or len(keep) < 2:
+        return keep
+    for x in (keep[0], keep[1]):
+        for _ in _tensors(x):
+            return torch_keep(keep[0], keep[1]) + keep[2:]
+    return keep

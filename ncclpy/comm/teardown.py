@@ -22,7 +22,7 @@ from typing import Any, Optional
 from .._nccl.lib import NCCL_IN_PROGRESS
 from ..errors import CommAbortedError, NcclTimeoutError
 from . import lifecycle as _lc
-from .lifecycle import (ABORTED, ABORTING, CLOSED, CLOSING, FINALIZED, REVOKED, SUSPENDED,
+from .lifecycle import (ABORTED, ABORTING, BUSY, CLOSED, CLOSING, FINALIZED, REVOKED, SUSPENDED,
                         USABLE, Lifecycle)
 
 __all__ = ["CommLifecycle", "STUCK_EXIT"]
@@ -96,21 +96,8 @@ class CommLifecycle:
         lifecycle, holding its API lock (refused with the precise error once aborted or
         closed).  ``timed``: a step allowed in ``states`` that can wait on peers (suspend,
         resume): the watchdog times it like a call."""
-        life = self._life
-        if states and not timed:
-            life.enter_as(what, *states)
-            try:
-                return fn(*args)
-            finally:
-                life.release()
-        if states:
-            life.enter_as(what, *states, timed=True)
-        else:
-            life.enter(what)
-        try:
-            return fn(*args)
-        finally:
-            life.leave()
+        return self._life.call(what, fn, *args, states=states,
+                               timed=timed or not states)   # (interrupt-safe)
 
     # -- nonblocking communicators ------------------------------------------------------------
     def _wait_ready(self, call: str, *states: str) -> None:
@@ -128,11 +115,8 @@ class CommLifecycle:
         life.mark_call(life._what if life.calls else call)   # nested: the user's call name
         try:
             while True:
-                life.enter_poll(call, *states)
-                try:
-                    st = lib.async_error(h)
-                finally:
-                    life.release()
+                st = life.call(call, lib.async_error, h, states=states, timed=False,
+                               poll=True)
                 if st != NCCL_IN_PROGRESS:
                     break
                 if time.monotonic() > deadline:
@@ -166,14 +150,12 @@ class CommLifecycle:
         life = self._life
         if life.abort_error is not None:
             raise life.abort_error
-        if not life.try_enter_poll("ncclCommGetAsyncError", FINALIZED):
+        st = life.try_call("ncclCommGetAsyncError", self._lib.async_error, self._handle,
+                           states=(FINALIZED,))
+        if st is BUSY:
             if life.state is ABORTING or life.state is ABORTED:
                 raise life.refusal("ncclCommGetAsyncError")
             return                   # closing, closed, or another thread is inside NCCL
-        try:
-            st = self._lib.async_error(self._handle)
-        finally:
-            life.release()
         if st not in (0, NCCL_IN_PROGRESS):
             err = self._lib.error(st, "ncclCommGetAsyncError", self._handle)
             wd = self._watchdog
@@ -453,7 +435,11 @@ class CommLifecycle:
     def _free_owned(self) -> None:
         from .._nccl.cuda import cuda
         captured, self._captured_events = getattr(self, "_captured_events", []), []
-        for ev in captured:               # events of captured calls (their Works keep none)
+        why = "aborted" if self._life.state in (ABORTING, ABORTED) else "closed"
+        for w in captured:                # captured calls' Works: each gives its event up
+            ev = w._closed_captured(why)  # (a later wait(stream) says why)
+            if ev is None:
+                continue
             try:
                 cuda().event_destroy(ev)
             except Exception as e:  # noqa: BLE001 - a context already gone

@@ -38,8 +38,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any, Dict, List, Optional
 
-from .._nccl.cuda import (CAPTURE_MODE_THREAD_LOCAL, LEGACY_STREAMS, CapturedEventError,
-                          cuda)
+from .._nccl.cuda import CAPTURE_MODE_RELAXED, LEGACY_STREAMS, CapturedEventError, cuda
 from ..errors import NcclpyError, NcclTimeoutError
 
 __all__ = ["Work", "EventPool", "event_pool", "new_work", "record_event", "release_done", "take",
@@ -119,8 +118,10 @@ def record_event(cu: Any, pool: EventPool, stream: int) -> int:
     record on a legacy or per-thread default stream that fails (another device current: CUDA
     documents a failure, ``cudaErrorInvalidResourceHandle``) is made again with the event's
     device current; any other failure gives the event back and raises."""
+    free = pool.free
     try:
-        ev = pool.free.pop()
+        ev = free[-1]           # (no check between the two: no other thread, no interrupt)
+        del free[-1]
     except IndexError:
         ev = pool.new(cu)
     try:
@@ -157,7 +158,7 @@ def new_work(comm: Any, device: int, stream: int, plan: Any, keep: Any, event: i
     return w
 
 
-def captures(cu: Any, stream: int, device: int) -> bool:
+def captures(cu: Any, stream: int, device: int, current: bool = False) -> bool:
     """Whether ``stream`` is capturing a CUDA graph, asked by the call itself right after it
     recorded its event (the stream is alive then; ``cudaStreamIsCapturing``).  A captured
     call's Work is marked captured before any tracker sees it, so its event is never queried
@@ -166,12 +167,14 @@ def captures(cu: Any, stream: int, device: int) -> bool:
     2026-11-26: 907 for the query, then cudaErrorStreamCaptureInvalidated at the end; a
     watchdog's query broke torch.cuda.graph's capture).  The legacy default stream (0, 1)
     cannot be captured: not asked.  The per-thread default stream (2) is the current device's:
-    asked with ``device`` current.  An error (an invalidated capture: CuPy raises) counts as
-    capturing: the event is then never queried."""
+    asked with ``device`` current (``current``: the caller knows it is -- its record on stream
+    2 succeeded, which CUDA refuses with another device current -- so no cudaGetDevice).  An
+    error (an invalidated capture: CuPy raises) counts as capturing: the event is then never
+    queried."""
     if stream == 0 or stream == 1:
         return False
     try:
-        if stream == 2:
+        if stream == 2 and not current:
             prev = cu.get_device()
             if prev != device:
                 cu.set_device(device)
@@ -230,13 +233,18 @@ class Work:
         record order."""
         cu = cuda()
         self._event = record_event(cu, event_pool(self._device), self._stream)
-        if captures(cu, self._stream, self._device):
+        self._track(cu)
+
+    def _track(self, cu: Any = None) -> None:
+        """Ask whether the stream captures, then hand the recorded Work to its tracker (the
+        last step: ``+=`` is not a call, so nothing interrupts between it and the return)."""
+        if captures(cu or cuda(), self._stream, self._device):
             self._captured()
         comm = self._comm
         if comm is not None:
             watch = comm._watch
             if watch is not None:
-                watch.append(self)
+                watch += (self,)
 
     def _settle(self, err: Optional[BaseException]) -> None:
         """At the outermost group end: record, or fail with the group's error."""
@@ -292,9 +300,8 @@ class Work:
         comm = self._comm
         if comm is not None:
             comm._captured_calls = getattr(comm, "_captured_calls", 0) + 1
-            ev = self._event
-            if ev is not None:
-                comm._captured_events.append(ev)
+            if self._event is not None:     # its event is destroyed at close, and the Work
+                comm._captured_events.append(self)   # told (Work.closed_captured)
 
     def _reap(self, raising: bool = False) -> bool:
         """A tracker's look (the watchdog's or the reaper's thread, in the thread-local
@@ -306,12 +313,17 @@ class Work:
         ev = self._event
         if ev is None:              # failed before its record, or a group not ended yet
             return self._error is not None
-        # (an error with an event -- an abort that waited for the call -- still has its
-        # buffers kept until the GPU is done with them)
+        # (an error with an event -- an abort that waited for the call, a nonblocking
+        # communicator's async error -- still has its buffers kept until the GPU is done with
+        # them: NCCL's kernel runs until ncclCommAbort ends it, and an allocator would reuse
+        # the memory at once)
         comm = self._comm
-        try:
-            if comm is not None and comm._nonblocking:
+        if comm is not None and comm._nonblocking and self._error is None:
+            try:
                 self._check_comm()  # a nonblocking communicator's async error, or verdict
+            except Exception as e:  # noqa: BLE001 - whoever waits gets it; the Work stays
+                self._error = e
+        try:
             with _release_lock:     # a caller's completion may give the event back meanwhile
                 if self._done or self._owned:
                     return True
@@ -326,6 +338,20 @@ class Work:
         if done:
             self._completed()
         return done
+
+    def _closed_captured(self, why: str) -> Optional[int]:
+        """Its communicator is closed or aborted: the event of this captured call is taken
+        (the caller destroys it) and a later ``wait(stream)`` raises why, instead of waiting
+        on a destroyed event."""
+        with _release_lock:
+            ev, self._event = self._event, None
+            if self._error is None:
+                name = getattr(self.plan, "collective", "call")
+                self._error = NcclpyError(
+                    f"this {name} was captured into a CUDA graph and its communicator is "
+                    f"{why}: its event is destroyed, there is nothing to wait on (a graph of "
+                    f"a closed communicator must not be launched again)")
+        return ev
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -367,8 +393,9 @@ class Work:
             if ev is not None:     # done already: any stream is ordered after it
                 from .streams import as_stream_handle
                 h = as_stream_handle(stream)
-                with _release_lock:    # not an event the tracker released meanwhile
-                    if not self._done:
+                with _release_lock:    # not an event the tracker released, nor one a
+                    ev = self._event       # close destroyed, meanwhile
+                    if not self._done and ev is not None:
                         cuda().stream_wait_event(h, ev)
             return
         if ev is not None:
@@ -421,25 +448,14 @@ class Work:
         return False
 
     def _first_query(self, ev: int, what: str) -> bool:
-        """The caller's first query of the event: refused while the stream captures (a
-        query then is prohibited in the global capture mode and would invalidate the
-        capture); a captured call is learned from the query itself."""
-        cu = cuda()
-        try:
-            capturing = cu.stream_is_capturing(self._stream)
-        except Exception:  # noqa: BLE001 - the legacy stream while another captures
-            capturing = True
-        if capturing:
-            raise self._capturing_error(what)
+        """The caller's first query of the event.  The stream is never asked: it may be
+        destroyed once the call was issued (a stream made for one step and dropped); the
+        query is made in the relaxed capture mode, which no capture -- this thread's
+        included -- prohibits, and the event was recorded outside any capture (a call made
+        in one is marked captured by the call itself and never queried), so the query
+        neither fails nor invalidates a capture; a call captured all the same is learned
+        from the query (cudaErrorCapturedEvent)."""
         return self._query(ev, what)
-
-    def _capturing_error(self, what: str) -> NcclpyError:
-        name = getattr(self.plan, "collective", "the call")
-        return NcclpyError(
-            f"{what}: the stream {self._stream:#x} of this {name} is capturing a CUDA graph; "
-            f"a host wait (or query) is not allowed during a capture: end the capture, "
-            f"launch the graph, then synchronize its stream; inside the capture, "
-            f"work.wait(other_stream) orders another stream after the call")
 
     def _captured_error(self, what: str) -> NcclpyError:
         name = getattr(self.plan, "collective", "the call")
@@ -452,10 +468,11 @@ class Work:
 
     def _query(self, ev: int, what: str = "wait()") -> bool:
         """Query the event unless its tracker already saw completion (under the release lock:
-        a released event may be re-recorded by another call at once), in the thread-local
-        capture mode (never prohibited by, nor invalidating, another thread's capture)."""
+        a released event may be re-recorded by another call at once), in the relaxed capture
+        mode (never prohibited by, nor invalidating, a capture: "the local thread is not
+        prohibited from potentially unsafe API calls", cudaStreamCaptureModeRelaxed)."""
         cu = cuda()
-        prev = cu.exchange_capture_mode(CAPTURE_MODE_THREAD_LOCAL)
+        prev = cu.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
             with _release_lock:
                 if self._done:

@@ -7,20 +7,47 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import threading
 from typing import Any, Mapping, Optional
 
 from ..errors import ArgumentError, UnsupportedError
 
-__all__ = ["install", "installed", "get_engine", "wants_cpu", "MODELLED_VERSION", "DEVICE_COUNT"]
+__all__ = ["install", "installed", "get_engine", "wants_cpu", "cannot_run", "MODELLED_VERSION",
+           "DEVICE_COUNT", "MACHINES"]
 
 #: the NCCL whose semantics the engine models, checked line by line (ncclpy/cpu/RULES.md)
 MODELLED_VERSION = 22809
 #: "devices" a CPU process reports: each rank labels its memory with its local rank
 DEVICE_COUNT = 1024
 
+#: what ``platform.machine()`` says on the machines the CPU backend runs on: 64-bit x86
+#: (its ranks share memory relying on x86-64's store ordering and 8-byte stores, no fences)
+MACHINES = ("x86_64", "amd64")
+
 _lock = threading.Lock()
 _engine: Optional[Any] = None
+
+
+def cannot_run(machine: Optional[str] = None, system: Optional[str] = None,
+               bits64: Optional[bool] = None) -> Optional[str]:
+    """Why the CPU backend cannot run here (None: it can): it needs 64-bit x86 Linux with
+    POSIX shared memory (a 64-bit Python: its 8-byte fields are written in one store).
+    ``machine``, ``system``, ``bits64``: this process's unless given."""
+    machine = platform.machine() if machine is None else machine
+    system = sys.platform if system is None else system
+    bits64 = sys.maxsize > 2 ** 32 if bits64 is None else bits64
+    need = "it runs on 64-bit x86 (x86-64) Linux only"
+    if not system.startswith("linux"):
+        return f"{need}, and this system is {system}"
+    if machine.lower() not in MACHINES:
+        return (f"{need}: its processes share memory relying on x86-64's store ordering (no "
+                f"fences from Python), and this machine is {machine or 'unknown'}")
+    if not bits64:
+        return (f"{need}: its processes share 8-byte fields written in one store, which a "
+                f"32-bit Python does not do, and this Python is 32-bit")
+    from .shm import available
+    return available()
 
 
 def wants_cpu(device: Any, env: Optional[Mapping[str, str]] = None) -> bool:
@@ -55,16 +82,11 @@ def install() -> Any:
             return _engine
         from .._nccl import cuda as _cuda
         from .._nccl import lib as _lib
-        from .shm import available
         if type(_cuda._backend).__name__ == "CupyRuntime":
             raise ArgumentError("device='cpu': this process already uses the CUDA runtime (a "
                                 "GPU communicator or buffer); a process runs either on the "
                                 "GPU or on the CPU backend, not both")
-        why = available()
-        if why is None and platform.machine().lower() not in ("x86_64", "amd64", "i686",
-                                                              "i386"):
-            why = (f"its processes share memory relying on x86's store ordering (no fences "
-                   f"from Python), and this machine is {platform.machine()}")
+        why = cannot_run()
         if why:
             raise UnsupportedError(f"the CPU backend cannot run here: {why}")
         from .channel import sweep

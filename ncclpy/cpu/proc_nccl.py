@@ -2,20 +2,28 @@
 that meet other processes' ranks (init, split's votes, the first send/recv's connection,
 finalize and destroy flushing queued work, a group's launch) go through the communicator's
 channel (:mod:`ncclpy.cpu.channel`); grow and windows between processes are refused in one line.
-Each rule and its NCCL source: ncclpy/cpu/RULES.md (rows X1-X10, E7).
+Each rule and its NCCL source: ncclpy/cpu/RULES.md (rows X1-X10, E7).  Each host wait on peers
+(init, a pair's connection, finalize, destroy) also looks whether they died
+(:meth:`ncclpy.cpu.transport.ProcEngine.check_peers`): init, the connection and finalize then
+return ncclRemoteError (6) naming them; destroy stops waiting for work that cannot complete.
+A rank whose /dev/shm has no room for its channel fails its init with ncclSystemError (2).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 from .channel import P2P_RECV, P2P_SEND, Channel, stable_id
 from .engine import IN_PROGRESS, INTERNAL, INVALID_USAGE, SUCCESS, SYSTEM, _Item, _Op, _World
 from .nccl import CpuNccl
+from .shm import ShmFull
 if TYPE_CHECKING:
     from .transport import ProcEngine
 
 __all__ = ["ProcNccl", "INIT_TIMEOUT"]
+
+log = logging.getLogger(__name__)
 
 #: seconds ncclCommInitRank waits for every rank's channel (ncclpy's rendezvous came first)
 INIT_TIMEOUT = 120.0
@@ -37,13 +45,22 @@ class ProcNccl(CpuNccl):
         h = super()._join(nranks, uid, rank, nonblocking)
         if nranks > 1:
             with e.lock:
-                e.channels[h] = Channel(uid, rank, nranks)
+                try:
+                    e.channels[h] = Channel(uid, rank, nranks)
+                except ShmFull as err:     # this rank's own failure: one line, no traceback
+                    log.error("%s", err)
+                    self.last_text = str(err).encode()
+                    c = e.comms[h]
+                    c.async_state = c.init_failed = SYSTEM
+                    return h
                 e.members[(e.comms[h].world.id, rank)] = h
             e.kick()
         return h
 
     def _wait_world(self, c: Any, timeout: float = INIT_TIMEOUT) -> int:
         ch = self.e.channels.get(c.handle)
+        if getattr(c, "init_failed", 0):
+            return c.init_failed
         if ch is None:
             return super()._wait_world(c, timeout)
         deadline = time.monotonic() + timeout
@@ -54,18 +71,22 @@ class ProcNccl(CpuNccl):
                     return SUCCESS
             if c.abort_flag:
                 return INTERNAL
+            code = self.e.check_peers(c.handle)
+            if code:
+                return code
             if time.monotonic() > deadline:
                 self.last_text = (f"CPU backend: ranks {ch.missing()} of {ch.n} never joined "
                                   f"within {timeout:g} s").encode()
                 return SYSTEM
             time.sleep(0.001)
 
-    def _connect(self, ops: List[Tuple[Any, int, _Op]]) -> bool:
+    def _connect(self, ops: List[Tuple[Any, int, _Op]]) -> int:
         """group.cc groupLaunch -> ncclP2PPreconnectFunc -> transport.cc
         ncclTransportP2pSetup: a pair's first send (recv) marks its connector in
         p2pTaskAppend, and the launch exchanges the connection with the peer through the
         bootstrap, waiting on the host for the peer's matching side.  Modelled on blocking
-        communicators only (a nonblocking one's launch thread is not); False: aborted."""
+        communicators only (a nonblocking one's launch thread is not).  0; INTERNAL: aborted;
+        REMOTE: a peer died (the text names it)."""
         e, wants = self.e, []
         for c, _stream, op in ops:
             ch = e.channels.get(c.handle)
@@ -87,12 +108,16 @@ class ProcNccl(CpuNccl):
                         self.last_text = (f"CPU backend: communicator aborted while rank "
                                           f"{c.rank} waited for rank {w[2]} to connect its "
                                           f"send/recv").encode()
-                        return False
+                        return INTERNAL
                     if ch.met(w[2], w[3]):
                         wants.remove(w)
+            for c, _ch, peer, _bit in wants:
+                code = e.check_peers(c.handle, {peer})
+                if code:
+                    return code
             if wants:
                 time.sleep(0.001)
-        return True
+        return SUCCESS
 
     def _call(self, fn: str, h: int, stream: int, **args: Any) -> int:
         if "op" in args:
@@ -141,8 +166,9 @@ class ProcNccl(CpuNccl):
             if any(selfp.values()):
                 self.last_text = b"Trying to send to self without a matching recv"
                 return self._group_err(INVALID_USAGE)
-        if not self._connect(ops):        # the pairs whose first send/recv this launch holds
-            return INTERNAL
+        code = self._connect(ops)         # the pairs whose first send/recv this launch holds
+        if code:
+            return code
         plain: List[Tuple[Any, int, _Op]] = []
         code = SUCCESS
         for h, lst in by_comm.items():
@@ -213,6 +239,9 @@ class ProcNccl(CpuNccl):
                     return code
             if c.abort_flag:
                 return INTERNAL
+            dead = e.check_peers(c.handle)
+            if dead:
+                return dead
             e.kick()
             time.sleep(0.001)
 
@@ -222,7 +251,7 @@ class ProcNccl(CpuNccl):
         e = self.e
         c = e.comms.get(int(h or 0))
         if c is not None and int(h) in e.channels and not c.freed and not c.finalized:
-            while not c.abort_flag:
+            while not c.abort_flag and not e.check_peers(c.handle):   # dead: it never runs
                 with e.lock:
                     e.progress()
                     if not e.queued_for(c.handle):

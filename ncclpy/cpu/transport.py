@@ -14,6 +14,17 @@ windows and one-sided RMA) are refused in one line.  As NCCL does, the first sen
 connects the pair on the host, inside the launch (``ncclSend``/``ncclRecv`` outside a group,
 else ``ncclGroupEnd``): on a blocking communicator the call returns only once the peer posted
 its side, or fails when the communicator is aborted (ncclpy/cpu/RULES.md, E7).
+
+A peer that dies is known here at once, whoever hosts the store: while this process waits on
+its peers (the device thread finds nothing to do, or a host call waits), every
+:data:`PEER_CHECK` seconds it looks whether each peer still holds the lock on its
+shared-memory file (:meth:`ncclpy.cpu.channel.Channel.dead_peers`).  A peer whose lock is gone
+and which never closed the communicator died: the communicator's async error becomes
+ncclRemoteError (6, "remote process exited", as NCCL's proxy reports a lost peer) with a text
+naming the rank and its pid, which a host wait reads and the watchdog turns into a verdict that
+suspects that rank alone.  A slow or stopped peer keeps its lock: it is never taken for dead.
+A rank whose /dev/shm has no room fails its own communicator with ncclSystemError (2) and one
+line naming it and the remedy (:class:`ncclpy.cpu.shm.ShmFull`).
 """
 from __future__ import annotations
 
@@ -21,14 +32,20 @@ import atexit
 import ctypes
 import logging
 import threading
+import time
 from collections import deque
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+from ..debug.verdicts import died_text
 from .channel import Channel
-from .engine import INTERNAL, Engine, _Item, _Op, _World, _BY_ENUM, _OPS
+from .engine import INTERNAL, REMOTE, SYSTEM, Engine, _Item, _Op, _World, _BY_ENUM, _OPS
 from .proc_nccl import ProcNccl
+from .shm import ShmFull
 
-__all__ = ["ProcEngine"]
+__all__ = ["ProcEngine", "PEER_CHECK"]
+
+#: seconds between two looks at the peers' locks while this process waits on them
+PEER_CHECK = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +102,13 @@ class ProcEngine(Engine):
 
     def close_all(self) -> None:
         """Unlink and unmap every channel (at exit: a rank that never closed its communicator
-        leaves no shared memory behind)."""
+        leaves no shared memory behind, and its peers, if they still wait on it, learn that
+        its process ended without closing it)."""
         with self.lock:
             for ch in self.channels.values():
                 if not ch.closed:
                     log.debug("CPU backend: closing the channel of %s at exit", ch.prefix)
-                    ch.close()
+                    ch.close(at_exit=True)
 
     # -- the device thread ---------------------------------------------------------------------
     def busy(self) -> bool:
@@ -133,6 +151,69 @@ class ProcEngine(Engine):
                 delay = 0.0
             else:
                 delay = min(max(delay * 2, 2e-5), 1e-3)
+                self.check_peers()          # waiting on peers: are they alive?
+
+    def check_peers(self, h: Optional[int] = None,
+                    on: Optional[Set[int]] = None) -> Optional[int]:
+        """Look (at most every :data:`PEER_CHECK` s per channel) whether peers died, for the
+        communicators with work waiting -- or for ``h`` alone, which a host call waits on
+        (``on``: the peers it waits on; default: what its work still lacks) -- and fail each
+        communicator whose waiting work lacks something only a dead peer could give
+        (:meth:`peer_died`): a peer that posted its part and acked this rank's before it died
+        blocks nothing.  Returns ncclRemoteError when ``h`` failed so, else None.  Only
+        called while waiting."""
+        now = time.monotonic()
+        with self.lock:
+            for hh, ch in (self.channels.items() if h is None else
+                           [(h, self.channels[h])] if h in self.channels else []):
+                c = self.comms.get(hh)
+                if ch.closed or ch.reported or c is None or c.freed or \
+                        now - ch.looked < PEER_CHECK or (h is None and not self.order.get(hh)):
+                    continue
+                ch.dead_peers()
+                if ch.dead:
+                    lacks = on if hh == h and on is not None else self._lacks(hh, ch)
+                    hit = {p: pid for p, pid in ch.dead.items() if p in lacks}
+                    if hit:
+                        self.peer_died(c, ch, hit)
+            ch = self.channels.get(h) if h is not None else None
+            return REMOTE if ch is not None and ch.reported else None
+
+    def _lacks(self, h: int, ch: Channel) -> Set[int]:
+        """The peers from which the communicator ``h``'s next work still lacks something: a
+        connection, an ack of this rank's posted item, or the entries of its oldest item."""
+        if not ch.connected:
+            return set(range(ch.n)) - {ch.rank}
+        lacks = set(ch.unacked())
+        q = self.order.get(h)
+        head = next((it for sq in self.streams.values() for it in sq
+                     if q and it.id == q[0] and not it.done), None)
+        for op in head.ops if head is not None else ():
+            if op.done or (op.kind == "p2p" and op.args["dir"] == "send"):
+                continue
+            k = self._key(op)
+            if op.kind == "coll":
+                lacks.update(p for p in ch.peers if ch.entry(p, k) is None)
+            elif op.key[2] != ch.rank and ch.entry(op.key[2], k) is None:
+                lacks.add(op.key[2])
+        return lacks
+
+    def peer_died(self, c: Any, ch: Channel, dead: Dict[int, int]) -> None:
+        """Peers of ``c`` died (rank -> pid) while its work needed them: its async error
+        becomes ncclRemoteError with a text naming them (NCCL's proxy does so when a peer's
+        connection breaks); its work waits until the communicator is aborted or destroyed, as
+        a kernel would."""
+        ranks = sorted(dead)
+        one = len(ranks) == 1
+        pids = ", ".join(str(dead[r]) for r in ranks)
+        text = (f"CPU backend: {died_text(ranks)}: {'its process' if one else 'their processes'}"
+                f" (pid{'' if one else 's'} {pids}) ended without closing the communicator "
+                f"({'its' if one else 'their'} lock on {'its' if one else 'their'} shared "
+                f"memory is gone), seen by rank {ch.rank}")
+        log.error("%s", text)
+        ch.reported.update(dead)
+        self.nccl.last_text = text.encode()
+        c.async_state, c.async_shown, c.pending = REMOTE, 0, []
 
     def _state(self) -> Tuple[int, int]:
         return (sum(len(q) for q in self.streams.values()), len(self.splits))
@@ -196,6 +277,12 @@ class ProcEngine(Engine):
                 continue
             try:
                 changed = self._advance_item(it, ch, h) or changed
+            except ShmFull as e:            # this rank's own: one line, no traceback
+                log.error("%s", e)
+                self.nccl.last_text = str(e).encode()
+                c.async_state = SYSTEM
+                self._retire(it, h)
+                changed = True
             except Exception as e:  # noqa: BLE001 - this communicator fails, not the process
                 log.error("CPU backend: rank %d's %s failed: %s: %s", c.rank,
                           "/".join(op.args.get("fn", op.args.get("dir", "?")) for op in it.ops),

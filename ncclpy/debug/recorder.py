@@ -34,7 +34,8 @@ from ..errors import ArgumentError
 
 __all__ = ["Recorder", "for_comm", "SCHEMA", "DEFAULT_BUFFER", "buffer_size", "trace_dir",
            "dump_all", "install_signal", "describe", "site_text", "ISSUED", "COMPLETED", "FAILED",
-           "ABORTED", "dump_file_name", "trace_signal", "note_dump", "installed_signal"]
+           "ABORTED", "dump_file_name", "trace_signal", "note_dump", "installed_signal",
+           "interrupted"]
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,15 @@ class Recorder:
         ``f`` or the first frame above it outside ncclpy's call path; ``p2p``: whether the
         call is point-to-point (not numbered among the collectives), None: read it from
         the plan."""
+        e = self.entry_at(r, f, p2p)
+        ring = self.ring
+        ring += (e,)              # not a call: no interrupt between it and the return (the
+        return e                  # caller learns of every entry it made: tests/test_interrupts)
+
+    def entry_at(self, r: Any, f: Any, p2p: Optional[bool] = None) -> list:
+        """:meth:`open_at`'s entry, numbered, not yet in the ring: the fast path appends it
+        itself (``rec.ring.append(e)``: the entry is its own before the append, so an
+        interrupt after the append finds it)."""
         code = f.f_code
         while _inside.get(code.co_filename, None) is not False and _is_inside(code.co_filename):
             b = f.f_back
@@ -172,16 +182,16 @@ class Recorder:
             f, code = b, b.f_code
         if p2p is None:
             p2p = r.plan.collective in _P2P
-        if p2p:
+        t = _now()                # the last call: from here to the return, no interrupt (a
+        if p2p:                   # number is never taken without its entry)
             k = -1
         else:
             k = self.colls
             self.colls = k + 1
         n = self.count
         self.count = n + 1
-        e = [n, r, code, f.f_lasti, _now(), None, ISSUED, None, k]
-        self.ring.append(e)       # f_lasti: O(1) (f_lineno scans the code's line table)
-        return e
+        return [n, r, code, f.f_lasti, t, None, ISSUED, None, k]   # f_lasti: O(1) (f_lineno
+        # scans the code's line table)
 
     @staticmethod
     def fail(e: list, err: BaseException) -> None:
@@ -278,6 +288,15 @@ def note_dump(err: BaseException, path: Optional[str]) -> None:
     """Append "flight-recorder dump: <path>" to ``err``'s message (when a dump was written)."""
     if path and err.args and isinstance(err.args[0], str):
         err.args = (f"{err.args[0]}\nflight-recorder dump: {path}",) + err.args[1:]
+
+
+def interrupted(e: list, err: BaseException) -> None:
+    """Entry ``e``'s call was interrupted (``err``) when NCCL may or may not have had it: its
+    Work keeps the buffers until the GPU passes its event and stamps the entry then; the
+    entry says so, so that a dump never claims the call surely ran."""
+    if e[STATE] == ISSUED and e[ERR] is None:
+        e[ERR] = (f"{type(err).__name__} during the call: it may not have reached NCCL; its "
+                  f"Work kept the buffers until the GPU passed it")
 
 
 def for_comm(comm: Any, comm_id: str, capacity: int, nvtx: Any) -> Optional[Recorder]:

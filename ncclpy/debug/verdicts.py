@@ -4,7 +4,10 @@ The rule (docs/reference/concepts/hangs.rst, "What the watchdog aborts for"):
 
 * a **death** aborts at once, whatever this rank is doing: the launcher's notice that a rank
   died (:mod:`ncclpy.debug.deaths`: ``ncclpy run`` saw its process exit, or its node's
-  launcher stopped answering);
+  launcher stopped answering), or an NCCL error whose text says which peers died
+  (:func:`died_text`: ncclpy's CPU backend saw their processes end), which suspects them alone;
+* an NCCL error whose text says it is this rank's own failure (:data:`LOCAL`, e.g. the CPU
+  backend's /dev/shm full) aborts at once and suspects no peer;
 * a peer's **published abort** -- a communicator one member aborted can complete no call any
   more -- is followed, with that verdict's cause and suspects, as soon as this rank has a call
   in flight on it (at once if one is; an idle communicator is left alone: NCCL may share its
@@ -29,16 +32,35 @@ of a waiting rank acts on them.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["Peer", "Decision", "Published", "WatchState", "CONFIRM", "report_after",
-           "peers_from_beat", "waits_on", "ranks_text", "carried_out"]
+           "peers_from_beat", "waits_on", "ranks_text", "carried_out", "died_text",
+           "LOCAL", "known_from_error"]
 
 #: what :meth:`WatchState.step` returns when a silence would be a verdict: read the table once
 #: more (fresh ages), then step again with ``confirmed=True``
 CONFIRM = "confirm"
 _CAUSE_MAX = 400
+#: what an NCCL error's text says of a failure that is this rank's own (no peer suspected)
+LOCAL = "a failure of this rank's own, no peer is at fault"
+_DIED = re.compile(r"\brank\(s\) (\d+(?:, \d+)*) died\b")
+
+
+def died_text(ranks: Iterable[int]) -> str:
+    """How an NCCL error's text names peers known dead for certain (their processes ended):
+    ``"rank(s) 0, 2 died"``; :func:`known_from_error` reads it back."""
+    return f"rank(s) {', '.join(str(int(r)) for r in sorted(ranks))} died"
+
+
+def known_from_error(text: str) -> Tuple[Tuple[int, ...], bool]:
+    """What an NCCL error's text says for certain: the ranks it names dead (:func:`died_text`),
+    and whether the failure is this rank's own (:data:`LOCAL`)."""
+    m = _DIED.search(text)
+    dead = tuple(int(r) for r in m.group(1).split(", ")) if m else ()
+    return dead, LOCAL in text
 
 
 @dataclass
@@ -143,7 +165,9 @@ class WatchState:
         """``pending``: unfinished calls oldest first as (seq, collective, first seen[, the
         peers it waits on or None]); ``peers``: rank -> :class:`Peer` (the suspicious ones:
         a fresh peer needs no entry); ``dead``: ranks the
-        launcher published as dead; ``nccl_error``: (its text, when it was reported);
+        launcher published as dead; ``nccl_error``: (its text, when it was reported; a text that
+        names dead peers or says the failure is this rank's own decides at once:
+        :func:`known_from_error`);
         ``interval``: the heartbeat period; ``blocked``: the call still inside NCCL on the
         host, like a pending one; ``aborted``: a peer's published abort; ``confirmed``: the
         peers' ages were just read afresh; ``behind``: rank -> calls issued of the peers that
@@ -167,11 +191,22 @@ class WatchState:
         if nccl_error is not None:
             what += f", after NCCL reported: {nccl_error[0]}"
         tail = "; the communicator was aborted (ncclCommAbort)"
+        said, local = known_from_error(nccl_error[0]) if nccl_error is not None else ((), False)
+        said = sorted(set(said) - set(dead) - {self.rank})
         dead = sorted(set(dead) - {self.rank})
-        if dead:
-            return Decision("peer_dead", coll, seq, tuple(dead),
-                            f"{self._head()}: rank(s) {ranks_text(dead)} died (the launcher "
-                            f"says so) while {what}; suspected: rank(s) {ranks_text(dead)}{tail}")
+        if dead or said:
+            how = "; ".join(([f"rank(s) {ranks_text(dead)}: the launcher says so"] if dead else [])
+                            + ([f"rank(s) {ranks_text(said)}: the process ended, seen on "
+                                f"this machine"] if said else []))
+            both = sorted(set(dead) | set(said))
+            if not said or not dead:
+                how = how.split(": ", 1)[1]
+            return Decision("peer_dead", coll, seq, tuple(both),
+                            f"{self._head()}: rank(s) {ranks_text(both)} died ({how}) while "
+                            f"{what}; suspected: rank(s) {ranks_text(both)}{tail}")
+        if local:
+            return Decision("nccl_error", coll, seq, (),
+                            f"{self._head()}: {what}; no peer is suspected{tail}")
         if aborted is not None and aborted.rank != self.rank and \
                 (head is not None or nccl_error is not None):
             sus = tuple(sorted(aborted.suspects)) or (aborted.rank,)

@@ -25,6 +25,15 @@ Two parts:
   The thread never touches the NCCL handle itself: a host wait that reads an async error hands
   it over (:meth:`Watchdog.verdict_on`) and waits, boundedly, for the verdict.  A tick that
   fails is counted and said (the watchdog is blind meanwhile): ``ncclpy status`` shows it.
+  Its talk with the store (connecting, the beats, the fresh and BEAT_BEHIND reads, the dead
+  ranks, leaving the table) is :mod:`ncclpy.debug.watchbeat`, a mixin it inherits.
+
+When it stops, the Works it still holds and its deque (the call path keeps appending to it)
+go to the process's reaper (:mod:`ncclpy.comm.reaper`), exactly once, and only once the
+thread drains no more: :meth:`Watchdog.stop` joins the thread for at most :data:`STOP_JOIN`
+seconds; one lock orders the thread's end (its loop returned) against stop's look at it, so
+that either stop hands over (the loop had ended) or the thread does, at its end (stop asked
+it to): never neither, never both.
 """
 from __future__ import annotations
 
@@ -38,14 +47,14 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["default_timeout", "env_flag", "WatchState", "Decision", "Peer", "Published",
            "Watchdog", "heartbeat_key", "dead_key", "peers_from_beat", "report_after",
-           "QUEUE_MAX", "INTERVAL", "BLIND_LOG_EVERY", "BUSY"]
+           "QUEUE_MAX", "INTERVAL", "BLIND_LOG_EVERY", "BUSY", "STOP_JOIN"]
 
 from .. import errors as _errors
-from . import deaths as _deaths
 from .deaths import dead_key
-from .heartbeat import Heart, Throttle, on_time_limit
+from .heartbeat import Heart, Throttle
 from .verdicts import (CONFIRM, Decision, Peer, Published, WatchState, carried_out,
                        peers_from_beat, report_after, waits_on)
+from .watchbeat import HeartbeatMixin, heartbeat_key
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +68,12 @@ BLIND_LOG_EVERY = 60.0
 #: Works taken by a drain at which the next tick comes ten times sooner: a busy caller's Works
 #: are let go young (before the garbage collector's oldest generation holds them)
 BUSY = 256
+#: seconds stop() waits for the thread to end (a thread still running then hands its Works to
+#: the reaper itself, at its end)
+STOP_JOIN = 5.0
 
 
-def heartbeat_key(group: str, rank: int) -> str:
-    """A rank's heartbeat key on a store without the table (torch's): under its table's group,
-    which carries the bootstrap generation (a verdict left by an earlier communicator of the
-    same name is never read as this one's)."""
-    return f"{group}/{rank}"
-
-
-class Watchdog:
+class Watchdog(HeartbeatMixin):
     """The thread of one communicator (see the module docstring).  ``comm`` needs ``_watch``
     (set here), ``rank``, ``world_size``, ``name``, ``_timeout``, ``_device`` and
     ``_watchdog_abort``; ``store`` may be None (no heartbeats: timeouts only).  ``grace``: how
@@ -112,7 +117,13 @@ class Watchdog:
         #: sequence number); ``_seen``: (issued count, when) of each drain that took Works
         self.pending: List[Any] = []
         self.taken = 0                    # Works the last drain took (many: drain sooner)
-        self._hand_over_at_exit = False   # stop() timed out joining: the thread hands over
+        #: the hand-over to the reaper (:meth:`stop`): under ``_exit_lock``, ``_ended`` (the
+        #: thread's loop returned: it drains no more), ``_hand_over_at_exit`` (stop found it
+        #: still running: the thread hands over at its end) and ``_handed`` (done: once)
+        self._exit_lock = threading.Lock()
+        self._ended = False
+        self._hand_over_at_exit = False
+        self._handed = False
         self._seen: Deque[Tuple[int, float]] = collections.deque()
         self.issued = 0
         self._last: Any = None            # the last drained Work's plan (for the status)
@@ -142,54 +153,38 @@ class Watchdog:
         except Exception:
             log.debug("watchdog: the first heartbeat failed", exc_info=True)
         self._next_beat = self.clock() + self.interval
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"ncclpy-watchdog-{self.comm.name}-{self.comm.rank}")
-        self._thread.start()
+        t = threading.Thread(target=self._run, daemon=True,
+                             name=f"ncclpy-watchdog-{self.comm.name}-{self.comm.rank}")
+        self._thread = t
+        try:
+            t.start()
+        except BaseException:
+            self._thread = None          # never ran: stop() hands over itself
+            raise
         return self
 
     def stop(self, closed: bool = True, verdict: Optional[Published] = None) -> None:
         """Stop the thread (not from itself: it then just ends); ``closed``: tell the peers
         this rank closed the communicator, so its silence is not a death; ``verdict``: this
-        rank aborted it (peers follow that verdict)."""
+        rank aborted it (peers follow that verdict).  Bounded: waits at most
+        :data:`STOP_JOIN` seconds for the thread; the Works it holds go to the reaper, now or
+        (a thread still running) at its end."""
         self._stop.set()
         t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=5.0)
-        if t is not None and t.is_alive() and t is not threading.current_thread():
-            self._hand_over_at_exit = True     # the thread hands over after its last drain
-        else:
+        me = threading.current_thread()
+        if t is not None and t is not me:
+            t.join(timeout=STOP_JOIN)
+        with self._exit_lock:       # against the thread's end (_run): exactly one hands over
+            later = t is not None and t is not me and not self._ended
+            if later:               # it may drain again: it hands over after its last drain
+                self._hand_over_at_exit = True
+        if not later:               # no thread, its loop ended, or this is the thread (in act)
             self._hand_over()
         if verdict is not None:
             self.publish(verdict)
         elif closed:
             self._leave(b"closed", aborted=False)
         self._client = None
-
-    def publish(self, verdict: Published) -> Optional[Published]:
-        """Publish this rank's abort in the heartbeat table (once): peers follow it instead of
-        taking this rank's silence for a new verdict.  Returns the verdict another rank
-        published first, if one did (the table keeps the first: every rank then reports its
-        suspects, so that survivors agree, e.g. on whom a shrink excludes)."""
-        value = self.progress(self.clock()) + b"\n" + verdict.encode()
-        if self._heart is None:       # per-key heartbeats: the key says closed, and why
-            value = b"closed\n" + verdict.encode()
-        rep = self._leave(value, aborted=True)
-        first = getattr(rep, "first_aborted", None)
-        if first is None or first[0] == self.comm.rank:
-            return None
-        return Published.decode(first[1])
-
-    def _leave(self, value: bytes, aborted: bool) -> Any:
-        if self._left or self._client is None:
-            return None
-        self._left = True
-        if self._heart is not None:
-            return self._heart.close(value, aborted=aborted, count=self.issued)
-        try:
-            self._client.set(heartbeat_key(self.group, self.comm.rank), value)
-        except Exception:
-            log.debug("watchdog: could not publish the close", exc_info=True)
-        return None
 
     def verdict_on(self, error: BaseException) -> Optional[Decision]:
         """Hand the thread an async error NCCL reported to a host wait; wait (at most
@@ -205,8 +200,13 @@ class Watchdog:
 
     def _hand_over(self) -> None:
         """The Works this watchdog still holds, and its deque (the communicator keeps
-        appending to it), go to the process's reaper, which releases them once complete."""
+        appending to it), go to the process's reaper, which releases them once complete
+        (once: a second call does nothing)."""
         from ..comm.reaper import reaper
+        with self._exit_lock:
+            if self._handed:
+                return
+            self._handed = True
         pending, self.pending = self.pending, []
         reaper().adopt(self.queue, pending)
 
@@ -239,160 +239,6 @@ class Watchdog:
         if not p or not seen:
             return None
         return (seq, p[0], seen[0][1])
-
-    # -- heartbeats ----------------------------------------------------------------------------
-    def beat(self, now: float) -> None:
-        """Publish this rank's heartbeat; learn of stale, never-seen, aborted and dead peers."""
-        c = self._client
-        if c is None:
-            return
-        self._beat += 1
-        value = self.progress(now)
-        if self._heart is None:
-            self._beat_keys(c, now, value)
-            return
-        rep = self._heart.beat(value, count=self.issued)
-        if rep is None:              # late: judge nobody from it, forget older suspicions
-            self.peers = {}
-            return
-        self._confirm_ok = True
-        self._heard(rep)
-
-    def confirm(self) -> bool:
-        """Read the table afresh (a peek): the peers' ages now.  False when the store was late
-        (no verdict from it; no other confirmation until the next on-time beat)."""
-        self.confirms += 1
-        if self._heart is None:
-            return self._confirm_keys()
-        rep = self._heart.peek()
-        if rep is None:
-            self._confirm_ok = False
-            return False
-        self._heard(rep)
-        return True
-
-    def _heard(self, rep: Any) -> None:
-        """What an on-time reply says: the death epoch, a published abort, the stale peers."""
-        if rep.epoch != self._epoch:
-            self._epoch = rep.epoch
-            self._read_dead(self._client)
-        if rep.first_aborted is not None and self.published is None:
-            r, raw = rep.first_aborted
-            if r != self.comm.rank:
-                self.published = Published.decode(raw) or Published(
-                    r, "abort", (r,), "its verdict could not be read")
-        at = self._heart.replied_at if self._heart is not None else self.clock()
-        self.peers = peers_from_beat(rep, at, self.comm.rank,
-                                     at - self.state.start > self.state.never_grace)
-
-    def progress(self, now: float) -> bytes:
-        """This rank's heartbeat value: its progress (:mod:`ncclpy.debug.status`)."""
-        from .recorder import installed_signal, site_text
-        from .status import Progress, encode
-        h = self._heart
-        p = Progress(self._beat, self.issued, self.issued - len(self.pending),
-                     signal=installed_signal(), late=h.late if h else 0,
-                     refused=h.errors if h else 0, blind=self.blind)
-        h = self.head()
-        if h is not None:
-            p.wait = max(now - h[2], 0.0)
-        rec = getattr(self.comm, "_recorder", None)
-        blk = self.blocked(now)
-        stuck = blk is not None and now > blk[2]  # inside since an earlier tick: blocked there
-        # shown: the call blocked inside NCCL (the newest recorded), else the last one issued
-        # (numbered issued - 1: never a newer one in checked mode's compare, or refused)
-        e = (rec.last() if rec is not None else None) if stuck else self._last_entry(rec)
-        if e is not None:
-            p.call, p.site = e[1].plan.collective, site_text(e[2], e[3]) or ""
-        elif self._last is not None:
-            p.call = getattr(self._last, "collective", "?")
-        if stuck:
-            p.blocked, p.wait = True, max(p.wait, now - blk[2])
-            if e is None or e[1].plan.collective != blk[1]:  # no recorder entry for it
-                p.call, p.site = blk[1], ""
-        return encode(p)
-
-    def _last_entry(self, rec: Any) -> Optional[list]:
-        """The recorder entry of the last Work drained (its call path attaches it just after
-        the Work was handed over: looked up again until then)."""
-        if rec is None or self._last is None:
-            return None
-        if self._last_rec is None and self._last_work is not None:
-            w = self._last_work()
-            self._last_rec = getattr(w, "_rec", None)
-            if self._last_rec is not None or w is None:
-                self._last_work = None
-        return self._last_rec if self._last_rec is not None else rec.last()
-
-    def read_behind(self, seq: int) -> bool:
-        """Ask once who has not issued call ``seq`` (one BEAT_BEHIND peek: O(listed)); False
-        when the store was late."""
-        if self._heart is None:
-            return False
-        rep = self._heart.behind(seq)
-        if rep is None or rep.behind is None:
-            return False
-        counts = {r: n for r, n in rep.behind if r != self.comm.rank}
-        counts.update((r, 0) for r in rep.never_listed if r != self.comm.rank)  # never beat
-        self._behind = (seq, counts)
-        return True
-
-    def _read_dead(self, c: Any) -> None:
-        try:
-            self._dead = sorted(_deaths.read_deaths(c))
-        except Exception as e:
-            self._epoch = -1         # read it again at the next beat
-            log.debug("watchdog: could not read the dead ranks: %s", e)
-
-    def _beat_keys(self, c: Any, now: float, value: bytes) -> None:
-        """Heartbeats as keys, for a store without the table (torch's): N-1 reads per beat."""
-        c.set(heartbeat_key(self.group, self.comm.rank), value)
-        if not self.peers:
-            self.peers = {r: Peer() for r in range(self.comm.world_size) if r != self.comm.rank}
-        self._read_keys(c, now, list(self.peers))
-        try:
-            epoch = _deaths.read_epoch(c)
-        except Exception:
-            return
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._read_dead(c)
-
-    def _read_keys(self, c: Any, now: float, ranks: Iterable[int]) -> bool:
-        """Read the ranks' keys; False when a read failed (no news of that rank)."""
-        ok = True
-        for r in ranks:
-            peer = self.peers[r]
-            try:
-                raw = c.get(heartbeat_key(self.group, r), timeout=0.05)
-            except Exception:
-                ok = False
-                continue            # not yet written, or a slow read: no news
-            if raw.startswith(b"closed"):
-                peer.closed = True
-                pub = Published.decode(raw)
-                if pub is not None and self.published is None:
-                    self.published = pub
-            elif raw != self._raw.get(r):
-                self._raw[r] = raw
-                peer.seen = now
-                try:
-                    peer.issued = int(raw.split(b":")[1])
-                except (IndexError, ValueError):
-                    pass
-        return ok
-
-    def _confirm_keys(self) -> bool:
-        """Per-key heartbeats: read the suspects' keys again (a changed value is a beat)."""
-        c = self._client
-        if c is None:
-            return False
-        now = self.clock()
-        return self._read_keys(c, now, [r for r, p in self.peers.items() if not p.closed])
-
-    def dead(self) -> List[int]:
-        """Ranks the launcher published as dead."""
-        return [r for r in self._dead if r != self.comm.rank and 0 <= r < self.comm.world_size]
 
     def blocked(self, now: float) -> Optional[Tuple[Any, ...]]:
         """(seq, call, first seen, the peers it waits on or None) of a call inside NCCL on the
@@ -455,37 +301,12 @@ class Watchdog:
         try:
             self._loop()
         finally:
+            with self._exit_lock:     # against stop(): exactly one hands over
+                self._ended = True    # no drain after this
+                mine = self._hand_over_at_exit
             self._decided.set()       # a host wait in verdict_on never outwaits the thread
-            if self._hand_over_at_exit:
+            if mine:
                 self._hand_over()
-
-    def _connect(self) -> None:
-        """Use the process's store client; the heartbeat table where the store serves it."""
-        if self._client is not None:
-            return
-        if self._store is None:
-            log.info("watchdog of %r: no rendezvous store (uid exchanged over MPI): timeouts "
-                     "only; peer deaths are not detected by heartbeats", self.comm.name)
-            return
-        self._client = self._store
-        if getattr(self._store, "supports_tables", False):
-            if self.comm.rank == 0:
-                try:             # list the table for ncclpy status (one add, one set)
-                    from .status import register
-                    register(self._store, self.comm.name, self.group, self.comm.world_size,
-                             self.state.dead_after)
-                except Exception as e:  # noqa: BLE001 - the status is a view, not a duty
-                    log.debug("watchdog: could not register for ncclpy status: %s", e)
-            self._heart = Heart(
-                self._store, self.group, self.comm.rank, self.comm.world_size,
-                stale_after=report_after(self.state.dead_after, self.interval),
-                on_time=on_time_limit(self.interval),
-                call_timeout=max(self.interval, 1.0), watch=_deaths.EPOCH_KEY,
-                what=f"watchdog of {self.comm.name!r} rank {self.comm.rank}", clock=self.clock)
-        else:
-            log.info("watchdog of %r: the store has no heartbeat table (torch's store?): "
-                     "heartbeats as keys, %d reads per beat", self.comm.name,
-                     self.comm.world_size - 1)
 
     def _loop(self) -> None:
         try:

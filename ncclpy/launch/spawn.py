@@ -355,11 +355,23 @@ class SpawnContext:
         self.stop()
         self._done = True
         if tb is not None:
-            raise ProcessRaisedException(rank, p.exitcode, tb)
+            raise ProcessRaisedException(rank, p.exitcode, tb, message=self._no_gpu(rank, tb))
         code = p.exitcode if p.exitcode is not None else -signal.SIGKILL
         raise LaunchError(f"rank {rank} (pid {p.pid}) {_describe_exit(code)}"
                           f"{' without raising an exception' if code > 0 else ''}; "
                           f"the other ranks were stopped")
+
+    def _no_gpu(self, rank: int, tb: str) -> Optional[str]:
+        """One line for a rank placed on a GPU that found none (its traceback ends with
+        CudaUnavailableError): the remedy is ``spawn(device="cpu")``; None otherwise."""
+        last = tb.rstrip().rsplit("\n", 1)[-1]
+        kind, sep, what = last.partition(": ")
+        if not sep or kind.rsplit(".", 1)[-1] != "CudaUnavailableError" or \
+                self.envs[rank].get("NCCLPY_DEVICE", "").strip().lower() == "cpu":
+            return None
+        return (f"rank {rank}: {what.split('; ', 1)[0]}: ncclpy.spawn placed its ranks on GPUs; "
+                f"without a GPU, run them on the CPU backend (NCCL's semantics on host memory) "
+                f"with ncclpy.spawn(..., device=\"cpu\")")
 
     def join(self, timeout: Optional[float] = None) -> bool:
         """Wait for the children: True when all exited 0, False if ``timeout`` passed first.
@@ -437,7 +449,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     :class:`SpawnContext`; with ``join=True`` this returns None when every child exited 0 and
     raises otherwise (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for
     a non-zero exit, a signal, or ``timeout`` seconds passing; the other children are stopped in
-    every case).
+    every case).  A rank placed on a GPU that finds none (no ``device="cpu"``) raises it in one
+    line naming the remedy, ``spawn(..., device="cpu")`` (its traceback stays in ``.traceback``).
 
     The children die with the parent (SIGTERM via ``PR_SET_PDEATHSIG``, Linux): with
     ``join=False``, call this from a thread that outlives them (e.g. the main thread).  SIGINT
@@ -529,8 +542,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
             context.stop()
             raise LaunchError(f"spawn: timeout={timeout:g} s passed with {_rank_list(running)} "
                               f"still running; all ranks were stopped")
-    except BaseException:
+    except BaseException as e:
         if any(p.exitcode is None for p in processes):
             context.stop()
+        if isinstance(e, ProcessRaisedException) and "\n" not in str(e):
+            raise e.with_traceback(None) from None    # a known mistake: its one line says it
         raise
     return None
