@@ -479,3 +479,23 @@ def test_a_record_takes_the_newest_free_event_and_leaves_the_others_free():
         assert ev == evs[-1] and pool.free == evs[:-1]
         pool.free.clear()
         assert record_event(eng.cuda, pool, 0) not in evs     # none free: a new one
+
+
+def test_a_fast_call_takes_the_newest_free_event_and_leaves_the_others_free():
+    from ncclpy.comm.work import event_pool
+    with standin() as eng:
+        c0, c1 = _pair()
+        x0, x1 = _arr([1.0], 0), _arr([2.0], 1)
+        for _ in range(2):
+            w0 = c0.all_reduce(x0)
+            _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+            w0.wait()
+        pool = event_pool(0)
+        pool.free.extend(pool.new(eng.cuda) for _ in range(3))
+        free = list(pool.free)
+        w0 = c0.all_reduce(x0)                # a hit
+        assert w0._event == free[-1] and pool.free == free[:-1]
+        _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+        w0.wait()
+        c0.abort(), c1.abort()
+    assert eng.violations == []

@@ -159,11 +159,12 @@ def group_scope(start: Callable[[], int], end: Callable[[], int],
     if comm is not None and id(comm) not in st.comms:
         _refuse_simulated(st, comm, sim)     # this group's simulation, or an outer one's
         held: dict = {}
-        comm._life.hold("group", held, id(comm), comm)
         try:
+            comm._life.hold("group", held, id(comm), comm)
             start()
         except BaseException:
-            comm._life.release_hold()
+            if held:                         # (the hold is taken with its record in held)
+                comm._life.release_hold()
             raise
         st.comms.update(held)
     else:

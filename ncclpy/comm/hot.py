@@ -28,9 +28,10 @@ no event query (docs/reference/concepts/streams.rst and graphs.rst say what this
 entries are dropped with the resolver's cache (context change, close, abort, split).
 
 A Ctrl-C may arrive wherever CPython checks for signals (tests/interrupt_util.py): the API
-lock is held by ``with``, the in-call marker is set and cleared with nothing interruptible
-between it and the lock, and once the NCCL call may have been made the Work reaches its
-tracker whatever is interrupted (:func:`_interrupted`).  Torch tensors' storages are kept
+lock is taken inside the ``try`` whose handler gives it back if this call holds it (the fast
+path never holds it re-entrantly), the in-call marker is set and cleared with nothing
+interruptible between it and the lock, and once the NCCL call may have been made the Work
+reaches its tracker whatever is interrupted (:func:`_fault`, :func:`_interrupted`).  Torch tensors' storages are kept
 with the Work, and a call on a stream other than torch's current one records them with
 torch's caching allocator (:func:`ncclpy.comm.streams.torch_keep`).
 """
@@ -214,54 +215,67 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
         try:
             if ent is not None:
                 rec.ring.append(ent)
-            api.acquire()                   # (an interrupt after it: the handler finds it ours)
-            life.hot = e                    # before the state check: an abort sees it
-            if life.state is not USABLE or life.holder is not None:
-                life.hot = None             # (a holder is another thread's: this one's group
-                if life.state is USABLE:    # takes the general path)
-                    raise life.foreign_group(e.plan.collective)
-                raise life.refusal(e.plan.collective)
-            life.hot_n += 1
-            made = True
-            e.call()                        # the NCCL call
             try:
-                ev = free[-1]               # (no check between the two: no other thread, no
-                del free[-1]                # interrupt)
-            except IndexError:              # the pool is empty: a new event
-                ev = _record_slow(None, pool, None, e.s)
-                cur = False
-            else:
+                api.acquire()               # (given back first thing in ``finally``)
+                life.hot = e                # before the state check: an abort sees it
+                if life.state is not USABLE or life.holder is not None:
+                    life.hot = None         # (a holder is another thread's: this one's
+                    if life.state is USABLE:    # group takes the general path)
+                        raise life.foreign_group(e.plan.collective)
+                    raise life.refusal(e.plan.collective)
+                life.hot_n += 1
+                made = True                 # (no check since the marker: made => ours)
+                e.call()                    # the NCCL call
                 try:
-                    _cudamod._backend.event_record(ev, e.s)  # the first CUDA call
-                    cur = True              # (on stream 2: only with its device current)
-                except Exception:   # noqa: BLE001 - another device current, a failure
-                    ev0, ev = ev, None
-                    ev = _record_slow(None, pool, ev0, e.s)
+                    ev = free[-1]           # (no check between the two: no other thread,
+                    del free[-1]            # no interrupt)
+                except IndexError:          # the pool is empty: a new event
+                    ev = _record_slow(None, pool, None, e.s)
                     cur = False
-            w = _new(Work)
-            w._comm = comm
-            w._device = dev
-            w._stream = e.s
-            w._event = ev
-            w.plan = e.plan
-            w._keep = keep
-            w._rec = ent
-            w._owned = w._done = False
-            w._error = None
-            s = e.s                         # the second CUDA call: captures(), inlined
-            if s > 2 or s == 2 and cur:     # (0, 1: the legacy stream, never capturing)
-                try:
-                    if _cudamod._backend.capture_status(s):
-                        w._captured()       # before a tracker sees it: never queried
-                except Exception:   # noqa: BLE001 - an invalidated capture: captured
+                else:
+                    try:
+                        _cudamod._backend.event_record(ev, e.s)  # the first CUDA call
+                        cur = True          # (on stream 2: only with its device current)
+                    except Exception:   # noqa: BLE001 - another device current, a failure
+                        free.append(ev)     # back first, then a record made with care
+                        ev = None
+                        ev = _record_slow(None, pool, None, e.s)
+                        cur = False
+                w = _new(Work)
+                w._comm = comm
+                w._device = dev
+                w._stream = e.s
+                w._event = ev
+                w.plan = e.plan
+                w._keep = keep
+                w._rec = ent
+                w._owned = w._done = False
+                w._error = None
+                s = e.s                     # the second CUDA call: captures(), inlined
+                if s > 2 or s == 2 and cur:     # (0, 1: the legacy stream, never captures)
+                    try:
+                        if _cudamod._backend.capture_status(s):
+                            w._captured()   # before a tracker sees it: never queried
+                    except Exception:   # noqa: BLE001 - an invalidated capture: captured
+                        w._captured()
+                elif s == 2 and captures(_cudamod._backend, s, dev):
                     w._captured()
-            elif s == 2 and captures(_cudamod._backend, s, dev):
-                w._captured()
-            life.hot = None                 # (then nothing interrupts before the append:
-            comm._watch.append(w)           # cleared means handed over) to its tracker,
-            api.release()                   # in record order
+                life.hot = None             # (then nothing interrupts before the append:
+                comm._watch.append(w)       # cleared means handed over) to its tracker
+            except BaseException as x:  # noqa: B902 - under the lock if this call took it
+                if made:                    # the marker is this call's: cleared with no
+                    tracked = life.hot is None   # check between; a Work NCCL may use is
+                    life.hot = None              # handed over (_interrupted)
+                    if not tracked:
+                        w = _interrupted(comm, lib, life, rec, ent, e, keep, x, w, ev, pool)
+                raise
+            finally:
+                try:
+                    api.release()           # (a C call first: nothing interrupts before it)
+                except RuntimeError:        # never taken: interrupted while it waited
+                    pass
         except BaseException as x:  # noqa: B902 - the abort's error, NCCL's, an interrupt
-            _fault(comm, lib, life, api, rec, ent, e, keep, x, w, ev, pool, made)
+            _fault(comm, lib, life, rec, ent, e, x, w, made)
             raise
         if life.state is not USABLE:
             _after_abort(life, w, e.plan.collective)
@@ -281,54 +295,67 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
         try:
             if ent is not None:
                 rec.ring.append(ent)
-            api.acquire()                   # (an interrupt after it: the handler finds it ours)
-            life.hot = e                    # before the state check: an abort sees it
-            if life.state is not USABLE or life.holder is not None:
-                life.hot = None             # (a holder is another thread's: this one's group
-                if life.state is USABLE:    # takes the general path)
-                    raise life.foreign_group(e.plan.collective)
-                raise life.refusal(e.plan.collective)
-            life.hot_n += 1
-            made = True
-            e.call()                        # the NCCL call
             try:
-                ev = free[-1]               # (no check between the two: no other thread, no
-                del free[-1]                # interrupt)
-            except IndexError:              # the pool is empty: a new event
-                ev = _record_slow(None, pool, None, e.s)
-                cur = False
-            else:
+                api.acquire()               # (given back first thing in ``finally``)
+                life.hot = e                # before the state check: an abort sees it
+                if life.state is not USABLE or life.holder is not None:
+                    life.hot = None         # (a holder is another thread's: this one's
+                    if life.state is USABLE:    # group takes the general path)
+                        raise life.foreign_group(e.plan.collective)
+                    raise life.refusal(e.plan.collective)
+                life.hot_n += 1
+                made = True                 # (no check since the marker: made => ours)
+                e.call()                    # the NCCL call
                 try:
-                    _cudamod._backend.event_record(ev, e.s)  # the first CUDA call
-                    cur = True              # (on stream 2: only with its device current)
-                except Exception:   # noqa: BLE001 - another device current, a failure
-                    ev0, ev = ev, None
-                    ev = _record_slow(None, pool, ev0, e.s)
+                    ev = free[-1]           # (no check between the two: no other thread,
+                    del free[-1]            # no interrupt)
+                except IndexError:          # the pool is empty: a new event
+                    ev = _record_slow(None, pool, None, e.s)
                     cur = False
-            w = _new(Work)
-            w._comm = comm
-            w._device = dev
-            w._stream = e.s
-            w._event = ev
-            w.plan = e.plan
-            w._keep = keep
-            w._rec = ent
-            w._owned = w._done = False
-            w._error = None
-            s = e.s                         # the second CUDA call: captures(), inlined
-            if s > 2 or s == 2 and cur:     # (0, 1: the legacy stream, never capturing)
-                try:
-                    if _cudamod._backend.capture_status(s):
-                        w._captured()       # before a tracker sees it: never queried
-                except Exception:   # noqa: BLE001 - an invalidated capture: captured
+                else:
+                    try:
+                        _cudamod._backend.event_record(ev, e.s)  # the first CUDA call
+                        cur = True          # (on stream 2: only with its device current)
+                    except Exception:   # noqa: BLE001 - another device current, a failure
+                        free.append(ev)     # back first, then a record made with care
+                        ev = None
+                        ev = _record_slow(None, pool, None, e.s)
+                        cur = False
+                w = _new(Work)
+                w._comm = comm
+                w._device = dev
+                w._stream = e.s
+                w._event = ev
+                w.plan = e.plan
+                w._keep = keep
+                w._rec = ent
+                w._owned = w._done = False
+                w._error = None
+                s = e.s                     # the second CUDA call: captures(), inlined
+                if s > 2 or s == 2 and cur:     # (0, 1: the legacy stream, never captures)
+                    try:
+                        if _cudamod._backend.capture_status(s):
+                            w._captured()   # before a tracker sees it: never queried
+                    except Exception:   # noqa: BLE001 - an invalidated capture: captured
+                        w._captured()
+                elif s == 2 and captures(_cudamod._backend, s, dev):
                     w._captured()
-            elif s == 2 and captures(_cudamod._backend, s, dev):
-                w._captured()
-            life.hot = None                 # (then nothing interrupts before the append:
-            comm._watch.append(w)           # cleared means handed over) to its tracker,
-            api.release()                   # in record order
+                life.hot = None             # (then nothing interrupts before the append:
+                comm._watch.append(w)       # cleared means handed over) to its tracker
+            except BaseException as x:  # noqa: B902 - under the lock if this call took it
+                if made:                    # the marker is this call's: cleared with no
+                    tracked = life.hot is None   # check between; a Work NCCL may use is
+                    life.hot = None              # handed over (_interrupted)
+                    if not tracked:
+                        w = _interrupted(comm, lib, life, rec, ent, e, keep, x, w, ev, pool)
+                raise
+            finally:
+                try:
+                    api.release()           # (a C call first: nothing interrupts before it)
+                except RuntimeError:        # never taken: interrupted while it waited
+                    pass
         except BaseException as x:  # noqa: B902 - the abort's error, NCCL's, an interrupt
-            _fault(comm, lib, life, api, rec, ent, e, keep, x, w, ev, pool, made)
+            _fault(comm, lib, life, rec, ent, e, x, w, made)
             raise
         if life.state is not USABLE:
             _after_abort(life, w, e.plan.collective)
@@ -438,21 +465,12 @@ def _nccl_failed(lib: Any, e: Entry, x: BaseException) -> bool:
     return e.method is not None and isinstance(x, Exception) and cupy_status(x, lib) is not None
 
 
-def _fault(comm: Any, lib: Any, life: Any, api: Any, rec: Any, ent: Any, e: Entry, keep: Any,
-           x: BaseException, w: Any, ev: Optional[int], pool: Any, made: bool) -> None:
-    """An exception in a fast call (``x``: a refusal, NCCL's error, an interrupt anywhere):
-    under the API lock if this call holds it (the fast path never holds it re-entrantly, so
-    holding it means this call took it), the in-call marker cleared; once the NCCL call may
-    have been made and its Work is not with its tracker yet, :func:`_interrupted` makes sure
-    it is; the lock given back; the recorder's entry failed unless a Work took it; an abort
-    waiting for the call woken.  NCCL's error is raised here, said as ncclpy's; anything else
-    the caller re-raises as it is."""
-    if api._is_owned():
-        tracked = made and life.hot is None     # cleared right before the hand-over
-        life.hot = None
-        if made and not tracked:
-            w = _interrupted(comm, lib, life, rec, ent, e, keep, x, w, ev, pool)
-        api.release()
+def _fault(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry, x: BaseException,
+           w: Any, made: bool) -> None:
+    """An exception in a fast call (``x``: a refusal, NCCL's error, an interrupt anywhere),
+    after the API lock was given back and a Work NCCL may use handed over: the recorder's
+    entry failed unless a Work took it, an abort waiting for the call woken.  NCCL's error
+    is raised here, said as ncclpy's; anything else the caller re-raises as it is."""
     if not made:
         w = None
     err = _failed(comm, lib, life, e, x) if w is None else x

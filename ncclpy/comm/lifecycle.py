@@ -255,12 +255,17 @@ class Lifecycle:
         raise self.refusal(what)
 
     def release_hold(self) -> None:
-        """End of a :meth:`hold` (no API lock taken)."""
+        """End of a :meth:`hold` (no API lock taken): the hold and its count given back in
+        one step under the state lock (nothing interruptible between), then an abort waiting
+        for it woken (a missed wake-up is :meth:`_poll_idle`'s)."""
         with self.lock:
             self.nhold -= 1
             if self.nhold <= 0:
                 self.nhold, self.holder = 0, None
-        self._leave_counts(timed=False)
+            self.inflight -= 1
+            idle = not self.inflight and (self.waiters or self.on_idle is not None)
+        if idle:
+            self.idle()
 
     def foreign_group(self, what: str) -> NcclpyError:
         """The error of a call made while another thread's open group holds the handle: NCCL
