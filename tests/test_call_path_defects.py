@@ -252,8 +252,9 @@ def test_a_hit_made_as_another_threads_group_takes_the_communicator_is_refused()
         life.holder, life.nhold = threading.get_ident() + 1, 1    # (another thread's hold)
         try:
             for call in (lambda: c0.all_reduce(x0), p):
-                with pytest.raises(errors.NcclpyError, match="of another thread"):
+                with pytest.raises(errors.NcclpyError, match="of another thread") as e:
                     call()
+                assert e.value.__cause__ is None    # a refusal: nothing behind it
         finally:
             life.holder, life.nhold = None, 0
         assert _made(eng, c0, "ncclAllReduce") == made and life.hot is None
@@ -497,5 +498,58 @@ def test_a_fast_call_takes_the_newest_free_event_and_leaves_the_others_free():
         assert w0._event == free[-1] and pool.free == free[:-1]
         _on(eng, 1, lambda: c1.all_reduce(x1).wait())
         w0.wait()
+        c0.abort(), c1.abort()
+    assert eng.violations == []
+
+
+def test_a_fast_call_waits_for_the_api_lock_another_thread_holds():
+    """One thread inside NCCL per handle (NCCL's rule): a hit waits for the API lock."""
+    with standin() as eng:
+        c0, c1 = _pair()
+        x0, x1 = _arr([1.0], 0), _arr([2.0], 1)
+        for _ in range(2):
+            w0 = c0.all_reduce(x0)
+            _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+            w0.wait()
+        made = _made(eng, c0, "ncclAllReduce")
+        taken, free_it, out = threading.Event(), threading.Event(), {}
+
+        def holder() -> None:
+            with c0._life.api:
+                taken.set()
+                free_it.wait(10)
+
+        def caller() -> None:
+            eng.cuda.set_device(0)
+            out["w"] = c0.all_reduce(x0)
+        h = threading.Thread(target=holder)
+        h.start()
+        assert taken.wait(10)
+        t = threading.Thread(target=caller)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and _made(eng, c0, "ncclAllReduce") == made, \
+            "a fast call went into NCCL while another thread held the handle"
+        free_it.set()
+        h.join(10), t.join(10)
+        _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+        out["w"].wait()
+        c0.abort(), c1.abort()
+    assert eng.violations == []
+
+
+def test_a_captured_hit_on_any_stream_handle_is_marked_by_the_call():
+    with standin() as eng:
+        c0, c1 = _pair()
+        x0, x1 = _arr([1.0], 0), _arr([2.0], 1)
+        s = 3                                 # handles from 3 on: asked whether they capture
+        for _ in range(2):
+            w0 = c0.all_reduce(x0, stream=s)
+            _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+            w0.wait()
+        eng.cuda.begin_capture(s)
+        w = c0.all_reduce(x0, stream=s)       # a hit, captured
+        eng.cuda.end_capture(s)
+        assert w._owned, f"a captured call on stream {s} was not marked"
         c0.abort(), c1.abort()
     assert eng.violations == []

@@ -130,7 +130,7 @@ def _default_getter(a: Any, key_a: Any) -> Optional[Callable[[int], int]]:
         obj, fw = getattr(a, "obj", None), str(getattr(a, "framework", "") or "").lower()
         if fw == "torch" or type_kind(type(obj)) == "torch":
             return torch_stream
-        if fw == "cupy" or obj is None or type_kind(type(obj)) == "cupy":
+        if obj is None or type_kind(type(obj)) == "cupy":   # (framework "cupy": its obj)
             return _cupy_current
         return None                     # an export that may name its stream: resolved
     if kind in ("cupy", "raw", "cupy-cai"):
@@ -230,7 +230,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                     ev = free[-1]           # (no check between the two: no other thread,
                     del free[-1]            # no interrupt)
                 except IndexError:          # the pool is empty: a new event
-                    ev = _record_slow(None, pool, None, e.s)
+                    ev = _record_slow(pool, e.s)
                     cur = False
                 else:
                     try:
@@ -239,7 +239,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                     except Exception:   # noqa: BLE001 - another device current, a failure
                         free.append(ev)     # back first, then a record made with care
                         ev = None
-                        ev = _record_slow(None, pool, None, e.s)
+                        ev = _record_slow(pool, e.s)
                         cur = False
                 w = _new(Work)
                 w._comm = comm
@@ -310,7 +310,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                     ev = free[-1]           # (no check between the two: no other thread,
                     del free[-1]            # no interrupt)
                 except IndexError:          # the pool is empty: a new event
-                    ev = _record_slow(None, pool, None, e.s)
+                    ev = _record_slow(pool, e.s)
                     cur = False
                 else:
                     try:
@@ -319,7 +319,7 @@ def make_hot(comm: Any) -> Optional[Callable[..., Any]]:
                     except Exception:   # noqa: BLE001 - another device current, a failure
                         free.append(ev)     # back first, then a record made with care
                         ev = None
-                        ev = _record_slow(None, pool, None, e.s)
+                        ev = _record_slow(pool, e.s)
                         cur = False
                 w = _new(Work)
                 w._comm = comm
@@ -502,8 +502,9 @@ def _interrupted(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry, k
                 try:
                     cu.event_record(ev, e.s)
                 except Exception:  # noqa: BLE001 - another device current: made again
-                    ev0, ev = ev, None
-                    ev = _record_slow(cu, pool, ev0, e.s)
+                    pool.free.append(ev)
+                    ev = None
+                    ev = record_event(cu, pool, e.s)
         except Exception as err:  # noqa: BLE001 - no event: nothing to wait on
             log.warning("a %s interrupted after its NCCL call: its event could not be "
                         "recorded (%s); its buffers are let go", e.plan.collective, err)
@@ -519,14 +520,11 @@ def _interrupted(comm: Any, lib: Any, life: Any, rec: Any, ent: Any, e: Entry, k
     return w
 
 
-def _record_slow(cu: Any, pool: Any, ev: Optional[int], stream: int) -> int:
+def _record_slow(pool: Any, stream: int) -> int:
     """The record when the fast one could not: no free event (a new one is made), or the
-    event's device is not current for a default stream (:func:`record_event` retries)."""
-    if cu is None:
-        cu = _cudamod.cuda()
-    if ev is not None:                  # the fast record failed: record_event retries it
-        pool.free.append(ev)
-    return record_event(cu, pool, stream)
+    event's device is not current for a default stream (:func:`record_event` retries; the
+    caller put the event back in the pool first)."""
+    return record_event(_cudamod.cuda(), pool, stream)
 
 
 def _after_abort(life: Any, w: Any, name: str) -> None:
