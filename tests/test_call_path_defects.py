@@ -553,3 +553,76 @@ def test_a_captured_hit_on_any_stream_handle_is_marked_by_the_call():
         assert w._owned, f"a captured call on stream {s} was not marked"
         c0.abort(), c1.abort()
     assert eng.violations == []
+
+
+
+def test_a_plan_that_fails_after_its_copies_keeps_its_buffers_with_a_work():
+    """A list form copies its blocks into scratch, then calls NCCL: when that call fails, the
+    copies are already on the stream, reading the user's buffers -- a Work keeps them until
+    the stream passed them."""
+    from ncclpy.comm.reaper import reaper
+    with standin() as eng:
+        c0, c1 = _pair()
+        blocks = [_arr([1.0], 0), _arr([2.0], 0)]
+        out = _arr([0.0], 0)
+        eng.fail["ncclReduceScatter"] = 5
+        with pytest.raises(errors.NcclError, match="ncclReduceScatter"):
+            c0.reduce_scatter(blocks, out)
+        held = [w for q, pend in reaper().lanes if q is c0._watch for w in list(pend) + list(q)]
+        assert any(blocks is k for w in held for k in _flat(w._keep)), \
+            f"no Work keeps the buffers the copies read: {[w._keep for w in held]}"
+        c0.abort(), c1.abort()
+    assert eng.violations == []
+
+
+def _flat(keep):
+    if type(keep) is tuple:
+        for k in keep:
+            yield from _flat(k)
+    else:
+        yield keep
+
+
+@pytest.mark.parametrize("how", ["eager", "prepared"])
+def test_the_fast_record_and_capture_query_keep_the_pool_and_mark_what_they_must(how):
+    """hot() and fire() (a prepared call's) hold the same lines: the newest free event is
+    taken and the others stay free; a record refused on a default stream (another device
+    current) gives its event back before the careful one; a capture query that raises (an
+    invalidated capture) counts as captured."""
+    from ncclpy.comm.work import event_pool
+    with standin() as eng:
+        c0, c1 = _pair()
+        x0, x1 = _arr([1.0], 0), _arr([2.0], 1)
+        s = eng.cuda.new_stream()
+        p = c0.prepare("all_reduce", x0, stream=s) if how == "prepared" else None
+        p0 = c0.prepare("all_reduce", x0, stream=0) if how == "prepared" else None
+        call = (lambda st: (p if st == s else p0)()) if p else \
+            (lambda st: c0.all_reduce(x0, stream=st))
+        for st in (s, s, 0, 0):
+            w0 = call(st)
+            _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+            w0.wait()
+        pool = event_pool(0)
+        pool.free.extend(pool.new(eng.cuda) for _ in range(3))
+        free = list(pool.free)
+        w0 = call(s)                          # a hit: the newest free event
+        assert w0._event == free[-1] and pool.free == free[:-1]
+        _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+        w0.wait()
+        out = pool.created - len(pool.free)
+        eng.cuda.set_device(1)                # stream 0 is device 1's now: refused, redone
+        w0 = call(0)
+        eng.cuda.set_device(0)
+        _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+        w0.wait()
+        assert pool.created - len(pool.free) == out, "an event left the pool"
+        real = eng.cuda.capture_status
+        eng.cuda.capture_status = lambda st: (_ for _ in ()).throw(
+            RuntimeError("cudaErrorStreamCaptureInvalidated"))
+        try:
+            w0 = call(s)
+        finally:
+            eng.cuda.capture_status = real
+        assert w0._owned, "a failing capture query must count as captured"
+        c0.abort(), c1.abort()
+    assert eng.violations == []

@@ -180,3 +180,23 @@ def test_a_work_of_a_group_not_ended_is_not_complete():
         assert w.is_completed() is True
         c0.abort(), c1.abort()
     assert eng.violations == []
+
+
+def test_a_look_that_sees_completion_releases_and_gives_the_event_back():
+    pool = _work.event_pool(5)
+    pool.free.clear()
+    with cudamod.use(_Cu(done=100)):
+        w = new_work(_C(), 5, 3, None, ("buf",), 7)
+        assert w._reap() is True
+    assert w._done and w._keep == () and pool.free == [7]
+    pool.free.clear()
+
+
+def test_a_captured_works_event_never_goes_back_to_the_pool():
+    pool = _work.event_pool(5)
+    pool.free.clear()
+    c = _C()
+    w = new_work(c, 5, 3, None, ("buf",), 8)
+    w._captured()
+    w._completed()                           # (a graph may still name the event)
+    assert pool.free == [] and c._captured_events == [w]

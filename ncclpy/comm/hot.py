@@ -102,7 +102,7 @@ def _same(obj: Any, key: Any) -> Callable[[], Any]:
     C-contiguous ``cupy.ndarray``, whose pointer, size, dtype, strides and device are
     read-only (only its shape can be set, in place, which keeps it contiguous and its plan
     the same): finding it again is then the whole check.  Anything else (a torch tensor can be
-    re-pointed with ``set_``, a Buffer's fields or an export can change): :func:`_NOBODY`."""
+    re-pointed with ``set_``, an export can change): :func:`_NOBODY`."""
     if key is None or type(key) is not tuple or len(key) != 5 or key[0] is not type(obj) or \
             type_kind(type(obj)) != "cupy":
         return _NOBODY
