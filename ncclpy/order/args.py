@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Sequence
 
 from ..cli_util import OneLineParser, int_at_least
 from .config import DEFAULT_VERSION, OPS, OrderConfig
+from .pins import c_strtoll
 from .split import ALGOS, COLLECTIVES, PROTOS
 from .versions import parse_version
 
 __all__ = ["PROG", "build_parser", "config_from_args", "c_strtoll"]
 
 PROG = "ncclpy order"
-_HEX = "0123456789abcdefABCDEF"
 _BUFF_ENV = {"simple": "NCCL_BUFFSIZE", "ll": "NCCL_LL_BUFFSIZE", "ll128": "NCCL_LL128_BUFFSIZE"}
 #: the first paragraph of ncclpy.order.cli's docstring, for -h
 _DESCRIPTION = ("ncclpy order: the order in which NCCL folds the ranks' contributions, "
@@ -140,30 +140,6 @@ def _op(p: OneLineParser, text: str) -> tuple:
     p.error(f"{p.flag('op')}: expected one of {', '.join(OPS[:-1])} or premul_sum:X, got "
             f"{text!r}")
     raise AssertionError  # p.error exits
-
-
-def c_strtoll(text: str) -> Tuple[int, str]:
-    """What NCCL's ncclLoadParam (misc/param.cc:76-93: ``strtoll(str, nullptr, 0)``) reads from
-    ``text``, and '' or why a user would not mean it (trailing characters, no digits)."""
-    t = text.lstrip()
-    sign = -1 if t[:1] == "-" else 1
-    t = t[1:] if t[:1] in "+-" else t
-    if t[:2].lower() == "0x" and t[2:3] and t[2:3] in _HEX:
-        base, t = 16, t[2:]
-    elif t[:1] == "0":
-        base = 8
-    else:
-        base = 10
-    digits = "0123456789abcdef"[:base]
-    n = 0
-    while n < len(t) and t[n].lower() in digits:
-        n += 1
-    value = sign * int(t[:n], base) if n else 0
-    if not n:
-        return value, "no digits"
-    if t[n:].strip():
-        return value, f"it stops at {t[n:]!r}"
-    return value, ""
 
 
 def config_from_args(p: OneLineParser, ns: argparse.Namespace) -> OrderConfig:

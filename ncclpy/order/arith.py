@@ -26,10 +26,29 @@ from ..ops import RedOp, premul_sum
 from ..reference import reduce_arrays
 from .topology import Expr
 
-__all__ = ["Arith", "BLOCK"]
+__all__ = ["Arith", "BLOCK", "native_fold"]
 
 #: elements evaluated at once (bounds the memory of a 64 MiB prediction)
 BLOCK = 1 << 21
+#: types whose sum and product numpy computes as NCCL does, one correctly rounded IEEE
+#: operation per step (float: reduce_kernel.h:315-318 ``a+b``, ``a*b``)
+_NATIVE = {"float32": np.float32, "float64": np.float64}
+
+
+def native_fold(items: Sequence[np.ndarray], op: str, t: type) -> Optional[np.ndarray]:
+    """The left fold of ``items`` in numpy's own float32/float64 arithmetic: the bits
+    :func:`~ncclpy.reference.reduce_arrays` gives (it adds exactly in float64 and rounds once
+    per step; for float32 a double rounding through float64 is innocuous for + and x, as
+    53 >= 2*24 + 2), or None where a NaN appears (its payload is then the reference's, on the
+    same arrays)."""
+    f = np.add if op == "sum" else np.multiply
+    with np.errstate(all="ignore"):
+        acc = np.array(items[0], dtype=t, copy=True)
+        for v in items[1:]:
+            f(acc, v, out=acc)
+    if np.isnan(acc).any():
+        return None
+    return acc
 
 
 class Arith:
@@ -44,6 +63,7 @@ class Arith:
         self.fold_op = RedOp("sum") if op in ("avg", "premul_sum") else RedOp(op)
         self.pre = op == "premul_sum" or (op == "avg" and self.is_float)
         self.post = op == "avg" and not self.is_float
+        self.native = _NATIVE.get(dtype) if self.fold_op.name in ("sum", "prod") else None
 
     def leaf(self, x: np.ndarray) -> np.ndarray:
         """The input as NCCL folds it: pre-multiplied for premul_sum and float AVG."""
@@ -55,6 +75,10 @@ class Arith:
         """``((items[0] op items[1]) op items[2]) ...``, one rounding per step."""
         if len(items) == 1:
             return items[0]
+        if self.native is not None:
+            res = native_fold(items, self.fold_op.name, self.native)
+            if res is not None:
+                return res
         return reduce_arrays(list(items), self.fold_op, self.dtype, world_size=self.n)
 
     def finish(self, acc: np.ndarray) -> np.ndarray:

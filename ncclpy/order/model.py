@@ -23,14 +23,14 @@ is vectorized (numpy over element indices); the rules are NCCL's device loops at
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .arith import BLOCK, Arith
 from .config import OrderConfig
-from .split import GRAIN, Split, cbd_split, chunk_bytes, tuned_channels
+from .split import GRAIN, Split, align_up, cbd_split, chunk_bytes, div_up, tuned_channels
 from .topology import Expr, normalize_ring, ring_rotation, tree_expr
 from .versions import CannotPredict, port_for
 
@@ -67,22 +67,61 @@ class OrderMap:
 @dataclass(frozen=True)
 class Prediction:
     """What NCCL computes for ``config``: the split, and the fold of every output element of
-    every rank (``None`` where NCCL writes no reduction: reduce's non-roots)."""
+    every rank (``maps``: None where NCCL writes no reduction, reduce's non-roots; built on
+    first use, as :meth:`spans` and :meth:`outputs` do without them)."""
 
     config: OrderConfig
     split: Split
-    maps: Tuple[Optional[OrderMap], ...]
     port: str
+    _maps: List[Tuple[Optional[OrderMap], ...]] = field(default_factory=list, repr=False,
+                                                        compare=False)
+
+    @property
+    def maps(self) -> Tuple[Optional[OrderMap], ...]:
+        if not self._maps:
+            self._maps.append(_maps(self.config, self.split))
+        return self._maps[0]
+
+    def defined(self, rank: int) -> bool:
+        """Whether NCCL writes a reduction into ``rank``'s output."""
+        cfg = self.config
+        if not 0 <= rank < cfg.nranks:
+            raise IndexError(f"rank: expected 0..{cfg.nranks - 1}, got {rank}")
+        return cfg.collective != "reduce" or rank == cfg.root
 
     def order_map(self, rank: int = 0) -> Optional[OrderMap]:
         return self.maps[rank]
+
+    def spans(self, rank: int = 0) -> Optional[List[Tuple[int, int, Expr]]]:
+        """``rank``'s output as runs ``(start, stop, fold)`` in element order, computed from the
+        split alone (no per-element arrays: what a fast evaluation walks); None where NCCL
+        writes no reduction."""
+        if not self.defined(rank):
+            return None
+        cfg = self.config
+        n = cfg.nranks
+        if n == 1:
+            return [(0, cfg.count, 0)]
+        out: List[Tuple[int, int, Expr]] = []
+        for part in self.split.parts:
+            lo, hi = part.offset, part.offset + part.count
+            if cfg.algo == "tree":
+                out.append((lo, hi, tree_expr(cfg.trees[part.channel])))
+            elif cfg.collective == "all_reduce":
+                rots = [ring_rotation(cfg.rings[part.channel], s) for s in range(n)]
+                out += [(lo + a, lo + b, rots[s])
+                        for a, b, s in _ring_runs(part.count, part.chunk, n, cfg.elem_size)]
+            else:
+                ring = normalize_ring(cfg.rings[part.channel])
+                out.append((lo, hi, ring_rotation(ring, (ring.index(rank) + 1) % n)))
+        return out
 
     def outputs(self, inputs: Sequence[np.ndarray],
                 ranks: Optional[Sequence[int]] = None) -> List[Optional[np.ndarray]]:
         """Each rank's output for ``inputs`` (one logical array per rank: all_reduce/reduce
         ``count`` elements, reduce_scatter ``nranks*count``); bfloat16/float8 as their uint
         views.  Ranks with no defined output, and ranks not in ``ranks`` (default: all), get
-        None."""
+        None.  Evaluated run by run (:meth:`spans`), each run one fold over slices."""
         cfg = self.config
         n = cfg.nranks
         if len(inputs) != n:
@@ -93,43 +132,59 @@ class Prediction:
             if a.size != want:
                 raise ValueError(f"inputs[{r}]: expected {want} elements, got {a.size}")
         ar = Arith(cfg.dtype, cfg.op, n, cfg.scalar)
-        cache: Dict[int, np.ndarray] = {}
+        shared: Optional[np.ndarray] = None
         out: List[Optional[np.ndarray]] = []
-        for r, m in enumerate(self.maps):
-            if m is None or (ranks is not None and r not in ranks):
+        for r in range(n):
+            if not self.defined(r) or (ranks is not None and r not in ranks):
                 out.append(None)
                 continue
-            off = r * cfg.count if cfg.collective == "reduce_scatter" else 0
-            if id(m) in cache:                  # all_reduce: every rank has the same map
-                out.append(cache[id(m)].copy())
+            if cfg.collective == "all_reduce" and shared is not None:
+                out.append(shared.copy())        # every rank has the same folds
                 continue
-            res = _evaluate(ar, m, [a[off:off + cfg.count] for a in arrs])
-            cache[id(m)] = res
+            off = r * cfg.count if cfg.collective == "reduce_scatter" else 0
+            res = _evaluate(ar, self.spans(r), [a[off:off + cfg.count] for a in arrs])
+            if cfg.collective == "all_reduce":
+                shared = res
             out.append(res)
         return out
 
 
-def _evaluate(ar: Arith, m: OrderMap, blocks: List[np.ndarray]) -> np.ndarray:
-    """Fold every element of one output, BLOCK elements at a time."""
-    n = len(blocks)
-    flat = all(not isinstance(e, int) and len(e) == n and all(isinstance(x, int) for x in e)
-               for e in m.exprs)
-    table = np.array(m.exprs, dtype=np.int64) if flat else None
-    count = m.group.size
-    parts = []
-    for lo in range(0, count, BLOCK):
-        hi = min(count, lo + BLOCK)
-        leaves = [ar.leaf(b[lo:hi]) for b in blocks]
-        g = m.group[lo:hi]
-        if table is not None:
-            res = ar.fold_gather(table, g, leaves)
-        else:
-            res = np.empty_like(leaves[0])
-            for gid in np.unique(g):
-                idx = np.flatnonzero(g == gid)
-                res[idx] = ar.evaluate(m.exprs[int(gid)], [x[idx] for x in leaves])
-        parts.append(ar.finish(res))
-    return np.concatenate(parts)
+def _evaluate(ar: Arith, spans: List[Tuple[int, int, Expr]],
+              blocks: List[np.ndarray]) -> np.ndarray:
+    """Fold every run of one output over slices of the inputs (views, BLOCK elements at most
+    at a time: bounds the memory of a 64 MiB prediction)."""
+    count = blocks[0].size
+    res: Optional[np.ndarray] = None
+    for lo, hi, expr in spans:
+        for a in range(lo, hi, BLOCK):
+            b = min(hi, a + BLOCK)
+            part = ar.finish(ar.evaluate(expr, [ar.leaf(x[a:b]) for x in blocks]))
+            if res is None:
+                if a == 0 and b == count:
+                    return np.array(part, copy=True)
+                res = np.empty(count, dtype=part.dtype)
+            res[a:b] = part
+    assert res is not None
+    return res
+
+
+def _ring_runs(count: int, chunk: int, nranks: int,
+               elem_size: int) -> List[Tuple[int, int, int]]:
+    """(first, stop, starting ring position) of every chunk of one channel's part of ``count``
+    elements with chunkCount ``chunk``: the runs :func:`_ring_starts` gives, element for
+    element (all_reduce.h:32-64)."""
+    loop = nranks * chunk
+    out = []
+    for base in range(0, count, loop):
+        rem = count - base
+        kp = chunk if rem >= loop else align_up(div_up(rem, nranks), 16 // elem_size)
+        end = min(base + loop, count)
+        for c in range(nranks):
+            a, b = base + c * kp, min(base + (c + 1) * kp, end)
+            if a >= b:
+                break
+            out.append((a, b, (c + 1) % nranks))
+    return out
 
 
 def _ring_starts(count: int, chunk: int, nranks: int, elem_size: int) -> np.ndarray:
@@ -189,19 +244,23 @@ def predict(cfg: OrderConfig) -> Prediction:
                             f"21-bit chunkGrains field (src/include/device.h:297)")
     split = cbd_split(port, cfg.collective, cfg.proto, n, cfg.count, es, nc,
                       cfg.comm_channels, {"lo": cb, "mid": cb, "hi": cb})
+    return Prediction(cfg, split, port.name)
+
+
+def _maps(cfg: OrderConfig, split: Split) -> Tuple[Optional[OrderMap], ...]:
+    """Every rank's OrderMap (None where NCCL writes no reduction)."""
+    n = cfg.nranks
     if n == 1:
-        single = OrderMap((0,), np.zeros(cfg.count, dtype=np.int32))
-        return Prediction(cfg, split, (single,), port.name)
+        return (OrderMap((0,), np.zeros(cfg.count, dtype=np.int32)),)
     maps: List[Optional[OrderMap]]
     if cfg.collective == "all_reduce":
-        m = _all_reduce_map(cfg, split)
-        maps = [m] * n
+        maps = [_all_reduce_map(cfg, split)] * n
     elif cfg.collective == "reduce_scatter":
         maps = [_rotation_map(cfg, split, r) for r in range(n)]
     else:
         maps = [None] * n
         maps[cfg.root] = _rotation_map(cfg, split, cfg.root)
-    return Prediction(cfg, split, tuple(maps), port.name)
+    return tuple(maps)
 
 
 def _all_reduce_map(cfg: OrderConfig, split: Split) -> OrderMap:
