@@ -217,9 +217,12 @@ class Pins:
         return max(min(self.max_channels, found), self.min_channels)
 
     def pinned_channels(self) -> Optional[int]:
-        """K when NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS = K (NCCL then has K channels
-        whatever its search found), else None."""
-        return self.min_channels if self.min_channels == self.max_channels else None
+        """comm->nChannels where the environment decides it whatever NCCL's search found
+        (at least one channel): NCCL_MIN_NCHANNELS >= NCCL_MAX_NCHANNELS (K = K included)
+        gives the minimum, NCCL_MAX_NCHANNELS = 1 one channel; else None."""
+        if self.min_channels >= self.max_channels:
+            return self.min_channels
+        return 1 if self.max_channels == 1 else None
 
     # -- what a call runs ------------------------------------------------------------------
     def pinned(self, collective: str) -> Tuple[Optional[str], Optional[str], str]:
@@ -264,8 +267,10 @@ class Pins:
             algo = modelled[0]
             if len(algos) > 1:
                 why.append(f"{algo}, the CPU backend's choice among {', '.join(algos)}")
-            else:
+            elif self.algo_env:
                 why.append(f"NCCL_ALGO pins {algo}")
+            else:
+                why.append(f"{algo}, NCCL's only algorithm for {collective}")
         else:
             algo = "Ring"
             why.append(f"only {', '.join(algos)} enabled, which the CPU backend does not "

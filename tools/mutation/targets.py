@@ -108,8 +108,12 @@ TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
                            why="NCCL's channel tuning, split and chunks: where every fold "
                                "starts")),
     ("order_model", Target("ncclpy/order/model.py",
-                           ("tests/test_order_literals.py", "tests/test_order_model.py"),
+                           ("tests/test_order_literals.py", "tests/test_order_model.py",
+                            "tests/test_order_pins.py"),
                            why="the fold of every output element, and its bits")),
+    ("order_pins", Target("ncclpy/order/pins.py", ("tests/test_order_pins.py",),
+                          why="NCCL_ALGO/NCCL_PROTO/channels as NCCL reads them, and what "
+                              "the CPU backend runs")),
     ("order_reveal", Target("ncclpy/order/reveal.py",
                             ("tests/test_order_model.py", "tests/test_order_observe.py"),
                             why="inputs whose sum shows its order, and the decoder")),
