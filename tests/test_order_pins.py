@@ -141,7 +141,8 @@ def test_strtoll_base_0(text, want):
 
 
 @pytest.mark.parametrize("env, want", [
-    ({}, None), ({"NCCL_MAX_NCHANNELS": "1"}, 1), ({"NCCL_MAX_NCHANNELS": "2"}, None),
+    ({}, None), ({"NCCL_MAX_NCHANNELS": "1"}, 1), ({"NCCL_MAX_CTAS": "1"}, 1),
+    ({"NCCL_MAX_NCHANNELS": "2"}, None),
     ({"NCCL_MIN_NCHANNELS": "2"}, None), ({"NCCL_MIN_NCHANNELS": "2",
                                            "NCCL_MAX_NCHANNELS": "2"}, 2),
     ({"NCCL_MIN_NCHANNELS": "4", "NCCL_MAX_NCHANNELS": "2"}, 4),
@@ -180,27 +181,34 @@ def test_what_the_environment_pins_on_a_gpu(env, coll, want):
 def test_what_the_cpu_backend_runs():
     c = Pins.from_env({}).cpu_choice("all_reduce")
     assert (c.algo, c.proto, c.channels, c.buffsizes) == ("ring", "simple", 1, ())
-    assert c.why == ("Ring, the CPU backend's choice among Tree, Ring, CollNetDirect, "
-                     "CollNetChain, NVLS, NVLSTree; Simple, the CPU backend's default; 1 channel "
-                     "(the CPU backend's one ring; NCCL_MIN_NCHANNELS asks for more)")
+    assert c.why == ("Ring, the CPU backend's choice among Tree, Ring; Simple, the CPU "
+                     "backend's default; 1 channel (the CPU backend's one ring)")
     c = Pins.from_env({"NCCL_ALGO": "ring", "NCCL_PROTO": "ll", "NCCL_MAX_NCHANNELS": "1"}
                       ).cpu_choice("all_reduce")
-    assert c.why == "NCCL_ALGO pins Ring; NCCL_PROTO pins LL; 1 channel (NCCL_MIN/MAX_NCHANNELS)"
+    assert c.why == ("NCCL_ALGO pins Ring; NCCL_PROTO pins LL; 1 channel (NCCL_MIN/MAX_NCHANNELS, "
+                     "NCCL_MIN/MAX_CTAS)")
     c = Pins.from_env({"NCCL_MIN_NCHANNELS": "2"}).cpu_choice("reduce")
     assert c.why == ("Ring, NCCL's only algorithm for reduce; Simple, the CPU backend's "
-                     "default; 2 channels (NCCL_MIN/MAX_NCHANNELS)")
+                     "default; 2 channels (NCCL_MIN/MAX_NCHANNELS, NCCL_MIN/MAX_CTAS)")
     assert Pins.from_env({"NCCL_ALGO": "^ring"}).cpu_choice("all_reduce").algo == "tree"
     assert Pins.from_env({"NCCL_PROTO": "^simple"}).cpu_choice("reduce").proto == "ll"
     assert Pins.from_env({"NCCL_PROTO": "^simple,ll"}).cpu_choice("reduce").proto == "ll128"
     pat = Pins.from_env({"NCCL_ALGO": "PAT"}).cpu_choice("reduce_scatter")
-    assert pat.algo == "ring" and "not NCCL's bits" in pat.why
+    assert pat.algo == "ring" and pat.proto == "simple" and "not NCCL's bits" in pat.why
+    pat = Pins.from_env({"NCCL_ALGO": "PAT,ring", "NCCL_PROTO": "LL"}).cpu_choice("all_gather")
+    assert (pat.algo, pat.proto) == ("ring", "ll") and pat.why.startswith("NCCL_ALGO pins Ring")
     c = Pins.from_env({"NCCL_LL_BUFFSIZE": "4096", "NCCL_PROTO": "LL"}).cpu_choice("all_reduce")
     assert isinstance(c, Choice) and c.config("all_reduce", 2, 10).buffsize == 4096
 
 
 @pytest.mark.parametrize("env, coll", [({"NCCL_ALGO": "tree"}, "reduce_scatter"),
                                        ({"NCCL_ALGO": "tree"}, "reduce"),
+                                       ({"NCCL_ALGO": "tree"}, "broadcast"),
                                        ({"NCCL_ALGO": "PAT"}, "all_reduce"),
+                                       ({"NCCL_ALGO": "PAT", "NCCL_PROTO": "LL"},
+                                        "reduce_scatter"),             # PAT: Simple only
+                                       ({"NCCL_ALGO": "NVLS"}, "all_reduce"),   # no NVLS here
+                                       ({"NCCL_ALGO": "CollNetDirect"}, "all_gather"),
                                        ({"NCCL_PROTO": "^ll,ll128,simple"}, "all_reduce")])
 def test_nothing_enabled_is_ncclss_no_algorithm_error(env, coll):
     with pytest.raises(PinError) as e:
@@ -208,5 +216,81 @@ def test_nothing_enabled_is_ncclss_no_algorithm_error(env, coll):
     assert str(e.value) == no_algorithm_text(coll, "ncclFloat32", env.get("NCCL_ALGO"),
                                              env.get("NCCL_PROTO"))
     assert str(e.value).startswith("Error : no algorithm/protocol available for function ")
-    var = next(iter(env))
-    assert f"{var} was set to {env[var]}." in str(e.value)
+    for var in env:
+        assert f"{var} was set to {env[var]}." in str(e.value)
+    with pytest.raises(PinError) as e:
+        Pins.from_env(env, version=23007).cpu_choice(coll, "ncclFloat32")
+    assert str(e.value).startswith("No algorithm/protocol available for function ")
+
+
+def test_an_empty_variable_is_set_for_the_message_and_unset_for_the_parse():
+    p = Pins.from_env({"NCCL_ALGO": "", "NCCL_PROTO": ""})
+    assert p.cpu_choice("all_reduce").algo == "ring"
+    assert no_algorithm_text("reduce", "ncclInt8", "", None) == (
+        "Error : no algorithm/protocol available for function Reduce with datatype ncclInt8. "
+        "NCCL_ALGO was set to .")
+
+
+@pytest.mark.parametrize("text, words", [
+    (";ring", 'All entries except the first must have a prefix: ";ring"'),
+    ("ring;:", 'All entries except the first must have a prefix: "ring;:"'),
+    (":", 'an entry of colons only makes NCCL read a null pointer'),
+])
+def test_parse_list_edge_cases_as_strtok_gives_them(text, words):
+    with pytest.raises(PinError) as e:
+        parse_list(text, NCCL_ALGOS)
+    assert words in str(e.value)
+    assert parse_list("ring;;allreduce:tree", NCCL_ALGOS)["AllReduce"]["Tree"] == 1
+    assert parse_list("ring:", NCCL_ALGOS)["Reduce"]["Tree"] == 0     # "ring:" is "ring"
+
+
+def test_a_one_rank_communicator_parses_nothing():
+    assert Pins.from_env({"NCCL_ALGO": "bogus"}, nranks=1).cpu_choice("all_reduce").algo == "ring"
+    with pytest.raises(PinError):
+        Pins.from_env({"NCCL_ALGO": "bogus"}, nranks=2)
+
+
+def test_nccl_proto_is_parsed_before_nccl_algo():
+    with pytest.raises(PinError) as e:
+        Pins.from_env({"NCCL_ALGO": "bogus", "NCCL_PROTO": "bogus"})
+    assert str(e.value).startswith("NCCL_PROTO=bogus: ")
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"NCCL_MAX_NCHANNELS": "-2"}, (0, 64)), ({"NCCL_MIN_NRINGS": "4",
+                                              "NCCL_MIN_NCHANNELS": "-2"}, (4, 64)),
+    ({"NCCL_MIN_NCHANNELS": "99999999999999999999"}, (0, 64)),
+    ({"NCCL_MIN_NCHANNELS": "4294967298"}, (2, 64)),
+])
+def test_unset_out_of_range_and_int_values_as_nccl_reads_them(env, want):
+    p = Pins.from_env(env)
+    assert (p.min_channels, p.max_channels) == want
+    assert Pins.from_env({"NCCL_BUFFSIZE": "-2"}).buffsizes == ()
+
+
+def test_cta_limits_and_the_version_bound_the_channels():
+    p = Pins.from_env({"NCCL_MIN_NCHANNELS": "4", "NCCL_MAX_NCHANNELS": "4",
+                       "NCCL_MIN_CTAS": "8"})
+    assert p.cpu_choice("all_reduce").channels == 8 == p.pinned_channels()
+    assert Pins.from_env({"NCCL_MAX_CTAS": "3", "NCCL_MIN_NCHANNELS": "2"}).comm_channels(8) == 3
+    assert Pins.from_env({"NCCL_MIN_NCHANNELS": "50"}, version=22403).min_channels == 32
+
+
+def test_the_process_environment_reads_the_conf_file_under_it_once(tmp_path, monkeypatch):
+    from ncclpy.order import ncclenv
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# a comment\nNCCL_ALGO=tree\nNCCL_PROTO=LL\nNCCL_MIN_NCHANNELS=3\n")
+    monkeypatch.setenv("NCCL_CONF_FILE", str(conf))
+    monkeypatch.setenv("NCCL_PROTO", "Simple")                 # the environment wins
+    for var in ("NCCL_ALGO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NRINGS"):
+        monkeypatch.delenv(var, raising=False)
+    ncclenv.forget_params()
+    try:
+        c = Pins.from_env().cpu_choice("all_reduce")
+        assert (c.algo, c.proto, c.channels) == ("tree", "simple", 3)
+        monkeypatch.setenv("NCCL_MIN_NCHANNELS", "5")           # cached: NCCL never rereads
+        assert Pins.from_env().cpu_choice("all_reduce").channels == 3
+        monkeypatch.setenv("NCCL_ALGO", "ring")                 # parsed at each init
+        assert Pins.from_env().cpu_choice("all_reduce").algo == "ring"
+    finally:
+        ncclenv.forget_params()

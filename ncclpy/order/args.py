@@ -114,6 +114,14 @@ def build_parser() -> OneLineParser:
                    action="extend", default=None, metavar="E",
                    help="print the fold of these output elements")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sweep", default=None, metavar="SIZES",
+                   help="instead of --count: the sizes at which the channels, the chunking and "
+                        "the folds change, for bytes per rank as nccl-tests counts them "
+                        "(reduce_scatter: each rank's input): a list 1K,64K,4M or a range "
+                        "8..256M (doubling, nccl-tests' -b 8 -e 256M -f 2) or 8..256M:4 (times "
+                        "4); K/M/G are powers of 1024; the exact counts between two sizes where "
+                        "the tuned channel count changes or a second loop begins are found by "
+                        "bisection; --element E adds E's fold")
     p.add_argument("--observe", action="store_true",
                    help="run on a GPU with order-revealing inputs and judge NCCL's bits "
                         "(under ncclpy run, or spawning --ranks ranks)")

@@ -40,12 +40,13 @@ def native_fold(items: Sequence[np.ndarray], op: str, t: type) -> Optional[np.nd
     :func:`~ncclpy.reference.reduce_arrays` gives (it adds exactly in float64 and rounds once
     per step; for float32 a double rounding through float64 is innocuous for + and x, as
     53 >= 2*24 + 2), or None where a NaN appears (its payload is then the reference's, on the
-    same arrays)."""
+    same arrays).  The CPU's flush-to-zero mode (``torch.set_flush_denormal(True)``) would
+    change subnormal results: NCCL's kernels keep them."""
     f = np.add if op == "sum" else np.multiply
     with np.errstate(all="ignore"):
         acc = np.array(items[0], dtype=t, copy=True)
         for v in items[1:]:
-            f(acc, v, out=acc)
+            f(acc, np.asarray(v, dtype=t), out=acc)   # each operand in the type, as NCCL's
     if np.isnan(acc).any():
         return None
     return acc
