@@ -2,8 +2,9 @@
 saved: the whole check, as users run it, at each world size, once with one verdict gather per
 case (as before issue 34) and once with the default batch, in one run.
 
-Each run is ``python -m ncclpy check -n N --json FILE`` (the backend the machine has: gloo on
-CPU, nccl on a GPU, where the ncclpy column runs too); the figures are the JSON's ``timing``:
+Each run is ``python -m ncclpy check -n N --json FILE`` (the backend the machine has: since
+issue 51 ncclpy's CPU backend beside gloo on a machine without a GPU (``--backend gloo``: gloo
+alone, what the figures of issue 34 in docs/performance.md measured), nccl on a GPU); the figures are the JSON's ``timing``:
 rank 0's start-up, its milliseconds per case, and per phase -- building the inputs, the numpy
 reference, the torch side, the ncclpy side, the comparisons, gathering the verdicts (``sync``:
 also the wait for the slowest rank).  The ranks of one run share this machine's cores: at more

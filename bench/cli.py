@@ -7,6 +7,7 @@ syntax (``K``/``M``/``G`` are powers of 1024), so an ``all_reduce_perf`` command
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -18,8 +19,10 @@ from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path,
 from ncclpy.dtypes import DTYPES, SHORT_NAMES, TESTS_NAMES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
+from bench.combos import add_combo_flags, check_combo_flags
+from bench.config import SweepConfig
 from bench.nccl_tests_flags import add_nccl_tests_flags, check_nccl_tests_flags
-from bench.sweep import SweepConfig, launched_world
+from bench.sweep import launched_world
 
 __all__ = ["PROG", "parse_size", "size_list", "build_parser", "parse_args", "main",
            "TESTS_TYPE_NAMES", "parse_collectives", "parse_dtypes", "parse_ops",
@@ -155,7 +158,8 @@ def build_parser(prog: str = PROG) -> OneLineParser:
         epilog=f"Examples: {prog} all_reduce -b 8 -e 128M -f 2 --nproc 2 | "
                f"{prog} all_gather --backend ncclpy,torch -J out.json --plot out.png | "
                f"{prog} all_reduce --device cpu --backend ncclpy,torch --nproc 2 -b 1K -e 1M "
-               f"-f 4")
+               f"-f 4 | {prog} all_reduce --nproc 4 --algo ring,tree --proto ll,ll128,simple "
+               f"--repeat-bits 3")
     p.add_argument("collective", help="collective to run: " + ", ".join(registry.names())
                    + " (nccl-tests stems such as all_reduce_perf or alltoall also work); a "
                    "comma-separated list or 'all' runs several in turn, one table each, and "
@@ -204,10 +208,7 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     x.add_argument("--timer", default="host", choices=("host", "events"),
                    help="host: wall clock around the iterations and a stream sync, as nccl-tests; "
                         "events: CUDA events recorded on the stream (GPU only)")
-    x.add_argument("--algo", default=None, metavar="ALGO",
-                   help="force NCCL's algorithm for every call of the sweep, in NCCL_ALGO's "
-                        "syntax (ring, tree, ^nvls, ...): ncclpy's config=CollConfig(algorithm=) "
-                        "(NCCL >= 2.31, --backend ncclpy)")
+    add_combo_flags(x)
     g.add_argument("-R", "--local_register", type=_int, default=0, metavar="0|1|2",
                    help="register the buffers: 0 none, 1 ncclCommRegister, 2 symmetric windows "
                         "(ncclMemAlloc + ncclCommWindowRegister, NCCL >= 2.27); ncclpy backend "
@@ -397,22 +398,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
         if a.timer == "events":
             raise ArgumentError(f"{p.flag('timer')} events: CUDA events are unsupported with "
                                 f"--device cpu")
-    algo = None
-    if a.algo is not None or a.predict:
+    if a.predict:
         bad = [b for b in backends if b != "ncclpy"]
-        flag = p.flag("algo") if a.algo is not None else p.flag("predict")
         if bad:
-            raise ArgumentError(f"{flag}: needs --backend ncclpy (ncclpy's CollConfig and "
+            raise ArgumentError(f"{p.flag('predict')}: needs --backend ncclpy (ncclpy's "
                                 f"group(simulate=True)); {', '.join(bad)} cannot")
-    if a.algo is not None:
-        from ncclpy._nccl.collconfig import CollConfig
-        try:
-            algo = CollConfig(algorithm=a.algo).algorithm
-        except NcclpyError as e:
-            raise ArgumentError(f"{p.flag('algo')}: {str(e).split(': ', 1)[-1]}") from None
-        if "send_recv" in collectives:
-            raise ArgumentError(f"{p.flag('algo')}: send_recv is ncclSend/ncclRecv, which "
-                                f"take no algorithm (no ncclCollConfig_t); drop it or --algo")
+    combos, repeat_bits = check_combo_flags(p, a, backends, device)
     register, memory_report, cta_policy = _ncclpy_flags(p, a, backends, collectives)
     nt = check_nccl_tests_flags(p, a, backends, device)
     for dest, path, check in (("output_file", a.output_file, check_output_path),
@@ -428,15 +419,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
         nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
         plot=a.plot, timeout=300.0 if a.timeout is None else a.timeout,
         sync_timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
-        algo=algo, predict=a.predict, register=register, memory_report=memory_report,
-        cta_policy=cta_policy, agg_iters=nt.agg_iters, run_cycles=nt.run_cycles,
-        blocking=nt.blocking, parallel_init=nt.parallel_init, report_cputime=nt.report_cputime,
-        report_timestamps=nt.report_timestamps, argv=[prog, *argv])
+        combos=combos, repeat_bits=repeat_bits, predict=a.predict, register=register,
+        memory_report=memory_report, cta_policy=cta_policy, argv=[prog, *argv],
+        **dataclasses.asdict(nt))
 
 
 def _refuse_on_cpu(p: Any, a: Any, backends: Sequence[str]) -> None:
     """With --device cpu: the backends without a CPU form (cupy), and the flags that drive
-    NCCL itself (algorithm, estimate, registration, memory statistics, CTA policy), refused in
+    NCCL itself (estimate, registration, memory statistics, CTA policy), refused in
     one line naming the flag as typed."""
     where = "--device cpu" if a.device == "cpu" else (
         "NCCLPY_DEVICE=cpu" if _env_wants_cpu() else "--device auto (cpu: no GPU here)")
@@ -446,8 +436,7 @@ def _refuse_on_cpu(p: Any, a: Any, backends: Sequence[str]) -> None:
         raise ArgumentError(f"{p.flag('backend')} {a.backend}: {', '.join(bad)} needs a GPU "
                             f"(raw CuPy NCCL has no CPU form); with {where} expected "
                             f"{' or '.join(CPU_FORMS)} ({forms})")
-    nccl_only = (("algo", a.algo is not None, "forces NCCL's algorithm"),
-                 ("predict", a.predict, "adds NCCL's estimate"),
+    nccl_only = (("predict", a.predict, "adds NCCL's estimate"),
                  ("local_register", a.local_register != 0, "registers buffers with NCCL"),
                  ("memory_report", a.memory_report != 0, "reports NCCL's memory"),
                  ("cta_policy", a.cta_policy is not None, "sets NCCL's CTA policy"))
@@ -458,7 +447,7 @@ def _refuse_on_cpu(p: Any, a: Any, backends: Sequence[str]) -> None:
                             f"ncclpy's CPU backend (CPU figures, not NCCL's)")
     for dest, given, what in nccl_only:
         if given:
-            value = {"algo": a.algo, "local_register": a.local_register,
+            value = {"local_register": a.local_register,
                      "memory_report": a.memory_report, "cta_policy": a.cta_policy}.get(dest)
             shown = p.flag(dest) + ("" if value is None else f" {value}")
             raise ArgumentError(f"{shown}: {what}, and {where} runs no NCCL (ncclpy's CPU "
@@ -521,7 +510,6 @@ def _no_gpu_reason() -> str:
 
 def _spawn_ranks(cfg: SweepConfig, prog: str = PROG) -> int:
     """:func:`bench.sweep.spawn_ranks`, except that a closed stdout (``| head``) is quiet (141)."""
-    import dataclasses
     import tempfile
     from bench import sweep
     from ncclpy.launch.spawn import spawn

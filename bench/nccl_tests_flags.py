@@ -63,9 +63,10 @@ BLOCKING_LINES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class NcclTestsFlags:
-    """The checked values of the flags this module adds."""
+    """The checked values of the flags this module adds (the base of
+    :class:`bench.config.SweepConfig`, which holds them under the same names)."""
 
     agg_iters: int = 1
     run_cycles: int = 1

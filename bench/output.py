@@ -13,8 +13,9 @@ import datetime
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from bench.rows import Row, Side
 
 __all__ = ["Side", "Row", "float_str", "header_lines", "table_header", "format_row",
            "footer_lines", "ratio_rows", "ratio_lines", "build_json", "write_json",
@@ -22,31 +23,6 @@ __all__ = ["Side", "Row", "float_str", "header_lines", "table_header", "format_r
 
 JSON_VERSION = 2
 _TIME_FMT = "%Y-%m-%d %H:%M:%S"
-
-
-@dataclass
-class Side:
-    """One half of a row: out-of-place or in-place."""
-
-    time_us: float
-    algbw: float
-    busbw: float
-    wrong: Optional[int]  # None: not checked (printed N/A, JSON null)
-
-
-@dataclass
-class Row:
-    backend: str
-    size: int
-    count: int
-    type: str        # nccl-tests type name ("float")
-    dtype: str       # ncclpy dtype name ("float32")
-    redop: str       # "sum", ..., or "none"
-    root: int        # -1 where the collective has none
-    oop: Side
-    ip: Side
-    iters: int = 0
-    extra: Dict[str, object] = field(default_factory=dict)
 
 
 def float_str(value: float, width: int) -> str:
@@ -98,23 +74,29 @@ def header_lines(*, program: str, backends: str, nccl_version: int, minbytes: in
 
 
 def table_header(multi: bool = False, predict: bool = False, cputime: bool = False,
-                 timestamps: bool = False) -> List[str]:
-    """nccl-tests' three column-header lines (a backend column when ``multi``; NCCL's
-    predicted time of the out-of-place call, ``ncclGroupSimulateEnd``, when ``predict``);
-    ``cputime`` (-C 1) heads the time columns ``cputime`` and ``timestamps`` (-S 1) adds the
-    ``timestamp`` column, as nccl-tests' ``writeResultHeader`` does (util.cu)."""
+                 timestamps: bool = False, bits: bool = False, width: int = 0,
+                 series: str = "backend") -> List[str]:
+    """nccl-tests' three column-header lines (a ``series`` column, ``width`` wide, when
+    ``multi``: the backend, or the backend and combination; NCCL's predicted time of the
+    out-of-place call, ``ncclGroupSimulateEnd``, when ``predict``; the bits column last when
+    ``bits``); ``cputime`` (-C 1) heads the time columns ``cputime`` and ``timestamps`` (-S 1)
+    adds the ``timestamp`` column, as nccl-tests' ``writeResultHeader`` does (util.cu)."""
     e = ("", "", "", "", "")
     t = "cputime" if cputime else "time"
     stamp = "%21s" % "timestamp" if timestamps else ""
-    tail = stamp + ("  %7s" % "predict" if predict else "") + ("  backend" if multi else "")
+    tail = stamp + ("  %7s" % "predict" if predict else "") + (
+        f"  {series:<{width}}" if multi else "") + ("  bits (out of place)" if bits else "")
     units = ("%21s" % "" if timestamps else "") + ("  %7s" % "(us)" if predict else "")
     return [
         "#",
         "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place"
         "          " % e,
-        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s " % (
+        # nccl-tests' space after the last #wrong; with the bits column, none: every column
+        # after it lines up with its rows
+        ("# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s" % (
             "size", "count", "type", "redop", "root", t, "algbw", "busbw", "#wrong",
-            t, "algbw", "busbw", "#wrong") + tail,
+            t, "algbw", "busbw", "#wrong") + ("" if bits else " ") + tail).rstrip(" ") + (
+                " " if not tail else ""),
         "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s " % (
             "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)",
             "(GB/s)", "") + units,
@@ -127,8 +109,9 @@ def _side(s: Side) -> str:
     return body + ("    N/A" if s.wrong is None else "  %6g" % s.wrong)
 
 
-def format_row(r: Row, multi: bool = False) -> str:
-    """One line of the table, as nccl-tests prints it (backend appended when several)."""
+def format_row(r: Row, multi: bool = False, width: int = 0) -> str:
+    """One line of the table, as nccl-tests prints it (the series, ``width`` wide, appended
+    when several; the bits column's text last)."""
     line = "%12d  %12d  %8s  %6s  %6s" % (r.size, r.count, r.type, r.redop, "%6i" % r.root)
     line += _side(r.oop) + _side(r.ip)
     if "timestamp" in r.extra:             # -S 1, as nccl-tests' writeTimestamp
@@ -136,7 +119,12 @@ def format_row(r: Row, multi: bool = False) -> str:
     if "predicted_us" in r.extra:          # None: NCCL gave no estimate
         p = r.extra["predicted_us"]
         line += "  %7s" % ("N/A" if p is None else float_str(float(p), 7))
-    return line + (f"  {r.backend}" if multi else "")
+    if multi:
+        line += f"  {r.series:<{width}}"
+    bits = r.extra.get("bits")
+    if isinstance(bits, dict):
+        line += f"  {bits['text']}"
+    return line.rstrip(" ") if bits else line
 
 
 def out_of_bounds(rows: Iterable[Row]) -> int:
@@ -292,15 +280,19 @@ def build_json(*, rows_by_backend: Dict[str, List[Row]], args: Sequence[str],
     oob = out_of_bounds(all_rows)
     results = []
     for r in all_rows:
-        results.append({"size": r.size, "count": r.count, "type": r.type, "redop": r.redop,
-                        "root": "%6i" % r.root, "out_of_place": _jside(r.oop, cputime),
-                        "in_place": _jside(r.ip, cputime), "actual_iterations": r.iters,
-                        "experiment_name": r.backend})
+        rec = {"size": r.size, "count": r.count, "type": r.type, "redop": r.redop,
+               "root": "%6i" % r.root, "out_of_place": _jside(r.oop, cputime),
+               "in_place": _jside(r.ip, cputime), "actual_iterations": r.iters,
+               "experiment_name": r.series}
+        for key in ("combination", "bits"):          # --algo/--proto, the bits column
+            if key in r.extra:
+                rec[key] = r.extra[key]
+        results.append(rec)
     ext = dict(extension)
     ext["average_bus_bandwidth_by_backend"] = {k: avg_busbw(v) for k, v in
                                                rows_by_backend.items()}
     ext["ratios"] = ratio_rows(rows_by_backend)
-    predicted = [{"backend": r.backend, "size": r.size, "type": r.type, "redop": r.redop,
+    predicted = [{"backend": r.series, "size": r.size, "type": r.type, "redop": r.redop,
                   "root": r.root, "predicted_us": r.extra["predicted_us"],
                   "measured_us": _jnum(r.oop.time_us)}
                  for r in all_rows if "predicted_us" in r.extra]
@@ -356,13 +348,14 @@ def write_json(path: str, doc: Dict[str, object]) -> str:
 CSV_FIELDS = ("backend", "collective", "nranks", "size", "count", "type", "redop", "root",
               "oop_time_us", "oop_algbw_GBps", "oop_busbw_GBps", "oop_wrong",
               "ip_time_us", "ip_algbw_GBps", "ip_busbw_GBps", "ip_wrong", "iters", "graph",
-              "device", "predicted_us")
+              "device", "combination", "bits", "predicted_us")
 
 
 def write_csv(path: str, rows: Iterable[Row], *, collective: str, nranks: int, graph: int,
               device: str, append: bool = False) -> None:
-    """One header line, one line per row and backend (empty #wrong: not checked); ``append``
-    adds rows (of another collective) under an existing header."""
+    """One header line, one line per row and backend (empty #wrong: not checked; the
+    combination and bits columns empty without --algo/--proto/--repeat-bits); ``append`` adds
+    rows (of another collective) under an existing header."""
     with open(path, "a" if append else "w", newline="") as f:
         w = csv.writer(f)
         if not append:
@@ -373,7 +366,12 @@ def write_csv(path: str, rows: Iterable[Row], *, collective: str, nranks: int, g
                         "" if r.oop.wrong is None else r.oop.wrong,
                         f"{r.ip.time_us:.3f}", f"{r.ip.algbw:.6f}", f"{r.ip.busbw:.6f}",
                         "" if r.ip.wrong is None else r.ip.wrong, r.iters, graph, device,
-                        _csv_pred(r)])
+                        r.combo, _csv_bits(r), _csv_pred(r)])
+
+
+def _csv_bits(r: Row) -> str:
+    b = r.extra.get("bits")
+    return b["text"] if isinstance(b, dict) else ""
 
 
 def _csv_pred(r: Row) -> str:

@@ -1,11 +1,13 @@
 """The bench's ``--plot``: bus bandwidth (and latency) against size, readable with many series.
 
-One colour per backend (the same colour for a backend in every panel and every run), solid out
-of place, dashed in place.  A run of one case (one type, op and root) gets two panels, bus
-bandwidth and time per call; a run of several (``-d all -o all``, ``-r all``) gets one bus
-bandwidth panel per case on shared axes, each titled by its case, so that no panel holds more
-than backends x 2 lines.  The legend, a handful of entries (backends, placements), sits outside
-every panel, at the figure's right.  ``-N`` cycles: the mean of a size's rows.
+One colour per series (a backend: the same colour for it in every panel and every run; with
+``--algo``/``--proto`` a backend and combination, ``ncclpy ring/simple``: one line per
+combination, coloured in the order they ran), solid out of place, dashed in place.  A run of
+one case (one type, op and root) gets two panels, bus bandwidth and time per call; a run of
+several (``-d all -o all``, ``-r all``) gets one bus bandwidth panel per case on shared axes,
+each titled by its case, so that no panel holds more than series x 2 lines.  The legend, a
+handful of entries (backends, placements), sits outside every panel, at the figure's right.
+``-N`` cycles: the mean of a size's rows.
 """
 from __future__ import annotations
 
@@ -15,13 +17,16 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from bench.output import Row
+    from bench.rows import Row
 
 __all__ = ["BACKEND_COLOURS", "plot_figure", "write_plot", "cases"]
 
 #: a fixed colour per backend, so a backend reads the same in every plot
 BACKEND_COLOURS = {"ncclpy": "tab:blue", "cupy": "tab:orange", "torch": "tab:green"}
-_SPARE = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+#: the other series' colours in turn: tab10's other seven, then tab20's light shades
+_SPARE = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray",
+          "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
+          "#dbdb8d", "#9edae5")
 _PLACEMENTS = (("oop", "-", "out of place"), ("ip", "--", "in place"))
 Case = Tuple[str, str, int]
 

@@ -9,18 +9,32 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Protocol, Sequence
 
 from bench import output
 
 if TYPE_CHECKING:
     from bench.backends import Backend
-    from bench.sweep import SweepConfig, _Rank
+    from bench.config import SweepConfig
+    from bench.rows import Row
 
-__all__ = ["AVERAGE_NAMES", "finish", "per_collective_path", "version", "write_or_say"]
+__all__ = ["AVERAGE_NAMES", "SweepState", "finish", "per_collective_path", "version",
+           "write_or_say"]
 
 #: nccl-tests' -a values, by name
 AVERAGE_NAMES = {0: "rank0", 1: "avg", 2: "min", 3: "max"}
+
+
+class SweepState(Protocol):
+    """What the report reads of one collective's sweep (bench.sweep's rank state): its rows
+    per series, the cases skipped, the combinations not run, -M's statistics."""
+
+    coll: Any
+    rows: Dict[str, List["Row"]]
+    skipped: List[str]
+    refused: List[str]
+    memory: Dict[str, Any]
+    bits: Any
 
 
 def per_collective_path(path: str, collective: str, several: bool) -> str:
@@ -54,20 +68,26 @@ def write_or_say(prog: str, flag: str, path: str, write: Callable[[], Any]) -> b
         return False
 
 
-def finish(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: int,
+def finish(cfg: "SweepConfig", state: "SweepState", program: str, nccl_version: int,
            devices: List[Dict[str, Any]], start: str, backends: Sequence["Backend"], world: int,
            first: bool) -> int:
     """Rank 0: ratios, footer and files of one collective; 0, or 1 (wrong results, the
-    bandwidth floor missed, or an output file not written)."""
+    bandwidth floor missed, a bits column's MISMATCH or varied runs, or an output file not
+    written)."""
     prog = cfg.argv[0] if cfg.argv else "python -m bench"
     env_bw = os.environ.get("NCCL_TESTS_MIN_BW")
     min_bw = float(env_bw) if env_bw else None
     for line in output.ratio_lines(output.ratio_rows(state.rows)):
         print(line)
+    all_rows = [r for rows in state.rows.values() for r in rows]
+    from bench.bits import summary_lines
+    bits_footer, bits_ok = summary_lines(all_rows)
+    for line in bits_footer:            # before nccl-tests' own footer
+        print(line)
     footer, ok = output.footer_lines(state.rows, program, min_bw, checked=cfg.check > 0)
+    ok = ok and bits_ok
     for line in footer:
         print(line)
-    all_rows = [r for rows in state.rows.values() for r in rows]
     several = len(cfg.collectives) > 1
     written = True
     if cfg.output_file:
@@ -99,7 +119,7 @@ def finish(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: int,
     return 0 if ok and written else 1
 
 
-def _json_doc(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: int,
+def _json_doc(cfg: "SweepConfig", state: "SweepState", program: str, nccl_version: int,
               devices: List[Dict[str, Any]], start: str, backends: Sequence["Backend"],
               world: int, min_bw: Any) -> Dict[str, object]:
     config: Dict[str, Any] = {"nthreads": 1, "ngpus": 1, "minimum_bytes": cfg.minbytes,
@@ -118,13 +138,23 @@ def _json_doc(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: in
         "bench_version": version(), "collective": state.coll.name, "program": program,
         "world_size": world, "device": cfg.device, "average": AVERAGE_NAMES[cfg.average],
         "timer": cfg.timer,
-        "backends": [{"name": b.name, "label": b.label, "nccl_version": b.nccl_version()}
-                     for b in backends],
+        "backends": list({b.name: {"name": b.name, "label": b.label,
+                                   "nccl_version": b.nccl_version()} for b in backends}.values()),
         "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
-        "algorithm": cfg.algo, "registration": cfg.register, "cta_policy": cfg.cta_policy,
+        "registration": cfg.register, "cta_policy": cfg.cta_policy,
         "blocking": cfg.blocking, "run_cycles": cfg.run_cycles, "timeout": cfg.timeout,
         "stream_timeout": cfg.sync_timeout,
         "notes": {b.label: b.note for b in backends if getattr(b, "note", "")}}
+    if cfg.combos:   # one communicator each; rows carry theirs (results[].combination)
+        ext["combinations"] = [c.to_json() for c in cfg.combos]
+        ext["refused"] = list(state.refused)
+    if cfg.bits and state.bits is not None:
+        from ncclpy.order.cli import basis
+        ext["bits"] = {"basis": basis(backends[0].bits_version()),
+                       "reference": dict(state.bits.first_combo) or None,
+                       "repeat_bits": cfg.repeat_bits,
+                       "inputs": "seeded random normals (integer types: normals x 10 rounded)",
+                       "summary": _bits_summary(state)}
     cpu = [b for b in backends if getattr(b, "label", "") == "ncclpy/cpu-backend"]
     if cpu:          # what ran instead of NCCL, in so many words
         ext["cpu_backend"] = {"ran": True, "nccl": False, "gpu": False, "note": cpu[0].note,
@@ -137,3 +167,13 @@ def _json_doc(cfg: "SweepConfig", state: "_Rank", program: str, nccl_version: in
                              nccl_version=nccl_version, config=config, devices=devices,
                              start_time=start, extension=ext, min_bw=min_bw,
                              checked=cfg.check > 0, cputime=cfg.report_cputime)
+
+
+def _bits_summary(state: "SweepState") -> Dict[str, int]:
+    """The bits column's verdicts counted over the collective's rows."""
+    docs = [r.extra["bits"] for rows in state.rows.values() for r in rows
+            if isinstance(r.extra.get("bits"), dict)]
+    kinds = [d["model"]["verdict"] for d in docs]
+    return {"exact": kinds.count("exact"), "mismatch": kinds.count("MISMATCH"),
+            "not_predicted": kinds.count("n/a"),
+            "varied": sum(1 for d in docs if (d.get("repeats") or {}).get("differing"))}

@@ -7,6 +7,11 @@ stream synchronisation, a barrier, ``-n`` calls back to back (or ``-G`` replays 
 holding them), a stream synchronisation, time per call = elapsed / calls, aggregated across ranks
 by ``-a``; then ``-c`` check iterations on fresh inputs compared with the numpy reference.
 
+With ``--algo``/``--proto`` every backend has one communicator per combination, made under its
+NCCL_ALGO/NCCL_PROTO (:mod:`bench.combos`); they alternate at each size as backends do, a
+combination NCCL refuses or ignores for a collective is one line and never runs, and each row
+gets the bits column (:mod:`bench.bits`: one more untimed call on random normals).
+
 Ranks coordinate on the host through ncclpy's TCP store (barriers, aggregation, the device
 report), never through the communicator being measured.
 """
@@ -17,15 +22,17 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ncclpy import registry
 from ncclpy.dtypes import DTYPES, TESTS_NAMES
 from ncclpy.errors import ArgumentError
 
+from bench import bits as bitcol
 from bench import output, verify
 from bench.backends import CPU_BACKEND_MODULES, Backend, Buffers, get_backend, layout
+from bench.combos import applied, refusal
+from bench.config import SweepConfig
 from bench.output import Row, Side
 from bench.report import AVERAGE_NAMES, finish, per_collective_path, version
 
@@ -33,61 +40,6 @@ __all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "
            "launched_world", "per_collective_path", "timed_calls", "per_call_seconds"]
 
 _TYPE_NAMES = TESTS_NAMES    # nccl-tests' type names (ncclpy.dtypes' one table)
-
-
-@dataclass
-class SweepConfig:
-    """Everything one run needs; built by :func:`bench.cli.parse_args`, picklable for spawn."""
-
-    collectives: List[str]
-    sizes: List[int]
-    minbytes: int = 32 << 20
-    maxbytes: int = 32 << 20
-    stepbytes: int = 1 << 20
-    stepfactor: int = 1
-    iters: int = 20
-    warmup_iters: int = 1
-    check: int = 1
-    ops: List[str] = field(default_factory=lambda: ["sum"])
-    dtypes: List[str] = field(default_factory=lambda: ["float32"])
-    root: int = 0                       # -1: every root
-    cudagraph: int = 0
-    average: int = 1
-    output_file: Optional[str] = None
-    nproc: Optional[int] = None
-    backends: List[str] = field(default_factory=lambda: ["torch"])
-    device: str = "cpu"
-    timer: str = "host"
-    csv: Optional[str] = None
-    plot: Optional[str] = None
-    timeout: float = 300.0
-    quiet: bool = False
-    #: test-only: rank -> how many of its checked output's elements to corrupt (--test-corrupt)
-    test_corrupt: Dict[int, int] = field(default_factory=dict)
-    #: --algo: NCCL's algorithm for every call (CollConfig); --predict: NCCL's estimate column
-    algo: Optional[str] = None
-    predict: bool = False
-    #: -R (0 none, 1 ncclCommRegister, 2 windows), -M, --cta-policy: the ncclpy backend's
-    register: int = 0
-    memory_report: bool = False
-    cta_policy: Optional[str] = None
-    #: nccl-tests' -m, -N, -z, -p, -C, -S (bench/nccl_tests_flags.py has their meanings)
-    agg_iters: int = 1
-    run_cycles: int = 1
-    blocking: int = 0
-    parallel_init: int = 0
-    report_cputime: bool = False
-    report_timestamps: bool = False
-    #: -T given: the bound on each stream synchronisation (None: unbounded)
-    sync_timeout: Optional[float] = None
-    argv: List[str] = field(default_factory=list)
-    #: where spawned ranks leave their (agreed) exit status, so that a verdict the footer
-    #: already explained is not reported as a crashed rank
-    result_file: Optional[str] = None
-
-    @property
-    def collective(self) -> str:
-        return self.collectives[0]
 
 
 def warmup_sizes(minbytes: int, maxbytes: int) -> List[int]:
@@ -245,12 +197,32 @@ class _Rank:
     def __init__(self, cfg: SweepConfig, collective: str, rank: int, world: int, coord: Coord,
                  backends: List[Backend]) -> None:
         self.cfg, self.rank, self.world, self.coord = cfg, rank, world, coord
-        self.backends = backends
-        self.memory: Dict[str, Any] = {}       # -M: backend -> ncclCommMemStats of rank 0
+        self.memory: Dict[str, Any] = {}       # -M: series -> ncclCommMemStats of rank 0
         self.coll = registry.get(collective)
-        self.rows: Dict[str, List[Row]] = {b.name: [] for b in backends}
+        self.backends: List[Backend] = []
+        why_not: Dict[str, List[str]] = {}       # one line per reason, its series in order
+        for b in backends:
+            why = (refusal(b.combo, collective, world, cfg.device, b.nccl_env)
+                   if b.combo is not None else None)
+            if why:
+                why_not.setdefault(why, []).append(b.series)
+            else:
+                self.backends.append(b)
+        #: the combinations NCCL refuses or ignores for this collective: not run, said once
+        self.refused = [f"{', '.join(names)}: not run for {collective}: {why}"
+                        for why, names in why_not.items()]
+        self.rows: Dict[str, List[Row]] = {b.series: [] for b in self.backends}
         self.skipped: List[str] = []
-        self.multi = len(backends) > 1
+        self.multi = len(backends) > 1 or bool(cfg.combos)
+        #: the series column's heading and width (padded only where the bits column follows)
+        self.series_name = "backend combination" if cfg.combos else "backend"
+        self.width = max([len(self.series_name)] + [len(b.series) for b in backends]
+                         ) if cfg.bits else 0
+        first: Dict[str, str] = {}     # backend -> its first combination that runs, where
+        for b in self.backends:        # another of its combinations runs too
+            if b.combo is not None and sum(x.name == b.name for x in self.backends) > 1:
+                first.setdefault(b.name, b.combo.label)
+        self.bits = bitcol.BitsColumn(self, first) if cfg.bits else None
         self._expected_cache: Dict[tuple, Any] = {}
         #: the timer of the measurements (a test may give its own)
         self.clock = time.perf_counter
@@ -399,8 +371,8 @@ class _Rank:
                     b.run(self.coll.name, bufs, op, root, False)
                 b.sync()
                 b.free(bufs)
-        except TimeoutError:    # -T's StreamTimeout (the communicator aborted): a failure, never a skip
-            raise
+        except TimeoutError:    # -T's StreamTimeout (the communicator aborted): a failure,
+            raise               # never a skip
         except Exception as e:  # e.g. a dtype/op the library refuses: same on every rank
             err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
         reason = self.coord.any(err)
@@ -410,7 +382,7 @@ class _Rank:
         return True
 
     def note_skip(self, b: Backend, dtype: str, op: str, root: int, reason: str) -> None:
-        text = (f"{b.label}: skipped {self.coll.name} {_TYPE_NAMES[dtype]} "
+        text = (f"{_who(b)}: skipped {self.coll.name} {_TYPE_NAMES[dtype]} "
                 f"{op} root {root}: {reason}")
         self.skipped.append(text)
         self.say(f"# {text}")
@@ -438,16 +410,21 @@ class _Rank:
                             oop = self.bench_time(b, bufs, op, root, False, seed)
                             ip = self.bench_time(b, bufs, op, root, True, seed)
                             row = Row(b.name, bufs.layout.nbytes(item), bufs.layout.count,
-                                      _TYPE_NAMES[dtype], dtype, op, root, oop, ip, cfg.iters)
+                                      _TYPE_NAMES[dtype], dtype, op, root, oop, ip, cfg.iters,
+                                      combo=b.combo.label if b.combo is not None else "")
+                            if b.combo is not None:
+                                row.extra["combination"] = b.combo.to_json()
+                            if self.bits is not None:
+                                row.extra["bits"] = self.bits.row(b, bufs, dtype, op, root, seed)
                             if cfg.predict:
                                 row.extra["predicted_us"] = self.predicted(b, bufs, op, root)
                             if cfg.report_timestamps:
                                 row.extra["timestamp"] = output.now()
                             if cfg.run_cycles > 1:
                                 row.extra["cycle"] = cycle
-                            self.rows[b.name].append(row)
-                            self.say(output.format_row(row, self.multi))
-                            self.progress(f"{b.label} {_TYPE_NAMES[dtype]} {op} root {root} "
+                            self.rows[b.series].append(row)
+                            self.say(output.format_row(row, self.multi, self.width))
+                            self.progress(f"{_who(b)} {_TYPE_NAMES[dtype]} {op} root {root} "
                                           f"size {size} B ({i + 1}/{len(cfg.sizes)}) "
                                           f"{time.perf_counter() - t0:.2f} s")
                             b.free(bufs)
@@ -469,14 +446,18 @@ def run_rank(cfg: SweepConfig) -> int:
     backends: List[Backend] = []
     try:
         table = CPU_BACKEND_MODULES if cfg.device == "cpu" else None
-        for name in cfg.backends:
+        # one communicator per backend and combination, each made under its NCCL_ALGO and
+        # NCCL_PROTO (NCCL reads them at init: bench/combos.py), in the same order on every rank
+        for name, combo in [(n, c) for n in cfg.backends for c in (cfg.combos or [None])]:
             b = get_backend(name, table)
-            b.algorithm, b.register, b.cta_policy = cfg.algo, cfg.register, cfg.cta_policy
+            b.register, b.cta_policy, b.combo = cfg.register, cfg.cta_policy, combo
             if hasattr(b, "sync_timeout"):
                 b.sync_timeout = cfg.sync_timeout        # -T: bounds each stream sync
-            b.setup(rank, world, device, store,
-                    master_addr=info.master_addr if info is not None else "127.0.0.1",
-                    timeout=cfg.timeout)
+            with applied(combo) as env:
+                b.nccl_env = env
+                b.setup(rank, world, device, store,
+                        master_addr=info.master_addr if info is not None else "127.0.0.1",
+                        timeout=cfg.timeout)
             backends.append(b)
             if cfg.cudagraph and not b.supports_graphs:
                 raise ArgumentError(f"-G/--cudagraph: backend {b.label} cannot capture graphs")
@@ -484,8 +465,8 @@ def run_rank(cfg: SweepConfig) -> int:
                 raise ArgumentError(f"--timer events: backend {b.label} has no CUDA events")
         devices = _device_report(coord, rank, backends[0], device)
         nccl_version = backends[0].nccl_version()
-        label = ",".join(b.label for b in backends)
-        notes = [f"{b.label}: {b.note}" for b in backends if b.note]
+        label = ",".join(dict.fromkeys(b.label for b in backends))
+        notes = list(dict.fromkeys(f"{b.label}: {b.note}" for b in backends if b.note))
         code = 0
         for n, name in enumerate(cfg.collectives):
             start = output.now()
@@ -502,19 +483,22 @@ def run_rank(cfg: SweepConfig) -> int:
                         version=version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
                         parallel_init=cfg.parallel_init, notes=notes):
                     print(line)
+                for line in _bits_lines(cfg, state, backends):
+                    print(line)
                 for line in output.table_header(state.multi, cfg.predict, cfg.report_cputime,
-                                                      cfg.report_timestamps):
+                                                cfg.report_timestamps, bits=cfg.bits,
+                                                width=state.width, series=state.series_name):
                     print(line, flush=True)
             state.sweep()
             if cfg.register and rank == 0:
                 what = "windows" if cfg.register == 2 else "buffers (ncclCommRegister)"
                 for b in backends:
                     got, asked = getattr(b, "registered_seen", (0, 0))
-                    print(f"# {b.label}: -R {cfg.register}: NCCL registered {got} of the {asked} "
+                    print(f"# {b.series}: -R {cfg.register}: NCCL registered {got} of the {asked} "
                           f"{what} on rank 0" + ("" if got == asked else
                                                  "; the others ran unregistered"))
             if cfg.memory_report:
-                state.memory = {b.name: b.mem_stats() for b in backends}
+                state.memory = {b.series: b.mem_stats() for b in backends}
                 if rank == 0:
                     for line in output.memory_lines(state.memory):
                         print(line)
@@ -530,6 +514,23 @@ def run_rank(cfg: SweepConfig) -> int:
             except Exception as e:  # pragma: no cover - best effort at exit
                 print(f"[bench] rank {rank}: {b.label} teardown: {e}", file=sys.stderr)
         store.close()
+
+
+def _who(b: Backend) -> str:
+    """A backend in progress and skip lines: its label, or its series with a combination."""
+    return b.series if b.combo is not None else b.label
+
+
+def _bits_lines(cfg: SweepConfig, state: _Rank, backends: List[Backend]) -> List[str]:
+    """The lines between the header and the table: each combination not run for this
+    collective, and what the bits column compares."""
+    out = [f"# {line}" for line in state.refused]
+    if state.bits is not None and state.backends:
+        from ncclpy.order.cli import basis
+        firsts = list(dict.fromkeys(state.bits.first_combo.values()))
+        out.append(bitcol.header_line(basis(backends[0].bits_version()),
+                                      ", ".join(firsts) or None, cfg.repeat_bits))
+    return out
 
 
 def _device_report(coord: Coord, rank: int, backend: Backend, device) -> List[Dict[str, Any]]:

@@ -21,7 +21,7 @@ _LAZY = {
         "CallCheckTimeout", "CommAbortedError", "NcclTimeoutError", "NcclUnhandledCudaError",
         "NcclSystemError", "NcclInternalError", "NcclInvalidArgument", "NcclInvalidUsage",
         "NcclRemoteError", "NcclInProgress", "EnvironmentMismatchError", "NotLaunchedError",
-        "CannotPredict")},
+        "CannotPredict", "PinError")},
     "CudaUnavailableError": "ncclpy.errors",
     # ops and dtypes
     **{n: "ncclpy.ops" for n in ("RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum")},

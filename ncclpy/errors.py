@@ -20,7 +20,7 @@ __all__ = [
     "NcclInvalidArgument", "NcclInvalidUsage", "NcclRemoteError", "NcclInProgress",
     "NcclTimeoutError", "nccl_error_from_code", "NCCL_RESULT_NAMES",
     "CallMismatchError", "CallCheckTimeout", "CommAbortedError", "EnvironmentMismatchError",
-    "NotLaunchedError", "CannotPredict",
+    "NotLaunchedError", "CannotPredict", "PinError",
 ]
 
 
@@ -136,6 +136,12 @@ class EnvironmentMismatchError(NcclpyError, RuntimeError):
 class NotLaunchedError(NcclpyError, RuntimeError):
     """The call was made inside ``group(simulate=True)``: NCCL only estimated its time
     (``ncclGroupSimulateEnd``) and never launched it, so its Work has no result to wait for."""
+
+
+class PinError(ArgumentError):
+    """An NCCL environment variable NCCL refuses (NCCL_ALGO / NCCL_PROTO it cannot parse), or a
+    call NCCL would refuse for it ("no algorithm/protocol available"): NCCL's own words, with
+    the variable (:mod:`ncclpy.order.pins`)."""
 
 
 class CannotPredict(NcclpyError):

@@ -41,7 +41,10 @@ def _guarded_env() -> dict:
 def _no_environment_leak(request):
     """A test that leaves an ncclpy/NCCL/CUDA/launcher variable changed in this process fails,
     named, instead of a later test failing for it (2026-11-27: NCCLPY_TRACE_BUFFER=0 leaked and
-    every flight-recorder test after it failed)."""
+    every flight-recorder test after it failed).  Each test also starts with NCCL_PARAMs
+    unread, as a fresh process does (ncclpy.order.ncclenv caches them as NCCL does)."""
+    from ncclpy.order.ncclenv import forget_params
+    forget_params()
     before = _guarded_env()
     yield
     after = _guarded_env()

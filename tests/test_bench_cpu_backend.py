@@ -29,8 +29,9 @@ def test_device_cpu_takes_ncclpy_and_torch():
      "--backend cupy: cupy needs a GPU (raw CuPy NCCL has no CPU form); with --device cpu "
      "expected ncclpy or torch"),
     (["--backend", "ncclpy,cupy", "--device", "cpu"], "--backend ncclpy,cupy: cupy needs a GPU"),
-    (["--backend", "ncclpy", "--device", "cpu", "--algo", "ring"],
-     "--algo ring: forces NCCL's algorithm, and --device cpu runs no NCCL"),
+    (["--backend", "torch", "--device", "cpu", "--algo", "ring"],
+     "--algo ring: needs --backend ncclpy or cupy (a communicator made from NCCL's "
+     "environment at init); torch.distributed's gloo runs no NCCL"),
     (["--backend", "ncclpy", "--device", "cpu", "--predict"], "--predict: adds NCCL's estimate"),
     (["--backend", "ncclpy", "--device", "cpu", "-R", "2"], "-R 2: registers buffers with NCCL"),
     (["--backend", "ncclpy", "--device", "cpu", "-M", "1"], "-M 1: reports NCCL's memory"),

@@ -56,6 +56,11 @@ BAD = [
      "'/nonexistent-ncclpy-dir/sub' does not exist"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--dtypes"], "--dtypes: expected one argument"),
+    (["--inputs", "normal,cauchy"], "--inputs: 'cauchy' is not an input kind; expected a comma "
+                                    "list of verifiable, normal, reveal"),
+    (["--inputs", ","], "--inputs: no input kind given in ','; expected a comma list of "
+                        "verifiable, normal, reveal"),
+    (["--inputs"], "--inputs: expected one argument"),
 ]
 
 
@@ -123,15 +128,16 @@ def test_ops_select_the_reducing_collectives_only():
 
 def test_counts_are_spelled_right_for_one():
     """"1 case on 1 rank", "1 combination", never "1 ranks" / "1 combinations"."""
+    g = ("--backend", "gloo")
     p = check("--list", "-n", "1", "--collectives", "broadcast", "--dtypes", "int8",
-              "--sizes", "3")
+              "--sizes", "3", *g)
     assert p.returncode == 0 and p.stdout.splitlines()[-1] == "1 case on 1 rank (gloo)", p.stdout
-    p = check("--list-skips", "-n", "2", "--collectives", "gather", "--dtypes", "complex64")
+    p = check("--list-skips", "-n", "2", "--collectives", "gather", "--dtypes", "complex64", *g)
     assert p.stdout.splitlines()[-1] == "1 combination skipped on gloo", p.stdout
-    p = check("-n", "1", "--collectives", "gather", "--dtypes", "complex64")
+    p = check("-n", "1", "--collectives", "gather", "--dtypes", "complex64", *g)
     assert p.returncode == 2
     assert "can run on 1 rank (1 combination skipped; see --list-skips)" in p.stderr, p.stderr
-    p = check("-n", "1", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3")
+    p = check("-n", "1", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3", *g)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "ncclpy check: 1 rank, " in p.stdout and "  1 case, 0 combinations skipped" in p.stdout
     assert "ncclpy check: 1 case on 1 rank (gloo)" in p.stdout
@@ -170,30 +176,34 @@ def test_check_modules_import_no_circle():
     assert not cycles, {m: sorted(graph[m]) for m in cycles}
 
 
-def test_require_ncclpy_fails_where_ncclpy_cannot_run():
-    """Without a GPU, ``--require-ncclpy`` is a failure (exit 1) that runs nothing and says why;
-    with ``--backend gloo`` it is a contradiction (exit 2)."""
+def test_require_ncclpy_is_met_by_the_cpu_backend_and_contradicts_gloo():
+    """Without a GPU, ``--backend auto`` runs ncclpy on its CPU backend, which meets
+    ``--require-ncclpy``; with ``--backend gloo`` the flag is a contradiction (exit 2)."""
+    from ncclpy.check.cpu_side import unavailable
     from ncclpy.info import no_gpu_reason
     if not no_gpu_reason():
-        pytest.skip("a GPU is usable here: ncclpy would run")
-    p = check("--require-ncclpy", "--collectives", "broadcast", "--sizes", "3")
-    assert p.returncode == 1 and p.stdout == "", p.stderr
-    assert p.stderr.startswith("ncclpy check: FAILED: --require-ncclpy: ncclpy cannot run on "
-                               "this machine (") and p.stderr.rstrip().endswith("nothing was run")
+        pytest.skip("a GPU is usable here: --backend auto is nccl")
+    if unavailable():
+        pytest.skip(unavailable())
+    pytest.importorskip("torch")
+    p = check("--require-ncclpy", "-n", "2", "--collectives", "broadcast", "--dtypes", "i8",
+              "--sizes", "3")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert " cases on 2 ranks (cpu vs gloo) " in p.stdout and " 0 failed" in p.stdout, p.stdout
     p = check("--require-ncclpy", "--backend", "gloo", "--collectives", "broadcast")
     assert p.returncode == 2 and "--require-ncclpy with --backend gloo" in p.stderr
 
 
-def test_without_a_gpu_the_summary_says_ncclpy_did_not_run(tmp_path):
-    """The default run on a CPU machine passes (torch matches the reference) but never claims
-    ncclpy passed: the summary and the JSON count torch's cases apart."""
+def test_gloo_summary_says_ncclpy_did_not_run(tmp_path):
+    """``--backend gloo`` (today's run without a GPU) passes (torch matches the reference) but
+    never claims ncclpy passed: the summary and the JSON count torch's cases apart."""
     from ncclpy.info import no_gpu_reason
     why = no_gpu_reason()
     if not why:
         pytest.skip("a GPU is usable here: ncclpy runs")
     out = tmp_path / "c.json"
-    p = check("-n", "2", "--collectives", "broadcast", "--dtypes", "float32", "--sizes", "3",
-              "--json", str(out))
+    p = check("-n", "2", "--backend", "gloo", "--collectives", "broadcast", "--dtypes",
+              "float32", "--sizes", "3", "--json", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     tail = p.stdout.splitlines()[-4:]
     assert tail[0].endswith("ncclpy NOT run"), tail
@@ -204,6 +214,9 @@ def test_without_a_gpu_the_summary_says_ncclpy_did_not_run(tmp_path):
     doc = json.loads(out.read_text())
     s = doc["summary"]
     assert s["passed"] == 0 and s["ncclpy_cases"] == 0 and s["passed_torch_only"] == s["cases"]
+    assert s["nccl_order_cases"] == 0 and s["exact_nccl_order"] == 0
     assert "ncclpy did not run" in doc["compared"]
+    assert doc["header"]["reference"]["exact"].startswith("none: gloo is not NCCL")
+    assert {c["reference"] for c in doc["cases"]} == {"rank-order"}
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(doc, json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text()))

@@ -29,6 +29,11 @@ def _torch():
 
 def run_check(*args: str, env: dict | None = None, timeout: float = 240.0,
               launcher: bool = False) -> subprocess.CompletedProcess:
+    """``ncclpy check ARGS --backend gloo`` (this file checks the gloo run, which a machine
+    without a GPU no longer picks by itself: ``--backend auto`` is the CPU backend there)
+    unless ARGS name a backend."""
+    if "--backend" not in args:
+        args = (*args, "--backend", "gloo")
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT"):
@@ -274,7 +279,7 @@ def test_report_row_and_summary(tmp_path):
     assert counts == {"cases": 4, "passed": 0, "passed_torch_only": 1, "passed_reference_only": 0,
                       "failed": 1,
                       "within_ulp": 1, "torch_divergence": 1, "unsupported": 0, "skipped": 4,
-                      "ncclpy_cases": 0}
+                      "ncclpy_cases": 0, "nccl_order_cases": 0, "exact_nccl_order": 0}
     ran = Rp.summarize([dict(rec, status="pass", ncclpy_ran=True), dict(rec, status="pass")])
     assert (ran["passed"], ran["passed_torch_only"], ran["ncclpy_cases"]) == (1, 1, 1)
     assert "float8 reductions" in Rp.format_skip_row(
@@ -468,7 +473,8 @@ def test_runs_under_torchrun():
         e.pop(k, None)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--standalone", "-m", "ncclpy", "check", "--collectives",
+                        "--standalone", "-m", "ncclpy", "check", "--backend", "gloo",
+                        "--collectives",
                         "all_reduce,scatter,barrier", "--dtypes", "float32", "--sizes", "5"],
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

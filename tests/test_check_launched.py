@@ -18,8 +18,10 @@ from ncclpy.check.launched import announce, from_env, rendezvous_failure
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 UNSET = "unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT to let ncclpy check start its own"
-#: a one-case run, so that a run that does start ends quickly
-ONE_CASE = ["--collectives", "all_reduce", "--dtypes", "float32", "--sizes", "4", "-q"]
+#: a one-case run, so that a run that does start ends quickly (on gloo: the rendezvous is
+#: what these tests check; the CPU backend under a launcher: test_check_exact.py)
+ONE_CASE = ["--collectives", "all_reduce", "--dtypes", "float32", "--sizes", "4", "-q",
+            "--backend", "gloo"]
 
 
 def _free_port() -> int:

@@ -20,8 +20,9 @@ from ncclpy.check import report as R
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)
+#: a small gloo run (the report's layout; what the CPU backend adds: test_check_exact.py)
 SMALL = ["-n", "2", "--collectives", "all_reduce,broadcast,gather,barrier", "--dtypes",
-         "bool,float32,complex64,uint64", "--sizes", "0,7"]
+         "bool,float32,complex64,uint64", "--sizes", "0,7", "--backend", "gloo"]
 
 
 def _env(**kw: str) -> dict:
@@ -165,7 +166,7 @@ def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
 
 def test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix():
     p = check("-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes", "int8",
-              "--sizes", "0,5", "--ops", "sum", "-q",
+              "--sizes", "0,5", "--ops", "sum", "-q", "--backend", "gloo",
               NCCLPY_CHECK_INJECT="reduce_scatter:1")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "by collective and dtype:" not in p.stdout
@@ -211,13 +212,18 @@ def test_progress_line_on_a_terminal_stderr():
     assert "\r" not in p.stdout and "by collective and dtype:" in p.stdout
 
 
-def test_gloo_check_runs_without_cupy(tmp_path):
-    """``pip install -e .`` + torch (no CUDA extra): the gloo check runs where CuPy, CUDA and the
-    NCCL wheels are not installed.  The subprocess sees this venv's site-packages through links,
-    without cupy*, cuda* and nvidia* (isolated mode, no site: nothing else on its path); the
-    spawned ranks inherit that path."""
+@pytest.mark.parametrize("backend", ["gloo", "auto"])
+def test_check_runs_without_cupy(backend, tmp_path):
+    """``pip install -e .`` + torch (no CUDA extra): the check runs where CuPy, CUDA and the
+    NCCL wheels are not installed: ``--backend gloo`` torch alone, ``auto`` (no GPU) ncclpy on
+    its CPU backend, which needs none of them.  The subprocess sees this venv's site-packages
+    through links, without cupy*, cuda* and nvidia* (isolated mode, no site: nothing else on its
+    path); the spawned ranks inherit that path."""
     import site
     pytest.importorskip("torch")
+    from ncclpy.check.cpu_side import unavailable
+    if backend == "auto" and unavailable():
+        pytest.skip(unavailable())
     sp = next(Path(d) for d in site.getsitepackages() if (Path(d) / "torch").is_dir())
     view = tmp_path / "site"
     view.mkdir()
@@ -229,17 +235,23 @@ def test_gloo_check_runs_without_cupy(tmp_path):
             "import importlib.util as u; assert u.find_spec('cupy') is None\n"
             "from ncclpy.cli import main\n"
             "rc = main(['check', '--collectives', 'all_reduce,all_gather,barrier', '--dtypes',"
-            " 'float32,int8', '--sizes', '0,7', '-n', '2'])\n"
+            " 'float32,int8', '--sizes', '0,7', '-n', '2', '--backend', %r])\n"
             "assert 'cupy' not in sys.modules\n"
-            "sys.exit(rc)\n") % (str(ROOT), str(view))
+            "sys.exit(rc)\n") % (str(ROOT), str(view), backend)
     p = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path,
                        capture_output=True, text=True, timeout=200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "ncclpy column: needs GPU (CuPy is not installed)" in p.stdout
     from ncclpy.check import cases as C
-    n = len(C.build_matrix(2, backend="gloo", collectives=["all_reduce", "all_gather", "barrier"],
+    run = "gloo" if backend == "gloo" else "cpu"
+    n = len(C.build_matrix(2, backend=run, collectives=["all_reduce", "all_gather", "barrier"],
                            dtypes=["float32", "int8"], sizes="0,7")[0])
-    assert f"ncclpy check: {n} cases on 2 ranks (gloo)" in p.stdout and " 0 failed" in p.stdout
+    assert " 0 failed" in p.stdout
+    if backend == "gloo":
+        assert "ncclpy column: needs GPU (CuPy is not installed)" in p.stdout
+        assert f"ncclpy check: {n} cases on 2 ranks (gloo)" in p.stdout
+    else:
+        assert "  CPU backend: NCCL's semantics and order, not NCCL" in p.stdout, p.stdout
+        assert f"ncclpy check: {n} cases on 2 ranks (cpu vs gloo)" in p.stdout
 
 
 def test_gpu_run_header_fits_and_names_both_libraries(capsys):

@@ -29,7 +29,7 @@ def _torch():
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text())
 SMALL = ("--collectives", "all_reduce,barrier", "--dtypes", "bool,float32", "--sizes", "7",
-         "-q")
+         "-q", "--backend", "gloo")
 
 
 def _env() -> dict:
@@ -235,16 +235,21 @@ def test_torch_backend_refuses_what_this_machine_cannot_run(extra):
     """A backend this torch lacks is named with the ones it has; one it has needs a GPU run:
     on this machine (no GPU, or --backend gloo) the gloo path is refused, never changed."""
     from gpu_util import cuda_reason
+    from ncclpy.check.cpu_side import unavailable
     if not extra and not cuda_reason():
         pytest.skip("a GPU is visible here: tests/gpu/test_check_gpu.py runs --torch-backend")
+    run = "gloo" if extra or unavailable() else "cpu"     # auto without a GPU: the CPU backend
     version, offered = TB.offered_backends()
     p = _check("-n", "2", "--list", "--torch-backend", "nccl,nccl-legacy", *extra)
-    if "nccl-legacy" not in offered:
+    if run == "cpu":                # the run's own choice first: its torch side is gloo
+        _one_line_error(p, "--torch-backend nccl,nccl-legacy: torch's NCCL backends run on a "
+                           "GPU (--backend nccl); this run's backend is cpu (no GPU: ")
+    elif "nccl-legacy" not in offered:
         why = TB.refusal(["nccl", "nccl-legacy"], version, offered)
         _one_line_error(p, f"--torch-backend nccl,nccl-legacy: {why}")
     else:
         _one_line_error(p, "--torch-backend nccl,nccl-legacy: torch's NCCL backends run on a "
                            "GPU (--backend nccl); this run's backend is gloo (")
-    # without the flag, the same machine's gloo run is as before
+    # without the flag, the same machine's run is as before
     q = _check("-n", "2", "--list", *extra)
-    assert q.returncode == 0 and q.stdout.rstrip().endswith("(gloo)"), q.stdout + q.stderr
+    assert q.returncode == 0 and q.stdout.rstrip().endswith(f"({run})"), q.stdout + q.stderr

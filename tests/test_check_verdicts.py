@@ -157,7 +157,7 @@ def test_a_bitwise_pass_and_its_whole_record():
     rec = K.merge(F32, ps, GLOO)
     assert rec == {"case": {"collective": "all_reduce", "dtype": "float32", "op": "sum",
                             "scalar": None, "count": 4, "size_label": "0", "root": None,
-                            "in_place": False, "variant": ""},
+                            "in_place": False, "variant": "", "inputs": "verifiable"},
                    "key": "all_reduce/float32/sum/4/-/oop", "ncclpy_ran": False,
                    "exact": True, "tolerance": 0.0, "torch_ref": True, "max_ulp": 0.0,
                    "ranks": ps, "status": "pass"}
@@ -394,7 +394,8 @@ def test_a_barrier_passes_when_no_rank_leaves_before_the_last_arrival():
     ok = K.merge(BAR, _bar(torch=[(0.0, 1.5), (1.0, 1.2)]), GLOO)
     assert ok == {"case": {"collective": "barrier", "dtype": None, "op": None, "scalar": None,
                            "count": 0, "size_label": "0", "root": None, "in_place": False,
-                           "variant": ""},
+                           "variant": "",
+                           "inputs": "verifiable"},
                   "key": "barrier/-/-/0/-/oop", "ncclpy_ran": False, "torch_ref": True,
                   "max_ulp": None, "status": "pass"}
     # leaving at the last arrival itself, or up to 1e-4 s before it (clock skew), is fine

@@ -410,18 +410,19 @@ def test_init_refuses_bad_unique_ids_before_any_rendezvous():
 def test_bench_refuses_algo_and_predict_where_they_cannot_work(monkeypatch):
     import bench.cli as cli
     monkeypatch.setattr(cli, "_no_gpu_reason", lambda: "")     # parse as on a GPU machine
-    assert cli.parse_args(["all_reduce", "--device", "cuda", "--algo", "Ring"]).algo == "Ring"
+    cfg = cli.parse_args(["all_reduce", "--device", "cuda", "--algo", "Ring"])
+    assert [c.env() for c in cfg.combos] == [{"NCCL_ALGO": "Ring"}]    # bench/combos.py
     cfg = cli.parse_args(["all_reduce", "--device", "cuda", "--predict"])
-    assert cfg.predict and cfg.algo is None
+    assert cfg.predict and cfg.combos == []
     for argv, words in ((["all_reduce", "--device", "cuda", "--algo", "rnig"],
-                         "--algo: 'rnig' in 'rnig' is not an NCCL algorithm"),
-                        (["send_recv", "--device", "cuda", "--algo", "ring"],
-                         "--algo: send_recv is ncclSend/ncclRecv"),
+                         "--algo: expected a comma-separated list of .*, got 'rnig'"),
+                        (["all_reduce", "--device", "cuda", "--backend", "torch", "--algo",
+                          "ring"], "--algo ring: needs --backend ncclpy or cupy"),
                         (["all_reduce", "--device", "cuda", "--backend", "ncclpy,torch",
                           "--predict"], "--predict: needs --backend ncclpy"),
                         (["all_reduce", "--algo", "ring", "--device", "cpu"],
-                         "--algo ring: forces NCCL's algorithm, and --device cpu runs no "
-                         "NCCL")):
+                         "--algo ring: needs --backend ncclpy or cupy .*; torch.distributed's "
+                         "gloo runs no NCCL")):
         with pytest.raises(errors.ArgumentError, match=words):
             cli.parse_args(argv)
 

@@ -223,6 +223,19 @@ def test_nothing_enabled_is_ncclss_no_algorithm_error(env, coll):
     assert str(e.value).startswith("No algorithm/protocol available for function ")
 
 
+def test_pat_is_off_for_premultiplied_reduce_scatters_and_where_nccl_pat_enable_is_0():
+    p = Pins.from_env({"NCCL_ALGO": "PAT"})
+    assert p.cpu_choice("reduce_scatter").algo == "ring"            # PAT: Ring's order
+    with pytest.raises(PinError):                                   # enqueue.cc:1805-1806
+        p.cpu_choice("reduce_scatter", premul=True)
+    assert p.cpu_choice("all_gather", premul=True).algo == "ring"
+    with pytest.raises(PinError):                                   # tuning.cc:201-209
+        Pins.from_env({"NCCL_ALGO": "PAT", "NCCL_PAT_ENABLE": "0"}).cpu_choice("all_gather")
+    c = Pins.from_env({"NCCL_ALGO": "PAT", "NCCL_PAT_ENABLE": "1"}, version=23007)
+    assert c.cpu_choice("all_gather").version == 23007
+    assert c.cpu_choice("all_gather").config("all_reduce", 3, 8).version == 23007
+
+
 def test_an_empty_variable_is_set_for_the_message_and_unset_for_the_parse():
     p = Pins.from_env({"NCCL_ALGO": "", "NCCL_PROTO": ""})
     assert p.cpu_choice("all_reduce").algo == "ring"
@@ -261,6 +274,8 @@ def test_nccl_proto_is_parsed_before_nccl_algo():
                                               "NCCL_MIN_NCHANNELS": "-2"}, (4, 64)),
     ({"NCCL_MIN_NCHANNELS": "99999999999999999999"}, (0, 64)),
     ({"NCCL_MIN_NCHANNELS": "4294967298"}, (2, 64)),
+    ({"NCCL_MIN_NCHANNELS": "2147483648"}, (0, 64)),       # INT_MIN as an int: below 0
+    ({"NCCL_MIN_NCHANNELS": "2147483647"}, (64, 64)),
 ])
 def test_unset_out_of_range_and_int_values_as_nccl_reads_them(env, want):
     p = Pins.from_env(env)

@@ -140,6 +140,17 @@ class Backend:
         """Version code of the NCCL this backend calls (0 where none, e.g. gloo)."""
         return 0
 
+    def bits_version(self) -> int:
+        """The NCCL version whose order the bits column predicts (:meth:`nccl_version`; the
+        CPU backend's: the version it models)."""
+        return self.nccl_version()
+
+    @property
+    def series(self) -> str:
+        """The backend, and its combination when it has one (``ncclpy ring/simple``): a
+        table's rows, ratios and plot lines are per series."""
+        return f"{self.name} {self.combo.label}" if self.combo is not None else self.name
+
     def device_info(self) -> Dict[str, str]:
         """``device_hex`` (PCI bus id) and ``device_info`` (name) of this rank's device."""
         return {"device_hex": "0000:00:00", "device_info": "cpu"}
@@ -206,8 +217,10 @@ class Backend:
         return self.download(bufs.pair(in_place)[1])
 
     # ---- running ------------------------------------------------------------------------
-    #: --algo: NCCL's algorithm for every call (backends that can force one)
-    algorithm: Optional[str] = None
+    #: --algo/--proto: the combination (bench.combos.Combo) this communicator was made with,
+    #: and the NCCL_* variables it was made under (what NCCL read at its init)
+    combo: Any = None
+    nccl_env: Optional[Dict[str, str]] = None
     #: -R: 0 none, 1 ncclCommRegister, 2 symmetric windows; --cta-policy (ncclpy backend)
     register: int = 0
     cta_policy: Optional[str] = None

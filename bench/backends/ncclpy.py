@@ -12,13 +12,12 @@ the rendezvous store and the recorder at its default size) and :class:`NcclpyBar
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ncclpy.dtypes import DTYPES
 
 from bench.backends import Buffers
+from bench.combos import environ
 from bench.backends._cuda import CupyStreamBackend
 
 __all__ = ["NcclpyBackend", "NcclpyDefaultsBackend", "NcclpyBareBackend", "call_args",
@@ -29,30 +28,9 @@ __all__ = ["NcclpyBackend", "NcclpyDefaultsBackend", "NcclpyBareBackend", "call_
 DEFAULTS_ENV = ("NCCLPY_TRACE_BUFFER", "NCCLPY_NVTX", "NCCLPY_WATCHDOG", "NCCLPY_CHECKED")
 
 
-@contextlib.contextmanager
-def environ(**values: Optional[str]) -> Iterator[None]:
-    """Set (a str) or unset (None) environment variables for the block, then restore them."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class NcclpyBackend(CupyStreamBackend):
     name = "ncclpy"
     label = "ncclpy"
-
-    _coll_config: Any = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,8 +39,6 @@ class NcclpyBackend(CupyStreamBackend):
     def open_comm(self, uid: bytes) -> Any:
         import ncclpy
         self.ncclpy = ncclpy
-        if self.algorithm is not None:
-            self._coll_config = ncclpy.CollConfig(algorithm=self.algorithm)
         return ncclpy.Communicator(self.world, self.rank, uid, self.device, self._config())
 
     def _config(self) -> Any:
@@ -147,23 +123,22 @@ class NcclpyBackend(CupyStreamBackend):
     def run(self, collective: str, bufs: Buffers, op: str, root: int, in_place: bool) -> None:
         s, r = call_args(collective, bufs.extra["args"], in_place, self.rank, root)
         c, st, me, n = self.comm, self.stream_arg, self.rank, self.world
-        cfg = self._coll_config
         if collective == "all_reduce":
-            c.all_reduce(s, r, op=op, stream=st, config=cfg)
+            c.all_reduce(s, r, op=op, stream=st)
         elif collective == "reduce":
-            c.reduce(s, r, root=root, op=op, stream=st, config=cfg)
+            c.reduce(s, r, root=root, op=op, stream=st)
         elif collective == "broadcast":
-            c.broadcast(s, r, root=root, stream=st, config=cfg)
+            c.broadcast(s, r, root=root, stream=st)
         elif collective == "all_gather":
-            c.all_gather(s, r, stream=st, config=cfg)
+            c.all_gather(s, r, stream=st)
         elif collective == "reduce_scatter":
-            c.reduce_scatter(s, r, op=op, stream=st, config=cfg)
+            c.reduce_scatter(s, r, op=op, stream=st)
         elif collective == "all_to_all":
-            c.all_to_all(s, r, stream=st, config=cfg)
+            c.all_to_all(s, r, stream=st)
         elif collective == "gather":
-            c.gather(s, r, root=root, stream=st, config=cfg)
+            c.gather(s, r, root=root, stream=st)
         elif collective == "scatter":
-            c.scatter(s, r, root=root, stream=st, config=cfg)
+            c.scatter(s, r, root=root, stream=st)
         elif collective == "send_recv" and s is r:
             # in place, as nccl-tests times it: a grouped send and recv of one buffer (its
             # result is a race, unchecked); send_recv() itself refuses overlapping buffers

@@ -68,6 +68,10 @@ class NcclpyCpuBackend(NcclpyBackend):
         """0: no NCCL library ran (the engine models NCCL's semantics, :meth:`models`)."""
         return 0
 
+    def bits_version(self) -> int:
+        """The NCCL version the engine models (its communicator's ``nccl_version``)."""
+        return int(self.comm.nccl_version) if self.comm is not None else 0
+
     def models(self) -> str:
         """The NCCL version whose semantics the engine models (e.g. ``2.28.9``)."""
         from ncclpy.ops import format_version

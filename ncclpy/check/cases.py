@@ -15,6 +15,12 @@ A case's ``count`` follows nccl-tests' per-rank block convention: all_reduce/red
 send_recv move ``count`` elements per rank, all_gather and gather send ``count`` (receive
 ``n*count``), reduce_scatter and scatter receive ``count`` (send ``n*count``), all_to_all moves
 ``count`` per peer.
+
+A case's ``inputs`` says what its inputs are (:data:`INPUT_KINDS`): ``verifiable`` (every
+partial result exact in any order, :func:`ncclpy.numerics.verifiable_input`; random bits for
+data movement), ``normal`` (seeded standard normals, per rank) or ``reveal`` (the
+order-revealing inputs of :mod:`ncclpy.order.reveal`).  The last two join the matrix for the
+float sum reductions (:data:`ORDER_INPUTS_OPS`), where the order of the fold shows in the bits.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ __all__ = ["Case", "build_matrix", "parse_sizes", "exact_claim", "gloo_skip_reas
            "divergence", "Divergence", "GLOO_UNSUPPORTED", "DIVERGENCES", "DEFAULT_SIZES_CPU",
            "DEFAULT_SIZES_GPU", "ALL_DTYPES", "REDUCING_OPS", "PREMUL_SCALAR",
            "uneven_counts", "ulp_tolerance", "COLLECTIVES", "FP8_REDUCTION_MIN_CC", "BACKENDS",
-           "torch_family", "torch_not_called"]
+           "torch_family", "torch_not_called", "INPUT_KINDS", "ORDER_INPUTS_OPS",
+           "parse_inputs", "default_inputs", "default_sizes", "DEFAULT_SIZES_CPU_BACKEND",
+           "FLOAT_REDUCTIONS", "input_kinds_for"]
 
 #: every logical dtype the matrix knows (NCCL's 12 plus torch's bool and complex mappings)
 ALL_DTYPES: Tuple[str, ...] = ALL_DTYPE_NAMES + ("bool", "complex32", "complex64", "complex128")
@@ -43,6 +51,18 @@ REDUCING_OPS = ("sum", "prod", "min", "max", "avg", "premul_sum")
 PREMUL_SCALAR = 2.0
 DEFAULT_SIZES_CPU = "0,1,7,1024,1MiB"
 DEFAULT_SIZES_GPU = "0,1,7,1024,65537,1MiB"
+#: the CPU backend's default sizes: its 1 MiB cases cost 0.2 s each on a 2-core machine (984
+#: of them made ``ncclpy check -n 2`` take 225 s); 64 KiB keeps a size past every small-count
+#: rule of NCCL's chunking (the last loop's alignUp(divUp(rem, n), 16/size)) at a 16th of it
+DEFAULT_SIZES_CPU_BACKEND = "0,1,7,1024,64KiB"
+#: what the inputs of a case are: ``verifiable`` (exact in any order), ``normal`` (seeded
+#: standard normals), ``reveal`` (:mod:`ncclpy.order.reveal`'s order-revealing inputs)
+INPUT_KINDS = ("verifiable", "normal", "reveal")
+#: the ops whose cases also run on normal and revealing inputs: a sum (revealing inputs are
+#: made for sums, and the order-free bound that judges them without a prediction is a sum's)
+ORDER_INPUTS_OPS = ("sum",)
+#: the collectives whose float results depend on NCCL's order
+FLOAT_REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter")
 #: the collectives in matrix order (the registry's, barrier last)
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
                "all_to_all", "gather", "scatter", "send_recv", "barrier")
@@ -73,6 +93,7 @@ class Case:
     root: Optional[int] = None
     in_place: bool = False
     variant: str = ""          # all_to_all: "even" / "uneven"
+    inputs: str = "verifiable"  # one of INPUT_KINDS
 
     @property
     def key(self) -> str:
@@ -82,7 +103,8 @@ class Case:
             op = f"premul_sum({self.scalar:g})"
         return (f"{self.collective}/{self.dtype or '-'}/{op}/{self.count}/"
                 f"{'-' if self.root is None else self.root}/{'ip' if self.in_place else 'oop'}"
-                f"{'/' + self.variant if self.variant else ''}")
+                f"{'/' + self.variant if self.variant else ''}"
+                f"{'' if self.inputs == 'verifiable' else '/' + self.inputs}")
 
     @property
     def input_key(self) -> str:
@@ -140,6 +162,61 @@ def torch_not_called(backend: str, case: "Case") -> Optional[str]:
     return not_called(backend, case)
 
 
+# -- input kinds ----------------------------------------------------------------------------
+def default_sizes(backend: str) -> str:
+    """The ``--sizes`` a run on ``backend`` uses when none is given."""
+    return {"nccl": DEFAULT_SIZES_GPU, "cpu": DEFAULT_SIZES_CPU_BACKEND}.get(backend,
+                                                                          DEFAULT_SIZES_CPU)
+
+
+def default_inputs(backend: str) -> Tuple[str, ...]:
+    """The input kinds a run on ``backend`` uses when ``--inputs`` is not given: all three where
+    ncclpy runs (``nccl``, ``cpu``: its side is judged against NCCL's order), verifiable only on
+    ``gloo`` (torch alone, judged against the rank-order reference: as before)."""
+    return INPUT_KINDS if backend in ("nccl", "cpu") else ("verifiable",)
+
+
+def parse_inputs(text: str) -> Tuple[str, ...]:
+    """``--inputs``: a comma list of :data:`INPUT_KINDS` (ArgumentError naming the flag)."""
+    items = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ArgumentError(f"--inputs: no input kind given in {text!r}; expected a comma list "
+                            f"of {', '.join(INPUT_KINDS)}")
+    for it in items:
+        if it not in INPUT_KINDS:
+            raise ArgumentError(f"--inputs: {it!r} is not an input kind; expected a comma list "
+                                f"of {', '.join(INPUT_KINDS)}")
+    return tuple(k for k in INPUT_KINDS if k in items)
+
+
+def input_kinds_for(coll: str, dt: str, op: Optional[str], n: int,
+                    kinds: Sequence[str]) -> Tuple[List[str], str]:
+    """(the kinds of ``kinds`` a case of ``coll``/``dt``/``op`` on ``n`` ranks runs with, why
+    one asked for does not apply ('' when all do)).  Normal and revealing inputs: float sums
+    of all_reduce, reduce and reduce_scatter (complex types on their float pairs); revealing
+    inputs need 2 ranks or more and room in the type (:func:`ncclpy.order.reveal.reveal_plan`)."""
+    out: List[str] = []
+    why = ""
+    floaty = op in ORDER_INPUTS_OPS and coll in FLOAT_REDUCTIONS and \
+        LOGICAL[dt].wire.kind == "float" and dt != "bool"
+    for k in kinds:
+        if k == "verifiable":
+            out.append(k)
+        elif not floaty:
+            continue
+        elif k == "reveal":
+            from ..order.reveal import reveal_plan
+            try:
+                reveal_plan(LOGICAL[dt].wire.name, n)
+            except ValueError as e:
+                why = f"revealing inputs: {e}"
+                continue
+            out.append(k)
+        else:
+            out.append(k)
+    return out, why
+
+
 # -- exactness ------------------------------------------------------------------------------
 def exact_claim(case: Case, world_size: int) -> bool:
     """Whether the reference's result is claimed bit for bit for this case's verifiable inputs
@@ -147,9 +224,13 @@ def exact_claim(case: Case, world_size: int) -> bool:
 
     Integers and data movement: always.  Floats: whenever :func:`ncclpy.numerics.exact_plan`
     has a plan that makes every term and partial result exact in any order (all finite
-    scalars); a non-finite premul_sum scalar is the one exception."""
+    scalars); a non-finite premul_sum scalar is the one exception.  Normal and revealing
+    inputs are never exact in any order: against the rank-order reference they are judged by
+    the order-free bound (:mod:`ncclpy.check.exact`)."""
     if case.op is None or case.dtype is None:
         return True
+    if case.inputs != "verifiable":
+        return False
     wire = LOGICAL[case.dtype].wire
     if wire.kind != "float":
         return True
@@ -238,7 +319,8 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
                  sizes: Optional[str] = None, roots: Optional[Sequence[int]] = None,
                  in_place: Optional[Sequence[bool]] = None,
                  premul_scalar: float = PREMUL_SCALAR,
-                 gpu_cc: Optional[Tuple[int, int]] = None) -> Tuple[List[Case], List[dict]]:
+                 gpu_cc: Optional[Tuple[int, int]] = None,
+                 inputs: Optional[Sequence[str]] = None) -> Tuple[List[Case], List[dict]]:
     """(cases, skipped) for ``world_size`` ranks on ``backend`` (one of :data:`BACKENDS`).
 
     ``skipped`` lists what the filters allow but the backend cannot run, with the reason: what
@@ -255,6 +337,9 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
     ``ops`` given and ``collectives`` None only the reducing collectives (all_reduce, reduce,
     reduce_scatter) are in the matrix: ``--ops premul_sum`` checks premul_sum, not broadcast.
     A collective named in ``collectives`` always runs (once per case, whatever ``ops`` says).
+
+    ``inputs`` (default :func:`default_inputs`): the input kinds; each case runs once per kind
+    that applies to it (:func:`input_kinds_for`), a case to which none applies is left out.
     """
     n = world_size
     if backend not in BACKENDS:
@@ -267,8 +352,11 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
     for o in opl:
         if o not in REDUCING_OPS:
             raise ArgumentError(f"--ops: {o!r} is not one of {', '.join(REDUCING_OPS)}")
-    size_list = parse_sizes(sizes or (DEFAULT_SIZES_GPU if backend == "nccl"
-                                      else DEFAULT_SIZES_CPU))
+    size_list = parse_sizes(sizes or default_sizes(backend))
+    kinds = list(inputs) if inputs is not None else list(default_inputs(backend))
+    for k in kinds:
+        if k not in INPUT_KINDS:
+            raise ArgumentError(f"--inputs: {k!r} is not one of {', '.join(INPUT_KINDS)}")
     root_list = sorted(set(roots if roots is not None else (0, n - 1)))
     for r in root_list:
         if not 0 <= r < n:
@@ -277,16 +365,19 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
     skipped: List[dict] = []
     seen_skip = set()
 
-    def skip(coll: str, dt: Optional[str], op: Optional[str], why: str) -> None:
-        k = (coll, dt, op)
+    def skip(coll: str, dt: Optional[str], op: Optional[str], why: str,
+             kind: Optional[str] = None) -> None:
+        k = (coll, dt, op, kind)
         if k not in seen_skip:
             seen_skip.add(k)
-            skipped.append({"collective": coll, "dtype": dt, "op": op, "reason": why})
+            skipped.append({"collective": coll, "dtype": dt, "op": op, "reason": why,
+                            **({"inputs": kind} if kind else {})})
 
     for coll in colls:
         c = registry.get(coll)
         if coll == "barrier":
-            cases.append(Case("barrier", None))
+            if "verifiable" in kinds:
+                cases.append(Case("barrier", None))
             continue
         if coll == "send_recv" and n < 2:
             skip(coll, None, None, "send_recv needs at least 2 ranks")
@@ -307,14 +398,19 @@ def build_matrix(world_size: int, *, backend: str, collectives: Optional[Sequenc
                 else:
                     ips = [False, True]
                 variants = ["even", "uneven"] if coll == "all_to_all" else [""]
+                mine, why = input_kinds_for(coll, dt, op, n, kinds)
+                if why:                     # revealing inputs asked for, impossible here
+                    skip(coll, dt, op, why, "reveal")
                 for size in size_list:
                     count = _count_for(size, dt)
                     for rt in (root_list if c.rooted else [None]):
-                        for ip in ips:
-                            for v in variants:
-                                if v == "uneven" and count == 0:
-                                    continue
-                                cases.append(Case(coll, dt, op,
-                                                  premul_scalar if op == "premul_sum" else None,
-                                                  count, size[0], rt, ip, v))
+                        for kind in mine:
+                            for ip in ips:
+                                for v in variants:
+                                    if count == 0 and (v == "uneven" or
+                                                       kind != "verifiable"):
+                                        continue    # nothing to tell apart
+                                    cases.append(Case(
+                                        coll, dt, op, premul_scalar if op == "premul_sum"
+                                        else None, count, size[0], rt, ip, v, kind))
     return cases, skipped

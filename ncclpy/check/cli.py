@@ -6,11 +6,12 @@ the rank the environment names (under torchrun, which places nothing, the placem
 ``ncclpy run`` is applied first: :func:`ncclpy.check.fairness.apply_launcher_placement`), and
 says so at once, first on stderr; a failure to meet the other ranks is one line, exit status 2
 (:mod:`ncclpy.check.launched`: the variables are often left over from another job).  With a
-GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one torch's
-gloo backend is checked against the reference on CPU.  ``--backend cpu`` (``auto`` under
-``NCCLPY_DEVICE=cpu``, as ``ncclpy run --cpu`` sets it) runs ncclpy on its CPU backend
-(``ncclpy.init(device="cpu")``, no GPU) against torch's gloo and the reference
-(:mod:`ncclpy.check.cpu_side`).
+GPU the torch side uses the NCCL backend and the ncclpy column is filled; without one
+(``--backend auto``, and under ``NCCLPY_DEVICE=cpu`` as ``ncclpy run --cpu`` sets it) ncclpy
+runs on its CPU backend (``ncclpy.init(device="cpu")``: NCCL's semantics and order, not NCCL,
+no GPU) against torch's gloo and the reference (:mod:`ncclpy.check.cpu_side`), where that
+backend can run (x86-64 Linux with POSIX shared memory; elsewhere torch's gloo alone is
+checked against the reference, as ``--backend gloo`` always does).
 
 Every argument is checked before anything starts (the ``--json`` file included); a bad one is
 one line naming the flag as typed, exit status 2.  Ctrl-C: one line, exit status 130; a closed
@@ -84,9 +85,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--backend", choices=("auto", "nccl", "gloo", "cpu"), default="auto",
                    help="nccl: ncclpy on a GPU vs torch's NCCL; gloo: torch's gloo vs the "
                         "reference (ncclpy does not run); cpu: ncclpy's CPU backend "
-                        "(ncclpy.init(device='cpu'), not NCCL, no GPU) vs torch's gloo and the "
-                        "reference; auto picks cpu under NCCLPY_DEVICE=cpu (ncclpy run --cpu), "
-                        "else nccl when a GPU is visible, else gloo")
+                        "(ncclpy.init(device='cpu'): NCCL's semantics and order, not NCCL, no "
+                        "GPU) vs torch's gloo and the reference; auto picks cpu under "
+                        "NCCLPY_DEVICE=cpu (ncclpy run --cpu), else nccl when a GPU is "
+                        "visible, else cpu where the CPU backend can run, else gloo")
     p.add_argument("--torch-backend", default=None, metavar="NAMES",
                    help=f"GPU: torch's NCCL backends to check, each against ncclpy and the "
                         f"reference (comma list of {', '.join(TB.TORCH_NCCL_BACKENDS)}; default "
@@ -101,9 +103,16 @@ def build_parser() -> OneLineParser:
                    help=f"comma list of {','.join(C.REDUCING_OPS)}; without --collectives only "
                         f"the reducing collectives run (data movement has no op)")
     p.add_argument("--sizes", default=None,
-                   help=f"comma list of element counts or byte sizes with a unit (default CPU "
-                        f"{C.DEFAULT_SIZES_CPU}; GPU {C.DEFAULT_SIZES_GPU}); sizes whose largest "
-                        f"case cannot fit in this machine's memory are refused before the run")
+                   help=f"comma list of element counts or byte sizes with a unit (default gloo "
+                        f"{C.DEFAULT_SIZES_CPU}; cpu {C.DEFAULT_SIZES_CPU_BACKEND}; GPU "
+                        f"{C.DEFAULT_SIZES_GPU}); sizes whose largest case cannot fit in this "
+                        f"machine's memory are refused before the run")
+    p.add_argument("--inputs", default=None, metavar="KINDS",
+                   help=f"comma list of {', '.join(C.INPUT_KINDS)}: verifiable inputs (every "
+                        f"order gives the same bits), seeded normals, NCCL-order-revealing "
+                        f"inputs (the last two for float sums of all_reduce, reduce and "
+                        f"reduce_scatter); default: all three where ncclpy runs (nccl, cpu), "
+                        f"verifiable on gloo")
     p.add_argument("--roots", default=None, help="comma list of roots (default 0 and n-1)")
     p.add_argument("--inplace", choices=("both", "yes", "no", "auto"), default="auto",
                    help="in-place variants (auto: where they differ for the side tested)")
@@ -218,7 +227,9 @@ def _torch_backends(parser: OneLineParser, ns: argparse.Namespace, backend: str,
     except ValueError as e:
         parser.error(f"{flag}: {e}")
     if backend == "cpu":            # the run's choice first: its torch side is gloo
-        chosen = "--backend cpu" if ns.backend == "cpu" else "NCCLPY_DEVICE=cpu"
+        from ..cpu.backend import wants_cpu
+        chosen = "--backend cpu" if ns.backend == "cpu" else (
+            "NCCLPY_DEVICE=cpu" if wants_cpu(None) else f"no GPU: {why}")
         parser.error(f"{flag} {text}: torch's NCCL backends run on a GPU (--backend nccl); "
                      f"this run's backend is cpu ({chosen}), whose torch side is gloo")
     version, offered = TB.offered_backends()
@@ -248,12 +259,18 @@ def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
             msg = msg[len("--sizes: "):] if msg.startswith("--sizes: ") else msg
             parser.error(f"{parser.flag('sizes')}: {msg}")
     inplace = {"both": [False, True], "yes": [True], "no": [False], "auto": None}[ns.inplace]
+    inputs = None
+    if ns.inputs is not None:
+        try:
+            inputs = list(C.parse_inputs(ns.inputs))
+        except ArgumentError as e:
+            parser.error(f"{parser.flag('inputs')}: {str(e)[len('--inputs: '):]}")
     cfg: Dict[str, Any] = {
         "world_size": n, "backend": backend,
         "collectives": _names(parser, "collectives", ns.collectives, "collective",
                               lambda s: registry.get(s).name, C.COLLECTIVES),
         "dtypes": _names(parser, "dtypes", ns.dtypes, "dtype", dtype_name, C.ALL_DTYPES),
-        "ops": ops, "sizes": sizes, "roots": _roots(parser, ns.roots, n),
+        "ops": ops, "sizes": sizes, "roots": _roots(parser, ns.roots, n), "inputs": inputs,
         "in_place": inplace, "premul_scalar": ns.premul_scalar, "seed": ns.seed,
         "json": os.path.abspath(ns.json) if ns.json and ns.json != "-" else ns.json,
         "quiet": ns.quiet, "timeout": ns.timeout, "verbose": ns.verbose,
@@ -273,7 +290,7 @@ def _list(cfg: Dict[str, Any], skips: bool) -> int:
     cases, skipped = C.build_matrix(
         cfg["world_size"], backend=cfg["backend"], collectives=cfg["collectives"],
         dtypes=cfg["dtypes"], ops=cfg["ops"], sizes=cfg["sizes"], roots=cfg["roots"],
-        in_place=cfg["in_place"], premul_scalar=cfg["premul_scalar"])
+        in_place=cfg["in_place"], premul_scalar=cfg["premul_scalar"], inputs=cfg["inputs"])
     if skips:
         for s in skipped:
             print(f"{s['collective']:<14} {s['dtype'] or '-':<11} {s['op'] or '-':<10} "
@@ -339,7 +356,9 @@ def _main(argv: List[str]) -> int:
         if why:
             parser.error(f"{parser.flag('json')}: {why}")
     gpu, why = _gpu_available()
-    backend = ns.backend if ns.backend != "auto" else _auto_backend(gpu)
+    backend, no_cpu = (ns.backend, "") if ns.backend != "auto" else _auto_backend(gpu)
+    if no_cpu:
+        why = f"{why}; {no_cpu}"
     if backend == "nccl" and not gpu:
         parser.error(f"{parser.flag('backend')} nccl: {why}")
     if backend == "cpu" and not (ns.list or ns.list_skips):
@@ -353,8 +372,7 @@ def _main(argv: List[str]) -> int:
                          f"the gloo run never runs ncclpy; expected --backend nccl, cpu or auto")
         if not (ns.list or ns.list_skips):
             sys.stderr.write(f"{PROG}: FAILED: {parser.flag('require_ncclpy')}: ncclpy cannot run "
-                             f"on this machine ({why}; --backend cpu runs ncclpy's CPU "
-                             f"backend instead); nothing was run\n")
+                             f"on this machine ({why}); nothing was run\n")
             return 1
     torch_backends = _torch_backends(parser, ns, backend, why)
     cfg = _config(parser, ns, n, backend,
@@ -365,7 +383,7 @@ def _main(argv: List[str]) -> int:
     cases, skipped = C.build_matrix(
         n, backend=backend, collectives=cfg["collectives"], dtypes=cfg["dtypes"],
         ops=cfg["ops"], sizes=cfg["sizes"], roots=cfg["roots"], in_place=cfg["in_place"],
-        premul_scalar=cfg["premul_scalar"])
+        premul_scalar=cfg["premul_scalar"], inputs=cfg["inputs"])
     if not cases:
         sys.stderr.write(f"{PROG}: no case to run: the filters leave nothing the {backend} "
                          f"backend can run on {plural(n, 'rank')} "
@@ -386,13 +404,18 @@ def _main(argv: List[str]) -> int:
     return _spawn(n, cfg)
 
 
-def _auto_backend(gpu: bool) -> str:
-    """``--backend auto``: cpu where the environment asks for ncclpy's CPU backend
-    (``NCCLPY_DEVICE=cpu``, as ``ncclpy run --cpu`` sets it), else nccl with a GPU, else gloo."""
+def _auto_backend(gpu: bool) -> Tuple[str, str]:
+    """``--backend auto``: (backend, why not cpu where it is gloo): cpu where the environment
+    asks for ncclpy's CPU backend (``NCCLPY_DEVICE=cpu``, as ``ncclpy run --cpu`` sets it),
+    else nccl with a GPU, else cpu where the CPU backend can run here, else gloo."""
     from ..cpu.backend import wants_cpu
     if wants_cpu(None):
-        return "cpu"
-    return "nccl" if gpu else "gloo"
+        return "cpu", ""
+    if gpu:
+        return "nccl", ""
+    from .cpu_side import unavailable
+    why = unavailable()
+    return ("gloo", why) if why else ("cpu", "")
 
 
 def _refuse_what_cannot_fit(parser: OneLineParser, ns: argparse.Namespace, cases: List[Any],
@@ -404,8 +427,7 @@ def _refuse_what_cannot_fit(parser: OneLineParser, ns: argparse.Namespace, cases
     if job is not None:         # under a launcher: the ranks on this host
         text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
         local = min(int(text), n) if text.isdigit() and int(text) >= 1 else n
-    value = ns.sizes if ns.sizes is not None else \
-        f"(default {C.DEFAULT_SIZES_GPU if backend == 'nccl' else C.DEFAULT_SIZES_CPU})"
+    value = ns.sizes if ns.sizes is not None else f"(default {C.default_sizes(backend)})"
     why = check_memory(cases, n, backend, parser.flag("sizes"), value, local)
     if why:
         parser.error(why)

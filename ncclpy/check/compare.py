@@ -23,8 +23,15 @@ Status rules, in order:
   the reference wherever torch does; ncclpy must match the reference;
 * ``pass``: every comparison is bitwise equal;
 * ``within ULP`` (not counted as a failure, reported apart): the case is not claimed exact
-  (:func:`ncclpy.check.cases.exact_claim`) and every difference is within the ULP tolerance;
+  (:func:`ncclpy.check.cases.exact_claim`) and every difference is within the ULP tolerance
+  (normal and revealing inputs against rank order: within the order-free bound);
 * otherwise ``fail``.
+
+Each side is judged against its own reference (:mod:`ncclpy.check.refs`): NCCL's order, the
+model's prediction, is always claimed bit for bit; where ncclpy's side and torch's have
+different references and the inputs are not exact in any order, they are not compared with
+each other (``ncclpy_torch`` None).  ``ncclpy_ref`` / ``torch_ref`` are each side against its
+reference; a failure names it ("ncclpy != NCCL's order on rank(s) [1]: <element, bits, fold>").
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ import numpy as np
 from .. import numerics as nm
 from ..dtypes import dtype_name
 from . import cases as C
+from .refs import NCCL_ORDER, RANK_ORDER, choose, record_fields, side_name
 
 __all__ = ["Comparison", "compare", "flip_one_bit", "corrupt", "judge", "merge", "INJECT_ENV",
            "INJECT_SIDES", "INJECT_KINDS", "with_side", "backend_parts"]
@@ -58,9 +66,16 @@ class Comparison:
     ndiff: int = 0               #: elements whose bytes differ
     first_diff: int = -1         #: index of the first differing element (-1: none)
     note: str = ""
+    #: normal and revealing inputs against the rank-order reference: whether the order-free
+    #: bound of a sum holds (:func:`ncclpy.check.exact.bound_holds`; None: not checked)
+    bound_ok: Optional[bool] = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict (``bound_ok`` only where it was checked)."""
+        d = asdict(self)
+        if d["bound_ok"] is None:
+            del d["bound_ok"]
+        return d
 
 
 def _bits(arr: Any, dtype: str) -> np.ndarray:
@@ -90,11 +105,14 @@ def compare(a: Any, b: Any, dtype: Any) -> Comparison:
 
 def judge(cmp: Comparison, exact: bool, tolerance: float) -> Optional[bool]:
     """Pass/fail of a comparison against the reference: bitwise when ``exact``, else within
-    ``tolerance`` ULPs.  None when there was nothing to compare."""
+    ``tolerance`` ULPs (or, where the rank checked it, within the order-free bound).  None when
+    there was nothing to compare."""
     if cmp.equal is None:
         return None
     if cmp.equal:
         return True
+    if cmp.bound_ok is not None:        # normal / revealing inputs: the order-free bound
+        return (not exact) and cmp.bound_ok
     return (not exact) and cmp.max_ulp <= tolerance
 
 
@@ -174,26 +192,43 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
     gpu = ctx.get("comm") is not None          # ncclpy ran (on a GPU, or its CPU backend)
     rec: Dict[str, Any] = {"case": {k: getattr(case, k) for k in
                                     ("collective", "dtype", "op", "scalar", "count", "size_label",
-                                     "root", "in_place", "variant")},
+                                     "root", "in_place", "variant", "inputs")},
                            "key": case.key, "ncclpy_ran": gpu}
     if case.collective == "barrier":
         return _merge_barrier(rec, parts, gpu)
     exact = C.exact_claim(case, n)
     tol = 0.0 if exact else C.ulp_tolerance(case, n)
-    rec.update(exact=exact, tolerance=tol)
+    ch = choose(case, parts, ctx)
+    if ch is not None:
+        parts = ch.parts
+        rec.update(record_fields(ch))
+    n_kind = ch.ncclpy if ch is not None else RANK_ORDER
+    t_kind = ch.torch if ch is not None else RANK_ORDER
+    ex_n, ex_t = exact or n_kind == NCCL_ORDER, exact or t_kind == NCCL_ORDER
+    rec.update(exact=ex_n and (ex_t or not _called(parts)), tolerance=tol)
     cmp = lambda k: [Comparison(**p[k]) if k in p else Comparison(None) for p in parts]  # noqa
     t_ref, n_ref, n_t, t_pred = cmp("t_ref"), cmp("n_ref"), cmp("n_t"), cmp("t_pred")
     p_ref = cmp("p_ref")
+    if not exact and n_kind != t_kind:  # each side against its own reference: not each other
+        n_t = [Comparison(None)] * len(parts)
     rec["torch_ref"] = _eq(t_ref)
     if gpu:
         rec["ncclpy_ref"], rec["ncclpy_torch"] = _eq(n_ref), _eq(n_t)
     rec["max_ulp"] = _far(t_ref + (n_ref + n_t if gpu else []))
     rec["ranks"] = parts
+    judged = ([n_ref] if gpu and n_kind == NCCL_ORDER else []) + \
+        ([t_ref] if t_kind == NCCL_ORDER else [])
+    if any(_eq(c) is not None for c in judged):
+        rec["exact_nccl_order"] = all(_eq(c) is not False for c in judged)
+    diffs = [p[k] for k in ("n_nccl_diff", "t_nccl_diff") for p in parts if p.get(k)]
+    if diffs:
+        rec["nccl_order_diff"] = diffs[0]
     injected = sorted({p["injected"] for p in parts if p.get("injected")})
     if injected:
         rec["injected"] = ", ".join(injected)
     note = f" (corrupted on purpose by {INJECT_ENV}: {rec['injected']})" if injected else ""
-    ncclpy_ok = (not gpu) or _close(n_ref, exact, tol)
+    ncclpy_ok = (not gpu) or _close(n_ref, ex_n, tol)
+    n_bad, t_bad = side_name("ncclpy", n_kind), side_name("torch", t_kind)
 
     # exceptions: known refusals are "unsupported", anything else is an error
     unsupported: List[str] = []
@@ -214,12 +249,12 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
             unsupported.append(f"ncclpy rank {r}: {p['ncclpy_exc']}")
     if unsupported:
         if gpu and not ncclpy_ok:
-            rec.update(status="fail", reason=f"ncclpy != reference on rank(s) "
-                                             f"{_ranks(parts, n_ref)}; " + unsupported[0] + note)
+            rec.update(status="fail", reason=f"{n_bad} on rank(s) {_ranks(parts, n_ref)}"
+                                             f"{_diff(rec)}; " + unsupported[0] + note)
         elif _reference_only(backend, parts) and rec.get("ncclpy_ref") is True:
             why = parts[0]["torch_not_called"]
-            rec.update(status="reference only",
-                       reason=f"ncclpy == reference; torch not compared: {why}")
+            rec.update(status="reference only", reason=f"ncclpy == "
+                       f"{n_bad.split(' != ')[1]}; torch not compared: {why}")
         else:
             rec.update(status="unsupported", reason=unsupported[0])
         return rec
@@ -233,34 +268,70 @@ def merge(case: C.Case, parts: List[Dict[str, Any]], ctx: Dict[str, Any]) -> Dic
         if ncclpy_ok:
             rec.update(status="torch divergence", reason=div.reason)
         else:
-            rec.update(status="fail", reason=f"ncclpy != reference on rank(s) "
-                                             f"{_ranks(parts, n_ref)} (torch: {div.reason}){note}")
+            rec.update(status="fail", reason=f"{n_bad} on rank(s) {_ranks(parts, n_ref)}"
+                                             f"{_diff(rec)} (torch: {div.reason}){note}")
         return rec
     bitwise = all(v is not False for v in (rec["torch_ref"], rec.get("ncclpy_ref"),
                                            rec.get("ncclpy_torch")))
     if bitwise:
         rec["status"] = "pass"
         return rec
-    torch_ok = _close(t_ref, exact, tol)
+    torch_ok = _close(t_ref, ex_t, tol)
     both_close = not gpu or _close(n_t, exact, 2 * tol)
-    if torch_ok and ncclpy_ok and both_close and not exact:
-        # each distance against its own bound: ncclpy vs torch may be off by both sides' ULPs
-        why = f"not bitwise: max {_far(t_ref + n_ref):g} ULP from the reference <= {tol:g}"
-        if gpu:
-            why += f", ncclpy vs torch max {_far(n_t):g} ULP <= {2 * tol:g}"
-        rec.update(status="within ULP", reason=why + " (this case is not claimed exact)")
+    if torch_ok and ncclpy_ok and both_close and not (ex_n and ex_t):
+        rec.update(status="within ULP", reason=_within(rec, t_ref, n_ref, n_t, tol, gpu))
         return rec
     bad = []
-    for what, cmps in (("torch != reference", t_ref), ("ncclpy != reference", n_ref),
-                       ("ncclpy != torch", n_t)):
+    for what, cmps in ((t_bad, t_ref), (n_bad, n_ref), ("ncclpy != torch", n_t)):
         rk = _ranks(parts, cmps)
-        if rk and (what != "torch != reference" or not torch_ok or exact):
-            bad.append(f"{what} on rank(s) {rk}")
+        if rk and (what != t_bad or not torch_ok or ex_t):
+            diff = _diff(rec) if " order" in what and rec.get("nccl_order_diff") else ""
+            bad.append(f"{what} on rank(s) {rk}{diff}")
     if div is not None and rec["torch_ref"] is False:
         bad.append(f"torch also differs from the documented divergence's prediction "
                    f"({div.model})")
     rec.update(status="fail", reason="; ".join(bad or ["mismatch"]) + note)
     return rec
+
+
+def _called(parts: List[Dict[str, Any]]) -> bool:
+    """Whether torch was called for the case (on some rank)."""
+    return not all("torch_not_called" in p for p in parts)
+
+
+def _diff(rec: Dict[str, Any]) -> str:
+    """': <the first element off NCCL's order, its predicted fold, ...>' ('' when none)."""
+    d = rec.get("nccl_order_diff")
+    return f": {d}" if d else ""
+
+
+def _within(rec: Dict[str, Any], t_ref: List[Comparison], n_ref: List[Comparison],
+            n_t: List[Comparison], tol: float, gpu: bool) -> str:
+    """Why a case is ``within ULP``: each side's distance against its own bound (ncclpy vs
+    torch may be off by both sides' ULPs); normal and revealing inputs: the order-free bound."""
+    bound = any(c.bound_ok is not None for c in t_ref + n_ref)
+    if not bound and rec.get("reference", RANK_ORDER) == rec.get("torch_reference", RANK_ORDER):
+        why = f"not bitwise: max {_far(t_ref + n_ref):g} ULP from the reference <= {tol:g}"
+        if gpu:
+            why += f", ncclpy vs torch max {_far(n_t):g} ULP <= {2 * tol:g}"
+        return why + " (this case is not claimed exact)"
+    out = []
+    for side, cmps, kind in (("ncclpy", n_ref, rec.get("reference")),
+                             ("torch", t_ref, rec.get("torch_reference"))):
+        if _eq(cmps) is None or (side == "ncclpy" and not gpu):
+            continue
+        if kind == NCCL_ORDER:
+            out.append(f"{side} == NCCL's order bit for bit")
+        elif _eq(cmps):
+            out.append(f"{side} == the rank-order reference bit for bit")
+        elif any(c.bound_ok is not None for c in cmps):
+            out.append(f"{side} within the order-free bound of the rank-order reference")
+        else:
+            out.append(f"{side} max {_far(cmps):g} ULP from the rank-order reference <= "
+                       f"{tol:g}")
+    why = rec.get("torch_reference_reason") or rec.get("reference_reason") or ""
+    return "; ".join(out) + f" (not claimed exact: {rec['case'].get('inputs')} inputs" + \
+        (f", {why})" if why else ")")
 
 
 def _reference_only(backend: str, parts: List[Dict[str, Any]]) -> bool:

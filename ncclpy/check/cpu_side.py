@@ -4,9 +4,12 @@ Every rank runs ``ncclpy.init(device="cpu")`` (:mod:`ncclpy.cpu`: the CPU engine
 libnccl and CUDA, ranks meeting through shared memory) beside torch's gloo process group, and
 each case goes through both on torch CPU tensors holding the same seeded input
 (:func:`ncclpy.check.runner.run_case_ncclpy`).  No NCCL and no GPU run: the header and the
-JSON say so (``header.ncclpy_backend``).  What gloo cannot run
-(:data:`ncclpy.check.cases.GLOO_UNSUPPORTED`) still runs on ncclpy's side, judged by the
-reference alone: status ``reference only``, counted apart, never as passed.
+JSON say so (``header.ncclpy_backend``: "CPU backend: NCCL's semantics and order, not
+NCCL").  ncclpy's float reductions are judged against NCCL's order for the configuration the
+CPU backend runs (:mod:`ncclpy.check.exact`), gloo's against the rank-order reference.
+Without a GPU, ``--backend auto`` picks this backend where it can run (:func:`unavailable`).
+What gloo cannot run (:data:`ncclpy.check.cases.GLOO_UNSUPPORTED`) still runs on ncclpy's side,
+judged by the reference alone: status ``reference only``, counted apart, never as passed.
 """
 from __future__ import annotations
 
@@ -16,7 +19,10 @@ from . import cases as C
 from .report import plural
 
 __all__ = ["setup", "header_lines", "reference_only_cases", "compared", "problems", "NOTE",
-           "unavailable"]
+           "unavailable", "LABEL"]
+
+#: the ncclpy side of a ``--backend cpu`` run in so many words (the header and the JSON)
+LABEL = "CPU backend: NCCL's semantics and order, not NCCL"
 
 #: what the header and the JSON say about the ncclpy side of a ``--backend cpu`` run
 NOTE = ("ncclpy ran on its CPU backend (ncclpy.init(device='cpu')): the CPU engine computes "
@@ -36,7 +42,7 @@ def setup(ctx: Dict[str, Any], header: Dict[str, Any], timeout: float) -> None:
     (through the control group); a failure is ``header["ncclpy_error"]`` and no comm."""
     from .runner import _short
     ok = True
-    info: Dict[str, Any] = {"name": "cpu", "nccl": False, "note": NOTE}
+    info: Dict[str, Any] = {"name": "cpu", "nccl": False, "label": LABEL, "note": NOTE}
     try:
         import ncclpy
         from .._nccl.lib import get_lib
@@ -76,7 +82,7 @@ def header_lines(h: Dict[str, Any]) -> List[str]:
     if h.get("ncclpy_error"):
         return ["  ncclpy side: its CPU backend (ncclpy.init(device='cpu')) did not start; no "
                 "NCCL and no GPU either"]
-    out = [f"  ncclpy side: {info.get('note', NOTE)}"]
+    out = [f"  {info.get('label', LABEL)}", f"  ncclpy side: {info.get('note', NOTE)}"]
     if info.get("engine"):
         out.append(f"  ncclpy engine: {info['engine']}; torch side: gloo on the same CPU "
                    f"tensors")

@@ -105,7 +105,7 @@ def _op_label(c: Dict[str, Any]) -> str:
 
 
 def _detail(c: Dict[str, Any]) -> str:
-    """'7 r1 ip': size (~ uneven), root, in place."""
+    """'7 r1 ip': size (~ uneven), root, in place, and the inputs unless verifiable."""
     size = str(c.get("size_label", c.get("count", "")))
     if c.get("variant") == "uneven":
         size += "~"
@@ -113,6 +113,8 @@ def _detail(c: Dict[str, Any]) -> str:
     if c.get("root") is not None:
         parts.append(f"r{c['root']}")
     parts.append("ip" if c.get("in_place") else "oop")
+    if c.get("inputs", "verifiable") != "verifiable":
+        parts.append(c["inputs"])
     return " ".join(parts)
 
 

@@ -19,7 +19,7 @@ __all__ = ["COLUMNS", "format_header_row", "format_row", "format_skip_row", "sum
 WIDTH = 100
 
 #: (title, width) of the table columns
-COLUMNS = (("collective", 14), ("dtype", 11), ("op", 15), ("size", 8), ("root", 4),
+COLUMNS = (("collective", 14), ("dtype", 11), ("op", 15), ("size", 10), ("root", 4),
            ("inplace", 7), ("ncclpy==torch", 13), ("ncclpy==ref", 11), ("torch==ref", 10),
            ("max ULP", 7), ("status", 0))
 
@@ -66,8 +66,12 @@ def format_row(rec: Dict[str, Any]) -> str:
     size = c.get("size_label", str(c.get("count", "")))
     if c.get("variant") == "uneven":
         size += "~"
+    if c.get("inputs", "verifiable") != "verifiable":
+        size += " " + c["inputs"][:3]          # nor(mal), rev(eal)
     root = "-" if c.get("root") is None else str(c["root"])
     status = rec["status"]
+    if rec.get("reference") == "nccl-order":
+        status += " [NCCL's order]"
     if rec.get("reason"):
         status = f"{status}: {rec['reason']}"
     cells = [c["collective"], c.get("dtype") or "-", op, size, root,
@@ -92,12 +96,17 @@ def summarize(records: Iterable[Dict[str, Any]], skipped: int = 0) -> Dict[str, 
     passes into ``passed_torch_only`` instead, one in which only ncclpy was (``--backend
     cpu``: gloo cannot run it) into ``passed_reference_only``, and ``ncclpy_cases`` says in how
     many cases ncclpy ran at all: a reader of the JSON can never take one side's result for
-    both."""
+    both.  ``nccl_order_cases`` counts the cases judged against NCCL's order (the model's
+    prediction, :mod:`ncclpy.check.exact`), ``exact_nccl_order`` those of them in which every
+    side so judged gave its bits exactly, whatever the case's status."""
     out = {"cases": 0, "passed": 0, "passed_torch_only": 0, "passed_reference_only": 0,
            "failed": 0, "within_ulp": 0, "torch_divergence": 0, "unsupported": 0,
-           "skipped": skipped, "ncclpy_cases": 0}
+           "skipped": skipped, "ncclpy_cases": 0, "nccl_order_cases": 0,
+           "exact_nccl_order": 0}
     for r in records:
         out["cases"] += 1
+        out["nccl_order_cases"] += "nccl-order" in (r.get("reference"), r.get("torch_reference"))
+        out["exact_nccl_order"] += r.get("exact_nccl_order") is True
         ran = bool(r.get("ncclpy_ran"))
         out["ncclpy_cases"] += ran
         key = STATUS_COUNTED.get(r["status"], "failed")
@@ -114,10 +123,12 @@ def plural(n: int, word: str, many: Optional[str] = None) -> str:
 
 def summary_lines(counts: Dict[str, int], seconds: float, backend: str,
                   world_size: int, no_ncclpy: str = "",
-                  no_ncclpy_label: str = "ncclpy needs a GPU") -> List[str]:
+                  no_ncclpy_label: str = "ncclpy needs a GPU", basis: str = "") -> List[str]:
     """The last lines of a run (each within :data:`WIDTH` columns).  When ncclpy did not run
     (``no_ncclpy``: why, after ``no_ncclpy_label``), the first line says so and counts torch
-    against the reference only."""
+    against the reference only.  Where cases were judged against NCCL's order, one line
+    counts those exact against it, apart from those within ULP (``basis``: what the
+    prediction rests on, :func:`ncclpy.order.cli.basis`)."""
     head = (f"ncclpy check: {plural(counts['cases'], 'case')} on {plural(world_size, 'rank')} "
             f"({backend}) in {seconds:.1f} s: ")
     torch_only = counts.get("passed_torch_only", 0)
@@ -136,6 +147,12 @@ def summary_lines(counts: Dict[str, int], seconds: float, backend: str,
         if ref_only:
             first.append(f"  {ref_only} with ncclpy vs the reference only (torch cannot run "
                          f"them: not compared, not counted as passed)")
+    judged = counts.get("nccl_order_cases", 0)
+    if judged:
+        first.append(f"  exact vs NCCL's order: {counts.get('exact_nccl_order', 0)} of "
+                     f"{plural(judged, 'case')} judged against the model's prediction")
+        if basis:
+            first.append(f"    (the prediction: {basis})"[:WIDTH])
     return first + [
             f"  {plural(counts['torch_divergence'], 'torch divergence')}, "
             f"{counts.get('within_ulp', 0)} within ULP tolerance, "

@@ -32,6 +32,9 @@ from ..dtypes import LOGICAL
 from . import cases as C
 from . import divergences as D
 from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt, with_side
+from . import exact as X
+from .inputs import block_input
+from .nccl_log import call_rows
 
 __all__ = ["run_case_torch", "windowed", "WINDOW_COLLECTIVES", "to_torch", "from_torch",
            "case_inputs", "reference_outputs", "INJECT_ENV", "parse_inject", "run_case",
@@ -110,7 +113,8 @@ def _needed(case: C.Case, n: int, me: Optional[int], s: int, b: int) -> bool:
 
 
 def case_inputs(case: C.Case, n: int, seed: int, rank: Optional[int] = None) -> List[np.ndarray]:
-    """Every rank's input for ``case``, deterministic in (seed, case, rank, block); a case's
+    """Every rank's input for ``case`` (of its input kind, :mod:`.inputs`), deterministic in
+    (seed, case, rank, block); a case's
     in-place and out-of-place variants have the same inputs (:attr:`Case.input_key`).
 
     With ``rank`` given, only the blocks that rank needs (its own input, and what its reference
@@ -124,9 +128,9 @@ def case_inputs(case: C.Case, n: int, seed: int, rank: Optional[int] = None) -> 
         parts = []
         for b, k in enumerate(_blocks(case, n, s)):
             if _needed(case, n, rank, s, b):
-                parts.append(nm.verifiable_input(case.dtype, k, op=case.op, world_size=n,
-                                                 seed=seed, rank=s, tag=f"{case.input_key}|{b}",
-                                                 random_bits=movement, scalar=case.scalar))
+                parts.append(block_input(case.inputs, case.dtype, k, op=case.op, world_size=n,
+                                         seed=seed, rank=s, tag=f"{case.input_key}|{b}",
+                                         movement=movement, scalar=case.scalar))
             else:
                 shape = (k, 2) if case.dtype == "complex32" else (k,)
                 parts.append(nm.from_bits(np.zeros(k * lg.factor, lg.wire.view), case.dtype)
@@ -428,8 +432,12 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
         torch_ref = ins[rank] if family == "nccl" else None
     true_torch_ref = torch_ref          # kept from the reference-side corruption below
     n_out = None
+    ex = X.for_case(ctx, case)          # NCCL's order where the model predicts the call
     skip = C.torch_not_called(ctx["backend"], case)
     sides: Dict[str, List[Any]] = {}    # torch backend -> [its output, its verdicts]
+    tail = ctx.get("nccl_tail") if ex.kind == X.NCCL_ORDER else None
+    if tail is not None:                # rank 0 on a GPU: the lines of torch's calls
+        tail.skip()
     t = clock()
     for bname, group in torch_groups(ctx):
         part: Dict[str, Any] = {}
@@ -447,6 +455,8 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
         sides[bname] = [t_out, part]
     t1 = clock()
     ph["torch"] += t1 - t
+    if tail is not None:                # then those of this ncclpy call
+        res["torch_nccl_calls"] = call_rows(tail.calls())
     if ctx.get("comm") is not None:
         try:
             n_out = run_case_ncclpy(torch, ctx["comm"], case, ins[rank], rank, n, ctx["device"],
@@ -456,8 +466,11 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             res["ncclpy_exc"], res["ncclpy_typed"] = _short(e), _typed_refusal(e)
             if ctx.get("verbose"):
                 traceback.print_exc()
+    if tail is not None:
+        res["nccl_calls"] = call_rows(tail.calls())
     t = clock()
     ph["ncclpy"] += t - t1
+    ref_how = None
     for coll, rk, side, how in ctx["inject"]:
         if coll != case.collective or rk not in (None, rank):
             continue
@@ -469,7 +482,7 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             n_out = corrupt(n_out, how)
         elif side == "reference" and ref is not None and ref.size:
             same = torch_ref is ref
-            ref = corrupt(ref, how)
+            ref, ref_how = corrupt(ref, how), how
             torch_ref = ref if same else (None if torch_ref is None else corrupt(torch_ref, how))
         else:
             continue
@@ -492,6 +505,8 @@ def run_case(ctx: Dict[str, Any], case: C.Case) -> Dict[str, Any]:
             part["n_t"] = compare(n_out if both else None, t_out, name).as_dict()
     if ctx.get("comm") is not None:
         res["n_ref"] = compare(n_out, ref, name).as_dict()
+    X.judge_rank(ctx, case, ex, ins, ref, torch_ref, n_out, list(sides.values()), res,
+                 ref_how)
     _put_sides(res, {b: sd[1] for b, sd in sides.items()})
     ph["compare"] += clock() - t
     return res

@@ -124,6 +124,7 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
             header["ncclpy_error"] = (cfg.get("no_gpu_reason")
                                       or "no GPU: the ncclpy column needs one")
         return ctx
+    _log_env(ctx)                     # NCCL's debug log: what the exact reference reads
     ndev = torch.cuda.device_count()
     dev = int(os.environ.get("NCCLPY_DEVICE") or os.environ.get("LOCAL_RANK") or rank) % ndev
     torch.cuda.set_device(dev)
@@ -165,12 +166,26 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     if not all(flags) and ctx["comm"] is not None:
         header.setdefault("ncclpy_error", "ncclpy.init failed on another rank")
         ctx["comm"] = None
+    if all(flags):
+        from .nccl_log import after_init
+        after_init(ctx)
     from .fairness import libnccl_report
     header["libnccl"] = libnccl_report(torch.cuda.nccl.version(), npath, nver)
     env_keys = sorted(k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))
                       or k == "ENABLE_INTRA_NODE_COMM")
     header["nccl_env"] = {k: os.environ[k] for k in env_keys}
     return ctx
+
+
+def _log_env(ctx: Dict[str, Any]) -> None:
+    """A GPU run: NCCL's debug log into this rank's own directory (removed at the end), set
+    before torch's NCCL starts (NCCL reads it once per process); what the user set is kept."""
+    import tempfile
+    from .nccl_log import log_env
+    ctx["log_dir"] = tempfile.mkdtemp(prefix="ncclpy-check-nccl-log-")
+    env, kept = log_env(os.environ, ctx["log_dir"])
+    os.environ.update(env)
+    ctx["header"]["nccl_log"] = {"set": [f"{k}={v}" for k, v in env.items()], "kept": kept}
 
 
 def _torch_sides(ctx: Dict[str, Any], groups: List[Tuple[str, Any]]) -> None:
@@ -205,6 +220,9 @@ def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases:
         from .cpu_side import header_lines
         for ln in header_lines(h):
             out.lines(_wrapped(ln))
+    from .refheader import header_lines as ref_lines
+    for ln in ref_lines(h):
+        out.lines(_wrapped(ln))
     for tb in h.get("torch_backends") or []:
         out.lines(_wrapped(f"  torch backend {tb['name']}: {tb['implementation']}; "
                            f"{tb['tables']['note']}"))
@@ -233,8 +251,9 @@ def _print_header(out: Output, cfg: Dict[str, Any], ctx: Dict[str, Any], ncases:
         out.lines(_wrapped(f"  ncclpy column: {need} ({h['ncclpy_error']})"))
     if cfg.get("verbose"):
         out.lines(_wrapped("  \"==\" columns: yes only when the bytes are identical on every "
-                           "rank; inputs make every result exact, so cases are compared bit "
-                           "for bit (max ULP shows any distance)"))
+                           "rank; each side against its reference ([NCCL's order] where the "
+                           "model predicts the call, else rank order), bit for bit unless the "
+                           "inputs are normal or revealing ones (max ULP shows any distance)"))
         emit(R.format_header_row())
         if h["backend"] == "nccl":
             for sk in skipped:
@@ -269,6 +288,9 @@ def _close(ctx: Dict[str, Any]) -> None:
         ctx["dist"].destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    if ctx.get("log_dir"):
+        import shutil
+        shutil.rmtree(ctx["log_dir"], ignore_errors=True)
 
 
 def worker(rank: int, cfg: Dict[str, Any]) -> int:
@@ -302,7 +324,10 @@ def worker(rank: int, cfg: Dict[str, Any]) -> int:
         ctx["n"], backend=ctx["backend"], collectives=cfg.get("collectives"),
         dtypes=cfg.get("dtypes"), ops=cfg.get("ops"), sizes=cfg.get("sizes"),
         roots=cfg.get("roots"), in_place=cfg.get("in_place"),
-        premul_scalar=cfg.get("premul_scalar", C.PREMUL_SCALAR), gpu_cc=ctx.get("gpu_cc"))
+        premul_scalar=cfg.get("premul_scalar", C.PREMUL_SCALAR), gpu_cc=ctx.get("gpu_cc"),
+        inputs=cfg.get("inputs"))
+    from .refheader import describe
+    h["reference"] = describe(ctx)
     if not cases:
         return _fatal(cfg, ctx, rank, f"no case to run: the filters leave nothing the "
                                       f"{ctx['backend']} backend can run on "
@@ -439,7 +464,8 @@ def _report(out: Output, h: Dict[str, Any], by_backend: Dict[str, List[Dict[str,
         out.lines([""] + R.summary_lines(
             by_counts[b], seconds, f"cpu vs {b}" if ran else b, ctx["n"],
             h.get("ncclpy_error") or "",
-            "ncclpy's CPU backend did not start" if cpu else "ncclpy needs a GPU"))
+            "ncclpy's CPU backend did not start" if cpu else "ncclpy needs a GPU",
+            (h.get("reference") or {}).get("basis", "")))
         if ran:
             out.lines(_wrapped("  ncclpy ran on its CPU backend, not on NCCL (no GPU): these "
                                "results are the CPU engine's, bit for bit"))

@@ -6,11 +6,30 @@ code written against ncclpy and debugging it; it is not NCCL and makes no perfor
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .backend import get_engine, install, installed, wants_cpu
 
-__all__ = ["install", "installed", "get_engine", "wants_cpu", "synchronize"]
+if TYPE_CHECKING:
+    from ..order.pins import Choice
+
+__all__ = ["install", "installed", "get_engine", "wants_cpu", "synchronize", "order_choice"]
+
+
+def order_choice(comm: Any, collective: str, dtype: str = "float32",
+                 op: str = "sum") -> "Choice":
+    """What the CPU-backend communicator ``comm`` (a :class:`ncclpy.Communicator` made with
+    ``device="cpu"``, or its handle) runs for ``collective`` (``all_reduce``,
+    ``reduce_scatter``, ``reduce``, ``broadcast``, ``all_gather``) of ``dtype``: a
+    :class:`ncclpy.order.Choice` (``algo``, ``proto``, ``channels``, ``buffsizes``, ``why``), as
+    its init read NCCL_ALGO, NCCL_PROTO, NCCL_MIN/MAX_NCHANNELS and the buffer sizes.  Its
+    reductions fold in that configuration's order: ``predict(choice.config(collective, nranks,
+    count, dtype=..., op=...))`` is what they give (``op`` matters where PAT is enabled: NCCL
+    has no PAT reduce_scatter for avg and premul_sum).  :class:`ncclpy.order.PinError` with NCCL's
+    text where NCCL refuses that call (nothing enabled for it); ValueError naming the argument
+    for anything else."""
+    from .algo import comm_choice
+    return comm_choice(get_engine(), comm, collective, dtype, op)
 
 
 def synchronize(timeout: Optional[float] = None) -> None:

@@ -9,7 +9,9 @@ import dataclasses
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Tuple
 
-from .engine import (_BY_ENUM, INVALID_ARG, INVALID_USAGE, SUCCESS, _Comm, _Item, _Op)
+from .algo import call_choice, refusal_now
+from .codes import _BY_ENUM, IN_PROGRESS, INVALID_ARG, INVALID_USAGE, SUCCESS
+from .core import _Comm, _Item, _Op
 
 __all__ = ["Colls", "live_ops", "op_owners", "overlap", "maker"]
 
@@ -76,6 +78,11 @@ class Colls:
             bad = overlap(fn, c.rank, c.world.nranks, args)
             if bad:
                 e.violations.append(f"nccl{fn} (rank {c.rank}): {bad}")
+            if c.world.nranks > 1:           # (one rank: ncclLaunchOneRank, no algorithm)
+                choice = call_choice(c, fn, args["dtype"], args.get("op", 0))
+                if isinstance(choice, str):  # nothing enabled for it (RULES.md T2)
+                    return self._no_algorithm(c, *refusal_now(c, fn, args["dtype"]))
+                args["_choice"] = choice
             with e.lock:
                 seq = c.coll_seq
                 c.coll_seq += 1
@@ -89,6 +96,26 @@ class Colls:
             t.group.append((c, stream, op))
             return SUCCESS
         return self._submit([(c, stream, op)])
+
+    def _no_algorithm(self, c: _Comm, code: int, text: bytes) -> int:
+        """enqueue.cc:1848-1860 topoGetAlgoInfo: no algorithm/protocol enabled for the call ->
+        ``code`` (ncclInvalidUsage where NCCL_ALGO or NCCL_PROTO is set when NCCL plans it,
+        else ncclInternalError) and the WARN ``text`` (:func:`refusal_now`), when NCCL
+        plans it (group.cc groupLaunch -> ncclPrepareTasks): inside a group the call says 0
+        and the outermost ncclGroupEnd fails (``_ncclGroupEnd``), dropping the group's work;
+        outside one the call's own group end fails.  A nonblocking communicator launches in a
+        thread: the call (or group end) says ncclInProgress and the async error becomes 5."""
+        t = self.e.tls()
+        if t.group_depth:
+            if not getattr(t, "launch_error", None):
+                t.launch_error = (code, text)
+            t.launch_comms = getattr(t, "launch_comms", []) + [c]
+            return SUCCESS
+        self.last_text = text
+        if c.nonblocking:
+            c.async_state = code
+            return IN_PROGRESS
+        return code
 
     def _args_check(self, c: _Comm, fn: str, args: Dict[str, Any]) -> int:
         """argcheck.cc ArgsCheck (all): root (a p2p's peer) in [0, nranks), datatype known,

@@ -9,20 +9,20 @@ import os
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from ncclpy._nccl import lib as _lib
 from ncclpy._nccl.config import NcclConfigStruct
 from ncclpy._nccl.group import SimInfoStruct
 
 from .abi import CpuCDLL
+from .algo import init_pins
 
-from .engine import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM,
-                          UNHANDLED_CUDA, Engine, _Comm, _Mem, _World)
-
-from .part2 import (Part2, PART2_HANDLE_FIRST,  # noqa: E402
-                    PART2_HANDLE_LAST, _OK_SUSPENDED, _rma_cfg_of)
-from .colls import Colls, live_ops, op_owners  # noqa: E402
+from .codes import (INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM,
+                    UNHANDLED_CUDA)
+from .core import EngineCore, _Comm, _Mem, _World
+from .part2 import Part2, PART2_HANDLE_FIRST, PART2_HANDLE_LAST, _OK_SUSPENDED, _rma_cfg_of
+from .colls import Colls, live_ops, op_owners
 
 __all__ = ["CpuNccl"]
 
@@ -42,7 +42,7 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
     NcclLib builds on top (``fn``, errors, checks, async_error, init through
     ``ncclCommInitRankConfig``, repair of the group depth) is NcclLib's own code."""
 
-    def __init__(self, eng: Engine) -> None:
+    def __init__(self, eng: EngineCore) -> None:
         self.e = eng
         self.path = "stand-in libnccl"
         self.version = eng.version
@@ -133,6 +133,8 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
             h = e.new_id()
             dev = e.tls().device
             c = _Comm(h, w, rank, dev, nonblocking)
+            # tuning.cc ncclTopoTuneModel: the environment is read at init (RULES.md T1)
+            c.pins, c.init_refusal, c.init_text = init_pins(nranks, e.version)
             e.comms[h] = c
             if rank in w.joined:
                 e.violations.append(f"rank {rank} joined twice")
@@ -149,7 +151,17 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
             if time.monotonic() > deadline:
                 return SYSTEM
             time.sleep(0.001)
-        return SUCCESS
+        return self._init_result(c)
+
+    def _init_result(self, c: _Comm) -> int:
+        """How an init whose ranks met ends (RULES.md T1): ncclTopoTuneModel (init.cc:1356,
+        after the bootstrap) refuses an NCCL_PROTO/NCCL_ALGO its parseList cannot read with
+        ncclInvalidUsage and the WARN (``ncclGetLastError``), which becomes the communicator's
+        state; else 0."""
+        if c.init_refusal:
+            c.async_state = c.init_refusal
+            self.last_text = c.init_text
+        return c.init_refusal
 
     def _ncclCommInitRankConfig(self, out: Any, nranks: int, uid: Any, rank: int,
                                 cfg: Any) -> int:
@@ -207,7 +219,7 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
                     c.polls_left -= 1
                     out[0] = shown or IN_PROGRESS
                     return SUCCESS
-                c.async_state, c.async_shown = SUCCESS, 0
+                c.async_state, c.async_shown = self._init_result(c), 0
             out[0] = c.async_state
         return SUCCESS
 
@@ -443,12 +455,16 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
         if t.group_depth:
             return SUCCESS
         err, t.group_error = getattr(t, "group_error", SUCCESS), SUCCESS
+        launch, t.launch_error = getattr(t, "launch_error", None), None
+        refused, t.launch_comms = getattr(t, "launch_comms", []), []
         if err:                       # group.cc: ncclGroupError -> groupCleanup drops the work
             for c in {id(c): c for c, _s, _o in t.group}.values():
                 if c.nonblocking:     # and sets the nonblocking comms' async error
                     c.async_state = err
             t.group, t.rma, t.rma_comms = [], [], []
             return err
+        if launch:                    # groupLaunch -> ncclPrepareTasks -> topoGetAlgoInfo
+            return self._launch_failed(launch, refused)
         ops, t.group = t.group, []
         code = self._submit(ops)
         rma, t.rma = t.rma, []
@@ -462,6 +478,20 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
                 code = max(code, self._in_progress(c))
         return code
 
+    def _launch_failed(self, launch: Tuple[int, bytes], refused: List[_Comm]) -> int:
+        """A group whose launch fails (RULES.md T2: a call with no algorithm/protocol): the
+        WARN is said, the group's work dropped (groupCleanup); a blocking group end returns the
+        code, a nonblocking one ncclInProgress, its communicators' async error the code."""
+        t = self.e.tls()
+        code, self.last_text = launch
+        comms = {id(c): c for c in refused + [c for c, _s, _o in t.group]}.values()
+        t.group, t.rma, t.rma_comms = [], [], []
+        nonblocking = False
+        for c in comms:
+            if c.nonblocking:
+                c.async_state, nonblocking = code, True
+        return IN_PROGRESS if nonblocking else code
+
     def _ncclGroupSimulateEnd(self, info: Any) -> int:
         """Like ncclGroupEnd, but the outermost end launches nothing and writes a stand-in
         estimate: 1 us per call of the group (ncclpy's own logic is what is under test)."""
@@ -472,6 +502,10 @@ class CpuNccl(Colls, Part2, _lib.NcclLib):
         t.group_depth -= 1
         if t.group_depth:
             return SUCCESS
+        launch, t.launch_error = getattr(t, "launch_error", None), None
+        refused, t.launch_comms = getattr(t, "launch_comms", []), []
+        if launch:                    # the simulated launch plans too (ncclPrepareTasks)
+            return self._launch_failed(launch, refused)
         ops, t.group = t.group, []
         SimInfoStruct.from_address(int(info)).estimatedTime = float(len(ops))
         return SUCCESS

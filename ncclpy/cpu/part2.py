@@ -22,8 +22,10 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .engine import INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM, _World
 from ncclpy._nccl.config import NcclConfigStruct
+
+from .codes import INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS, SYSTEM
+from .core import _World
 
 from .windows import Windows
 
@@ -179,7 +181,7 @@ class Part2(Windows):
                     cc = e.comms[child]
                     if len(cc.world.joined) < cc.world.nranks:
                         return IN_PROGRESS
-                    cc.async_state = SUCCESS
+                    cc.async_state = self._init_result(cc)
                 ctypes.c_void_p.from_address(addr).value = child or None
                 return SUCCESS
         return step

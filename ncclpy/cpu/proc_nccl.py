@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from .channel import P2P_RECV, P2P_SEND, Channel, stable_id
-from .engine import IN_PROGRESS, INTERNAL, INVALID_USAGE, SUCCESS, SYSTEM, _Item, _Op, _World
+from .codes import IN_PROGRESS, INTERNAL, INVALID_USAGE, SUCCESS, SYSTEM
+from .core import _Item, _Op, _World
 from .nccl import CpuNccl
 from .shm import ShmFull
-if TYPE_CHECKING:
-    from .transport import ProcEngine
 
 __all__ = ["ProcNccl", "INIT_TIMEOUT"]
 
@@ -32,7 +31,7 @@ INIT_TIMEOUT = 120.0
 class ProcNccl(CpuNccl):
     """The CPU libnccl of a :class:`ProcEngine`: communicators get a channel."""
 
-    e: "ProcEngine"
+    e: Any        # the ncclpy.cpu.transport.ProcEngine (which imports this module)
     split_wait = None                 # as NCCL: the other ranks' votes are waited for
 
     def _join(self, nranks: int, uid: bytes, rank: int, nonblocking: bool) -> int:
@@ -68,7 +67,7 @@ class ProcNccl(CpuNccl):
             with self.e.lock:
                 self.e.progress()
                 if ch.connected:
-                    return SUCCESS
+                    return self._init_result(c)
             if c.abort_flag:
                 return INTERNAL
             code = self.e.check_peers(c.handle)

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .._nccl.cuda import CapturedEventError
-from .engine import Engine, Graph, _Item, _Mem
+from .core import EngineCore, Graph, _Item, _Mem
 
 __all__ = ["CpuRuntime", "CpuCudaError"]
 
@@ -35,7 +35,7 @@ class CpuRuntime:
 
     name = "standin"
 
-    def __init__(self, eng: Engine) -> None:
+    def __init__(self, eng: EngineCore) -> None:
         self.e = eng
         self.local_capture_threads: List[int] = []
         self.modes: Dict[int, int] = {}            # thread -> CUstreamCaptureMode (0 global)

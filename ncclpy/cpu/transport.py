@@ -10,10 +10,10 @@ completes once every reader acked it.  A device thread plays the GPU: it drives 
 while nobody waits on it, so a result is written without a host wait, as a kernel would.
 :class:`ncclpy.cpu.proc_nccl.ProcNccl` makes the parts of NCCL's host API that meet other
 ranks (init, split) go through the channel; the calls it cannot carry across processes (grow,
-windows and one-sided RMA) are refused in one line.  As NCCL does, the first send/recv between two ranks
-connects the pair on the host, inside the launch (``ncclSend``/``ncclRecv`` outside a group,
-else ``ncclGroupEnd``): on a blocking communicator the call returns only once the peer posted
-its side, or fails when the communicator is aborted (ncclpy/cpu/RULES.md, E7).
+windows and one-sided RMA) are refused in one line.  As NCCL does, the first send/recv between
+two ranks connects the pair on the host, inside the launch (``ncclSend``/``ncclRecv`` outside a
+group, else ``ncclGroupEnd``): on a blocking communicator the call returns only once the peer
+posted its side, or fails when the communicator is aborted (ncclpy/cpu/RULES.md, E7).
 
 A peer that dies is known here at once, whoever hosts the store: while this process waits on
 its peers (the device thread finds nothing to do, or a host call waits), every
@@ -38,7 +38,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..debug.verdicts import died_text
 from .channel import Channel
-from .engine import INTERNAL, REMOTE, SYSTEM, Engine, _Item, _Op, _World, _BY_ENUM, _OPS
+from .codes import _BY_ENUM, _OPS, INTERNAL, REMOTE, SYSTEM
+from .core import _Item, _Op, _World
+from .engine import Engine
 from .proc_nccl import ProcNccl
 from .shm import ShmFull
 

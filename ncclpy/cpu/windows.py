@@ -11,8 +11,9 @@ import ctypes
 import time
 from typing import Any, Callable, Dict
 
-from .engine import (_BY_ENUM, INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
-                          SYSTEM, _Item)
+from .codes import (_BY_ENUM, INTERNAL, INVALID_ARG, INVALID_USAGE, IN_PROGRESS, SUCCESS,
+                    SYSTEM)
+from .core import _Item
 
 __all__ = ["Windows"]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ..errors import PinError
 from .config import DEFAULT_VERSION, OrderConfig
 from .ncclenv import _CACHE, c_strtoll, nccl_environ, param
 
@@ -71,10 +72,6 @@ _MAXCHANNELS = 64          # src/include/device.h MAXCHANNELS (32 up to 2.24.3)
 _UNSET = -2                # NCCL_PARAM defaults meaning "not set" (connect.cc:325-326)
 _BUFF_ENV = (("simple", "NCCL_BUFFSIZE"), ("ll", "NCCL_LL_BUFFSIZE"),
              ("ll128", "NCCL_LL128_BUFFSIZE"))
-
-
-class PinError(ValueError):
-    """A variable NCCL refuses at init (ncclInvalidUsage), with NCCL's words."""
 
 
 def parse_list(text: str, names: Tuple[str, ...]) -> Dict[str, Dict[str, int]]:
@@ -138,10 +135,12 @@ class Choice:
     channels: int
     buffsizes: Tuple[Tuple[str, int], ...]
     why: str
+    version: int = DEFAULT_VERSION
 
     def config(self, collective: str, nranks: int, count: int, **call: Any) -> OrderConfig:
         """The model's config of one call made with this choice (``call``: dtype, op, scalar,
         root as :meth:`OrderConfig.make` takes them); ValueError as it raises."""
+        call.setdefault("version", self.version)
         return OrderConfig.make(collective, nranks, count, algo=self.algo, proto=self.proto,
                                 channels=self.channels, buffsizes=dict(self.buffsizes), **call)
 
@@ -161,6 +160,7 @@ class Pins:
     min_ctas: int = 1
     max_ctas: int = _MAXCHANNELS
     version: int = DEFAULT_VERSION
+    pat_enable: int = 2
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, *, nranks: Optional[int] = None,
@@ -216,9 +216,10 @@ class Pins:
             v = read(var, _UNSET)
             if v != _UNSET:                                     # init.cc:711
                 buffs.append((proto, v))
+        pat = read("NCCL_PAT_ENABLE", 2)                       # tuning.cc:201-209
         return cls(algo_env, proto_env, _freeze(tables["NCCL_ALGO"]),
                    _freeze(tables["NCCL_PROTO"]), lo, hi, tuple(buffs), tuple(notes),
-                   ctas[0], min(ctas[1], most), version)
+                   ctas[0], min(ctas[1], most), version, pat)
 
     # -- what is enabled -------------------------------------------------------------------
     def enabled_algos(self, collective: str) -> Tuple[str, ...]:
@@ -267,21 +268,27 @@ class Pins:
                                 f"Ring and Tree only")
         return algos[0].lower(), protos[0].lower(), ""
 
-    def cpu_choice(self, collective: str, dtype_nccl_name: str = "ncclFloat32") -> Choice:
+    def cpu_choice(self, collective: str, dtype_nccl_name: str = "ncclFloat32", *,
+                   premul: bool = False) -> Choice:
         """What ncclpy's CPU backend runs for ``collective``: its machine has one node per
         rank, no NVLS, no CollNet, and its search finds one channel with rings 0..n-1; of the
-        enabled algorithms Ring (NCCL's choice for large calls on one node), else Tree; of the
-        protocols Simple, else LL, else LL128 (LL128 only where NCCL_PROTO names it: the CPU
+        enabled algorithms Ring (its own choice: NCCL's depends on its cost model), else Tree;
+        of the protocols Simple, else LL, else LL128 (LL128 only where NCCL_PROTO names it: the CPU
         is not a platform NCCL enables it on by default).  PinError with NCCL's words where
         nothing can run (NCCL fails the call with ncclInvalidUsage); PAT alone runs in Ring's
-        order, said in ``why`` (the model does not cover PAT)."""
+        order, said in ``why`` (the model does not cover PAT).  PAT is off where
+        NCCL_PAT_ENABLE=0 (ncclPatEnable, tuning.cc:201-209; its default 2 enables it on a
+        machine of one rank per node) and for a reduce_scatter whose device op is PreMulSum or
+        SumPostDiv (``premul``: premul_sum, float avg; enqueue.cc:1805-1806)."""
         states = self.proto_states(collective)
         on = [p for p in ("Simple", "LL", "LL128") if states[p] == 1]
         # the CPU machine has neither NVLS nor CollNet (tuning.cc:462-472, enqueue.cc:1799);
         # NVLS, NVLSTree, PAT and the CollNets run Simple only (tuning.cc:280-282, 318-319)
+        no_pat = self.pat_enable == 0 or (premul and collective == "reduce_scatter")
         algos = [a for a in self.enabled_algos(collective)
                  if not a.startswith(("NVLS", "CollNet"))
-                 and (a not in SIMPLE_ONLY or "Simple" in on)]
+                 and (a not in SIMPLE_ONLY or "Simple" in on)
+                 and not (a == "PAT" and no_pat)]
         if not algos or not on:
             raise PinError(no_algorithm_text(collective, dtype_nccl_name, self.algo_env,
                                              self.proto_env, self.version))
@@ -307,7 +314,8 @@ class Pins:
         why.append(f"{channels} channel{'s' if channels != 1 else ''}" +
                    (" (NCCL_MIN/MAX_NCHANNELS, NCCL_MIN/MAX_CTAS)" if pinned
                     else " (the CPU backend's one ring)"))
-        return Choice(algo.lower(), proto.lower(), channels, self.buffsizes, "; ".join(why))
+        return Choice(algo.lower(), proto.lower(), channels, self.buffsizes, "; ".join(why),
+                      self.version)
 
 
 def _freeze(t: Dict[str, Dict[str, int]]) -> Tuple[Tuple[str, Tuple[Tuple[str, int], ...]], ...]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..errors import ArgumentError
 from .config import OrderConfig
 from .model import Prediction, predict
 from .split import Part, Split, align_up, div_up
@@ -44,8 +45,8 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?$", re.I)
 
 
-class SweepError(ValueError):
-    """A size list the sweep cannot take (the message says what was given and expected)."""
+#: a size list the sweep cannot take (the message says what was given and expected)
+SweepError = ArgumentError
 
 
 def _size(text: str) -> int:

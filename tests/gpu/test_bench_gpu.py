@@ -1,6 +1,6 @@
 """``python -m bench`` on a GPU: every collective on the ncclpy and cupy backends at 2 ranks on one
-GPU with #wrong = 0, graph mode, the torch backend, and the overhead benchmark.  Skipped with a
-reason where CUDA is absent."""
+GPU with #wrong = 0, graph mode, the torch backend, the algorithm x protocol bench with its bits
+column, and the overhead benchmark.  Skipped with a reason where CUDA is absent."""
 from __future__ import annotations
 
 import json
@@ -162,22 +162,54 @@ def test_cuda_costs_measures_every_call(tmp_path):
 @requires_gpu
 def test_predicted_time_column_and_a_forced_algorithm(tmp_path):
     """--predict: NCCL's estimate (ncclGroupSimulateEnd) beside each measured out-of-place
-    time; --algo ring: every call through ncclAllReduceConfig (NCCL >= 2.31)."""
+    time; --algo ring: the communicator made with NCCL_ALGO=Ring."""
     js = tmp_path / "r.json"
     cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cuda", "--backend", "ncclpy",
               "-b", "1K", "-e", "16M", "-f", "16", "-n", "5", "--predict", "--algo", "ring",
               "-q", "-J", str(js))
-    if "needs NCCL >= 2.31" in cp.stdout + cp.stderr:
-        pytest.skip("--algo needs NCCL >= 2.31: " + cp.stdout[-300:])
     assert cp.returncode == 0, cp.stdout + cp.stderr
     doc = _results(js)
     _all_right(doc, cp)
     pred = doc["ncclpy"]["predicted"]
-    assert len(pred) == len(doc["results"]) and doc["ncclpy"]["algorithm"] == "ring"
+    assert len(pred) == len(doc["results"])
+    assert doc["ncclpy"]["combinations"][0]["env"] == {"NCCL_ALGO": "Ring"}
     assert all(p["predicted_us"] is not None and p["predicted_us"] > 0 for p in pred), pred
     big = pred[-1]                                  # 16 MiB: the model is meant for this
     assert big["predicted_us"] / 20 < big["measured_us"] < big["predicted_us"] * 20, big
     assert "predict" in cp.stdout
+
+
+@requires_gpu
+def test_algorithm_by_protocol_bench_with_the_bits_column(tmp_path):
+    """Issue 51: ring and tree x LL, LL128, Simple, one communicator each (NCCL_ALGO and
+    NCCL_PROTO at init), all_reduce and reduce_scatter at 2 ranks: every combination NCCL has
+    a kernel for runs and checks (#wrong 0); Tree for reduce_scatter is one line, never run;
+    at 2 ranks every order folds the same two operands, so every output is the model's
+    (exact), the same as the first combination's, and the same in both runs of --repeat-bits.
+    Bounded by SUBPROCESS_S (the run) and TEST_S (the test)."""
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce,reduce_scatter", "--nproc", "2", "--device", "cuda",
+              "--backend", "ncclpy", "--algo", "ring,tree", "--proto", "ll,ll128,simple",
+              "--repeat-bits", "2", "-b", "1K", "-e", "1M", "-f", "32", "-n", "5", "-w", "2",
+              "-q", "-J", str(js))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    labels = [f"{a}/{p}" for a in ("ring", "tree") for p in ("ll", "ll128", "simple")]
+    for coll, runs in (("all_reduce", labels), ("reduce_scatter", labels[:3])):
+        doc = _results(tmp_path / f"r.{coll}.json")
+        _all_right(doc, cp)
+        assert [c["label"] for c in doc["ncclpy"]["combinations"]] == labels
+        got = {(r["experiment_name"], r["size"]) for r in doc["results"]}
+        assert {name for name, _ in got} == {f"ncclpy {lab}" for lab in runs}, got
+        assert len(doc["results"]) == len(runs) * 3            # 1K, 32K, 1M
+        for r in doc["results"]:
+            bits = r["bits"]
+            assert bits["model"]["verdict"] == "exact", (r["experiment_name"], bits)
+            assert bits["repeats"]["differing"] == 0, bits
+            assert bits["first"]["is_reference"] or bits["first"]["differing"] == 0, bits
+        assert doc["ncclpy"]["bits"]["summary"]["mismatch"] == 0
+    assert ("# ncclpy tree/ll, ncclpy tree/ll128, ncclpy tree/simple: not run for "
+            "reduce_scatter: NCCL has no Tree kernel for ReduceScatter") in cp.stdout
+    assert "from NCCL's source" in cp.stdout and "# Bits vs the model    : 18 exact" in cp.stdout
 
 
 @requires_gpu

@@ -1,8 +1,10 @@
 """GPU: ``ncclpy check -n 2`` and ``-n 4`` on one GPU (``CUDA_VISIBLE_DEVICES=0``: several ranks
 per GPU) pass bit for bit, torch.distributed's NCCL backend and ncclpy on the same libnccl,
 except documented torch divergences (whose wrong output is predicted exactly) and a bounded set
-of known torch refusals.  Skipped with the reason where CUDA, CuPy, NCCL or a CUDA build of torch
-is absent.
+of known torch refusals; every float reduction the model predicts (NCCL_ALGO=Ring,
+NCCL_PROTO=Simple and 2 channels pinned, the rings and tuning table from NCCL's log) is judged
+against the prediction and exact against it, on verifiable, random normal and order-revealing
+inputs.  Skipped with the reason where CUDA, CuPy, NCCL or a CUDA build of torch is absent.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ def test_check_on_one_gpu_is_bitwise(n, tmp_path):
     why = _torch_cuda_reason()
     if why:
         pytest.skip(why)
-    p, doc = _check(n, tmp_path, keep=True)
+    p, doc = _check(n, tmp_path, "--inputs", "verifiable", keep=True)
     out = p.stdout[-6000:] + p.stderr[-3000:]
     assert doc is not None, out
     h = doc["header"]
@@ -126,6 +128,63 @@ def test_check_on_one_gpu_is_bitwise(n, tmp_path):
     assert {c["case"]["collective"] for c in cases if c["status"] == "pass"} >= {
         "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
         "gather", "scatter", "send_recv", "barrier"}
+    _every_predictable_case_exact(doc, out)
+
+
+def _predictable(case: dict) -> bool:
+    """A case the model must predict on the pinned GPU run: a float reduction of one element
+    or more (complex types as their float pairs)."""
+    from ncclpy.check import exact as X
+    from ncclpy.check.cases import Case
+    c = case["case"]
+    return c["collective"] != "barrier" and not X.static_reason(Case(**c))
+
+
+def _every_predictable_case_exact(doc: dict, out: str) -> None:
+    """Every predictable case was judged against NCCL's order (no fallback: the log had every
+    line, NCCL's call lines confirm the predicted algorithm, protocol and channels) and both
+    sides gave the predicted bits; the summary counts them apart."""
+    cases = doc["cases"]
+    pred = [c for c in cases if _predictable(c) and c["status"] != "unsupported"]
+    assert pred, out
+    fell_back = [(c["key"], c.get("reference_reason")) for c in pred
+                 if c.get("reference") != "nccl-order"]
+    assert not fell_back, fell_back[:10]
+    off = [(c["key"], c.get("nccl_order_diff"), c.get("reason")) for c in pred
+           if not c.get("exact_nccl_order") and c["status"] != "torch divergence"]
+    assert not off, off[:10]
+    assert all(c["torch_reference"] == "nccl-order" for c in pred)
+    assert all(c["basis"].startswith("from NCCL's source") for c in pred)
+    h, s = doc["header"], doc["summary"]
+    assert h["reference"]["short"] == {k: "ring/simple on 2 channels" for k in
+                                       ("all_reduce", "reduce", "reduce_scatter")}, h["reference"]
+    diverged = sum(c["status"] == "torch divergence" for c in pred)
+    assert s["nccl_order_cases"] >= len(pred) and \
+        s["exact_nccl_order"] >= len(pred) - diverged, s
+    assert "exact vs NCCL's order: " in out
+
+
+@requires_gpu
+@pytest.mark.timeout(SMALL_TEST_S)
+@pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.gpu_world(n)) for n in (2, 4)])
+def test_random_inputs_are_exact_against_nccls_order(n, tmp_path):
+    """Seeded normals and order-revealing inputs (where every order gives different bits):
+    ncclpy's and torch's all_reduce, reduce and reduce_scatter equal the model's prediction bit
+    for bit in every predictable case, at sizes that cut the call into loops and chunks on both
+    channels."""
+    why = _torch_cuda_reason()
+    if why:
+        pytest.skip(why)
+    p, doc = _check(n, tmp_path, "--inputs", "normal,reveal", "--collectives",
+                    "all_reduce,reduce,reduce_scatter", "--sizes", "1,7,4100,65537,1MiB",
+                    timeout=SMALL_SUBPROCESS_S, run_timeout=SMALL_RUN_S)
+    out = p.stdout[-6000:] + p.stderr[-3000:]
+    assert doc is not None, out
+    assert doc["header"]["backend"] == "nccl" and "ncclpy_error" not in doc["header"], out
+    assert {c["case"]["inputs"] for c in doc["cases"]} == {"normal", "reveal"}, out
+    assert p.returncode == 0 and doc["summary"]["failed"] == 0, out
+    assert doc["summary"]["within_ulp"] == 0, out
+    _every_predictable_case_exact(doc, out)
 
 
 @requires_gpu
