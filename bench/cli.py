@@ -200,8 +200,8 @@ def build_parser(prog: str = PROG) -> OneLineParser:
                         "ncclpy.init(device='cpu'), not NCCL), cupy (raw cupy.cuda.nccl; cuda "
                         "only), torch (torch.distributed: NCCL on cuda, gloo on cpu; alias "
                         "gloo, torch-gloo). Several alternate per size and ratios are printed. "
-                        "Default: ncclpy on cuda and under NCCLPY_DEVICE=cpu (ncclpy run --cpu), "
-                        "torch on cpu")
+                        "Default: ncclpy on cuda, under NCCLPY_DEVICE=cpu (ncclpy run --cpu) "
+                        "and with --algo/--proto/--repeat-bits; torch on cpu")
     x.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where buffers live (default auto: cpu under NCCLPY_DEVICE=cpu, as "
                         "ncclpy run --cpu sets it, else cuda when a GPU is visible)")
@@ -388,8 +388,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
         if why:
             raise ArgumentError(f"{p.flag('device')} cuda: no usable GPU here ({why}); use "
                                 f"--device cpu (the torch backend on gloo) or a GPU machine")
+    combo_flags = a.algo is not None or a.proto is not None or bool(a.repeat_bits)
     backends = flagged("backend", parse_backends, a.backend) if a.backend else (
-        ["ncclpy"] if device == "cuda" or _env_wants_cpu() else ["torch"])
+        ["ncclpy"] if device == "cuda" or _env_wants_cpu() or combo_flags else ["torch"])
     if device == "cpu":
         _refuse_on_cpu(p, a, backends)
         if a.cudagraph:

@@ -69,13 +69,20 @@ def test_the_combinations_are_every_algorithm_with_every_protocol():
     assert make_combos([], []) == [Combo(None, None)]
 
 
+def test_combination_flags_default_to_the_ncclpy_backend():
+    cfg = parse_args(["all_reduce", "--device", "cpu", "--algo", "ring,tree"])
+    assert cfg.backends == ["ncclpy"] and [c.label for c in cfg.combos] == ["ring", "tree"]
+    assert parse_args(["all_reduce", "--device", "cpu"]).backends == ["torch"]
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--algo", "ring"], "--algo ring: needs --backend ncclpy or cupy (a communicator made "
-                         "from NCCL's environment at init); torch.distributed's gloo runs no "
-                         "NCCL"),
+    (["--backend", "torch", "--algo", "ring"], "--algo ring: needs --backend ncclpy or cupy (a "
+                                               "communicator made from NCCL's environment at "
+                                               "init); torch.distributed's gloo runs no NCCL"),
     (["--backend", "ncclpy,torch", "--proto", "LL"], "--proto LL: needs --backend ncclpy or "
                                                      "cupy"),
-    (["--repeat-bits", "2"], "--repeat-bits 2: needs --backend ncclpy or cupy"),
+    (["--backend", "gloo", "--repeat-bits", "2"], "--repeat-bits 2: needs --backend ncclpy or "
+                                                  "cupy"),
     (["--backend", "ncclpy", "--algo", "ring,hypercube"], "--algo: expected a comma-separated"),
 ])
 def test_what_cannot_pin_a_combination_is_refused(argv, words):
