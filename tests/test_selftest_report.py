@@ -95,7 +95,8 @@ def test_check_summary(tmp_path):
     assert c["summary"] == {"cases": 8, "passed": 5, "passed_torch_only": 0,
                             "passed_reference_only": 0, "failed": 0,
                             "within_ulp": 0, "torch_divergence": 1, "unsupported": 2,
-                            "skipped": 3, "ncclpy_cases": 8}
+                            "skipped": 3, "ncclpy_cases": 8, "nccl_order_cases": 0,
+                            "exact_nccl_order": 0}
     assert c["nccl"] == "2.28.9" and c["seconds"] == 97.5
     f.write_text('{"header": ')
     assert P.check_summary(str(f)) is None
