@@ -420,9 +420,9 @@ def test_bench_refuses_algo_and_predict_where_they_cannot_work(monkeypatch):
                           "ring"], "--algo ring: needs --backend ncclpy or cupy"),
                         (["all_reduce", "--device", "cuda", "--backend", "ncclpy,torch",
                           "--predict"], "--predict: needs --backend ncclpy"),
-                        (["all_reduce", "--algo", "ring", "--device", "cpu"],
-                         "--algo ring: needs --backend ncclpy or cupy .*; torch.distributed's "
-                         "gloo runs no NCCL")):
+                        (["all_reduce", "--algo", "ring", "--device", "cpu", "--backend",
+                          "gloo"], "--algo ring: needs --backend ncclpy or cupy .*; "
+                                   "torch.distributed's gloo runs no NCCL")):
         with pytest.raises(errors.ArgumentError, match=words):
             cli.parse_args(argv)
 
