@@ -1,7 +1,7 @@
 """``python -m bench <collective> ...``: see :mod:`bench.cli`."""
 import sys
 
-from bench.cli import main
+from .cli import main
 
 __all__ = ["main"]
 

@@ -30,7 +30,7 @@ from ncclpy import numerics as nm
 from ncclpy.dtypes import C_NAMES, DTYPES
 
 if TYPE_CHECKING:
-    from bench.backends import Backend, Buffers
+    from .backends import Backend, Buffers
 
 __all__ = ["bits_inputs", "prediction", "BitsColumn", "header_line", "summary_lines",
            "REDUCTIONS", "SEP", "GPU_BEYOND_TWO"]

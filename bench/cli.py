@@ -19,10 +19,10 @@ from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path,
 from ncclpy.dtypes import DTYPES, SHORT_NAMES, TESTS_NAMES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
-from bench.combos import add_combo_flags, check_combo_flags
-from bench.config import SweepConfig
-from bench.nccl_tests_flags import add_nccl_tests_flags, check_nccl_tests_flags
-from bench.sweep import launched_world
+from .combos import add_combo_flags, check_combo_flags
+from .config import SweepConfig
+from .nccl_tests_flags import add_nccl_tests_flags, check_nccl_tests_flags
+from .sweep import launched_world
 
 __all__ = ["PROG", "parse_size", "size_list", "build_parser", "parse_args", "main",
            "TESTS_TYPE_NAMES", "parse_collectives", "parse_dtypes", "parse_ops",
@@ -33,6 +33,9 @@ __all__ = ["PROG", "parse_size", "size_list", "build_parser", "parse_args", "mai
 TESTS_TYPE_NAMES = dict(TESTS_NAMES)
 OPS = ("sum", "prod", "max", "min", "avg")
 BACKENDS = ("ncclpy", "cupy", "torch")
+#: the bound on every wait for the other ranks (rendezvous, store, barriers, torch's process
+#: group): not -T's, which bounds only the stream synchronisations as nccl-tests' does
+STORE_TIMEOUT_S = 300.0
 _BACKEND_ALIASES = {"cupy_raw": "cupy", "torch_dist": "torch", "gloo": "torch",
                     "torch-gloo": "torch", "torch.distributed": "torch"}
 #: what each backend is with --device cpu (cupy has no CPU form)
@@ -229,11 +232,12 @@ def build_parser(prog: str = PROG) -> OneLineParser:
     x.add_argument("--csv", default=None, metavar="FILE", help="also write results as CSV")
     x.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot bus bandwidth and latency against size (needs matplotlib)")
-    x.add_argument("-T", "--timeout", type=_timeout, default=None,
-                   help="seconds to wait for other ranks at set-up and synchronisation points "
-                        "(default 300); given, as nccl-tests' -T, it also bounds each stream "
-                        "synchronisation of the ncclpy and cupy backends, whose communicator is "
-                        "then aborted")
+    x.add_argument("-T", "--timeout", type=_timeout, default=None, metavar="S",
+                   help="as nccl-tests' -T: bound each stream synchronisation of the ncclpy "
+                        "and cupy backends to S seconds, then abort the communicator (0 or "
+                        "absent: no limit); it bounds only the stream syncs: the waits for the "
+                        "other ranks (rendezvous, store, barriers, torch's process group) keep "
+                        "their own bound of %g s" % STORE_TIMEOUT_S)
     x.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     # test-only hook: corrupt elements of the checked output (never in a real run): N on rank 0,
     # or RANK:N[,RANK:N...] on those ranks
@@ -272,28 +276,18 @@ def _average(text: str) -> int:
 AVERAGE_CHOICES = (0, 1, 2, 3)
 
 
-def _seconds(text: str) -> float:
+def _timeout(text: str) -> float:
+    """-T/--timeout: seconds >= 0, 0 meaning no limit, as nccl-tests' (common.cu
+    ``testStreamSynchronize`` checks ``timeout > 0``); it bounds the stream syncs only."""
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+        v = -1.0
+    if v == 0:
+        return 0.0
     if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0: no limit), got {text!r}")
     return v
-
-
-def _timeout(text: str) -> float:
-    """-T/--timeout: seconds > 0 (nccl-tests' 0, no limit, is refused: the same value bounds
-    the rendezvous and the store's waits, which always have a bound here)."""
-    try:
-        if float(text) == 0:
-            raise argparse.ArgumentTypeError(
-                f"expected seconds > 0, got {text!r} (nccl-tests' 0, no limit, is not offered: "
-                f"-T also bounds the rendezvous and the store's waits, which always have a "
-                f"bound here; leave -T out for unbounded stream syncs)")
-    except ValueError:
-        pass
-    return _seconds(text)
 
 
 _FLAG_PREFIX = re.compile(r"^(?:-[A-Za-z]/)?--?[A-Za-z_][\w-]*: ")
@@ -418,8 +412,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> SweepC
         ops=flagged("op", parse_ops, a.op), dtypes=flagged("datatype", parse_dtypes, a.datatype),
         root=root, cudagraph=a.cudagraph, average=a.average, output_file=a.output_file,
         nproc=a.nproc, backends=backends, device=device, timer=a.timer, csv=a.csv,
-        plot=a.plot, timeout=300.0 if a.timeout is None else a.timeout,
-        sync_timeout=a.timeout, quiet=a.quiet, test_corrupt=a.test_corrupt,
+        plot=a.plot, timeout=STORE_TIMEOUT_S,
+        sync_timeout=a.timeout or None, quiet=a.quiet, test_corrupt=a.test_corrupt,
         combos=combos, repeat_bits=repeat_bits, predict=a.predict, register=register,
         memory_report=memory_report, cta_policy=cta_policy, argv=[prog, *argv],
         **dataclasses.asdict(nt))
@@ -512,7 +506,7 @@ def _no_gpu_reason() -> str:
 def _spawn_ranks(cfg: SweepConfig, prog: str = PROG) -> int:
     """:func:`bench.sweep.spawn_ranks`, except that a closed stdout (``| head``) is quiet (141)."""
     import tempfile
-    from bench import sweep
+    from . import sweep
     from ncclpy.launch.spawn import spawn
     fd, path = tempfile.mkstemp(prefix="ncclpy-bench-", suffix=".rc")
     os.close(fd)
@@ -539,7 +533,7 @@ def _spawn_ranks(cfg: SweepConfig, prog: str = PROG) -> int:
 
 def _main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     """Parse, then run as this process's rank or spawn ``--nproc`` ranks."""
-    from bench import sweep
+    from . import sweep
     try:
         cfg = parse_args(argv, prog)
     except ArgumentError as e:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ncclpy.errors import ArgumentError
@@ -85,26 +86,103 @@ def applied(combo: Optional[Combo]) -> Iterator[Dict[str, str]]:
     made inside it), then restored; yields every NCCL_* variable as the init sees it."""
     values = combo.env() if combo is not None else {}
     with environ(**values):
-        yield {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+        yield snapshot("NCCL_")
+
+
+@dataclass
+class _Hold:
+    """One value of a variable held by overlapping environ() blocks: what was there before it,
+    and how many blocks of which threads hold it."""
+
+    value: Optional[str]
+    before: Optional[str]
+    holders: Dict[int, int] = field(default_factory=dict)
+
+
+#: environ()'s bookkeeping, shared by the threads of one process (thread-ranks in tests):
+#: variable -> its holds, innermost last (a thread's nested block may set another value)
+_ENV_COND = threading.Condition()
+_ENV_HELD: Dict[str, List[_Hold]] = {}
+#: how long a block waits for other threads to leave a variable it wants at another value
+ENV_WAIT_S = 60.0
 
 
 @contextlib.contextmanager
 def environ(**values: Optional[str]) -> Iterator[None]:
-    """Set (a str) or unset (None) environment variables for the block, then restore them."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
+    """Set (a str) or unset (None) environment variables for the block, then restore them.
+
+    The process has one environment: blocks that overlap in several threads (ranks as threads)
+    and want the same value share it, and the last to leave restores what was there before the
+    first came, whatever the order they leave in.  A block that wants another value than other
+    threads' blocks hold waits until they have left (at most :data:`ENV_WAIT_S`, then
+    RuntimeError): otherwise one of them would run under the other's value.  A block nested in
+    the same thread may set another value; leaving, it restores the outer one."""
+    me = threading.get_ident()
+
+    def clash() -> Optional[str]:
         for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            top = _ENV_HELD.get(k, [None])[-1]
+            if top is not None and top.value != v and any(t != me for t in top.holders):
+                return k
+        return None
+
+    taken: List[Tuple[str, _Hold]] = []
+    with _ENV_COND:
+        if not _ENV_COND.wait_for(lambda: clash() is None, timeout=ENV_WAIT_S):
+            k = clash()
+            raise RuntimeError(f"environment variable {k}: {values[k]!r} wanted, but another "
+                               f"thread's block has held it at {_ENV_HELD[k][-1].value!r} for "
+                               f"{ENV_WAIT_S:g} s")
+        try:
+            for k, v in values.items():
+                stack = _ENV_HELD.get(k, [])
+                if stack and stack[-1].value == v:
+                    hold = stack[-1]
+                else:
+                    hold = _Hold(v, os.environ.get(k))
+                    _put(k, v)                      # may raise (a NUL in the value)
+                    stack.append(hold)
+                    _ENV_HELD[k] = stack
+                hold.holders[me] = hold.holders.get(me, 0) + 1
+                taken.append((k, hold))
+        except BaseException:
+            _release(taken, me)
+            raise
+    try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        with _ENV_COND:
+            _release(taken, me)
+            _ENV_COND.notify_all()
+
+
+def snapshot(prefix: str = "") -> Dict[str, str]:
+    """The environment's variables starting with ``prefix``, read while no environ() block is
+    entering or leaving (os.environ lists its keys, then reads each)."""
+    with _ENV_COND:
+        return {k: v for k, v in os.environ.items() if k.startswith(prefix)}
+
+
+def _release(taken: List[Tuple[str, "_Hold"]], me: int) -> None:
+    """Leave the holds ``taken`` (innermost first); a hold nobody holds any more puts back the
+    value from before it."""
+    for k, hold in reversed(taken):
+        hold.holders[me] -= 1
+        if hold.holders[me] == 0:
+            del hold.holders[me]
+        if not hold.holders:
+            stack = _ENV_HELD[k]
+            stack.remove(hold)
+            _put(k, hold.before)
+            if not stack:
+                del _ENV_HELD[k]
+
+
+def _put(key: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def _key(text: str) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from bench.combos import Combo
-from bench.nccl_tests_flags import NcclTestsFlags
+from .combos import Combo
+from .nccl_tests_flags import NcclTestsFlags
 
 __all__ = ["SweepConfig"]
 

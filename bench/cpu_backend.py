@@ -67,7 +67,7 @@ def _ints(p: OneLineParser, dest: str, text: str, lo: int) -> List[int]:
 
 
 def _sizes(p: OneLineParser, text: str) -> List[int]:
-    from bench.cli import parse_size
+    from .cli import parse_size
     out = []
     for part in text.split(","):
         try:
@@ -111,13 +111,13 @@ def machine() -> Dict[str, Any]:
 
 
 def _figures(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """(backend, size) rows of one sweep's JSON: out-of-place and in-place time, algbw,
-    busbw, #wrong."""
+    """(backend, size) rows of one sweep's JSON (every backend's: ``ncclpy.results``):
+    out-of-place and in-place time, algbw, busbw, #wrong."""
     labels = {b["name"]: b["label"] for b in doc["ncclpy"]["backends"]}
     order = list(labels)
     out = []
-    for r in doc["results"]:
-        row = {"backend": labels.get(r["experiment_name"], r["experiment_name"]),
+    for r in doc["ncclpy"]["results"]:
+        row = {"backend": labels.get(r["backend"], r["backend"]),
                "size": r["size"]}
         for side in ("out_of_place", "in_place"):
             s = r[side]
@@ -151,7 +151,7 @@ def summary_lines(world: int, rows: Sequence[Dict[str, Any]]) -> List[str]:
 def _one_world(n: int, sizes: List[int], iters: int, warmup: int, path: str) -> tuple:
     """(exit status, the sweep's JSON document or None) of one run on ``n`` ranks, its
     nccl-tests JSON written to ``path``."""
-    from bench.cli import _spawn_ranks, parse_args
+    from .cli import _spawn_ranks, parse_args
     cfg = parse_args(["all_reduce", "--device", "cpu", "--backend", "ncclpy,torch", "--nproc",
                       str(n), "-b", str(sizes[0]), "-e", str(sizes[-1]), "-n", str(iters), "-w",
                       str(warmup), "-J", path, "-q"], prog=PROG)

@@ -47,6 +47,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 if __package__ in (None, ""):  # run as ``python bench/host_overhead.py``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench  # noqa: F401,E402  (PEP 366: the package its relative imports name)
+    __package__ = "bench"
 
 __all__ = ["main", "build_parser", "measure", "stats", "table", "predict", "load_costs",
            "PATHS", "TARGETS", "COSTS_FILE", "COST_KEYS"]
@@ -137,7 +139,7 @@ def _count(paths: Dict[str, Callable[[], float]], make_cuda: Callable[[], Any],
            batch: int) -> Dict[str, Dict[str, float]]:
     """The CUDA calls per call of each path, on the caller's thread (an untimed pass)."""
     from ncclpy._nccl import cuda as cudamod
-    from bench.null_boundary import counts_per_call
+    from .null_boundary import counts_per_call
     out = {}
     me = threading.get_ident()
     for name, fn in paths.items():
@@ -184,7 +186,7 @@ def measure(repeats: int = 40, batch: int = 2000, breakdown: bool = False,
     import cupy
     from ncclpy._nccl import cuda as cudamod
     from ncclpy.store import TCPStore
-    from bench.null_boundary import NullCuda, NullNccl, STREAM, make_comm, stop
+    from .null_boundary import NullCuda, NullNccl, STREAM, make_comm, stop
     x, _host = _array(cupy)
     store = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
     cu = NullCuda()
@@ -208,7 +210,7 @@ def measure(repeats: int = 40, batch: int = 2000, breakdown: bool = False,
                              batch)
             steps = None
             if breakdown:
-                from bench.breakdown import time_steps
+                from .breakdown import time_steps
                 steps = time_steps(comms["defaults"], x, STREAM, repeats, batch)
         finally:
             for c in comms.values():
@@ -284,7 +286,7 @@ def table(doc: Dict[str, Any]) -> str:
             lines.append(f"#   {r['path']:<14} {g['predicted_ns']:>8.0f} ns "
                          f"(+{g['cuda_ns']:.0f} ns of CUDA calls{extra})")
     if doc.get("breakdown"):
-        from bench.breakdown import table as steps_table
+        from .breakdown import table as steps_table
         lines.append(steps_table(doc["breakdown"]))
     return "\n".join(lines)
 

@@ -26,15 +26,24 @@ The meanings are nccl-tests' (NVIDIA/nccl-tests, ``src/common.cu``: the ``longop
 ``-y,--stream_null``   0/1: run on the default (NULL) stream.  Here every backend runs on its own
                        stream: ``-y 0`` accepted, ``-y 1`` refused.
 ``-T,--timeout S``     abort a test whose stream synchronisation takes longer than S seconds
-                       (0: no limit).  Here it also bounds every wait for the other ranks (and
-                       torch's process group); ``0`` is refused: every wait here has a bound.
+                       (0: no limit; common.cu ``testStreamSynchronize``).  The same here for
+                       the ncclpy (GPU and CPU backend) and cupy backends, whose communicator is
+                       then aborted; the waits for the other ranks (rendezvous, store, barriers,
+                       torch's process group) keep their own 300 s bound.
 ``-C,--report_cputime``  0/1: report the host time of issuing the calls (before the final stream
                        sync) instead of the latency; the JSON side says ``cpu_time``.  Honoured
                        (not with ``--timer events``, which times the device).
 ``-S,--report_timestamps``  0/1: a timestamp after each row.  Honoured.
-``-u,--unalign N``     misalign the buffers by N elements: ``0`` accepted, more refused.
-``-I,--per_iter_timing``, ``-K,--per_iter_skip``  per-iteration CUDA-event statistics: ``0``
-                       accepted, more refused.
+``-u,--unalign N``     misalign the send and receive buffers by N elements (nccl-tests'
+                       ``TimeTest``: each pointer moved by N x the type's size); every backend
+                       that takes an offset pointer or a view honours it, the check included.
+``-I,--per_iter_timing``  0/1: time each of the ``-n`` iterations (CUDA events on a GPU, the
+                       host clock on the CPU backend and gloo, said in the header) and report
+                       nccl-tests' ``computeIterStats`` (min, max, p99, cv; the JSON also avg,
+                       p50, p95, stdev and the samples).  Refused with ``-G`` (nccl-tests
+                       warns that they are incompatible and runs without ``-I``).
+``-K,--per_iter_skip N``  leave the first N samples out of ``-I``'s statistics (0 <= N <
+                       ``-n``; needs ``-I 1``).
 ``-D,--device_implementation``, ``-V,--device_cta_count``  nccl-tests' own device-API kernels
                        (NCCL >= 2.28): ``-D 0`` and ``-V 16`` (their defaults) accepted.
 ``-x,--cta_policy``    0/1/2 (default, efficiency, zero): ``--cta-policy`` (see its help).
@@ -74,6 +83,11 @@ class NcclTestsFlags:
     parallel_init: int = 0
     report_cputime: bool = False
     report_timestamps: bool = False
+    #: -u: the buffers' misalignment in elements
+    unalign: int = 0
+    #: -I 1: per-iteration timing; -K: leading samples its statistics leave out
+    per_iter_timing: bool = False
+    per_iter_skip: int = 0
 
 
 def _int(text: str) -> int:
@@ -109,12 +123,13 @@ def add_nccl_tests_flags(g: Any) -> None:
                         "(default 0)")
     g.add_argument("-S", "--report_timestamps", type=_int, default=0, metavar="0|1",
                    help="1: a timestamp after each row (default 0)")
-    g.add_argument("-u", "--unalign", type=_int, default=0, metavar="0",
-                   help="0 (misaligned buffers are not offered)")
-    g.add_argument("-I", "--per_iter_timing", type=_int, default=0, metavar="0",
-                   help="0 (per-iteration statistics are not offered)")
-    g.add_argument("-K", "--per_iter_skip", type=_int, default=0, metavar="0",
-                   help="0 (goes with -I)")
+    g.add_argument("-u", "--unalign", type=_int, default=0, metavar="N",
+                   help="misalign the send and receive buffers by N elements (default 0)")
+    g.add_argument("-I", "--per_iter_timing", type=_int, default=0, metavar="0|1",
+                   help="1: time each iteration (CUDA events; the host clock on cpu) and report "
+                        "min, max, p99 and cv per row (default 0)")
+    g.add_argument("-K", "--per_iter_skip", type=_int, default=0, metavar="N",
+                   help="leave the first N iterations out of -I's statistics (default 0)")
     g.add_argument("-D", "--device_implementation", type=_int, default=0, metavar="0",
                    help="0: NCCL's host API (nccl-tests' own device kernels are not offered)")
     g.add_argument("-V", "--device_cta_count", type=_int, default=16, metavar="16",
@@ -144,8 +159,11 @@ def check_nccl_tests_flags(p: Any, a: Any, backends: Sequence[str], device: str
         if other:
             raise bad("agg_iters", f"aggregates the calls in one NCCL group (ncclGroupStart/"
                                    f"End): --backend ncclpy or cupy; {', '.join(other)} cannot")
+    if a.unalign < 0:
+        raise bad("unalign", "expected an integer >= 0 (elements to move each buffer by)")
     for dest, ok in (("parallel_init", (0, 1)), ("blocking", (0, 1, 2, 3)),
-                     ("report_cputime", (0, 1)), ("report_timestamps", (0, 1))):
+                     ("report_cputime", (0, 1)), ("report_timestamps", (0, 1)),
+                     ("per_iter_timing", (0, 1))):
         if getattr(a, dest) not in ok:
             raise bad(dest, f"expected {' or '.join(map(str, ok))}")
     if a.blocking and a.cudagraph:
@@ -157,17 +175,24 @@ def check_nccl_tests_flags(p: Any, a: Any, backends: Sequence[str], device: str
     if a.blocking == 3 and a.timer == "events":
         raise bad("blocking", "excludes the barriers from a host-timed window; --timer events "
                               "cannot exclude them: drop one of them")
+    # nccl-tests (common.cu, after getopt) prints these and carries on with -I or -K off; a
+    # flag that would be dropped is refused here instead, with nccl-tests' reason
+    if a.per_iter_timing and a.cudagraph:
+        raise bad("per_iter_timing", f"per-iteration timing is incompatible with CUDA graph "
+                                     f"mode ({p.flag('cudagraph')}), as in nccl-tests (which "
+                                     f"warns and runs without -I): drop one of them")
+    if not 0 <= a.per_iter_skip < a.iters:
+        raise bad("per_iter_skip", f"expected 0 to {a.iters - 1} (fewer than -n/--iters "
+                                   f"{a.iters} samples)")
+    if a.per_iter_skip and not a.per_iter_timing:
+        raise bad("per_iter_skip", "leaves samples out of -I's statistics: it needs "
+                                   "-I/--per_iter_timing 1")
     if a.report_cputime and a.timer == "events":
         raise bad("report_cputime", "reports the host's time; --timer events times the device: "
                                     "drop one of them")
     refusals = (
         ("stream_null", 0, "every backend here runs on its own stream; the NULL stream is not "
                            "offered"),
-        ("unalign", 0, "the buffers are allocated aligned for each size; misaligned buffers "
-                       "are not offered"),
-        ("per_iter_timing", 0, "per-iteration statistics are not offered (python -m "
-                               "bench.overhead times calls one by one)"),
-        ("per_iter_skip", 0, "goes with -I (per-iteration statistics), which is not offered"),
         ("device_implementation", 0, "nccl-tests' own device-API kernels are not offered; "
                                      "ncclpy runs NCCL's host API"),
         ("device_cta_count", 16, "goes with -D (nccl-tests' device-API kernels), which is not "
@@ -178,4 +203,6 @@ def check_nccl_tests_flags(p: Any, a: Any, backends: Sequence[str], device: str
             raise bad(dest, why)
     return NcclTestsFlags(agg_iters=a.agg_iters, run_cycles=a.run_cycles, blocking=a.blocking,
                           parallel_init=a.parallel_init, report_cputime=bool(a.report_cputime),
-                          report_timestamps=bool(a.report_timestamps))
+                          report_timestamps=bool(a.report_timestamps), unalign=a.unalign,
+                          per_iter_timing=bool(a.per_iter_timing),
+                          per_iter_skip=a.per_iter_skip)

@@ -50,11 +50,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ncclpy.errors import ArgumentError
 
-from bench import output
-from bench.backends import OVERHEAD_BACKEND_MODULES, get_backend
-from bench.overhead_report import (BUFFER_NOTE, MODES, SECTIONS, STREAM_NOTE, VARIANTS, derive,
+from . import output
+from .backends import OVERHEAD_BACKEND_MODULES, get_backend
+from .overhead_report import (BUFFER_NOTE, MODES, SECTIONS, STREAM_NOTE, VARIANTS, derive,
                                    render, rotation, split_calls, summarize)
-from bench.sweep import Coord, _make_store, _pick_device, _rendezvous, launched_world
+from .sweep import Coord, _make_store, _pick_device, _rendezvous, launched_world
 
 __all__ = ["OverheadConfig", "parse_args", "main", "summarize", "run_rank", "prepare_args",
            "MODES", "BACKENDS", "DEFAULT_BACKENDS", "parse_backends", "derive", "build_parser"]
@@ -149,7 +149,7 @@ def parse_backends(text: Optional[str], flag: str = "--backends",
     """(backends, notes) from ``--backends`` (None: the default list, with nccl4py where it is
     installed and times ``collective``).  An unknown name, or nccl4py asked for where it is not
     installed or cannot time ``collective``, raises a one-line ArgumentError."""
-    from bench.backends import nccl4py
+    from .backends import nccl4py
     notes: List[str] = []
     if text is None:
         out = list(DEFAULT_BACKENDS)
@@ -180,7 +180,7 @@ def parse_backends(text: Optional[str], flag: str = "--backends",
 
 
 def _config(p: Any, a: argparse.Namespace, argv: List[str]) -> OverheadConfig:
-    from bench.cli import parse_size
+    from .cli import parse_size
     from ncclpy import registry
     coll = registry.get(a.collective)
     if not coll.data:
@@ -245,7 +245,7 @@ def _shared(device: Optional[int]) -> Any:
     """The stream and buffer maker every backend shares (None on the CPU)."""
     if device is None:
         return None
-    from bench.backends._cuda import SharedCuda
+    from .backends._cuda import SharedCuda
     return SharedCuda(device)
 
 
@@ -371,7 +371,7 @@ def run_rank(cfg: OverheadConfig) -> Dict[str, object]:
         if steps:
             doc["breakdown"] = {"size": cfg.sizes[0], "by_backend": steps}
             if rank == 0:
-                from bench.breakdown import table as steps_table
+                from .breakdown import table as steps_table
                 for name, bd in steps.items():
                     print(f"# {name} ({cfg.sizes[0]} B)\n" + steps_table(bd), flush=True)
         coord.barrier()
@@ -391,8 +391,8 @@ def _breakdown(cfg: OverheadConfig, coord: Any, backends: List[Any], bufs: Dict[
                rank: int) -> Dict[str, Any]:
     """``--breakdown``: each ncclpy backend's eager all_reduce timed step by step
     (bench.breakdown), on every rank alike (its steps make matching NCCL calls)."""
-    from bench.backends.ncclpy import call_args
-    from bench.breakdown import time_steps
+    from .backends.ncclpy import call_args
+    from .breakdown import time_steps
     out = {}
     for b in backends:
         if not b.name.startswith("ncclpy"):
@@ -446,7 +446,7 @@ def _prepared(b: Any, collective: str, bufs: Any, root: int) -> Optional[Callabl
     without prepared calls."""
     if b.name not in VARIANTS:
         return None
-    from bench.backends.ncclpy import call_args
+    from .backends.ncclpy import call_args
     s, r = call_args(collective, bufs.extra["args"], True, b.rank, root)
     args, kwargs = prepare_args(collective, s, r, root, b.rank, b.world)
     return b.comm.prepare(collective, *args, stream=b.stream_arg, **kwargs)
@@ -459,7 +459,7 @@ def _versions(backends: List[Any]) -> Dict[str, object]:
         if m is not None:
             v[mod] = getattr(m, "__version__", "?")
     if any(b.name == "nccl4py" for b in backends):
-        from bench.backends.nccl4py import version_info
+        from .backends.nccl4py import version_info
         v["nccl4py"] = version_info()
     v["nccl"] = {b.name: b.nccl_version() for b in backends}
     return v

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from bench.rows import Row
+    from .rows import Row
 
 __all__ = ["BACKEND_COLOURS", "plot_figure", "write_plot", "cases"]
 

@@ -11,12 +11,12 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Protocol, Sequence
 
-from bench import output
+from . import output
 
 if TYPE_CHECKING:
-    from bench.backends import Backend
-    from bench.config import SweepConfig
-    from bench.rows import Row
+    from .backends import Backend
+    from .config import SweepConfig
+    from .rows import Row
 
 __all__ = ["AVERAGE_NAMES", "SweepState", "finish", "per_collective_path", "version",
            "write_or_say"]
@@ -80,7 +80,7 @@ def finish(cfg: "SweepConfig", state: "SweepState", program: str, nccl_version: 
     for line in output.ratio_lines(output.ratio_rows(state.rows)):
         print(line)
     all_rows = [r for rows in state.rows.values() for r in rows]
-    from bench.bits import summary_lines
+    from .bits import summary_lines
     bits_footer, bits_ok = summary_lines(all_rows)
     for line in bits_footer:            # before nccl-tests' own footer
         print(line)
@@ -122,6 +122,10 @@ def finish(cfg: "SweepConfig", state: "SweepState", program: str, nccl_version: 
 def _json_doc(cfg: "SweepConfig", state: "SweepState", program: str, nccl_version: int,
               devices: List[Dict[str, Any]], start: str, backends: Sequence["Backend"],
               world: int, min_bw: Any) -> Dict[str, object]:
+    """The ``-J`` document: nccl-tests' config object as writeDeviceReport writes it (util.cu;
+    ``devices`` is added last by :func:`bench.output.build_json`), then ncclpy's extension
+    (what nccl-tests' JSON has no key for: the backends, ``-u``'s unalign, the combinations,
+    the bits...)."""
     config: Dict[str, Any] = {"nthreads": 1, "ngpus": 1, "minimum_bytes": cfg.minbytes,
                               "maximum_bytes": cfg.maxbytes}
     if cfg.stepfactor > 1:
@@ -132,7 +136,8 @@ def _json_doc(cfg: "SweepConfig", state: "SweepState", program: str, nccl_versio
                    "aggregated_iterations": cfg.agg_iters, "validation": cfg.check,
                    "graph": cfg.cudagraph,
                    "blocking_collectives": "true" if cfg.blocking else "false",
-                   "per_iter_timing": "false",
+                   "per_iter_timing": "true" if cfg.per_iter_timing else "false",
+                   "per_iter_skip": int(cfg.per_iter_skip),
                    "parallel_init": "true" if cfg.parallel_init else "false"})
     ext: Dict[str, Any] = {
         "bench_version": version(), "collective": state.coll.name, "program": program,
@@ -143,9 +148,9 @@ def _json_doc(cfg: "SweepConfig", state: "SweepState", program: str, nccl_versio
         "dtypes": list(cfg.dtypes), "ops": list(cfg.ops), "skipped": state.skipped,
         "registration": cfg.register, "cta_policy": cfg.cta_policy,
         "blocking": cfg.blocking, "run_cycles": cfg.run_cycles, "timeout": cfg.timeout,
-        "stream_timeout": cfg.sync_timeout,
+        "stream_timeout": cfg.sync_timeout, "unalign": cfg.unalign,
         "notes": {b.label: b.note for b in backends if getattr(b, "note", "")}}
-    if cfg.combos:   # one communicator each; rows carry theirs (results[].combination)
+    if cfg.combos:   # one communicator each; rows carry theirs (ncclpy.results[].combination)
         ext["combinations"] = [c.to_json() for c in cfg.combos]
         ext["refused"] = list(state.refused)
     if cfg.bits and state.bits is not None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 __all__ = ["Side", "Row"]
 
@@ -17,6 +17,10 @@ class Side:
     algbw: float
     busbw: float
     wrong: Optional[int]  # None: not checked (printed N/A, JSON null)
+    #: -I 1: nccl-tests' per-iteration report of this side, keys as its JSON writes them
+    #: (util.cu, writePerIterReport: skipped_iterations, min_us ... cv_pct, times_us and, with
+    #: several processes, per_process_max_times_us); None without -I
+    per_iter: Optional[Dict[str, Any]] = None
 
 
 @dataclass

@@ -44,8 +44,8 @@ if ROOT not in sys.path:
 from ncclpy.checked import fingerprint, round_hashes  # noqa: E402
 from ncclpy.store import tablewire as W  # noqa: E402
 from ncclpy.store.poller import raise_nofile_limit  # noqa: E402
-from bench.scale_sim import (DEAD_AFTER, GRACE, NAME, Client, Loop, Sim)  # noqa: E402
-from bench.scale_table import markdown  # noqa: E402
+from .scale_sim import (DEAD_AFTER, GRACE, NAME, Client, Loop, Sim)  # noqa: E402
+from .scale_table import markdown  # noqa: E402
 
 #: (world, start spread, fault); faults: "sigkill" (the launcher's notice), "stall" (SIGSTOP
 #: for good while every rank waits on it), "pause" (SIGSTOP 1.5 s, 2.5 s and --long-pause
@@ -140,8 +140,8 @@ def _getter_main(port: int, seconds: float) -> None:
 
 
 def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bench.scale", *args], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    return subprocess.Popen([sys.executable, "-m", f"{__package__ or 'bench'}.scale", *args],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT))
 
 

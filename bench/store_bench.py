@@ -48,10 +48,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 if __package__ in (None, ""):  # run as ``python bench/store_bench.py``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench  # noqa: F401,E402  (PEP 366: the package its relative imports name)
+    __package__ = "bench"
 
 from ncclpy.errors import ArgumentError  # noqa: E402
 from ncclpy.store import TCPStore, barrier  # noqa: E402
-from bench.store_floor import FloorClient, floor_server  # noqa: E402
+from .store_floor import FloorClient, floor_server  # noqa: E402
 
 __all__ = ["main", "build_parser", "rendezvous_time", "ops_per_second", "MODES", "max_ranks",
            "WIDTH"]
@@ -275,7 +277,7 @@ if kind == "ncclpy":
     from ncclpy.store import StoreServer
     s = StoreServer("127.0.0.1", 0).start(); port = s.port
 elif kind == "floor":
-    from bench.store_floor import FloorServer
+    from __PKG__.store_floor import FloorServer
     s = FloorServer("127.0.0.1", 0); port = s.port
 else:
     import torch.distributed as dist
@@ -295,7 +297,8 @@ class _RemoteServer:
     def __init__(self, kind: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT, kind],
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT.replace(
+            "__PKG__", __package__ or "bench"), kind],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      text=True)
         line = self.proc.stdout.readline()

@@ -28,13 +28,13 @@ from ncclpy import registry
 from ncclpy.dtypes import DTYPES, TESTS_NAMES
 from ncclpy.errors import ArgumentError
 
-from bench import bits as bitcol
-from bench import output, verify
-from bench.backends import CPU_BACKEND_MODULES, Backend, Buffers, get_backend, layout
-from bench.combos import applied, refusal
-from bench.config import SweepConfig
-from bench.output import Row, Side
-from bench.report import AVERAGE_NAMES, finish, per_collective_path, version
+from . import bits as bitcol
+from . import output, periter, verify
+from .backends import CPU_BACKEND_MODULES, Backend, Buffers, get_backend, layout
+from .combos import applied, refusal
+from .config import SweepConfig
+from .output import Row, Side
+from .report import AVERAGE_NAMES, finish, per_collective_path, version
 
 __all__ = ["SweepConfig", "Coord", "run_rank", "spawn_ranks", "AVERAGE_NAMES", "warmup_sizes",
            "launched_world", "per_collective_path", "timed_calls", "per_call_seconds"]
@@ -226,6 +226,8 @@ class _Rank:
         self._expected_cache: Dict[tuple, Any] = {}
         #: the timer of the measurements (a test may give its own)
         self.clock = time.perf_counter
+        #: -I 1: the marks of the measurement under way (bench.periter)
+        self.recorder: Optional[periter.Recorder] = None
 
     def say(self, line: str = "") -> None:
         if self.rank == 0:
@@ -254,6 +256,8 @@ class _Rank:
             graph = b.capture(lambda: [self._iteration(b, once) for _ in range(cfg.iters)])
             self.coord.barrier()
         clock = self.clock
+        rec = self.recorder = (periter.Recorder(b, cfg.iters, cfg.agg_iters, cfg.blocking, clock)
+                               if cfg.per_iter_timing else None)
         if cfg.timer == "events":
             begin, stop = b.event_timer()
             begin()
@@ -269,6 +273,7 @@ class _Rank:
             elapsed = clock() - t0 - excluded
         if graph is not None:
             b.release(graph)
+        samples, self.recorder = (rec.seconds() if rec is not None else None), None
         seconds = self.coord.reduce(
             per_call_seconds(elapsed, cfg.iters, cfg.cudagraph, cfg.agg_iters),
             AVERAGE_NAMES[cfg.average])
@@ -295,7 +300,9 @@ class _Rank:
                 wrong = int(self.coord.reduce(mine, "sum"))
                 if wrong:
                     break
-        return Side(shown * 1e6, alg, bus, wrong)
+        per_iter = (periter.gather_report(self.coord, samples, cfg.per_iter_skip)
+                    if samples is not None else None)
+        return Side(shown * 1e6, alg, bus, wrong, per_iter)
 
     def _loop(self, b: Backend, once, graph) -> float:
         """The timed iterations (or ``-G`` graph replays); the seconds -z 3 excludes."""
@@ -303,14 +310,19 @@ class _Rank:
             for _ in range(self.cfg.cudagraph):
                 b.replay(graph)
             return 0.0
-        return sum(self._iteration(b, once) for _ in range(self.cfg.iters))
+        excluded = sum(self._iteration(b, once) for _ in range(self.cfg.iters))
+        if self.recorder is not None:
+            self.recorder.close()
+        return excluded
 
     def _iteration(self, b: Backend, once) -> float:
         """One of the ``-n`` iterations, as nccl-tests' ``BenchTime`` and ``startColl``: ``-m``
         calls (inside one NCCL group when more than one) and ``-z``'s waits (1: stream sync and
         barrier after each call, 2: sync after each call, 3: sync and barrier after the
         iteration).  Returns the seconds of -z 3's barrier, which the reported time excludes."""
-        cfg = self.cfg
+        cfg, rec = self.cfg, self.recorder
+        if rec is not None:          # -I 1: the boundary before it (common.cu: recordEvents)
+            rec.begin()
         group = b.group() if cfg.agg_iters > 1 else None
         with group if group is not None else contextlib.nullcontext():
             for _ in range(cfg.agg_iters):
@@ -322,6 +334,8 @@ class _Rank:
         if cfg.blocking != 3:
             return 0.0
         b.sync()
+        if rec is not None:
+            rec.end()
         t0 = self.clock()
         self.coord.barrier()
         return self.clock() - t0
@@ -364,13 +378,19 @@ class _Rank:
             self.note_skip(b, dtype, op, root, reason)
             return False
         err = ""
+        sizes, iters = warmup_sizes(self.cfg.sizes[0], self.cfg.sizes[-1]), self.cfg.warmup_iters
+        if not iters:   # -w 0: still one call at the first size, out of place (the untimed call
+            sizes, iters = sizes[:1], 1   # BenchTime makes first anyway), so that a case the
+            # library refuses is a skip line here rather than a traceback in the measurement
         try:  # warm-up, nccl-tests style: out of place at every doubling of the size range
-            for size in warmup_sizes(self.cfg.sizes[0], self.cfg.sizes[-1]):
+            for size in sizes:
                 bufs = b.alloc(self.coll.name, size // DTYPES[dtype].itemsize, dtype)
-                for _ in range(self.cfg.warmup_iters):
-                    b.run(self.coll.name, bufs, op, root, False)
-                b.sync()
-                b.free(bufs)
+                try:
+                    for _ in range(iters):
+                        b.run(self.coll.name, bufs, op, root, False)
+                    b.sync()
+                finally:        # deregistered (-R) before the memory goes, refused or not
+                    b.free(bufs)
         except TimeoutError:    # -T's StreamTimeout (the communicator aborted): a failure,
             raise               # never a skip
         except Exception as e:  # e.g. a dtype/op the library refuses: same on every rank
@@ -451,6 +471,7 @@ def run_rank(cfg: SweepConfig) -> int:
         for name, combo in [(n, c) for n in cfg.backends for c in (cfg.combos or [None])]:
             b = get_backend(name, table)
             b.register, b.cta_policy, b.combo = cfg.register, cfg.cta_policy, combo
+            b.unalign = cfg.unalign                      # -u: every buffer moved (alloc)
             if hasattr(b, "sync_timeout"):
                 b.sync_timeout = cfg.sync_timeout        # -T: bounds each stream sync
             with applied(combo) as env:
@@ -481,13 +502,15 @@ def run_rank(cfg: SweepConfig) -> int:
                         stepbytes=cfg.stepbytes, warmup=cfg.warmup_iters, iters=cfg.iters,
                         check=cfg.check, graph=cfg.cudagraph, devices=devices,
                         version=version(), agg_iters=cfg.agg_iters, blocking=cfg.blocking,
-                        parallel_init=cfg.parallel_init, notes=notes):
+                        parallel_init=cfg.parallel_init, notes=notes, unalign=cfg.unalign,
+                        per_iter_line=periter.header_line(backends, cfg)):
                     print(line)
                 for line in _bits_lines(cfg, state, backends):
                     print(line)
                 for line in output.table_header(state.multi, cfg.predict, cfg.report_cputime,
                                                 cfg.report_timestamps, bits=cfg.bits,
-                                                width=state.width, series=state.series_name):
+                                                width=state.width, series=state.series_name,
+                                                per_iter=cfg.per_iter_timing):
                     print(line, flush=True)
             state.sweep()
             if cfg.register and rank == 0:

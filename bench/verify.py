@@ -14,7 +14,7 @@ import numpy as np
 
 from ncclpy.dtypes import DTYPES
 
-from bench.backends import host_dtype
+from .backends import host_dtype
 
 __all__ = ["rank_input", "expected", "count_wrong", "corrupt", "AVG_ULP"]
 

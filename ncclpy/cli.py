@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 from .cli_util import OneLineParser, run_cli
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "bench_package"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,14 +78,34 @@ def _check(argv: Sequence[str]) -> int:
     return int(rc or 0)
 
 
-def _bench(argv: Sequence[str]) -> int:
-    """``ncclpy bench ...``: the installed ``bench`` package's command line (``python -m
-    bench``), named ``ncclpy bench`` in its messages."""
+def bench_package() -> str:
+    """The bench's package name: ``bench`` where ncclpy runs from a checkout whose bench/
+    folder is importable as ``bench`` (the repository's own, found without importing anything
+    else of that name), else ``ncclpy_bench``, the name pip installs it under (so that a user's
+    own ``bench`` package never clashes with ncclpy's)."""
+    import importlib.util
+    import os
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        mod = importlib.import_module("bench.cli")
+        spec = importlib.util.find_spec("bench")
+    except (ImportError, ValueError):
+        spec = None
+    origin = getattr(spec, "origin", None)
+    if origin and os.path.dirname(os.path.abspath(origin)) == os.path.join(checkout, "bench"):
+        return "bench"
+    return "ncclpy_bench"
+
+
+def _bench(argv: Sequence[str]) -> int:
+    """``ncclpy bench ...``: the bench's command line (``python -m bench`` in a checkout,
+    ``python -m ncclpy_bench`` installed: :func:`bench_package`), named ``ncclpy bench`` in its
+    messages."""
+    name = f"{bench_package()}.cli"
+    try:
+        mod = importlib.import_module(name)
     except ImportError as e:
         print(f"ncclpy bench: not available in this installation "
-              f"(could not import bench.cli: {e})", file=sys.stderr)
+              f"(could not import {name}: {e})", file=sys.stderr)
         return 2
     return int(mod.main(list(argv), prog="ncclpy bench") or 0)
 

@@ -140,13 +140,23 @@ COLLECTIVES: Dict[str, Collective] = {c.name: c for c in (
 )}
 
 
+#: NCCL functions an entry issues besides the one its ``nccl`` field names: send_recv is
+#: nccl-tests' sendrecv test, an ncclSend and an ncclRecv in one group, so ncclRecv names it
+#: as ncclSend does
+_ALSO_NCCL = {"recv": "send_recv"}
+
+
 def get(name: str) -> Collective:
     """The registry entry for ``name`` (also accepts nccl-tests stems and NCCL names, with or
-    without their ``nccl`` prefix: ``all_reduce_perf``, ``AllGather``, ``ncclAllGather``)."""
+    without their ``nccl`` prefix: ``all_reduce_perf``, ``AllGather``, ``ncclAllGather``;
+    ``ncclSend`` and ``ncclRecv`` both name send_recv, the two calls of its group)."""
     key = name.strip().lower().replace("-", "_")
     if key in COLLECTIVES:
         return COLLECTIVES[key]
     bare = key[len("nccl"):] if key.startswith("nccl") else None
+    also = _ALSO_NCCL.get(key if bare is None else bare)
+    if also is not None:
+        return COLLECTIVES[also]
     for c in COLLECTIVES.values():
         if key in (c.tests_name, c.nccl.lower(), c.tests_name + "_perf") or \
                 (bare is not None and bare == c.nccl.lower()):

@@ -337,7 +337,7 @@ def test_json_document_matches_schema_and_nccl_tests_layout():
                 "step_factor": 2, "warmup_iters": 1, "iterations": 20,
                 "aggregated_iterations": 1, "validation": 1, "graph": 0,
                 "blocking_collectives": "false", "per_iter_timing": "false",
-                "parallel_init": "false"},
+                "per_iter_skip": 0, "parallel_init": "false"},
         devices=[{"rank": 0, "group": 0, "pid": 1, "hostname": "h", "device": 0,
                   "device_hex": "0000:01:00", "device_info": "GPU"}],
         start_time=output.now(),
@@ -350,10 +350,12 @@ def test_json_document_matches_schema_and_nccl_tests_layout():
     assert list(doc)[:11] == ["version", "start_time", "args", "env", "nccl_version", "config",
                               "results", "out_of_bounds", "average_bus_bandwidth", "errors",
                               "end_time"]
-    r = doc["results"][0]
-    assert r["root"] == "    -1" and r["experiment_name"] == "ncclpy"
+    r, = doc["results"]                                  # the first series' rows only
+    assert r["root"] == "    -1" and r["experiment_name"] == ""
     assert r["out_of_place"] == {"time": 12.34, "alg_bw": 0.08, "bus_bw": 1.5, "nwrong": 0.0}
-    assert doc["results"][1]["out_of_place"]["nwrong"] is None
+    mine = doc["ncclpy"]["results"]                      # every series', named
+    assert [(x["series"], x["backend"]) for x in mine] == [("ncclpy", "ncclpy"), ("torch", "torch")]
+    assert mine[1]["out_of_place"]["nwrong"] is None
     assert doc["out_of_bounds"] == {"count": 0, "okay": "true"}
     assert doc["average_bus_bandwidth"]["okay"] == "unchecked"
     bad = json.loads(json.dumps(doc))
@@ -420,8 +422,8 @@ NCCL_TESTS_TOP = ["version", "start_time", "args", "env", "nccl_version", "confi
                   "out_of_bounds", "average_bus_bandwidth", "errors", "end_time"]
 NCCL_TESTS_CONFIG = ["nthreads", "ngpus", "minimum_bytes", "maximum_bytes", "<step>",
                      "warmup_iters", "iterations", "aggregated_iterations", "validation",
-                     "graph", "blocking_collectives", "per_iter_timing", "parallel_init",
-                     "devices"]
+                     "graph", "blocking_collectives", "per_iter_timing", "per_iter_skip",
+                     "parallel_init", "devices"]
 NCCL_TESTS_DEVICE = ["rank", "group", "pid", "hostname", "device", "device_hex", "device_info"]
 NCCL_TESTS_RESULT = ["size", "count", "type", "redop", "root", "out_of_place", "in_place",
                      "actual_iterations", "experiment_name"]
@@ -430,7 +432,7 @@ NCCL_TESTS_SIDE = ["time", "alg_bw", "bus_bw", "nwrong"]
 
 def _assert_nccl_tests_json_layout(doc):
     assert [k for k in doc if k != "ncclpy"] == NCCL_TESTS_TOP
-    assert doc["version"] == 2                       # JSON_FILE_VERSION
+    assert doc["version"] == 3                       # JSON_FILE_VERSION (2.19)
     cfg = [("<step>" if k in ("step_factor", "step_bytes") else k) for k in doc["config"]]
     assert cfg == NCCL_TESTS_CONFIG
     for d in doc["config"]["devices"]:
@@ -524,7 +526,8 @@ def test_cli_errors_exit_2():
     # every mistake: one line naming the flag as typed, exit 2, before anything starts
     for args, words in ((["-f", "0.5"], "-f: expected an integer, got '0.5'"),
                         (["-a", "7"], "-a: expected 0 (rank 0), 1 (average), 2 (min) or 3"),
-                        (["--timeout", "-3"], "--timeout: expected seconds > 0, got '-3'"),
+                        (["--timeout", "-3"],
+                         "--timeout: expected seconds >= 0 (0: no limit), got '-3'"),
                         (["--nproc", "2", "-J", "/nonexistent-ncclpy/d/out.json"],
                          "-J: cannot write"),
                         (["--nproc", "2", "--plot", "out.txt"], "--plot: 'out.txt'")):

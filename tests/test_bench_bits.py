@@ -109,10 +109,11 @@ def test_the_json_carries_the_combination_of_every_row(two_ranks):
     assert ext["bits"]["summary"] == {"exact": 4, "mismatch": 0, "not_predicted": 4,
                                       "varied": 0}
     assert [b["name"] for b in ext["backends"]] == ["ncclpy"]
-    res = doc["results"]
-    assert len(res) == 8
+    res = ext["results"]                 # every combination's rows; nccl-tests' the first's
+    assert len(res) == 8 and len(doc["results"]) == 4
     assert [r["combination"]["algorithm"] for r in res] == ["Ring"] * 4 + ["Tree"] * 4
-    assert {r["experiment_name"] for r in res} == {"ncclpy ring/simple", "ncclpy tree/simple"}
+    assert [r["series"] for r in res] == ["ncclpy ring/simple"] * 4 + ["ncclpy tree/simple"] * 4
+    assert all("combination" not in r and "bits" not in r for r in doc["results"])
     f = res[4]["bits"]
     assert f["model"]["verdict"] == "exact" and f["model"]["compared"] == 2 * 256
     assert f["model"]["config"].startswith("all_reduce tree/simple, 2 ranks, 256 float32")
@@ -160,8 +161,8 @@ def test_three_ranks_give_nccls_bits_per_combination(tmp_path):
                     "-b", "12K", "-e", "12K", "-n", "1", "-w", "1", "-c", "0", "-q",
                     "-J", str(js), timeout=200)
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
-    res = json.loads(js.read_text())["results"]
-    assert [r["experiment_name"] for r in res] == [      # one size: a row per combination
+    res = json.loads(js.read_text())["ncclpy"]["results"]
+    assert [r["series"] for r in res] == [      # one size: a row per combination
         "ncclpy ring/ll", "ncclpy ring/simple", "ncclpy tree/ll", "ncclpy tree/simple"]
     assert all(r["bits"]["model"]["verdict"] == "exact" for r in res), [
         r["bits"]["text"] for r in res]

@@ -5,6 +5,7 @@ flags from NcclTestsFlags (tests/test_bench_bits_column.py: the column's verdict
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -214,3 +215,78 @@ def test_a_gpu_run_of_two_ranks_is_predicted_from_the_pinned_combination():
     b = _backend(None, "Simple")                  # NCCL_ALGO not pinned: NCCL's tuning picks
     pred, why = bitcol.prediction(b, "cuda", "all_reduce", 2, 64, "float32", "sum", 0)
     assert pred is None and why.startswith("NCCL_ALGO does not pin one algorithm")
+
+
+def test_environ_blocks_of_two_threads_restore_what_was_there_whatever_order_they_leave(
+        monkeypatch):
+    """Thread-ranks each wrap their init in environ(): the one who leaves last restores the
+    value from before the first came (a save/restore per block left the first's value)."""
+    import threading
+
+    from bench import combos
+    monkeypatch.setenv("NCCLPY_TRACE_BUFFER", "7")
+    inside, leave_first = threading.Barrier(2), threading.Event()
+    seen = []
+
+    def rank(first: bool) -> None:
+        with combos.environ(NCCLPY_TRACE_BUFFER="0"):
+            inside.wait(10)
+            seen.append(os.environ["NCCLPY_TRACE_BUFFER"])
+            if not first:
+                assert leave_first.wait(10)
+                seen.append(os.environ["NCCLPY_TRACE_BUFFER"])   # the other has left
+        if first:
+            leave_first.set()
+
+    ts = [threading.Thread(target=rank, args=(f,)) for f in (True, False)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert seen == ["0", "0", "0"]
+    assert os.environ["NCCLPY_TRACE_BUFFER"] == "7"
+    assert not combos._ENV_HELD
+
+
+def test_environ_waits_for_another_threads_other_value_then_refuses(monkeypatch):
+    import threading
+
+    from bench import combos
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    monkeypatch.setattr(combos, "ENV_WAIT_S", 0.2)
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with combos.environ(NCCL_ALGO="Ring"):
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(10)
+    with pytest.raises(RuntimeError, match="NCCL_ALGO: 'Tree' wanted, but another thread's "
+                                           "block has held it at 'Ring'"):
+        with combos.environ(NCCL_ALGO="Tree"):
+            pass
+    done.set()
+    t.join(10)
+    with combos.environ(NCCL_ALGO="Tree"):        # once it has left: runs under its own value
+        assert os.environ["NCCL_ALGO"] == "Tree"
+    assert "NCCL_ALGO" not in os.environ
+
+
+def test_environ_nests_in_one_thread_and_a_failed_entry_holds_nothing(monkeypatch):
+    from bench import combos
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    with combos.environ(NCCL_ALGO="Ring", NCCL_PROTO="Simple"):
+        with combos.environ(NCCL_ALGO="Tree"):          # the same thread: no wait
+            assert os.environ["NCCL_ALGO"] == "Tree"
+        assert os.environ["NCCL_ALGO"] == "Ring"
+        assert combos.snapshot("NCCL_P") == {"NCCL_PROTO": "Simple"}
+    assert os.environ["NCCL_ALGO"] == "Tree" and "NCCL_PROTO" not in os.environ
+    with pytest.raises(ValueError):
+        with combos.environ(NCCL_PROTO="LL", NCCL_ALGO="bad\0value"):
+            pass
+    assert "NCCL_PROTO" not in os.environ and not combos._ENV_HELD
+    with combos.environ(NCCL_ALGO="Ring"):           # nothing left held: no wait
+        assert os.environ["NCCL_ALGO"] == "Ring"

@@ -48,19 +48,28 @@ def test_ncclpy_bench_speaks_as_ncclpy_bench(tmp_path):
     assert cp.returncode == 0 and "bench" in cp.stdout
 
 
-def test_the_wheel_carries_the_bench_and_its_data():
-    """pyproject's package list and data hold the ``bench`` package, its backends and every
-    data file its code opens, so a non-editable ``pip install .`` has ``ncclpy bench``."""
-    import tomllib
-
-    from setuptools import find_packages
-    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = find_packages(str(ROOT), include=cfg["packages"]["find"]["include"])
-    assert {"ncclpy", "bench", "bench.backends"} <= set(found)
-    assert not [p for p in found if p.split(".")[0] not in ("ncclpy", "bench")], found
-    data = set(cfg["package-data"]["bench"])
+def test_the_wheel_carries_the_bench_as_ncclpy_bench_and_its_data(tmp_path):
+    """The wheel installs ncclpy and the bench/ folder as ``ncclpy_bench`` (issue 50: never a
+    top-level ``bench``, which would clash with a user's own), its backends and every data
+    file its code opens, so a non-editable ``pip install .`` has ``ncclpy bench``."""
+    import glob
+    import zipfile
+    cp = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                         "--no-build-isolation", "-q", "-w", str(tmp_path)],
+                        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    (wheel,) = glob.glob(str(tmp_path / "ncclpy-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"ncclpy", "ncclpy_bench"}, tops
+    assert "ncclpy_bench/backends/ncclpy_cpu.py" in names and "ncclpy_bench/__main__.py" in names
     read = {p.name for p in (ROOT / "bench").iterdir() if p.suffix == ".json"}
-    assert read and read <= data, (read, data)
+    assert read and {f"ncclpy_bench/{n}" for n in read} <= set(names), read
+
+
+def test_the_checkout_runs_its_own_bench_folder_and_an_install_ncclpy_bench():
+    from ncclpy.cli import bench_package
+    assert bench_package() == "bench"            # this checkout's bench/, importable as bench
 
 
 def _can_build_offline() -> bool:
@@ -80,13 +89,20 @@ def test_a_non_editable_install_has_ncclpy_bench(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
     for name in ("ncclpy", "bench"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
-    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md"):
         shutil.copy(ROOT / name, src / name)
     cp = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                          "--no-build-isolation", "--target", str(target), str(src)],
                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert cp.returncode == 0, cp.stdout + cp.stderr
-    assert (target / "bench" / "schema.json").exists()
+    assert (target / "ncclpy_bench" / "schema.json").exists()
+    assert not (target / "bench").exists()        # no top-level bench to clash with
+    probe = ("import ncclpy.cli as c, ncclpy_bench; print(c.bench_package()); "
+             "print(ncclpy_bench.__file__)")
+    cp = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                        timeout=60, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.split() == ["ncclpy_bench", str(target / "ncclpy_bench" / "__init__.py")]
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
     cp = _ncclpy("bench", "all_reduce", "--device", "cpu", "-b", "1K", "-e", "1K", "-n", "1",

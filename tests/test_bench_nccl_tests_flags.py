@@ -38,12 +38,17 @@ pytestmark = pytest.mark.timeout(300)
     (["--device", "cuda", "-C", "1", "--timer", "events"],
      "-C 1: reports the host's time; --timer events times the device"),
     (["-y", "1"], "-y 1: every backend here runs on its own stream"),
-    (["-u", "1"], "-u 1: the buffers are allocated aligned for each size"),
-    (["-I", "1"], "-I 1: per-iteration statistics are not offered"),
-    (["-K", "2"], "-K 2: goes with -I"),
+    (["-u", "-1"], "-u -1: expected an integer >= 0"),
+    (["-I", "2"], "-I 2: expected 0 or 1"),
+    (["--device", "cuda", "-I", "1", "-G", "2"], "-I 1: per-iteration timing is incompatible "
+                                                 "with CUDA graph mode (-G), as in nccl-tests"),
+    (["-K", "2"], "-K 2: leaves samples out of -I's statistics: it needs -I/--per_iter_timing 1"),
+    (["-I", "1", "-n", "5", "-K", "5"], "-K 5: expected 0 to 4 (fewer than -n/--iters 5"),
+    (["-I", "1", "-K", "-1"], "-K -1: expected 0 to 19"),
     (["-D", "1"], "-D 1: nccl-tests' own device-API kernels are not offered"),
     (["-V", "32"], "-V 32: goes with -D"),
-    (["-T", "0"], "-T: expected seconds > 0, got '0' (nccl-tests' 0, no limit, is not offered"),
+    (["-T", "-1"], "-T: expected seconds >= 0 (0: no limit), got '-1'"),
+    (["-T", "x"], "-T: expected seconds >= 0 (0: no limit), got 'x'"),
     (["--device", "cuda", "--backend", "torch", "-x", "1"], "-x: needs --backend ncclpy only"),
     (["-x", "1"], "-x 1: sets NCCL's CTA policy, and --device cpu runs no NCCL"),
     (["--device", "cuda", "-x", "3"], "-x: '3' is not a CTA policy"),
@@ -78,10 +83,15 @@ def test_accepted_flags_parse_to_nccl_tests_meanings():
                       "-u", "0", "-I", "0", "-K", "0", "-D", "0", "-V", "16", "-m", "1"])
     assert (cfg.blocking, cfg.run_cycles, cfg.parallel_init, cfg.report_cputime,
             cfg.report_timestamps, cfg.agg_iters) == (2, 3, 1, True, True, 1)
-    assert cfg.timeout == 45.0 and cfg.sync_timeout == 45.0
+    # -T bounds the stream syncs only (nccl-tests' testStreamSynchronize); the waits for the
+    # other ranks keep their 300 s, so a small pasted -T cannot trip the start-up
+    assert cfg.timeout == 300.0 and cfg.sync_timeout == 45.0
     cfg = parse_args(["all_reduce", "--device", "cpu"])
     assert cfg.timeout == 300.0 and cfg.sync_timeout is None      # no -T: syncs unbounded
-    assert parse_args(["all_reduce", "--device", "cpu", "--timeout", "7"]).sync_timeout == 7.0
+    cfg = parse_args(["all_reduce", "--device", "cpu", "--timeout", "0.5"])
+    assert cfg.timeout == 300.0 and cfg.sync_timeout == 0.5
+    cfg = parse_args(["all_reduce", "--device", "cpu", "-T", "0"])      # nccl-tests' no limit
+    assert cfg.timeout == 300.0 and cfg.sync_timeout is None
 
 
 def test_x_is_nccl_tests_cta_policy_numbers(monkeypatch):
@@ -221,8 +231,11 @@ def test_nccl_tests_flags_end_to_end_on_gloo(tmp_path):
     assert all("cpu_time" in r["out_of_place"] and "time" not in r["out_of_place"]
                for r in doc["results"]) and len(doc["results"]) == 4
     ext = doc["ncclpy"]
+    assert [r["cycle"] for r in ext["results"]] == [0, 0, 1, 1]        # -N, -S: ncclpy's own
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", r["timestamp"])
+               for r in ext["results"])
     assert (ext["blocking"], ext["run_cycles"], ext["timeout"], ext["stream_timeout"]) == (
-        3, 2, 60.0, 60.0)
+        3, 2, 300.0, 60.0)
     import jsonschema
     from pathlib import Path
     schema = json.loads((Path(__file__).resolve().parents[1] / "bench" / "schema.json")

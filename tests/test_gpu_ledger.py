@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ncclpy.selftest import debt as D, ledger as L, record
+from ncclpy.selftest.stages import TIMED
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = ROOT / "ncclpy" / "selftest" / "_sitehook"
@@ -261,14 +262,15 @@ def test_the_debt_command_reports_and_exits_0_only_without_debt(tmp_path):
     L.update(full, "all", {"files": L.tree_hashes(str(ROOT))},
              {**{t["id"]: {"stage": t["stage"], "outcome": "passed", "files": []}
                  for t in tests},
-              "stage:bench": {"stage": "bench", "outcome": "passed", "files": []},
-              "stage:overhead": {"stage": "overhead", "outcome": "passed", "files": []}})
+              **{f"stage:{s}": {"stage": s, "outcome": "passed", "files": []}
+                 for s in TIMED}})         # bench, overhead, nccl-tests
     good = tmp_path / "good.json"
     L.save(full, str(good))
     p = run(good)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.startswith(f"GPU debt of this tree against {good}: {len(tests) + 2} GPU "
-                               f"tests and timed stages; {len(tests) + 2} proven, 0 skipped")
+    n = len(tests) + len(TIMED)
+    assert p.stdout.startswith(f"GPU debt of this tree against {good}: {n} GPU "
+                               f"tests and timed stages; {n} proven, 0 skipped")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     p = run(bad)
@@ -329,8 +331,8 @@ def test_a_run_adds_its_results_to_the_ledger_and_says_the_debt_after(tmp_path):
     text = "\n".join(said)
     assert "- GPU ledger: " in text and "updated with 5 results (commit it with this block)" \
         in text
-    assert ("- GPU debt after this run: 3 of 7 items (3 proven, 1 skipped for their NCCL "
-            "version); by stage: bench 1, gpu2 1, overhead 1") in text
+    assert ("- GPU debt after this run: 4 of 8 items (3 proven, 1 skipped for their NCCL "
+            "version); by stage: bench 1, gpu2 1, nccl-tests 1, overhead 1") in text
     assert "[selftest] wrote report.md, summary.json, stages.tar.gz, gpu-ledger.json" in text
     import tarfile
     with tarfile.open(out / "stages.tar.gz") as tar:     # the records the ledger came from

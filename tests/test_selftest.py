@@ -62,8 +62,11 @@ def test_no_gpu_exits_2_at_once_with_one_line(tmp_path):
 def test_list_shows_every_stage_in_order_with_bounds_and_commands():
     p = _run("--list")
     assert p.returncode == 0, p.stderr
-    rows = [ln.split()[0] for ln in p.stdout.splitlines()[1:len(S.STAGES) + 1]]
-    assert rows == list(S.NAMES)
+    rows = [ln.split()[0] for ln in p.stdout.splitlines()[1:len(S.DEFAULT) + 1]]
+    assert rows == list(S.DEFAULT) and S.DEFAULT == tuple(n for n in S.NAMES
+                                                           if n not in S.ON_REQUEST)
+    assert ("only with --stage NAME (not in the default run): nccl-tests (420 s: "
+            "nccl-tests 2.19.6 beside") in p.stdout
     assert "info          60 s  20 s     0      1  alone" in p.stdout
     assert "budget 480 s" in p.stdout
     assert "gpu2         300 s  90 s     2      2  shared" in p.stdout
@@ -88,7 +91,8 @@ def test_stage_selection_keeps_the_fixed_order_and_adds_info():
 
 
 def test_select_and_by_name():
-    assert S.select(None) == list(S.STAGES) == S.select([])
+    assert S.select(None) == [s for s in S.STAGES if not s.on_request] == S.select([])
+    assert [s.name for s in S.select(["nccl-tests"])] == ["info", "nccl-tests"]
     assert [s.name for s in S.select(["check2"])] == ["info", "check2"]
     assert [s.name for s in S.select(["examples", "info", "worlds34"])] == [
         "info", "worlds34", "examples"]
@@ -169,10 +173,16 @@ def test_default_bounds_fit_the_device_limit():
         assert 0 < st.min_s < st.timeout_s <= S.DEFAULT_BUDGET_S - S.RESERVE_S, st.name
     # info, then every shared stage can start at once, and the timed ones still fit after
     info = S.by_name("info")
-    alone = [s for s in S.STAGES if s.exclusive]
-    assert info.timeout_s + max(s.min_s for s in S.STAGES if not s.exclusive) + \
+    default = S.select(None)
+    alone = [s for s in default if s.exclusive]
+    assert info.timeout_s + max(s.min_s for s in default if not s.exclusive) + \
         sum(s.min_s for s in alone) <= S.DEFAULT_BUDGET_S - S.RESERVE_S
-    assert {s.name for s in alone} == {"bench", "overhead"} == set(S.TIMED)
+    assert {s.name for s in alone} == {"bench", "overhead"}
+    assert set(S.TIMED) == {"bench", "overhead", "nccl-tests"}
+    assert S.ON_REQUEST == ("nccl-tests",)
+    # the on-request stage's own call: info, then it, within the default budget
+    side = S.by_name("nccl-tests")
+    assert side.exclusive and info.timeout_s + side.min_s <= S.DEFAULT_BUDGET_S - S.RESERVE_S
 
 
 def _stage(name: str, code: str, timeout: float = 30, min_s: float = 0.5) -> S.Stage:

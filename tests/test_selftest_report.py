@@ -135,6 +135,21 @@ def test_bench_figures(tmp_path):
     assert P.bench_figures(str(f))["out_of_bounds"] == 1
 
 
+def test_bench_figures_reads_every_series_and_the_layout_before(tmp_path):
+    """Every backend's rows are in ``ncclpy.results`` (nccl-tests' ``results``: the first
+    backend's only); a file of the version-2 layout (all rows in ``results``, named by
+    ``experiment_name``) reads the same."""
+    doc = _bench_doc()
+    assert {r["experiment_name"] for r in doc["results"]} == {""}
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps(doc))
+    new = P.bench_figures(str(f))
+    old = dict(doc, version=2, results=[dict(r, experiment_name=r["series"])
+                                        for r in doc["ncclpy"].pop("results")])
+    f.write_text(json.dumps(old))
+    assert P.bench_figures(str(f)) == new and new["backends"] == ["ncclpy", "cupy", "torch"]
+
+
 def _overhead_doc() -> dict:
     from bench.overhead import derive
     med = {"ncclpy": 9.5, "cupy": 6.25, "torch": 14.0}

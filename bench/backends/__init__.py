@@ -23,20 +23,20 @@ __all__ = ["Layout", "layout", "Buffers", "Backend", "get_backend", "host_dtype"
            "CPU_BACKEND_MODULES", "OVERHEAD_BACKEND_MODULES"]
 
 #: the sweep's backends (``python -m bench``)
-BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyBackend",
-                   "cupy": "bench.backends.cupy_raw:CupyBackend",
-                   "torch": "bench.backends.torch_dist:TorchBackend"}
+BACKEND_MODULES = {"ncclpy": f"{__name__}.ncclpy:NcclpyBackend",
+                   "cupy": f"{__name__}.cupy_raw:CupyBackend",
+                   "torch": f"{__name__}.torch_dist:TorchBackend"}
 #: the sweep's backends with ``--device cpu``: ncclpy on its CPU backend
 #: (``ncclpy.init(device="cpu")``) and torch on gloo; raw CuPy has no CPU form
-CPU_BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy_cpu:NcclpyCpuBackend",
-                       "torch": "bench.backends.torch_dist:TorchBackend"}
+CPU_BACKEND_MODULES = {"ncclpy": f"{__name__}.ncclpy_cpu:NcclpyCpuBackend",
+                       "torch": f"{__name__}.torch_dist:TorchBackend"}
 #: ``python -m bench.overhead``'s backends: ncclpy twice (its defaults as ``ncclpy.init`` runs
 #: it, and with the watchdog and flight recorder off), the raw floor, torch and nccl4py
-OVERHEAD_BACKEND_MODULES = {"ncclpy": "bench.backends.ncclpy:NcclpyDefaultsBackend",
-                            "ncclpy-bare": "bench.backends.ncclpy:NcclpyBareBackend",
-                            "cupy": "bench.backends.cupy_raw:CupyBackend",
-                            "torch": "bench.backends.torch_dist:TorchBackend",
-                            "nccl4py": "bench.backends.nccl4py:Nccl4pyBackend"}
+OVERHEAD_BACKEND_MODULES = {"ncclpy": f"{__name__}.ncclpy:NcclpyDefaultsBackend",
+                            "ncclpy-bare": f"{__name__}.ncclpy:NcclpyBareBackend",
+                            "cupy": f"{__name__}.cupy_raw:CupyBackend",
+                            "torch": f"{__name__}.torch_dist:TorchBackend",
+                            "nccl4py": f"{__name__}.nccl4py:Nccl4pyBackend"}
 
 
 def host_dtype(name: str) -> np.dtype:
@@ -96,6 +96,9 @@ class Buffers:
     ip_send: Any
     ip_recv: Any
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: the allocations behind send, recv and whole (keys of those names): with ``-u N`` each is
+    #: N elements longer than its buffer, which starts N elements in; without, the buffer itself
+    base: Dict[str, Any] = field(default_factory=dict)
 
     def pair(self, in_place: bool) -> Tuple[Any, Any]:
         """(send, recv) arrays for one placement."""
@@ -184,11 +187,22 @@ class Backend:
         return arr[offset:offset + n]
 
     def alloc(self, collective: str, total: int, dtype: str) -> Buffers:
+        """Zeroed buffers for one size, laid out as :func:`layout` says, the in-place sides
+        views of ``whole``.  With ``-u N`` (:attr:`unalign`) each allocation is N elements
+        longer and its buffer starts N elements in, as nccl-tests moves ``sendbuffs`` and
+        ``recvbuffs`` by ``unalign * wordSize(type)`` for the whole ``TimeTest`` (common.cu;
+        ``AllocateBuffs`` pads them by ``8 * unalign`` bytes); the in-place sides sit at their
+        in-place offsets inside the moved ``whole``, as nccl-tests' inside its moved recv
+        buffer.  ``bufs.base`` keeps the allocations (what ``-R`` registers)."""
         lay = layout(collective, total, self.world, self.rank)
-        send, recv, whole = (self.empty(lay.send, dtype), self.empty(lay.recv, dtype),
-                             self.empty(lay.whole, dtype))
+        u = self.unalign
+        sizes = {"send": max(lay.send, 0), "recv": max(lay.recv, 0), "whole": max(lay.whole, 0)}
+        base = {k: self.empty(n + u, dtype) for k, n in sizes.items()}
+        send, recv, whole = ((self.view(base[k], u, n) if u else base[k])
+                             for k, n in sizes.items())
         return Buffers(collective, dtype, lay, send, recv, whole,
-                       self.view(whole, *lay.ip_send), self.view(whole, *lay.ip_recv))
+                       self.view(whole, *lay.ip_send), self.view(whole, *lay.ip_recv),
+                       base=base)
 
     def zero(self, arr: Any) -> None:
         raise NotImplementedError
@@ -224,6 +238,8 @@ class Backend:
     #: -R: 0 none, 1 ncclCommRegister, 2 symmetric windows; --cta-policy (ncclpy backend)
     register: int = 0
     cta_policy: Optional[str] = None
+    #: -u: elements every buffer's start is moved by (nccl-tests' unalign; :meth:`alloc`)
+    unalign: int = 0
 
     def free(self, bufs: Buffers) -> None:
         """Release what ``alloc`` registered for ``bufs`` (before their memory goes)."""
@@ -257,6 +273,12 @@ class Backend:
 
     def event_timer(self) -> Tuple[Callable[[], None], Callable[[], float]]:
         """(start, stop) where stop() returns seconds between them measured on the stream."""
+        raise ArgumentError(f"backend {self.label}: CUDA event timing is unsupported here")
+
+    def event_marks(self, n: int) -> Tuple[Callable[[int], None], Callable[[int, int], float]]:
+        """``-I 1``'s marks (bench.periter): ``n`` CUDA events; (record, elapsed) where
+        ``record(k)`` records event k on the stream and ``elapsed(j, k)`` waits for event k
+        and returns the seconds from event j to event k."""
         raise ArgumentError(f"backend {self.label}: CUDA event timing is unsupported here")
 
     # ---- one stream and one set of buffers for every backend (bench.overhead) -----------------

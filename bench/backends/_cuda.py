@@ -11,7 +11,7 @@ from ncclpy.dtypes import DTYPES
 from ncclpy.errors import MissingDependencyError, NcclpyError, UnsupportedError
 from ncclpy.ops import format_version
 
-from bench.backends import Backend, Buffers, host_dtype, layout
+from . import Backend, Buffers, host_dtype, layout
 
 __all__ = ["CupyStreamBackend", "import_cupy", "SharedCuda", "StreamTimeout"]
 
@@ -202,6 +202,19 @@ class CupyStreamBackend(Backend):
             return cp.cuda.get_elapsed_time(start, end) / 1e3
 
         return begin, stop
+
+    def event_marks(self, n: int) -> Tuple[Callable[[int], None], Callable[[int, int], float]]:
+        cp = self.cp
+        events = [cp.cuda.Event() for _ in range(n)]
+
+        def record(k: int) -> None:
+            events[k].record(self.stream)
+
+        def elapsed(j: int, k: int) -> float:
+            events[k].synchronize()
+            return cp.cuda.get_elapsed_time(events[j], events[k]) / 1e3
+
+        return record, elapsed
 
 
 class SharedCuda:

@@ -12,8 +12,8 @@ from typing import Any, ContextManager, Iterator, List, Tuple
 from ncclpy.dtypes import DTYPES
 from ncclpy.ops import NCCL_OPS
 
-from bench.backends import Buffers
-from bench.backends._cuda import CupyStreamBackend
+from . import Buffers
+from ._cuda import CupyStreamBackend
 
 __all__ = ["CupyBackend", "cupy_uid", "p2p_ops", "P2P_COLLECTIVES"]
 

@@ -22,8 +22,8 @@ from typing import Any, Dict, Optional
 
 from ncclpy.errors import ArgumentError, MissingDependencyError
 
-from bench.backends import Buffers
-from bench.backends._cuda import CupyStreamBackend
+from . import Buffers
+from ._cuda import CupyStreamBackend
 
 __all__ = ["Nccl4pyBackend", "missing", "INSTALL_HINT", "COLLECTIVES", "version_info"]
 

@@ -16,9 +16,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from ncclpy.dtypes import DTYPES
 
-from bench.backends import Buffers
-from bench.combos import environ
-from bench.backends._cuda import CupyStreamBackend
+from . import Buffers
+from ..combos import environ
+from ._cuda import CupyStreamBackend
 
 __all__ = ["NcclpyBackend", "NcclpyDefaultsBackend", "NcclpyBareBackend", "call_args",
            "environ"]
@@ -73,7 +73,9 @@ class NcclpyBackend(CupyStreamBackend):
         regs = []
         if self.register:                 # the same buffers in the same order on every rank
             for k in ("send", "recv", "whole"):
-                arr = getattr(bufs, k)
+                # the allocation, as nccl-tests registers its buffers before -u moves them
+                # (common.cu threadInit): the moved buffer lies inside it
+                arr = bufs.base[k]
                 if int(arr.size):
                     regs.append(self.comm.register_window(arr) if self.register == 2
                                 else self.comm.register(arr))

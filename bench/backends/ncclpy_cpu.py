@@ -21,9 +21,9 @@ import numpy as np
 
 from ncclpy.dtypes import DTYPES
 
-from bench.backends import Backend, Buffers, host_dtype
-from bench.backends._cuda import StreamTimeout
-from bench.backends.ncclpy import NcclpyBackend
+from . import Backend, Buffers, host_dtype
+from ._cuda import StreamTimeout
+from .ncclpy import NcclpyBackend
 
 __all__ = ["NcclpyCpuBackend", "NOTE", "LABEL"]
 
@@ -139,6 +139,9 @@ class NcclpyCpuBackend(NcclpyBackend):
 
     def event_timer(self) -> Any:
         return Backend.event_timer(self)        # refused: no CUDA events on the CPU backend
+
+    def event_marks(self, n: int) -> Any:
+        return Backend.event_marks(self, n)     # refused: the sweep's -I uses the host clock
 
     def settings(self) -> Dict[str, Any]:
         out = super().settings()

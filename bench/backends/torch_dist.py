@@ -20,7 +20,7 @@ import numpy as np
 from ncclpy.dtypes import DTYPES
 from ncclpy.errors import MissingDependencyError
 
-from bench.backends import Backend, Buffers, host_dtype
+from . import Backend, Buffers, host_dtype
 
 __all__ = ["TorchBackend"]
 
@@ -257,3 +257,18 @@ class TorchBackend(Backend):
             return start.elapsed_time(end) / 1e3
 
         return begin, stop
+
+    def event_marks(self, n: int) -> Tuple[Callable[[int], None], Callable[[int, int], float]]:
+        if not self.cuda:
+            return super().event_marks(n)          # refused: gloo has no CUDA events
+        torch = self.torch
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+
+        def record(k: int) -> None:
+            events[k].record()          # torch's current stream, as event_timer's
+
+        def elapsed(j: int, k: int) -> float:
+            events[k].synchronize()
+            return events[j].elapsed_time(events[k]) / 1e3
+
+        return record, elapsed

@@ -128,8 +128,9 @@ def rank_plans(collective: str, world_size: int, count: int, dtype: Any = "float
     if isinstance(op, str) and not op.strip().lower().startswith("premul_sum:"):
         try:
             parse_op(op)
-        except UnsupportedError as e:
-            raise UnsupportedError(f"op: {e}") from None
+        except UnsupportedError as e:   # its message starts "op 'band': ": said once, after
+            why = str(e).removeprefix(f"op {op!r}: ")     # the flag the CLI puts first
+            raise UnsupportedError(f"op: {op!r}: {why}") from None
         except NcclpyError:
             raise ArgumentError(f"op: unknown reduction {op!r}; expected sum, prod, max, min, "
                                 f"avg or premul_sum:X with a number X") from None

@@ -34,7 +34,8 @@ from .report import (PROGRAM, RunRecord, StageResult, exit_code, paste_block, ve
 from .record import commit_of, trace_env, update_ledger
 from .runner import GRACE_S, pack
 from .schedule import run_stages
-from .stages import DEFAULT_BUDGET_S, NAMES, RESERVE_S, Ctx, Stage, commands, select
+from .stages import (DEFAULT_BUDGET_S, NAMES, ON_REQUEST, RESERVE_S, Ctx, Stage, by_name,
+                     commands, select)
 
 __all__ = ["main", "build_parser", "execute", "plan_text", "say"]
 
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                f"most GPU debt first (the fixed order with --stage); bench and overhead alone, "
                f"last.  On a GPU machine: PYTHONPATH=. python3 -m {PROGRAM} OUTDIR (every "
                f"stage, within 480 s), then, after fixing what failed, a second call with "
-               f"--stage NAME for each.  Exit status 0 only when every stage passed.  Without "
+               f"--stage NAME for each.  Only with --stage: {', '.join(ON_REQUEST)} (its own "
+               f"call).  Exit status 0 only when every stage passed.  Without "
                f"a GPU: python -m {PROGRAM} --debt.")
     p.add_argument("outdir", nargs="?", metavar="OUTDIR",
                    help="folder for report.md, summary.json, stages.tar.gz and "
@@ -142,9 +144,13 @@ def plan_text(stages: Sequence[Stage], budget_s: float) -> str:
                  f"stages side by side (--jobs commands at once, their ranks within the "
                  f"machine's share), most GPU debt first; then the ones that time something, "
                  f"alone")
+    rest = [n for n in ON_REQUEST if n not in {s.name for s in stages}]
+    if rest:
+        lines.append("only with --stage NAME (not in the default run): " + "; ".join(
+            f"{n} ({by_name(n).timeout_s:.0f} s: {by_name(n).title})" for n in rest))
     lines.append("commands (WORK: the stages' files, packed into OUTDIR/stages.tar.gz):")
     for s in stages:
-        for c in commands(s, ctx):
+        for c in commands(s, ctx, max(0.0, budget_s - RESERVE_S)):
             lines.append(f"  {s.name}: {c.shell()}")
     return "\n".join(lines)
 

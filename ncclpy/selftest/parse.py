@@ -15,7 +15,8 @@ import xml.etree.ElementTree as ET
 from typing import Any, Dict, List, Optional
 
 __all__ = ["junit_counts", "merge_counts", "pytest_log_counts", "check_summary", "bench_figures",
-           "overhead_figures", "cuda_costs_figures", "load_json", "BIG_BYTES", "MiB"]
+           "overhead_figures", "cuda_costs_figures", "nccl_tests_figures", "load_json",
+           "BIG_BYTES", "MiB", "finite_number"]
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,9 @@ def check_summary(path: str) -> Optional[Dict[str, Any]]:
             "seconds": doc.get("seconds")}
 
 
-def _num(v: Any) -> Optional[float]:
+def finite_number(v: Any) -> Optional[float]:
+    """``v`` as a float, or None where it is none, not a number, NaN or infinite (a JSON
+    figure written as \"nan\" reads as None)."""
     try:
         x = float(v)
     except (TypeError, ValueError):
@@ -164,18 +167,24 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def bench_figures(path: str, big: int = BIG_BYTES) -> Optional[Dict[str, Any]]:
     """From a ``python -m bench -J`` file: per backend the out-of-place bus bandwidth by size,
     the ratios ncclpy/torch and ncclpy/cupy at sizes >= ``big`` (out of place), their mean,
-    and the wrong-element count."""
+    and the wrong-element count.  Every backend's rows are in ``ncclpy.results`` (each named by
+    its ``series``; nccl-tests' own ``results`` holds the first backend's only); a file of the
+    layout before (nccl-tests' version 2, every row in ``results`` named by
+    ``experiment_name``) is read too."""
     doc = load_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
         return None
+    ext = doc.get("ncclpy") if isinstance(doc.get("ncclpy"), dict) else {}
+    rows, name = doc["results"], "experiment_name"
+    if isinstance(ext.get("results"), list):
+        rows, name = ext["results"], "series"
     busbw: Dict[str, Dict[int, Optional[float]]] = {}
-    for r in doc["results"]:
+    for r in rows:
         try:
-            size, backend = int(r["size"]), str(r["experiment_name"])
-            busbw.setdefault(backend, {})[size] = _num(r["out_of_place"]["bus_bw"])
+            size, backend = int(r["size"]), str(r[name])
+            busbw.setdefault(backend, {})[size] = finite_number(r["out_of_place"]["bus_bw"])
         except (KeyError, TypeError, ValueError):
             continue
-    ext = doc.get("ncclpy") or {}
     out: Dict[str, Any] = {
         "collective": ext.get("collective"), "world_size": ext.get("world_size"),
         "backends": list(busbw), "nccl_version": doc.get("nccl_version"),
@@ -209,7 +218,7 @@ def overhead_figures(path: str, size: int = 8) -> Optional[Dict[str, Any]]:
         try:
             if int(r["size"]) != size:
                 continue
-            modes.setdefault(str(r["mode"]), {})[str(r["backend"])] = _num(r["median_us"])
+            modes.setdefault(str(r["mode"]), {})[str(r["backend"])] = finite_number(r["median_us"])
         except (KeyError, TypeError, ValueError):
             continue
     for mode, med in modes.items():
@@ -233,6 +242,27 @@ def cuda_costs_figures(path: str) -> Optional[Dict[str, Any]]:
     if not isinstance(doc, dict) or doc.get("schema") != "ncclpy-cuda-costs/1" or \
             not isinstance(doc.get("costs_ns"), dict):
         return None
-    costs = {str(k): _num(v) for k, v in doc["costs_ns"].items()}
+    costs = {str(k): finite_number(v) for k, v in doc["costs_ns"].items()}
     return {"device": doc.get("device"), "cuda_runtime": doc.get("cuda_runtime"),
-            "cupy": doc.get("cupy"), "costs_ns": costs, "floor_ns": _num(doc.get("floor_ns"))}
+            "cupy": doc.get("cupy"), "costs_ns": costs, "floor_ns": finite_number(doc.get("floor_ns"))}
+
+
+def nccl_tests_figures(path: str) -> Optional[Dict[str, Any]]:
+    """From ``python -m bench.nccl_tests_side``'s JSON: its status and reason, what makes it not
+    comparable, the ranks, rounds, GPU, versions, build time, per collective the summary of the
+    verdicts, and the Markdown tables (None: missing, unreadable or another schema)."""
+    doc = load_json(path)
+    if not isinstance(doc, dict) or doc.get("schema") != "ncclpy-nccl-tests-side/1":
+        return None
+    st = doc.get("setup") if isinstance(doc.get("setup"), dict) else {}
+    nt = doc.get("nccl_tests") if isinstance(doc.get("nccl_tests"), dict) else {}
+    colls = doc.get("collectives") if isinstance(doc.get("collectives"), dict) else {}
+    return {"status": str(doc.get("status") or "?"), "reason": str(doc.get("reason") or ""),
+            "flags": [str(f) for f in doc.get("flags") or []],
+            "comparable": bool(doc.get("comparable")), "nproc": st.get("nproc"),
+            "rounds": st.get("rounds_done"), "rounds_planned": st.get("rounds_planned"),
+            "gpu": nt.get("gpu"), "version_line": nt.get("version_line"),
+            "build_seconds": nt.get("build_seconds"), "versions": doc.get("versions") or {},
+            "summary": {str(k): v.get("summary") for k, v in colls.items()
+                        if isinstance(v, dict)},
+            "markdown": str(doc.get("markdown") or "")}

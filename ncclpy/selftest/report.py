@@ -128,7 +128,20 @@ def versions(info: Dict[str, Any]) -> Dict[str, str]:
     }
 
 
+def _targets(n: Dict[str, Any]) -> str:
+    """The nccl-tests stage's verdicts against its targets, per collective, in a few words: its
+    stage passes when the comparison completed and was comparable, whatever they are."""
+    parts = []
+    for coll, sm in (n.get("summary") or {}).items():
+        if sm:
+            parts.append(f"{coll} busbw {(sm.get('busbw') or {}).get('verdict', '?')}, graph "
+                         f"latency {(sm.get('graph_latency') or {}).get('verdict', '?')}")
+    return "comparison completed; targets: " + ("; ".join(parts) or "none measured")
+
+
 def _result(s: StageResult) -> str:
+    if s.status == "passed" and s.figures.get("nccl_tests"):
+        return f"passed: {_targets(s.figures['nccl_tests'])}"
     if s.status == "did not finish":
         return f"did not finish (bound {s.timeout_s:.0f} s)"
     if s.status == "not run" and s.reason:
@@ -203,6 +216,9 @@ def _figure_lines(stages: Sequence[StageResult]) -> List[str]:
         o = s.figures.get("overhead")
         if o:
             out.append(_overhead_line(o))
+        n = s.figures.get("nccl_tests")
+        if n:
+            out += _nccl_tests_lines(n)
         c = s.figures.get("cuda_costs")
         if c:
             costs = ", ".join(f"{k} {_fmt(v, '.0f')}" for k, v in (c.get("costs_ns") or {}).items())
@@ -236,6 +252,44 @@ def _overhead_line(o: Dict[str, Any]) -> str:
             parts.append(f"capture, one-off per captured call: {med}")
     return (f"- overhead all_reduce {o.get('size')} B, median per call, "
             f"{o.get('world_size')} ranks: {'; '.join(parts) or '?'}")
+
+
+def _nccl_tests_lines(n: Dict[str, Any]) -> List[str]:
+    """The nccl-tests stage: one line per collective with its verdicts against the targets
+    (its tables are in report.md and the stage's own Markdown file)."""
+    v = n.get("version_line") or {}
+    head = (f"- nccl-tests {v.get('version', '?')} beside ncclpy's bench, {n.get('nproc')} ranks "
+            f"on {n.get('gpu') or '?'}, NCCL {(n.get('versions') or {}).get('ncclpy', '?')}, "
+            f"medians of {n.get('rounds')} of {n.get('rounds_planned')} rounds")
+    if n.get("build_seconds"):
+        head += f", built in {_fmt(n['build_seconds'], '.0f')} s"
+    if n.get("status") != "complete":
+        head += f"; {n.get('status')}: {n.get('reason') or '?'}"
+    if n.get("rounds") is not None and n["rounds"] < 2:
+        head += ("; fewer than 2 rounds: the spread is unknown, a ratio outside its band is "
+                 "not a verdict")
+    out = [head + "".join(f"; NOT COMPARABLE: {f}" for f in n.get("flags") or [])]
+    for coll, sm in (n.get("summary") or {}).items():
+        if not sm:
+            continue
+        parts = []
+        for key, label in (("busbw", "busbw >= 1 MiB within 3%"),
+                           ("graph_latency", "graph latency <= 64 KiB within 5%")):
+            t = sm.get(key) or {}
+            spread = ("" if t.get("worst") is None else
+                      f", nccl-tests' spread {t['nt_spread']:.1%}"
+                      if t.get("nt_spread") is not None else ", spread unknown (one round)"
+                      if t.get("rounds") is not None and t["rounds"] < 2 else "")
+            parts.append(f"{label}: {t.get('verdict', '?')} ({t.get('met', 0)}/"
+                         f"{t.get('sizes', 0)}, worst ratio {_fmt(t.get('worst'), '.3f')}"
+                         f"{spread})")
+        eager = ", ".join(f"{k} {c}" for k, c in (sm.get("eager_latency") or {}).items())
+        parts.append(f"eager <= 64 KiB: {eager or '?'}")
+        oob = f" ({sm['out_of_bounds']} results out of bounds)" \
+            if sm.get("out_of_bounds") else ""
+        out.append(f"  - {coll}: {'; '.join(parts)}; #wrong "
+                   f"{'unchecked' if sm.get('wrong') is None else int(sm['wrong'])}{oob}")
+    return out
 
 
 def _rerun(rec: RunRecord, names: Sequence[str]) -> str:
@@ -333,6 +387,9 @@ def report_md(rec: RunRecord) -> str:
             out += ["", f"{f['kind']}: `{f['id']}`", "", "```", f["message"][:2000], "```"]
         if s.log_tail:
             out += ["", "end of the log:", "", "```", s.log_tail, "```"]
+        tables = (s.figures.get("nccl_tests") or {}).get("markdown")
+        if tables:                # to paste into docs/performance.md
+            out += ["", tables.rstrip()]
         out.append("")
     return "\n".join(out)
 

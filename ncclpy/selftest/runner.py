@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from . import parse as P
 from .report import StageResult
-from .stages import CUDA_COSTS_SUFFIX, Ctx, Stage, prefix, shard_prefix
+from .stages import CUDA_COSTS_SUFFIX, SIDE_JSON, Ctx, Stage, prefix, shard_prefix
 
 __all__ = ["analyse", "pack", "child_env", "GRACE_S", "DEVICE_FAULTS", "device_fault"]
 
@@ -168,6 +168,31 @@ def analyse(stage: Stage, res: StageResult, ctx: Ctx) -> None:
                 res.figures["cuda_costs"] = costs
             elif ok:
                 ok, reason = False, "bench.cuda_costs wrote no JSON"
+    elif stage.kind == "nccl-tests":
+        side = P.nccl_tests_figures(os.path.join(work, p, SIDE_JSON))
+        if side is None:
+            bad = [rc for rc in rcs if rc != 0]
+            ok = False
+            reason = (f"exit status {bad[0]}, " if bad else "") + "no JSON written"
+        else:
+            res.figures["nccl_tests"] = side
+            sums = [s for s in side["summary"].values() if s]
+            wrong = sum(s.get("wrong") or 0 for s in sums)
+            oob = sum(s.get("out_of_bounds") or 0 for s in sums)
+            if side["status"] == "not run" and not timed_out and not interrupted:
+                # a missing prerequisite only (bench.nccl_tests_side): never "passed"
+                res.status, res.reason = "not run", side["reason"]
+                res.log_tail = _tail(_logs(work, p))
+                return
+            if wrong or oob:        # the figures of a run that found them are kept: it fails
+                ok, reason = False, f"{wrong:.0f} wrong elements" + (
+                    f" ({oob} results out of bounds)" if oob else "")
+            elif side["status"] == "failed":
+                ok, reason = False, side["reason"]
+            elif side["status"] != "complete":
+                ok, reason = False, f"{side['status']}: {side['reason']}"
+            elif not side["comparable"]:
+                ok, reason = False, f"not comparable: {'; '.join(side['flags'])}"
     if interrupted:
         res.status = "interrupted"
     elif timed_out:

@@ -194,7 +194,7 @@ def run_stages(stages: Sequence[Stage], ctx: Ctx, root: str, budget_s: float, *,
             res.reason = why
             say(f"[selftest] {s.name}: not run: {why}")
             return True
-        shards = shard_commands(s, ctx)
+        shards = shard_commands(s, ctx, timeout)
         n_units, n_ranks = used()
         if running and (n_units + len(shards) > max(1, jobs) or
                         (capacity and n_ranks + s.ranks * len(shards) > capacity)):

@@ -10,7 +10,8 @@ commands make: files, ignored files, world sizes).
 
 Concurrency (:mod:`ncclpy.selftest.schedule`): the stages that time nothing run side by side on
 the one GPU, within a budget of ranks at once (``ranks`` is a stage's weight, per shard); the
-ones that time something (``exclusive``: bench, overhead) run alone.
+ones that time something (``exclusive``: bench, overhead, nccl-tests) run alone.  A stage
+``on_request`` (nccl-tests) runs only when ``--stage`` names it: not in the default proof.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["Cmd", "Ctx", "Stage", "STAGES", "NAMES", "DEFAULT_BUDGET_S", "RESERVE_S",
            "ARTIFACTS_ENV", "select", "decide", "commands", "shard_commands", "prefix",
-           "by_name", "stage_of", "TIMED", "CUDA_COSTS_SUFFIX"]
+           "by_name", "stage_of", "TIMED", "CUDA_COSTS_SUFFIX", "DEFAULT", "ON_REQUEST",
+           "SIDE_JSON", "SIDE_MARGIN_S"]
 
 #: default global deadline (seconds): the whole proof in one device call, leaving time in a
 #: session's 15 minutes of device time for a second call that reruns what failed
@@ -32,6 +34,8 @@ RESERVE_S = 25.0
 ARTIFACTS_ENV = "NCCLPY_GPU_ARTIFACTS"
 #: the overhead stage's second JSON, ``python -m bench.cuda_costs``'s, after the stage prefix
 CUDA_COSTS_SUFFIX = "cuda-costs.json"
+#: the nccl-tests stage's JSON (``bench.nccl_tests_side``'s), in the folder named by its prefix
+SIDE_JSON = "nccl-tests-side.json"
 
 
 @dataclass(frozen=True)
@@ -65,13 +69,14 @@ class Stage:
 
     ``ranks``: the most ranks it runs at once (per shard); ``exclusive``: it times something
     and runs alone; ``kills_ranks``: its tests kill ranks that may have kernels in flight, so it
-    runs outside the run's MPS server (:mod:`ncclpy.selftest.gpuenv`); ``shards``: a pytest stage's tests split over this many pytest processes
-    that run at once (``--gpu-shard K/N``).  A pytest stage selects ``paths`` minus ``ignore``,
-    keeping the tests whose largest world size is in ``worlds`` (all when empty)."""
+    runs outside the run's MPS server (:mod:`ncclpy.selftest.gpuenv`); ``shards``: a pytest
+    stage's tests split over this many pytest processes that run at once (``--gpu-shard K/N``).
+    A pytest stage selects ``paths`` minus ``ignore``, keeping the tests whose largest world size
+    is in ``worlds`` (all when empty).  ``on_request``: only run when ``--stage`` names it."""
 
     name: str
     title: str
-    kind: str                       # info | pytest | bench | overhead | cmd
+    kind: str                       # info | pytest | bench | overhead | nccl-tests | cmd
     timeout_s: float
     min_s: float
     args: Tuple[str, ...] = ()      # bench/overhead/cmd: their arguments
@@ -84,6 +89,7 @@ class Stage:
     paths: Tuple[str, ...] = ()
     ignore: Tuple[str, ...] = ()
     worlds: Tuple[int, ...] = ()
+    on_request: bool = False
 
 
 _GPU = "tests/gpu"
@@ -155,10 +161,33 @@ STAGES: Tuple[Stage, ...] = (
           args=("--nproc", "2", "--modes", "eager,prepared,graph,capture", "--breakdown"),
           notes="bench/install_wheels.sh --optional first (nccl4py from wheels/, when carried "
                 "along), then bench.overhead, then bench.cuda_costs (its JSON beside)"),
+    # its own call (--stage nccl-tests), not the default proof's 480 s: ~60 s to build
+    # nccl-tests from wheels/nccl-tests (16 cores), then per round 12 program runs (2
+    # collectives x 3 modes x 2 programs).  Two ranks on one GPU talk over NCCL's socket
+    # transport on loopback at ~3 GB/s busbw at 256 MiB (docs/gpu-runs.md, 2026-11-25 14:30,
+    # H100: a 3-backend sweep to 256 MiB took 63 s), so one eager sweep to 256 MiB with -n 20
+    # -w 5 -c 1, out of place and in place, is ~10-20 s, and a program's start-up 3-10 s (the
+    # bench: Python, torch, 2 processes): ~120-160 s a round.  2 rounds (the fewest that give a
+    # spread); the runner gets the stage's decided bound less 30 s as its --budget
+    # (shard_commands) and starts no round that would not fit it
+    Stage("nccl-tests", "nccl-tests 2.19.6 beside ncclpy's bench: all_reduce and sendrecv, "
+          "8 B - 256 MiB, n=2, eager, graph, cputime", "nccl-tests", 420, 150, ranks=2,
+          exclusive=True, on_request=True,
+          args=("--nproc", "2", "--rounds", "2", "--carry", "wheels/nccl-tests"),
+          notes="builds all_reduce_perf and sendrecv_perf from wheels/nccl-tests (python -m "
+                "bench.nccl_tests_build prepare; carried along), then python -m "
+                "bench.nccl_tests_side: the two programs interleaved, medians over rounds, "
+                "the ratios and verdicts against the targets, the tables for "
+                "docs/performance.md"),
 )
 NAMES: Tuple[str, ...] = tuple(s.name for s in STAGES)
+#: the stages a run without --stage runs (the one-call proof)
+DEFAULT: Tuple[str, ...] = tuple(s.name for s in STAGES if not s.on_request)
+#: the stages that run only when --stage names them
+ON_REQUEST: Tuple[str, ...] = tuple(s.name for s in STAGES if s.on_request)
 #: the stages whose result is a stage, not tests (the GPU ledger records them as items)
-TIMED: Tuple[str, ...] = tuple(s.name for s in STAGES if s.kind in ("bench", "overhead"))
+TIMED: Tuple[str, ...] = tuple(s.name for s in STAGES
+                               if s.kind in ("bench", "overhead", "nccl-tests"))
 
 
 def by_name(name: str) -> Stage:
@@ -172,11 +201,12 @@ def by_name(name: str) -> Stage:
 def select(names: Optional[Sequence[str]] = None) -> List[Stage]:
     """The stages to run, in the fixed order, each once.
 
-    ``None`` or empty: all of them.  Otherwise the named ones, plus ``info`` (always first: the
-    record of a run needs its versions).  Unknown names raise ValueError listing the names.
+    ``None`` or empty: all but the ``on_request`` ones.  Otherwise the named ones, plus ``info``
+    (always first: the record of a run needs its versions).  Unknown names raise ValueError
+    listing the names.
     """
     if not names:
-        return list(STAGES)
+        return [s for s in STAGES if not s.on_request]
     wanted = set()
     for n in names:
         wanted.add(by_name(n.strip()).name)
@@ -215,10 +245,17 @@ def _pytest_args(stage: Stage) -> List[str]:
     return args
 
 
-def shard_commands(stage: Stage, ctx: Ctx) -> List[List[Cmd]]:
+#: seconds of a stage's bound the nccl-tests runner does not get as its --budget: SIGINT at the
+#: bound, the grace after it, the stage's files
+SIDE_MARGIN_S = 30.0
+
+
+def shard_commands(stage: Stage, ctx: Ctx, timeout: Optional[float] = None) -> List[List[Cmd]]:
     """The exact command lines of ``stage`` (run from the repository root): one list per shard;
-    the shards run at once, the commands of a shard one after another."""
+    the shards run at once, the commands of a shard one after another.  ``timeout``: the bound
+    :func:`decide` gave it (default its own), which a command that bounds itself is told."""
     work, py = ctx.work, ctx.python
+    bound = stage.timeout_s if timeout is None else min(stage.timeout_s, timeout)
     p = prefix(stage)
     if stage.kind == "info":
         return [[Cmd((py, "-m", "ncclpy.selftest.probe", os.path.join(work, f"{p}.json"))),
@@ -243,14 +280,19 @@ def shard_commands(stage: Stage, ctx: Ctx) -> List[List[Cmd]]:
                       "-J", os.path.join(work, f"{p}.json"))),
                  Cmd((py, "-m", "bench.cuda_costs", "--json",
                       os.path.join(work, f"{p}.{CUDA_COSTS_SUFFIX}")))]]
+    if stage.kind == "nccl-tests":    # its build folder is not kept (nor packed)
+        return [[Cmd((py, "-m", "bench.nccl_tests_side", *stage.args, "--out",
+                      os.path.join(work, p), "--build-dir",
+                      os.path.join(ctx.tmp, "nccl-tests-build"), "--budget",
+                      f"{max(30.0, bound - SIDE_MARGIN_S):.0f}", "--python", py))]]
     if stage.kind == "cmd":           # ``python ARGS``: for stages made outside STAGES
         return [[Cmd((py, *stage.args))]]
     raise ValueError(f"stage {stage.name}: unknown kind {stage.kind!r}")
 
 
-def commands(stage: Stage, ctx: Ctx) -> List[Cmd]:
+def commands(stage: Stage, ctx: Ctx, timeout: Optional[float] = None) -> List[Cmd]:
     """Every command line of ``stage``, shard after shard (what ``--list`` shows)."""
-    return [c for shard in shard_commands(stage, ctx) for c in shard]
+    return [c for shard in shard_commands(stage, ctx, timeout) for c in shard]
 
 
 def _under(path: str, top: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,10 @@ def _results(path):
 
 
 def _all_right(doc, cp):
-    assert doc["results"], cp.stdout + cp.stderr
-    for r in doc["results"]:
+    """Every series' rows (``ncclpy.results``; nccl-tests' ``results`` holds the first's)
+    measured and checked."""
+    assert doc["results"] and doc["ncclpy"]["results"], cp.stdout + cp.stderr
+    for r in doc["ncclpy"]["results"]:
         for side in ("out_of_place", "in_place"):
             assert r[side]["nwrong"] in (0, None), (r, cp.stdout)
         assert r["out_of_place"]["nwrong"] == 0, (r, cp.stdout)
@@ -62,7 +65,7 @@ def test_sweep_every_collective_ncclpy_and_cupy(coll, tmp_path):
     assert cp.returncode == 0, cp.stdout + cp.stderr
     doc = _results(js)
     _all_right(doc, cp)
-    assert {r["experiment_name"] for r in doc["results"]} == {"ncclpy", "cupy"}
+    assert {r["series"] for r in doc["ncclpy"]["results"]} == {"ncclpy", "cupy"}
     assert "# Ratios ncclpy / cupy" in cp.stdout
     devices = doc["config"]["devices"]
     assert [d["rank"] for d in devices] == [0, 1]
@@ -105,7 +108,7 @@ def test_torch_nccl_backend_and_events_timer(tmp_path):
     assert cp.returncode == 0, cp.stdout + cp.stderr
     doc = _results(js)
     _all_right(doc, cp)
-    assert {r["experiment_name"] for r in doc["results"]} == {"ncclpy", "torch"}
+    assert {r["series"] for r in doc["ncclpy"]["results"]} == {"ncclpy", "torch"}
 
 
 @requires_gpu
@@ -171,7 +174,7 @@ def test_predicted_time_column_and_a_forced_algorithm(tmp_path):
     doc = _results(js)
     _all_right(doc, cp)
     pred = doc["ncclpy"]["predicted"]
-    assert len(pred) == len(doc["results"])
+    assert len(pred) == len(doc["ncclpy"]["results"]) == len(doc["results"])
     assert doc["ncclpy"]["combinations"][0]["env"] == {"NCCL_ALGO": "Ring"}
     assert all(p["predicted_us"] is not None and p["predicted_us"] > 0 for p in pred), pred
     big = pred[-1]                                  # 16 MiB: the model is meant for this
@@ -198,12 +201,13 @@ def test_algorithm_by_protocol_bench_with_the_bits_column(tmp_path):
         doc = _results(tmp_path / f"r.{coll}.json")
         _all_right(doc, cp)
         assert [c["label"] for c in doc["ncclpy"]["combinations"]] == labels
-        got = {(r["experiment_name"], r["size"]) for r in doc["results"]}
+        rows = doc["ncclpy"]["results"]                       # every combination's rows
+        got = {(r["series"], r["size"]) for r in rows}
         assert {name for name, _ in got} == {f"ncclpy {lab}" for lab in runs}, got
-        assert len(doc["results"]) == len(runs) * 3            # 1K, 32K, 1M
-        for r in doc["results"]:
+        assert len(rows) == len(runs) * 3 and len(doc["results"]) == 3   # 1K, 32K, 1M
+        for r in rows:
             bits = r["bits"]
-            assert bits["model"]["verdict"] == "exact", (r["experiment_name"], bits)
+            assert bits["model"]["verdict"] == "exact", (r["series"], bits)
             assert bits["repeats"]["differing"] == 0, bits
             assert bits["first"]["is_reference"] or bits["first"]["differing"] == 0, bits
         assert doc["ncclpy"]["bits"]["summary"]["mismatch"] == 0
@@ -258,5 +262,76 @@ def test_nccl_tests_aggregation_and_blocking_flags(flags, agg, blocking, tmp_pat
         assert doc["config"]["aggregated_iterations"] == agg
         assert doc["config"]["blocking_collectives"] == blocking
         key = "cpu_time" if "-C" in flags else "time"
-        for r in doc["results"]:
+        for r in doc["ncclpy"]["results"]:                # both backends' rows
             assert r["out_of_place"]["nwrong"] == 0 and r["out_of_place"][key] > 0, r
+
+
+@requires_gpu
+@pytest.mark.timeout(TEST_S)
+@pytest.mark.parametrize("backends, flags", [
+    ("ncclpy,cupy,torch", ["-u", "1"]),
+    ("ncclpy,cupy,torch", ["-u", "3"]),
+    ("ncclpy", ["-u", "3", "-R", "1"]),      # the registrations hold the moved pointers
+])
+def test_misaligned_buffers_check_clean(backends, flags):
+    """nccl-tests' -u N (common.cu TimeTest: every send and receive pointer moved by N x the
+    type's size): every collective on each backend that takes an offset pointer (ncclpy and
+    cupy on CuPy views, torch on a tensor view), 1-, 2- and 4-byte types, #wrong = 0.  ``-w 0``
+    (one untimed call per case) keeps the 81 cases x backends inside the device budget."""
+    if "torch" in backends:
+        _torch_cuda_or_skip()
+    cp = _run("bench", "all", "--nproc", "2", "--device", "cuda", "--backend", backends,
+              "-b", "8", "-e", "256K", "-f", "32", "-n", "2", "-w", "0", "-c", "1",
+              "-d", "float,half,int8", "-q", *flags)
+    assert cp.returncode == 0, cp.stdout[-4000:] + cp.stderr[-4000:]
+    n = len(registry.names())
+    assert cp.stdout.count(f" unalign: {flags[1]}\n") == n, cp.stdout
+    assert cp.stdout.count("# Out of bounds values : 0 OK") == n, cp.stdout
+    assert "skipped" not in cp.stdout, cp.stdout
+    rows = [ln.split() for ln in cp.stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\s", ln)]
+    assert len(rows) == n * len(backends.split(",")) * 3 * 4, cp.stdout   # dtypes x sizes
+    for r in rows:
+        assert r[8] == "0" and r[12] in ("0", "N/A"), r
+    if "-R" in flags:    # the registrations were asked for (moved pointers inside them)
+        assert re.search(r"# ncclpy: -R 1: NCCL registered \d+ of the [1-9]\d* buffers",
+                         cp.stdout), cp.stdout
+
+
+def _torch_cuda_or_skip() -> None:
+    pytest.importorskip("torch")
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+
+
+@requires_gpu
+@pytest.mark.timeout(TEST_S)
+@pytest.mark.parametrize("flags", [[], ["-z", "3"]])
+def test_per_iteration_timing_is_cuda_event_times(flags, tmp_path):
+    """nccl-tests' -I 1 -K 1 (common.cu BenchTime: a CUDA event at each iteration boundary on
+    the stream, paired start/stop events with -z 3) on ncclpy, cupy and torch at 2 ranks: the
+    header says CUDA event timing, each side has -n samples, positive, whose mean is near the
+    row's whole-window time per call, and one row of samples per rank."""
+    _torch_cuda_or_skip()
+    js = tmp_path / "r.json"
+    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cuda", "--backend",
+              "ncclpy,cupy,torch", "-b", "1K", "-e", "4M", "-f", "64", "-n", "10", "-w", "2",
+              "-I", "1", "-K", "1", "-q", *flags, "-J", str(js))
+    assert cp.returncode == 0, cp.stdout[-4000:] + cp.stderr[-4000:]
+    assert ("# Per-Iteration Report: CUDA event timing; i_* uses max over process rows; "
+            "summary skips first 1 iterations \n") in cp.stdout, cp.stdout
+    doc = _results(js)
+    _all_right(doc, cp)
+    # every series' records: the ncclpy extension's list where there are several backends
+    recs = doc.get("ncclpy", {}).get("results") or doc["results"]
+    assert len(recs) == 3 * 3, recs                         # backends x sizes
+    for r in recs:
+        for side in ("out_of_place", "in_place"):
+            pi, time_us = r[f"{side}_per_iter"], r[side]["time"]
+            t = pi["times_us"]
+            assert len(t) == 10 and min(t) > 0 and pi["skipped_iterations"] == 1, (r, side)
+            assert 0.2 * time_us <= sum(t) / len(t) <= 5 * time_us, (r, side)
+            rows = pi["per_process_max_times_us"]          # each rank's samples
+            assert len(rows) == 2 and all(len(x) == 10 for x in rows), (r, side)
+            assert t == pytest.approx([max(a, b) for a, b in zip(*rows)]), (r, side)
+            assert pi["min_us"] == pytest.approx(min(t[1:])), (r, side)     # -K 1
