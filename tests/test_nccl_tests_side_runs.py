@@ -45,12 +45,7 @@ def test_nccl_tests_failing_at_every_run_is_failed_with_its_own_words(tmp_path):
     assert doc["nccl_tests"]["version_line"] == {"version": "2.19.6", "headers": 22809,
                                                  "library": 22809}
     # the selftest's stage records it as failed, with that reason (the ledger keeps failures)
-    st = S.by_name("nccl-tests")
-    work = tmp_path / "work"
-    (work / S.prefix(st)).mkdir(parents=True)
-    (work / S.prefix(st) / S.SIDE_JSON).write_text(json.dumps(doc))
-    res = RP.StageResult(st.name, st.title, commands=[{"rc": 1, "shell": "x", "seconds": 1.0}])
-    RN.analyse(st, res, S.Ctx(python=sys.executable, work=str(work), tmp=str(tmp_path)))
+    res = _stage_verdict(doc, tmp_path)
     assert (res.status, res.reason) == ("failed", doc["reason"])
 
 
@@ -162,12 +157,7 @@ def test_wrong_elements_keep_the_runs_figures_and_fail_the_stage(tmp_path):
     rows = doc["collectives"]["all_reduce"]["rows"]["eager"]
     assert rows[0]["nt_wrong"] == 6.0 and all(r["nt_time"] for r in rows)   # figures kept
     assert "#wrong 6 (2 results out of bounds)" in doc["markdown"]
-    st = S.by_name("nccl-tests")
-    work = tmp_path / "work"
-    (work / S.prefix(st)).mkdir(parents=True)
-    (work / S.prefix(st) / S.SIDE_JSON).write_text(json.dumps(doc))
-    res = RP.StageResult(st.name, st.title, commands=[{"rc": 1, "shell": "x", "seconds": 1.0}])
-    RN.analyse(st, res, S.Ctx(python=sys.executable, work=str(work), tmp=str(tmp_path)))
+    res = _stage_verdict(doc, tmp_path)
     assert (res.status, res.reason) == ("failed", "6 wrong elements (2 results out of bounds)")
 
 
@@ -232,3 +222,15 @@ def test_the_whole_pipeline_on_cpu_with_stand_ins_is_complete_and_flagged(tmp_pa
     assert "- NOT COMPARABLE: cpu: the bench ran on ncclpy's CPU backend" in md
     assert "#### sendrecv: host cost of issuing one call (-C 1), eager, out of place" in md
     assert "- status: complete" in md and "medians of 2 round(s) (of 2)" in md
+
+
+def _stage_verdict(doc: dict, tmp_path: Path):
+    """The selftest's verdict on a stage that left ``doc`` as its side-by-side JSON (its
+    command exited 1)."""
+    st = S.by_name("nccl-tests")
+    work = tmp_path / "work"
+    (work / S.prefix(st)).mkdir(parents=True)
+    (work / S.prefix(st) / S.SIDE_JSON).write_text(json.dumps(doc))
+    res = RP.StageResult(st.name, st.title, commands=[{"rc": 1, "shell": "x", "seconds": 1.0}])
+    RN.analyse(st, res, S.Ctx(python=sys.executable, work=str(work), tmp=str(tmp_path)))
+    return res
