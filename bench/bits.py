@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ncclpy import numerics as nm
-from ncclpy.dtypes import C_NAMES, DTYPES
+from ncclpy.semantics import numerics as nm
+from ncclpy.semantics.dtypes import C_NAMES, DTYPES
 
 if TYPE_CHECKING:
     from .backends import Backend, Buffers

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ncclpy import Buffer  # noqa: E402
-from ncclpy.checked import Checker  # noqa: E402
+from ncclpy.debug.checked import Checker  # noqa: E402
 from ncclpy.plan.types import PlanContext  # noqa: E402
 from ncclpy.comm.resolver import Resolver  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402

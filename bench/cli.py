@@ -13,10 +13,10 @@ import re
 import sys
 from typing import Any, List, Optional, Sequence
 
-from ncclpy import registry
+from ncclpy.semantics import registry
 from ncclpy.cli_util import (EXIT_CLOSED_PIPE, OneLineParser, check_output_path, run_main,
                              silence_stdout, stdout_reader_gone)
-from ncclpy.dtypes import DTYPES, SHORT_NAMES, TESTS_NAMES, dtype_name
+from ncclpy.semantics.dtypes import DTYPES, SHORT_NAMES, TESTS_NAMES, dtype_name
 from ncclpy.errors import ArgumentError, NcclpyError
 
 from .combos import add_combo_flags, check_combo_flags

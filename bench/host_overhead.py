@@ -89,7 +89,7 @@ def _array(cupy: Any) -> Any:  # -> (array, the host memory it stands on)
 
 def _samplers(comms: Dict[str, Any], x: Any, nccl: Any, batch: int,
               stream: int) -> Dict[str, Callable[[], float]]:
-    from ncclpy.dtypes import DTYPES
+    from ncclpy.semantics.dtypes import DTYPES
     dt, op = DTYPES["float32"].nccl, 0
     out: Dict[str, Callable[[], float]] = {}
 

@@ -181,7 +181,7 @@ def parse_backends(text: Optional[str], flag: str = "--backends",
 
 def _config(p: Any, a: argparse.Namespace, argv: List[str]) -> OverheadConfig:
     from .cli import parse_size
-    from ncclpy import registry
+    from ncclpy.semantics import registry
     coll = registry.get(a.collective)
     if not coll.data:
         raise ArgumentError(f"--collective: {coll.name} moves no data")

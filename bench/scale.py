@@ -2,12 +2,12 @@
 
 What is real: the store server (its own process, ``StoreServer`` with the limits a job of N
 ranks gets), the wire protocol, the watchdog's decisions (:class:`ncclpy.watchdog.WatchState`
-fed by :func:`ncclpy.watchdog.peers_from_beat` from real BEAT replies, judged only when on time,
-at every 0.1 s tick, with a fresh read before a silence becomes a verdict, verdicts published
+fed by :func:`ncclpy.watchdog.peers_from_beat` from real BEAT replies, judged only when on
+time, at every 0.1 s tick, with a fresh read before a silence becomes a verdict, verdicts published
 in the table: :mod:`bench.scale_sim`), checked mode's fingerprints and hashes
-(:func:`ncclpy.checked.fingerprint` of real plans, :func:`ncclpy.checked.round_hashes`) and its
-one VOTE per rank, the launcher's death notice (:func:`ncclpy.debug.deaths.publish_deaths`), and
-one rank of every run: a process running the real :class:`ncclpy.watchdog.Watchdog` thread
+(:func:`ncclpy.checked.fingerprint` of real plans, :func:`ncclpy.checked.round_hashes`)
+and its one VOTE per rank, the launcher's death notice (:func:`ncclpy.debug.deaths.publish_deaths`),
+and one rank of every run: a process running the real :class:`ncclpy.watchdog.Watchdog` thread
 over a real ``TCPStore`` (the one paused, stalled or killed).  What is simulated: the other N-1
 ranks are clients of one event loop (this process), one connection each for heartbeats plus one
 each for checked-mode votes (as a rank's watchdog beats over a spare connection while its main
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ncclpy.checked import fingerprint, round_hashes  # noqa: E402
+from ncclpy.debug.checked import fingerprint, round_hashes  # noqa: E402
 from ncclpy.store import tablewire as W  # noqa: E402
 from ncclpy.store.poller import raise_nofile_limit  # noqa: E402
 from .scale_sim import (DEAD_AFTER, GRACE, NAME, Client, Loop, Sim)  # noqa: E402
@@ -89,7 +89,7 @@ def _server_main(world: int) -> None:
 def _rank_main(port: int, rank: int, world: int) -> None:
     """One real rank: the real Watchdog thread over a real TCPStore, with a stand-in comm."""
     from ncclpy.store import TCPStore
-    from ncclpy.watchdog import Watchdog
+    from ncclpy.debug.watchdog import Watchdog
 
     class Comm:
         name, _device, _watch, _timeout = NAME, 0, None, GRACE
@@ -429,7 +429,7 @@ def _key_count(rounds: int) -> Dict[str, Any]:
     """Two ranks (threads, the real Checker over real TCPStores) make ``rounds`` checked calls;
     the store's key count before and after."""
     import threading
-    from ncclpy.checked import Checker
+    from ncclpy.debug.checked import Checker
     from ncclpy import Buffer
     from ncclpy.comm.resolver import Resolver
     from ncclpy.plan.types import PlanContext

@@ -22,7 +22,7 @@ from ncclpy.debug.heartbeat import is_late, on_time_limit
 from ncclpy.debug.verdicts import CONFIRM, Peer, Published, WatchState, peers_from_beat
 from ncclpy.store import protocol as P
 from ncclpy.store import tablewire as W
-from ncclpy.watchdog import INTERVAL, report_after
+from ncclpy.debug.watchdog import INTERVAL, report_after
 
 __all__ = ["Client", "Sim", "Loop", "NAME", "GROUP", "DEAD_AFTER", "REPORT", "GRACE", "TICK"]
 

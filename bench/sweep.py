@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ncclpy import registry
-from ncclpy.dtypes import DTYPES, TESTS_NAMES
+from ncclpy.semantics import registry
+from ncclpy.semantics.dtypes import DTYPES, TESTS_NAMES
 from ncclpy.errors import ArgumentError
 
 from . import bits as bitcol
@@ -170,7 +170,7 @@ def _make_store(info: Any, timeout: float):
     if info is None or info.world_size == 1:
         from ncclpy.store import TCPStore
         return TCPStore("127.0.0.1", 0, timeout=timeout, is_server=True)
-    from ncclpy.bootstrap import connect_store
+    from ncclpy.rendezvous.bootstrap import connect_store
     return connect_store(info, timeout=timeout)
 
 

@@ -1,7 +1,7 @@
 """The ``ncclpy`` command line: ``run`` (launcher), ``info`` (environment report), ``check``,
-``plan`` (the NCCL calls of one call, without a GPU), ``order`` (the order NCCL adds in), ``trace`` (what went wrong, from the
-flight-recorder dumps), ``status`` (where every rank of a running job is), ``bench`` (the
-nccl-tests-style sweep of ``python -m bench``, from any directory).
+``plan`` (the NCCL calls of one call, without a GPU), ``order`` (the order NCCL adds in), ``trace``
+(what went wrong, from the flight-recorder dumps), ``status`` (where every rank of a running job
+is), ``bench`` (the nccl-tests-style sweep of ``python -m bench``, from any directory).
 
 ``main(argv)`` returns the exit code; the console script and ``python -m ncclpy`` call it.
 Subcommand modules are imported lazily so ``ncclpy info`` works even where a colleague module
@@ -24,7 +24,7 @@ __all__ = ["main", "build_parser", "bench_package"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with the ``run``, ``info`` and ``check`` subcommands."""
-    from . import __version__
+    from ._version import __version__
     from .launch.runcli import add_run_arguments
 
     p = OneLineParser(
@@ -144,7 +144,7 @@ def _info_params(as_json: bool) -> int:
     says what the list holds and what NCCL_PARAM_DUMP_ALL=true adds."""
     from ._nccl.params import has_param_api, param_rows, private_keys
     from .errors import MissingDependencyError, NcclError, VersionError
-    from .ops import format_version
+    from .semantics.ops import format_version
     try:
         from ._nccl.lib import get_lib
         lib = get_lib()

@@ -94,7 +94,7 @@ def no_gpu_reason() -> str:
 
 
 def _version_str(code: int) -> str:
-    from .ops import format_version
+    from .semantics.ops import format_version
     return format_version(int(code))
 
 
@@ -282,7 +282,7 @@ def _torch_nccl(torch: Any) -> dict[str, Any]:
         out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception as e:
         out["nccl"] = f"unavailable ({type(e).__name__})"
-    from .check.fairness import torch_libnccl
+    from ._nccl.loaded import torch_libnccl
     out["libnccl"], how = torch_libnccl()
     if out["libnccl"] is None:
         out["libnccl_note"] = how
@@ -298,7 +298,7 @@ def _safe(fn: Any) -> dict[str, Any]:
 
 def collect(import_torch: bool = False) -> dict[str, Any]:
     """Everything ``ncclpy info`` reports, as a JSON-able dict."""
-    from . import __version__
+    from ._version import __version__
     try:
         import numpy
         np_version: Optional[str] = numpy.__version__

@@ -1,5 +1,5 @@
 """Test configuration: make ``gpu_util`` importable from every test directory; the store
-fixtures (``server``, ``store``) the store test files share."""
+fixtures (``server``, ``store``) the store test files share; the whole suite on every core."""
 import os
 import sys
 
@@ -11,6 +11,26 @@ if _here not in sys.path:
 _root = os.path.dirname(_here)
 if _root not in sys.path:
     sys.path.insert(0, _root)
+
+from suite_workers import whole_suite_workers  # noqa: E402  (tests/ is on the path now)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Spread the whole suite over the cores when pytest-xdist is installed (the README's
+    ``[test]`` extra installs it); without it, or for anything but the whole suite, nothing
+    changes.  Groups (``xdist_group``) keep a module's shared expensive runs on one worker."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    where = config.invocation_params.dir
+    whole = all(os.path.realpath(os.path.join(where, a)) == os.path.realpath(_here)
+                for a in config.args)
+    n = whole_suite_workers(whole, config.option.numprocesses,
+                            config.option.collectonly, config.option.markexpr, os.environ,
+                            len(os.sched_getaffinity(0)))
+    if n:
+        config.option.numprocesses = n
+        config.option.dist = "loadgroup"
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Rank bodies for tests/test_cpu_backend*.py: each runs in its own process under
 ``ncclpy.spawn`` on the CPU backend (``ncclpy.init(device="cpu")``), checks its own results
-against :mod:`ncclpy.reference` bit for bit, and writes what it saw to ``out/<rank>.json``."""
+against :mod:`ncclpy.reference` bit for bit, and writes what it saw to
+``out/<rank>.json``."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 import ncclpy
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 
 __all__ = ["collectives", "p2p_and_groups", "lifecycle", "mismatch", "two_nodes", "edges", "report"]
 

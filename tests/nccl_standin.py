@@ -151,7 +151,7 @@ def standin(expect_violations: Sequence[str] = (), **kw: Any) -> Iterator[StandI
         raise TypeError("expect_violations: a sequence of patterns, not one string")
     eng = StandIn(**kw)
     from ncclpy.comm import work
-    from ncclpy.comm.reaper import reaper
+    from ncclpy.debug.reaper import reaper
     pools = dict(work._pools)
     work._pools.clear()
     try:

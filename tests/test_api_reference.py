@@ -24,7 +24,7 @@ REF = ROOT / "docs" / "reference"
 
 #: exception classes defined in ncclpy that never reach a user, and why
 INTERNAL_EXCEPTIONS = {
-    "ncclpy.bufkey.Uncacheable": "control flow inside the call cache, always caught",
+    "ncclpy.buffers.key.Uncacheable": "control flow inside the call cache, always caught",
     "ncclpy.check.session.OutputClosed": "the check report's EPIPE signal, always caught",
     "ncclpy.store.protocol.KeyCountError": "store server request parsing, always caught",
     "ncclpy._nccl.cuda.CapturedEventError": "how a Work learns its call was captured into a "

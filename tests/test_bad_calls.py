@@ -6,8 +6,8 @@ import pytest
 
 from ncclpy import errors
 from ncclpy._nccl import dispatch
-from ncclpy.buffers import Buffer, BufferSpec, as_buffer
-from ncclpy.ops import premul_sum
+from ncclpy.buffers.buffer import Buffer, BufferSpec, as_buffer
+from ncclpy.semantics.ops import premul_sum
 from ncclpy.plan.collectives import (plan_all_gather, plan_all_reduce, plan_all_to_all,
                                      plan_barrier, plan_broadcast, plan_call, plan_gather,
                                      plan_recv, plan_reduce, plan_reduce_scatter, plan_scatter,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ncclpy import registry
+from ncclpy.semantics import registry
 
 #: nccl-tests busbw/algbw factors: all_reduce 2(n-1)/n; all_gather, reduce_scatter, alltoall,
 #: gather, scatter (n-1)/n; broadcast, reduce, sendrecv 1 (src/all_reduce.cu AllReduceGetBw ...)

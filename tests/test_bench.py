@@ -5,16 +5,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import Dict
 
 import numpy as np
 import pytest
 
-from module_run import run_module
+from bench_jobs import Commands, Job, start_jobs
 
-from ncclpy import registry
+from ncclpy.semantics import registry
 from ncclpy.errors import ArgumentError
 
 from bench import output, verify
@@ -27,8 +27,69 @@ from bench.output import Row, Side
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "bench" / "schema.json").read_text())
-pytestmark = pytest.mark.timeout(120)
-_run = run_module
+# 300 s (was 120): a test may wait for its run behind others started with it (see ``runs``)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("bench")]
+_CLI_MISTAKES = ((["-f", "0.5"], "-f: expected an integer, got '0.5'"),
+                 (["-a", "7"], "-a: expected 0 (rank 0), 1 (average), 2 (min) or 3"),
+                 (["--timeout", "-3"],
+                  "--timeout: expected seconds >= 0 (0: no limit), got '-3'"),
+                 (["--nproc", "2", "-J", "/nonexistent-ncclpy/d/out.json"],
+                  "-J: cannot write"),
+                 (["--nproc", "2", "--plot", "out.txt"], "--plot: 'out.txt'"))
+
+
+def _jobs(commands: Commands, mktemp) -> Dict[str, Job]:
+    """Every command the real-run tests at the end of this module run, by name."""
+    from gpu_util import cuda_reason
+    run = commands.module
+    jobs: Dict[str, Job] = {}
+    jobs["sweep"] = Job(lambda d=mktemp("sweep"): (run(
+        "bench", "all_reduce", "--nproc", "2", "--device", "cpu", "--backend", "torch",
+        "-b", "64", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "-c", "1",
+        "-d", "float,int32", "-J", str(d / "r.json"), "--csv", str(d / "r.csv"), "--plot",
+        str(d / "r.png")), d), ["test_gloo_sweep_end_to_end"])
+    env = dict(commands.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    jobs["launcher"] = Job(lambda js=mktemp("launcher") / "r.json": (commands.run(
+        [sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable, "-m", "bench",
+         "all_gather", "--device", "cpu", "-b", "1K", "-e", "4K", "-f", "2", "-n", "2", "-q",
+         "-J", str(js)], env=env, cwd=ROOT, timeout=120), js),
+        ["test_runs_under_ncclpy_run_launcher"])
+    jobs["every"] = Job(lambda every=mktemp("every"): (run(
+        "bench", "all", "--nproc", "2", "--device", "cpu", "-b", "1K", "-e", "1K", "-n", "2",
+        "-w", "1", "-c", "1", "-q", "-o", "sum,prod", "-r", "all", "-J", str(every / "r.json")),
+        every), ["test_gloo_every_collective_is_correct"])
+    jobs["wrong"] = Job(lambda wrong=mktemp("wrong") / "r.json": (run(
+        "bench", "all_reduce", "--nproc", "2", "--device", "cpu", "-b", "256", "-e", "256",
+        "-n", "2", "-c", "1", "-q", "-J", str(wrong), "--test-corrupt", "3"), wrong),
+        ["test_wrong_result_is_counted"])
+    jobs["no check"] = Job(lambda: run(
+        "bench", "all_reduce", "--device", "cpu", "-b", "8", "-e", "8", "-n", "2", "-c", "0",
+        "-q"), ["test_no_check_reports_na_and_single_rank_runs"])
+    cli = ["test_cli_errors_exit_2"]
+    jobs["-G 1"] = Job(lambda: run("bench", "all_reduce", "--device", "cpu", "-G", "1"), cli)
+    jobs["-b > -e"] = Job(lambda: run("bench", "all_reduce", "--device", "cpu", "-b", "1M",
+                                      "-e", "1K"), cli)
+    for i, (args, _) in enumerate(_CLI_MISTAKES):
+        jobs[f"mistake {i}"] = Job(lambda args=args: run("bench", "all_reduce", "--device",
+                                                         "cpu", *args), cli)
+    over = ["test_overhead_without_gpu_says_so"]
+
+    def no_gpu() -> bool:                    # the test skips where a GPU is present
+        return bool(cuda_reason())
+    jobs["overhead"] = Job(lambda: run("bench.overhead"), over, no_gpu)
+    jobs["overhead cpu"] = Job(lambda o=mktemp("overhead") / "o.json": (run(
+        "bench.overhead", "--device", "cpu", "--calls", "20", "--warmup", "2", "--sizes",
+        "8,4K", "-J", str(o)), o), over, no_gpu)
+    return jobs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The real runs at the end of this module (most of them 2 gloo ranks), started together
+    in the background while its ~100 in-process tests run; each test reads its own
+    (tests/bench_jobs.py)."""
+    yield from start_jobs(request, lambda commands: _jobs(commands, tmp_path_factory.mktemp))
 
 
 def _validate(doc):
@@ -382,11 +443,9 @@ def _table_rows(stdout):
     return [ln.split() for ln in stdout.splitlines() if ln and not ln.startswith("#")]
 
 
-def test_gloo_sweep_end_to_end(tmp_path):
+def test_gloo_sweep_end_to_end(runs):
+    cp, tmp_path = runs["sweep"]
     js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
-    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cpu", "--backend", "torch",
-              "-b", "64", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "-c", "1",
-              "-d", "float,int32", "-J", str(js), "--csv", str(cs), "--plot", str(png))
     assert cp.returncode == 0, cp.stdout + cp.stderr
     out = cp.stdout
     assert "# Collective test starting: all_reduce_perf" in out
@@ -448,16 +507,10 @@ def _assert_nccl_tests_json_layout(doc):
     assert list(doc["average_bus_bandwidth"]) == ["bandwidth", "okay"]
 
 
-def test_runs_under_ncclpy_run_launcher(tmp_path):
+def test_runs_under_ncclpy_run_launcher(runs):
     """No --nproc: the ranks come from an outer launcher (ncclpy run -n 2), as under torchrun,
     mpirun or srun; rank 0 alone prints the table and writes the JSON."""
-    js = tmp_path / "r.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cp = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable, "-m",
-                         "bench", "all_gather", "--device", "cpu", "-b", "1K", "-e", "4K", "-f",
-                         "2", "-n", "2", "-q", "-J", str(js)],
-                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cp, js = runs["launcher"]
     assert cp.returncode == 0, cp.stdout + cp.stderr
     table = [ln.split("] ", 1)[-1] for ln in cp.stdout.splitlines()]
     rows = _table_rows("\n".join(table))
@@ -469,12 +522,10 @@ def test_runs_under_ncclpy_run_launcher(tmp_path):
     assert doc["ncclpy"]["world_size"] == 2 and len(doc["config"]["devices"]) == 2
 
 
-def test_gloo_every_collective_is_correct(tmp_path):
+def test_gloo_every_collective_is_correct(runs):
     """Every collective in one run (``all``), reducing ones with sum and prod, rooted ones at
     every root: in place and out of place checked against the reference, #wrong = 0."""
-    js = tmp_path / "r.json"
-    cp = _run("bench", "all", "--nproc", "2", "--device", "cpu", "-b", "1K", "-e", "1K", "-n",
-              "2", "-w", "1", "-c", "1", "-q", "-o", "sum,prod", "-r", "all", "-J", str(js))
+    cp, tmp_path = runs["every"]
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert cp.stderr.count("[bench]") == 0     # -q
     seen = {}
@@ -496,10 +547,8 @@ def test_gloo_every_collective_is_correct(tmp_path):
     assert cp.stdout.count("# Collective test starting:") == len(registry.names())
 
 
-def test_wrong_result_is_counted(tmp_path):
-    js = tmp_path / "r.json"
-    cp = _run("bench", "all_reduce", "--nproc", "2", "--device", "cpu", "-b", "256", "-e", "256",
-              "-n", "2", "-c", "1", "-q", "-J", str(js), "--test-corrupt", "3")
+def test_wrong_result_is_counted(runs):
+    cp, js = runs["wrong"]
     assert cp.returncode != 0
     assert "# Out of bounds values : 2 FAILED" in cp.stdout
     row = _table_rows(cp.stdout)[0]
@@ -510,43 +559,34 @@ def test_wrong_result_is_counted(tmp_path):
     assert doc["out_of_bounds"] == {"count": 2, "okay": "false"}
 
 
-def test_no_check_reports_na_and_single_rank_runs():
-    cp = _run("bench", "all_reduce", "--device", "cpu", "-b", "8", "-e", "8", "-n", "2", "-c",
-              "0", "-q")
+def test_no_check_reports_na_and_single_rank_runs(runs):
+    cp = runs["no check"]
     assert cp.returncode == 0, cp.stderr
     row = _table_rows(cp.stdout)[0]
     assert row[:5] == ["8", "2", "float", "sum", "-1"] and row[8] == "N/A" and row[12] == "N/A"
 
 
-def test_cli_errors_exit_2():
-    cp = _run("bench", "all_reduce", "--device", "cpu", "-G", "1")
+def test_cli_errors_exit_2(runs):
+    cp = runs["-G 1"]
     assert cp.returncode == 2 and "CUDA graphs are unsupported" in cp.stderr
-    cp = _run("bench", "all_reduce", "--device", "cpu", "-b", "1M", "-e", "1K")
+    cp = runs["-b > -e"]
     assert cp.returncode == 2 and "-b 1M is larger than -e 1K" in cp.stderr
     # every mistake: one line naming the flag as typed, exit 2, before anything starts
-    for args, words in ((["-f", "0.5"], "-f: expected an integer, got '0.5'"),
-                        (["-a", "7"], "-a: expected 0 (rank 0), 1 (average), 2 (min) or 3"),
-                        (["--timeout", "-3"],
-                         "--timeout: expected seconds >= 0 (0: no limit), got '-3'"),
-                        (["--nproc", "2", "-J", "/nonexistent-ncclpy/d/out.json"],
-                         "-J: cannot write"),
-                        (["--nproc", "2", "--plot", "out.txt"], "--plot: 'out.txt'")):
-        cp = _run("bench", "all_reduce", "--device", "cpu", *args)
+    for i, (args, words) in enumerate(_CLI_MISTAKES):
+        cp = runs[f"mistake {i}"]
         assert cp.returncode == 2 and cp.stdout == "", (args, cp.stderr)
         assert cp.stderr.count("\n") == 1 and "Traceback" not in cp.stderr, cp.stderr
         assert cp.stderr.startswith(f"python -m bench: error: {words}"), cp.stderr
         assert cp.stderr.rstrip().endswith("(see 'python -m bench -h')")
 
 
-def test_overhead_without_gpu_says_so(tmp_path):
+def test_overhead_without_gpu_says_so(runs):
     from gpu_util import cuda_reason
     if not cuda_reason():
         pytest.skip("a GPU is present: the no-GPU message does not apply")
-    cp = _run("bench.overhead")
+    cp = runs["overhead"]
     assert cp.returncode == 2 and "needs a CUDA GPU" in cp.stderr
-    js = tmp_path / "o.json"
-    cp = _run("bench.overhead", "--device", "cpu", "--calls", "20", "--warmup", "2",
-              "--sizes", "8,4K", "-J", str(js))
+    cp, js = runs["overhead cpu"]
     assert cp.returncode == 0, cp.stderr
     doc = json.loads(js.read_text())
     assert [(r["backend"], r["size"], r["mode"]) for r in doc["results"]] == [

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import csv
 import json
+from typing import Dict
 
 import pytest
 
-from module_run import ROOT, run_module
+from bench_jobs import Commands, Job, start_jobs
+from module_run import ROOT
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("bench_bits")]
 SCHEMA = json.loads((ROOT / "bench" / "schema.json").read_text())
 
 
@@ -44,17 +46,45 @@ def _validate(doc):
     jsonschema.validate(doc, SCHEMA)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The module's three bench runs (real ranks on the CPU backend), started together in the
+    background; each test reads its own (tests/bench_jobs.py)."""
+    def make(commands: Commands) -> Dict[str, Job]:
+        run = commands.module
+        d = tmp_path_factory.mktemp("bits2")
+        js = tmp_path_factory.mktemp("bits3") / "r.json"
+        return {
+            "two ranks": Job(lambda: (run(
+                "ncclpy", "bench", "all_reduce,reduce_scatter", "--device", "cpu",
+                "--backend", "ncclpy", "--nproc", "2", "--algo", "ring,TREE", "--proto",
+                "Simple", "-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-w", "1",
+                "-d", "float,int32", "--repeat-bits", "2", "-q", "-J", str(d / "r.json"),
+                "--csv", str(d / "r.csv"), "--plot", str(d / "r.png"), timeout=200), d),
+                ["test_one_row_per_size_and_combination_with_the_bits_column",
+                 "test_the_refused_combination_is_one_line_and_never_run",
+                 "test_the_json_carries_the_combination_of_every_row",
+                 "test_the_plot_is_written"]),
+            "wrong bit": Job(lambda: run(
+                "bench", "all_reduce", "--device", "cpu", "--backend", "ncclpy",
+                "--nproc", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "1", "-q",
+                "--repeat-bits", "3", "--test-corrupt", "1:3", timeout=200),
+                ["test_a_wrong_bit_is_a_mismatch_and_fails_the_run"]),
+            "three ranks": Job(lambda: (run(
+                "bench", "all_reduce", "--device", "cpu", "--backend", "ncclpy",
+                "--nproc", "3", "--algo", "ring,tree", "--proto", "ll,simple",
+                "-b", "12K", "-e", "12K", "-n", "1", "-w", "1", "-c", "0", "-q",
+                "-J", str(js), timeout=200), js),
+                ["test_three_ranks_give_nccls_bits_per_combination"]),
+        }
+    yield from start_jobs(request, make)
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(runs):
     """``ncclpy bench`` at 2 ranks: all_reduce and reduce_scatter, ring,TREE x Simple, float
     and int32, two sizes, --repeat-bits 2, every output file."""
-    d = tmp_path_factory.mktemp("bits2")
-    cp = run_module("ncclpy", "bench", "all_reduce,reduce_scatter", "--device", "cpu",
-                    "--backend", "ncclpy", "--nproc", "2", "--algo", "ring,TREE", "--proto",
-                    "Simple", "-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-w", "1",
-                    "-d", "float,int32", "--repeat-bits", "2", "-q", "-J", str(d / "r.json"),
-                    "--csv", str(d / "r.csv"), "--plot", str(d / "r.png"), timeout=200)
-    return cp, d
+    return runs["two ranks"]
 
 
 def test_one_row_per_size_and_combination_with_the_bits_column(two_ranks):
@@ -138,12 +168,10 @@ def test_the_plot_is_written(two_ranks):
     assert img.shape[0] > 200 and img.std() > 0
 
 
-def test_a_wrong_bit_is_a_mismatch_and_fails_the_run():
+def test_a_wrong_bit_is_a_mismatch_and_fails_the_run(runs):
     """--repeat-bits alone (no combination): the column on the communicator as the
     environment makes it; rank 1's output corrupted by the test hook in 3 elements."""
-    cp = run_module("bench", "all_reduce", "--device", "cpu", "--backend", "ncclpy",
-                    "--nproc", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "1", "-q",
-                    "--repeat-bits", "3", "--test-corrupt", "1:3", timeout=200)
+    cp = runs["wrong bit"]
     assert cp.returncode == 1, cp.stdout[-3000:] + cp.stderr[-3000:]
     rows = [ln for ln in cp.stdout.splitlines() if ln.startswith("        1024")]
     assert len(rows) == 1 and rows[0].endswith("  MISMATCH 3/512 | 3 runs: same bits"), rows
@@ -151,15 +179,11 @@ def test_a_wrong_bit_is_a_mismatch_and_fails_the_run():
     assert "backend combination" not in cp.stdout and "first combination" not in cp.stdout
 
 
-def test_three_ranks_give_nccls_bits_per_combination(tmp_path):
+def test_three_ranks_give_nccls_bits_per_combination(runs):
     """Needs the CPU backend folding in NCCL's order (issue 51, item 2): at 3 ranks the
     order shows in random normals, every combination's output is the model's, and Tree's
     differs from Ring's."""
-    js = tmp_path / "r.json"
-    cp = run_module("bench", "all_reduce", "--device", "cpu", "--backend", "ncclpy",
-                    "--nproc", "3", "--algo", "ring,tree", "--proto", "ll,simple",
-                    "-b", "12K", "-e", "12K", "-n", "1", "-w", "1", "-c", "0", "-q",
-                    "-J", str(js), timeout=200)
+    cp, js = runs["three ranks"]
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     res = json.loads(js.read_text())["ncclpy"]["results"]
     assert [r["series"] for r in res] == [      # one size: a row per combination

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ncclpy import registry
+from ncclpy.semantics import registry
 
 from bench import bits as bitcol
 from bench.backends import Backend, host_dtype

@@ -3,29 +3,91 @@ an installed command; ``python -m bench`` stays for the checkout."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict
 
 import pytest
 
+from bench_jobs import Commands, Job, start_jobs
 from module_run import ROOT
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("bench_entry_point")]
 
 
-def _ncclpy(*args: str, cwd: Path, env_path: str = str(ROOT), timeout: float = 240
-            ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=env_path)
+def _ncclpy(commands: Commands, *args: str, cwd: Path, env_path: str = str(ROOT),
+            timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(commands.env, PYTHONPATH=env_path)
     env.pop("NCCL_TESTS_MIN_BW", None)
-    return subprocess.run([sys.executable, "-m", "ncclpy", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return commands.run([sys.executable, "-m", "ncclpy", *args], cwd=cwd, env=env,
+                        timeout=timeout)
 
 
-def test_ncclpy_bench_runs_a_gloo_sweep_outside_the_checkout(tmp_path):
-    cp = _ncclpy("bench", "all_reduce", "--device", "cpu", "--nproc", "2", "-b", "1K", "-e",
-                 "4K", "-f", "4", "-n", "2", "-q", "-J", "r.json", cwd=tmp_path)
+def _wheel(commands: Commands, tmp_path: Path):
+    cp = commands.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                       "--no-build-isolation", "-q", "-w", str(tmp_path)], timeout=240,
+                      cwd=tmp_path)
+    return cp, tmp_path
+
+
+def _install(commands: Commands, tmp_path: Path):
+    """``pip install --target`` of a copy of the checkout, then what the test reads: the
+    probe of the installed packages and ``ncclpy bench`` run from elsewhere."""
+    import shutil
+    src, target = tmp_path / "src", tmp_path / "site"    # built from a copy: no build/ left here
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for name in ("ncclpy", "bench"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    install = commands.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                            "--no-build-isolation", "--target", str(target), str(src)],
+                           timeout=240, cwd=tmp_path)
+    if install.returncode != 0:
+        return install, None, None, target
+    probe = ("import ncclpy.cli as c, ncclpy_bench; print(c.bench_package()); "
+             "print(ncclpy_bench.__file__)")
+    probed = commands.run([sys.executable, "-c", probe], timeout=60, cwd=tmp_path,
+                          env=dict(commands.env, PYTHONPATH=str(target)))
+    if probed.returncode != 0:
+        return install, probed, None, target
+    run_dir = tmp_path / "elsewhere"
+    run_dir.mkdir()
+    ran = _ncclpy(commands, "bench", "all_reduce", "--device", "cpu", "-b", "1K", "-e", "1K",
+                  "-n", "1", "-q", cwd=run_dir, env_path=str(target))
+    return install, probed, ran, target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The module's commands (a gloo sweep, pip's wheel build and install), started together
+    in the background; each test reads its own (tests/bench_jobs.py)."""
+    def make(commands: Commands) -> Dict[str, Job]:
+        mk = tmp_path_factory.mktemp
+        speaks = ["test_ncclpy_bench_speaks_as_ncclpy_bench"]
+        tmp = mk("speaks")
+        jobs = {
+            "sweep": Job(lambda tmp=mk("sweep"): (_ncclpy(
+                commands, "bench", "all_reduce", "--device", "cpu", "--nproc", "2", "-b", "1K",
+                "-e", "4K", "-f", "4", "-n", "2", "-q", "-J", "r.json", cwd=tmp), tmp),
+                ["test_ncclpy_bench_runs_a_gloo_sweep_outside_the_checkout"]),
+            "-g 2": Job(lambda: _ncclpy(commands, "bench", "all_reduce", "--device", "cpu",
+                                        "-g", "2", cwd=tmp), speaks),
+            "bench --help": Job(lambda: _ncclpy(commands, "bench", "--help", cwd=tmp), speaks),
+            "--help": Job(lambda: _ncclpy(commands, "--help", cwd=tmp), speaks),
+            "wheel": Job(lambda tmp=mk("wheel"): _wheel(commands, tmp),
+                         ["test_the_wheel_carries_the_bench_as_ncclpy_bench_and_its_data"]),
+        }
+        if _can_build_offline():     # the test skips without it: nothing to run
+            jobs["install"] = Job(lambda tmp=mk("install"): _install(commands, tmp),
+                                  ["test_a_non_editable_install_has_ncclpy_bench"])
+        return jobs
+    yield from start_jobs(request, make)
+
+
+def test_ncclpy_bench_runs_a_gloo_sweep_outside_the_checkout(runs):
+    cp, tmp_path = runs["sweep"]
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "# Collective test starting: all_reduce_perf" in cp.stdout
     assert "# Out of bounds values : 0 OK" in cp.stdout
@@ -37,26 +99,24 @@ def test_ncclpy_bench_runs_a_gloo_sweep_outside_the_checkout(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["args"][0] == "ncclpy bench"
 
 
-def test_ncclpy_bench_speaks_as_ncclpy_bench(tmp_path):
-    cp = _ncclpy("bench", "all_reduce", "--device", "cpu", "-g", "2", cwd=tmp_path)
+def test_ncclpy_bench_speaks_as_ncclpy_bench(runs):
+    cp = runs["-g 2"]
     assert cp.returncode == 2 and cp.stdout == "", cp.stderr
     assert cp.stderr.startswith("ncclpy bench: error: -g 2: one GPU per rank here"), cp.stderr
     assert cp.stderr.endswith("(see 'ncclpy bench -h')\n")
-    cp = _ncclpy("bench", "--help", cwd=tmp_path)
+    cp = runs["bench --help"]
     assert cp.returncode == 0 and cp.stdout.startswith("usage: ncclpy bench "), cp.stdout[:200]
-    cp = _ncclpy("--help", cwd=tmp_path)
+    cp = runs["--help"]
     assert cp.returncode == 0 and "bench" in cp.stdout
 
 
-def test_the_wheel_carries_the_bench_as_ncclpy_bench_and_its_data(tmp_path):
+def test_the_wheel_carries_the_bench_as_ncclpy_bench_and_its_data(runs):
     """The wheel installs ncclpy and the bench/ folder as ``ncclpy_bench`` (issue 50: never a
     top-level ``bench``, which would clash with a user's own), its backends and every data
     file its code opens, so a non-editable ``pip install .`` has ``ncclpy bench``."""
     import glob
     import zipfile
-    cp = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
-                         "--no-build-isolation", "-q", "-w", str(tmp_path)],
-                        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    cp, tmp_path = runs["wheel"]
     assert cp.returncode == 0, cp.stderr[-2000:]
     (wheel,) = glob.glob(str(tmp_path / "ncclpy-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -81,31 +141,16 @@ def _can_build_offline() -> bool:
 
 
 @pytest.mark.slow
-def test_a_non_editable_install_has_ncclpy_bench(tmp_path):
+def test_a_non_editable_install_has_ncclpy_bench(runs):
     if not _can_build_offline():
         pytest.skip("no offline wheel build here (neither 'wheel' nor setuptools >= 70.1)")
-    import shutil
-    src, target = tmp_path / "src", tmp_path / "site"    # built from a copy: no build/ left here
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
-    for name in ("ncclpy", "bench"):
-        shutil.copytree(ROOT / name, src / name, ignore=ignore)
-    for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    cp = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                         "--no-build-isolation", "--target", str(target), str(src)],
-                        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    cp, probed, ran, target = runs["install"]
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert (target / "ncclpy_bench" / "schema.json").exists()
     assert not (target / "bench").exists()        # no top-level bench to clash with
-    probe = ("import ncclpy.cli as c, ncclpy_bench; print(c.bench_package()); "
-             "print(ncclpy_bench.__file__)")
-    cp = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                        timeout=60, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
+    cp = probed
     assert cp.returncode == 0, cp.stderr
     assert cp.stdout.split() == ["ncclpy_bench", str(target / "ncclpy_bench" / "__init__.py")]
-    run_dir = tmp_path / "elsewhere"
-    run_dir.mkdir()
-    cp = _ncclpy("bench", "all_reduce", "--device", "cpu", "-b", "1K", "-e", "1K", "-n", "1",
-                 "-q", cwd=run_dir, env_path=str(target))
+    cp = ran
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "# Out of bounds values : 0 OK" in cp.stdout

@@ -5,16 +5,39 @@ NCCL lacks is said with "op" once; ``ncclRecv`` names the send/recv test as ``nc
 from __future__ import annotations
 
 import json
+from typing import Dict
 
 import pytest
 
-from ncclpy import registry
+from ncclpy.semantics import registry
 from ncclpy.comm.prepared import _call_name
 
 from bench.cli import parse_args
-from module_run import run_module
+from bench_jobs import Commands, Job, start_jobs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("bench_flag_leftovers")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The three commands below (two of them 2 or 3 gloo ranks), started together in the
+    background while the in-process tests run (tests/bench_jobs.py)."""
+    def make(commands: Commands) -> Dict[str, Job]:
+        run = commands.module
+        js = tmp_path_factory.mktemp("small_T") / "r.json"
+        return {
+            "small -T": Job(lambda: (run(
+                "bench", "all_reduce", "--backend", "torch", "--device", "cpu", "--nproc", "3",
+                "-b", "8", "-e", "1M", "-f", "4", "-n", "1", "-c", "1", "-q", "-T", "0.01",
+                "-J", str(js), timeout=240), js), ["test_a_small_T_does_not_trip_the_start_up"]),
+            "-w 0": Job(lambda: run(
+                "bench", "all_reduce", "--backend", "torch", "--device", "cpu", "--nproc", "2",
+                "-w", "0", "-o", "avg,sum", "-d", "int8", "-b", "8", "-e", "8", "-n", "1", "-c",
+                "1", "-q", timeout=240), ["test_w_0_with_a_case_gloo_refuses_is_a_skip_line"]),
+            "plan band": Job(lambda: run("ncclpy", "plan", "all_reduce", "--op", "band",
+                                         timeout=120), ["test_a_bitwise_op_is_said_with_op_once"]),
+        }
+    yield from start_jobs(request, make)
 
 
 # ------------------------------------------------------------------------ -T: stream syncs only
@@ -25,13 +48,10 @@ def test_T_sets_the_stream_bound_and_leaves_the_rank_waits_at_300_s(argv, sync):
     assert cfg.sync_timeout == sync and cfg.timeout == 300.0
 
 
-def test_a_small_T_does_not_trip_the_start_up(tmp_path):
+def test_a_small_T_does_not_trip_the_start_up(runs):
     """-T 0.01 used to bound the store and the process group too: 3 gloo ranks timed out
     waiting for each other at set-up (StoreTimeout / DistStoreError)."""
-    js = tmp_path / "r.json"
-    cp = run_module("bench", "all_reduce", "--backend", "torch", "--device", "cpu", "--nproc",
-                    "3", "-b", "8", "-e", "1M", "-f", "4", "-n", "1", "-c", "1", "-q",
-                    "-T", "0.01", "-J", str(js), timeout=240)
+    cp, js = runs["small -T"]
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     ext = json.loads(js.read_text())["ncclpy"]
     assert (ext["timeout"], ext["stream_timeout"]) == (300.0, 0.01)
@@ -45,12 +65,10 @@ def test_T_help_says_it_bounds_only_the_stream_syncs(capsys):
 
 
 # ---------------------------------------------------------------------- -w 0: a skip, no traceback
-def test_w_0_with_a_case_gloo_refuses_is_a_skip_line():
+def test_w_0_with_a_case_gloo_refuses_is_a_skip_line(runs):
     """gloo cannot average int8 (a RuntimeError of torch): with -w 0 there was no warm-up to
     find that out, and the measurement ended in a traceback."""
-    cp = run_module("bench", "all_reduce", "--backend", "torch", "--device", "cpu", "--nproc",
-                    "2", "-w", "0", "-o", "avg,sum", "-d", "int8", "-b", "8", "-e", "8", "-n",
-                    "1", "-c", "1", "-q", timeout=240)
+    cp = runs["-w 0"]
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     assert "Traceback" not in cp.stderr, cp.stderr
     assert ("# torch/gloo: skipped all_reduce int8 avg root -1: RuntimeError: result type Float "
@@ -60,8 +78,8 @@ def test_w_0_with_a_case_gloo_refuses_is_a_skip_line():
 
 
 # ------------------------------------------------------------------------ an op NCCL lacks
-def test_a_bitwise_op_is_said_with_op_once():
-    cp = run_module("ncclpy", "plan", "all_reduce", "--op", "band", timeout=120)
+def test_a_bitwise_op_is_said_with_op_once(runs):
+    cp = runs["plan band"]
     assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr
     line = cp.stderr.strip().splitlines()[-1]
     assert line.startswith("ncclpy plan: error: --op: 'band': NCCL has no bitwise reductions"), \

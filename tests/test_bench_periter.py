@@ -12,6 +12,7 @@ import json
 import math
 import random
 import re
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -20,10 +21,10 @@ from bench import periter
 from bench.backends import Buffers, layout
 from bench.output import Row, Side, float_str, format_row, table_header
 from bench.sweep import SweepConfig, _Rank
-from module_run import run_module
+from bench_jobs import Commands, Job, start_jobs
 from test_bench_nccl_tests_flags import _LoggingCoord, _measure, _Recorder
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("bench_periter")]
 
 KEYS = ["skipped_iterations", "min_us", "max_us", "avg_us", "p50_us", "p95_us", "p99_us",
         "stdev_us", "cv_pct", "times_us"]
@@ -232,11 +233,16 @@ def test_each_side_gets_its_four_columns_after_wrong_under_their_headings():
 
 
 # ------------------------------------------------------------------------ end to end
-def _run(tmp_path, backend: str, *flags: str):
+def _run(commands: Commands, tmp_path: Path, backend: str, *flags: str):
     js = tmp_path / f"{backend.replace(',', '-')}.json"
-    cp = run_module("bench", "all_reduce", "--device", "cpu", "--backend", backend,
-                    "--nproc", "2", "-b", "1K", "-e", "2K", "-f", "2", "-n", "5", "-I", "1",
-                    "-K", "1", "-q", "-J", str(js), *flags)
+    cp = commands.module("bench", "all_reduce", "--device", "cpu", "--backend", backend,
+                         "--nproc", "2", "-b", "1K", "-e", "2K", "-f", "2", "-n", "5", "-I",
+                         "1", "-K", "1", "-q", "-J", str(js), *flags)
+    return cp, js
+
+
+def _ok(cp_js):
+    cp, js = cp_js
     assert cp.returncode == 0, cp.stdout + cp.stderr
     return cp.stdout, js
 
@@ -245,10 +251,27 @@ def _rows(out: str) -> List[List[str]]:
     return [line.split() for line in out.splitlines() if re.match(r"^\s+\d+\s+\d+\s", line)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The module's three 2-rank runs, started together in the background while its
+    in-process tests run (tests/bench_jobs.py)."""
+    def make(commands: Commands) -> Dict[str, Job]:
+        jobs = {b: Job(lambda b=b, tmp=tmp_path_factory.mktemp(b): _run(commands, tmp, b),
+                       ["test_cpu_backend_and_gloo_print_the_per_iteration_columns",
+                        "test_the_json_holds_every_sample_and_nccl_tests_statistics"])
+                for b in ("ncclpy", "torch")}
+        tmp = tmp_path_factory.mktemp("z3")
+        jobs["z3"] = Job(lambda: _run(commands, tmp, "ncclpy,torch", "-z", "3", "-C", "1",
+                                      "-S", "1"),
+                         ["test_z_3_C_1_S_1_and_two_backends_keep_nccl_tests_column_order"])
+        return jobs
+    yield from start_jobs(request, make)
+
+
 @pytest.fixture(scope="module", params=["ncclpy", "torch"])
-def run(request, tmp_path_factory):
+def run(request, runs):
     """One 2-rank run per backend: ncclpy's CPU backend and torch on gloo."""
-    out, js = _run(tmp_path_factory.mktemp(request.param), request.param)
+    out, js = _ok(runs[request.param])
     return request.param, out, js
 
 
@@ -294,8 +317,8 @@ def test_the_json_holds_every_sample_and_nccl_tests_statistics(run):
                                                                   "p99_us", "cv_pct")]
 
 
-def test_z_3_C_1_S_1_and_two_backends_keep_nccl_tests_column_order(tmp_path):
-    out, _ = _run(tmp_path, "ncclpy,torch", "-z", "3", "-C", "1", "-S", "1")
+def test_z_3_C_1_S_1_and_two_backends_keep_nccl_tests_column_order(runs):
+    out, _ = _ok(runs["z3"])
     assert ("before its barrier, as -z 3's paired events; no sync added); i_* uses max over "
             "process rows" in out)
     head = next(line for line in out.splitlines() if "#wrong" in line).split()

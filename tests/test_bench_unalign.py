@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
 import pytest
 
-from ncclpy import registry
-from ncclpy.dtypes import DTYPES
+from ncclpy.semantics import registry
+from ncclpy.semantics.dtypes import DTYPES
 
 from bench.backends import Backend, layout
 from bench.backends.ncclpy import NcclpyBackend
 from bench.backends.ncclpy_cpu import NcclpyCpuBackend
 from bench.cli import parse_args
 from bench.sweep import Coord, SweepConfig, _Rank
-from module_run import run_module
+from bench_jobs import Commands, Job, start_jobs
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("bench_unalign")]
 
 KEYS = ("send", "recv", "whole", "ip_send", "ip_recv")
 DTYPE_NAMES = ("int8", "float16", "float32", "float64", "bfloat16")
@@ -210,12 +211,41 @@ def _tables(out: str) -> Dict[str, List[List[str]]]:
     return tables
 
 
-@pytest.mark.parametrize("backend", ["ncclpy", "torch"])
-@pytest.mark.parametrize("unalign", ["1", "3"])
-def test_every_collective_checks_clean_with_u(backend, unalign, tmp_path):
-    cp = run_module("bench", "all", "--backend", backend, "--device", "cpu", "--nproc", "2",
-                    "-u", unalign, "-b", "8", "-e", "64", "-f", "4", "-n", "1", "-w", "1",
-                    "-c", "1", "-d", "float,bfloat16,int8", "-q", timeout=240)
+_BACKENDS, _UNALIGNS = ["ncclpy", "torch"], ["1", "3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """The six end-to-end runs below (2 ranks each, three of them on gloo), started together
+    in the background while the in-process tests above run (tests/bench_jobs.py)."""
+    def make(commands: Commands) -> Dict[str, Job]:
+        def clean(backend: str, unalign: str):
+            return commands.module(
+                "bench", "all", "--backend", backend, "--device", "cpu", "--nproc", "2",
+                "-u", unalign, "-b", "8", "-e", "64", "-f", "4", "-n", "1", "-w", "1",
+                "-c", "1", "-d", "float,bfloat16,int8", "-q", timeout=240)
+
+        def wrong(backend: str, js: Path):
+            return commands.module(
+                "bench", "all_gather", "--backend", backend, "--device", "cpu", "--nproc",
+                "2", "-u", "3", "-b", "256", "-e", "256", "-n", "1", "-w", "1", "-c", "1",
+                "-q", "-J", str(js), "--test-corrupt", "1:2", timeout=240), js
+
+        jobs = {f"clean {b} {u}": Job(lambda b=b, u=u: clean(b, u),
+                                      ["test_every_collective_checks_clean_with_u"])
+                for b in _BACKENDS for u in _UNALIGNS}
+        for b in _BACKENDS:
+            js = tmp_path_factory.mktemp("wrong") / "r.json"
+            jobs[f"wrong {b}"] = Job(lambda b=b, js=js: wrong(b, js),
+                                     ["test_a_wrong_output_is_still_caught_with_u"])
+        return jobs
+    yield from start_jobs(request, make)
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("unalign", _UNALIGNS)
+def test_every_collective_checks_clean_with_u(backend, unalign, runs):
+    cp = runs[f"clean {backend} {unalign}"]
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     out = cp.stdout
     n = len(registry.names())
@@ -232,12 +262,9 @@ def test_every_collective_checks_clean_with_u(backend, unalign, tmp_path):
                                                for c in unchecked_in_place} else "0"), (name, r)
 
 
-@pytest.mark.parametrize("backend", ["ncclpy", "torch"])
-def test_a_wrong_output_is_still_caught_with_u(backend, tmp_path):
-    js = tmp_path / "r.json"
-    cp = run_module("bench", "all_gather", "--backend", backend, "--device", "cpu", "--nproc",
-                    "2", "-u", "3", "-b", "256", "-e", "256", "-n", "1", "-w", "1", "-c", "1",
-                    "-q", "-J", str(js), "--test-corrupt", "1:2", timeout=240)
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_a_wrong_output_is_still_caught_with_u(backend, runs):
+    cp, js = runs[f"wrong {backend}"]
     assert cp.returncode == 1, cp.stdout[-3000:] + cp.stderr[-3000:]
     assert "# Out of bounds values : 2 FAILED" in cp.stdout
     rows = _tables(cp.stdout)["all_gather"]

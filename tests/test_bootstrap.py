@@ -430,7 +430,7 @@ def test_torch_store_adapter_errors_name_key_and_address():
     import datetime
 
     from ncclpy.errors import StoreTimeout
-    from ncclpy.torch_store import TorchStoreAdapter
+    from ncclpy.rendezvous.torch_store import TorchStoreAdapter
     server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     s = TorchStoreAdapter(dist.PrefixStore("p", server), "127.0.0.1:x", timeout=30)

@@ -8,8 +8,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from ncclpy.buffers import (DEVICE_UNKNOWN, Buffer, BufferSpec, DLManagedTensor,
-                            DLManagedTensorVersioned, as_buffer, parse_dlpack_capsule)
+from ncclpy.buffers.buffer import (DEVICE_UNKNOWN, Buffer, BufferSpec, DLManagedTensor,
+                                   DLManagedTensorVersioned, as_buffer, parse_dlpack_capsule)
 from ncclpy.errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 PTR = 0x7F00_0000_1000
@@ -413,7 +413,7 @@ def test_real_cupy_views_and_refusals():
 
 
 def test_type_kind_is_decided_once_per_type():
-    from ncclpy.buffers import _KINDS, type_kind
+    from ncclpy.buffers.buffer import _KINDS, type_kind
     assert type_kind(Buffer) == "raw" and type_kind(BufferSpec) == "spec"
     assert type_kind(int) == type_kind(list) == type_kind(type(None)) == "prim"
     assert type_kind(np.ndarray) == "numpy" and type_kind(TorchLike) == "torch"
@@ -442,7 +442,7 @@ class _Exp:
     dict(shape=(True, 5), typestr="|u1", data=[PTR, 0], version=1),
 ])
 def test_from_cai_equals_as_buffer(cai):
-    from ncclpy.buffers import from_cai
+    from ncclpy.buffers.buffer import from_cai
     x = _Exp(cai)
     a, b = from_cai(x, cai, "b"), as_buffer(x, "b")
     assert a == b and a.readonly == b.readonly and a.obj is x and a.framework == "cai"
@@ -459,7 +459,7 @@ def test_from_cai_equals_as_buffer(cai):
      "version"),
 ])
 def test_from_cai_refuses_what_as_buffer_refuses(cai, err, words):
-    from ncclpy.buffers import from_cai
+    from ncclpy.buffers.buffer import from_cai
     with pytest.raises(err, match=words) as e1:
         from_cai(_Exp(cai), cai, "b")
     with pytest.raises(err, match=words) as e2:
@@ -468,8 +468,8 @@ def test_from_cai_refuses_what_as_buffer_refuses(cai, err, words):
 
 
 def test_dlpack_names_stay_importable_from_buffers():
-    import ncclpy.buffers as nb
-    import ncclpy.dlpack as nd
+    import ncclpy.buffers.buffer as nb
+    import ncclpy.buffers.dlpack as nd
     for n in ("DLManagedTensor", "DLManagedTensorVersioned", "DLPackInfo",
               "parse_dlpack_capsule", "DLTensor"):
         assert getattr(nb, n) is getattr(nd, n)

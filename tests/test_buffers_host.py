@@ -1,6 +1,6 @@
-"""Host memory mode (the CPU backend, ``ncclpy.buffers.set_host_memory``): host buffers (numpy,
-``__array_interface__``, torch CPU tensors, DLPack CPU/pinned, ``Buffer(device='cpu')``) parse
-with every check, GPU buffers are refused naming the argument, the default stream is the CPU
+"""Host memory mode (the CPU backend, ``ncclpy.buffers.buffer.set_host_memory``): host buffers
+(numpy, ``__array_interface__``, torch CPU tensors, DLPack CPU/pinned, ``Buffer(device='cpu')``)
+parse with every check, GPU buffers are refused naming the argument, the default stream is the CPU
 runtime's; with the mode off, host memory is refused with a hint.  The mode is process-wide:
 the ``host`` fixture switches it on and always puts it back."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from ncclpy._nccl import cuda as cudamod
-from ncclpy.buffers import (DEVICE_UNKNOWN, Buffer, BufferSpec, as_buffer, from_cai,
-                            host_memory, set_host_memory)
-from ncclpy.bufkey import Uncacheable, buffer_key
+from ncclpy.buffers.buffer import (DEVICE_UNKNOWN, Buffer, BufferSpec, as_buffer, from_cai,
+                                   host_memory, set_host_memory)
+from ncclpy.buffers.key import Uncacheable, buffer_key
 from ncclpy.comm import hot, streams
 from ncclpy.comm.resolver import Resolver
-from ncclpy.dtypes import LOGICAL
+from ncclpy.semantics.dtypes import LOGICAL
 from ncclpy.errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from ncclpy.plan import checks
 from ncclpy.plan.types import PlanContext

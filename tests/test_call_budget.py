@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import ncclpy
-from ncclpy.comm.reaper import reaper
+from ncclpy.debug.reaper import reaper
 from ncclpy.rendezvous import free_port
 
 from nccl_standin import DevArray, run_ranks, standin

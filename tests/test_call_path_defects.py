@@ -20,7 +20,7 @@ from ncclpy.comm import hot as _hot
 from ncclpy.comm import lifecycle
 from ncclpy.comm import prepared as _prepared
 from ncclpy.comm import streams as _streams
-from ncclpy.comm.reaper import reaper
+from ncclpy.debug.reaper import reaper
 
 from nccl_standin import DevArray, run_ranks, standin
 
@@ -60,7 +60,7 @@ def test_an_async_error_never_lets_a_running_calls_buffers_go():
     stays with the tracker until its event completes, error or not, however many looks see
     the error (the reaper lets a Work go after GIVE_UP failed looks); the Work carries the
     error for whoever waits on it."""
-    from ncclpy.comm.reaper import GIVE_UP
+    from ncclpy.debug.reaper import GIVE_UP
     gc.collect()
     with standin() as eng:
         c0, c1 = _pair("nonblocking")
@@ -117,9 +117,9 @@ def test_a_buffer_spec_of_a_torch_tensor_runs_on_torchs_current_stream(monkeypat
         fake = lambda device: torch_now[device]    # noqa: E731
         monkeypatch.setattr(_streams, "torch_stream", fake)
         monkeypatch.setattr(_hot, "torch_stream", fake)
-        spec = ncclpy.buffers.as_buffer(x0)
-        spec = ncclpy.buffers.BufferSpec(spec.ptr, spec.count, spec.dtype, spec.device, spec.shape,
-                                 framework="torch", obj=None)
+        spec = ncclpy.buffers.buffer.as_buffer(x0)
+        spec = ncclpy.buffers.buffer.BufferSpec(spec.ptr, spec.count, spec.dtype, spec.device,
+                                                spec.shape, framework="torch", obj=None)
         for _ in range(2):
             w0 = c0.all_reduce(spec)
             _on(eng, 1, lambda: c1.all_reduce(x1).wait())
@@ -133,7 +133,7 @@ def test_a_buffer_spec_of_a_torch_tensor_runs_on_torchs_current_stream(monkeypat
         w0.wait()
         c0._resolver.clear()
         res = c0._resolver
-        raws = [ncclpy.buffers.BufferSpec(spec.ptr, spec.count, spec.dtype, spec.device,
+        raws = [ncclpy.buffers.buffer.BufferSpec(spec.ptr, spec.count, spec.dtype, spec.device,
                                           spec.shape, framework=fw) for fw in ("raw", "cupy")]
         raws.append(ncclpy.Buffer(spec.ptr, spec.count, "float32", 0))
         resolved = []
@@ -266,7 +266,7 @@ def test_a_hit_made_as_another_threads_group_takes_the_communicator_is_refused()
 # -- 8: an eager call keeps a torch tensor's memory, not only the tensor -----------------------
 def test_an_eager_call_keeps_the_memory_of_a_tensor_re_pointed_while_in_flight():
     torch = pytest.importorskip("torch")
-    from ncclpy.buffers import set_host_memory
+    from ncclpy.buffers.buffer import set_host_memory
     gc.collect()
     set_host_memory(True)                     # torch CPU tensors: the CPU backend's buffers
     try:

@@ -21,7 +21,7 @@ from ncclpy import errors
 from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator, lifecycle
 from ncclpy.rendezvous import free_port
-from ncclpy.watchdog import Decision
+from ncclpy.debug.watchdog import Decision
 
 from nccl_standin import DevArray, inside, run_ranks, standin, wait_called, wait_inside
 from wait_util import HANG, in_thread, wait_until
@@ -264,7 +264,7 @@ def test_a_dropped_work_keeps_its_buffers_until_the_call_completed():
     """The caller drops the Work at once: its tracker (the reaper, no watchdog here) holds it,
     and with it the buffers, until a look sees the call complete; no later call of the
     caller's is needed (docs/reference/concepts/streams.rst)."""
-    from ncclpy.comm.reaper import reaper
+    from ncclpy.debug.reaper import reaper
     gc.collect()                        # an earlier test's garbage Works are not this one's
     with standin() as eng:
         c0, c1 = _pair()
@@ -298,7 +298,7 @@ def test_an_async_error_without_a_watchdog_raises_nccls_error():
 
 # -- captures ---------------------------------------------------------------------------------
 def test_captured_calls_replay_and_take_stream_ordered_scratch():
-    from ncclpy.comm.reaper import reaper
+    from ncclpy.debug.reaper import reaper
 
     def rank(r):
         c = Communicator(2, r, UID, r, Config())

@@ -3,6 +3,7 @@ mistake is one line naming the flag as typed, exit status 2, no traceback; ``--o
 the reducing collectives only; the ``--json`` file's directory is checked first."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,20 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from check_runs import module_runs, proc
 from ncclpy.check import cases as C
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
 
 
-def check(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 90):
+    """``ncclpy check ARGS``: the run, when called."""
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT"):
         e.pop(k, None)
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "ncclpy", "check", *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return proc([sys.executable, "-m", "ncclpy", "check", *args], e, timeout)
+
+
+def check(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return _run(*args, timeout=timeout)()
 
 
 # each: the arguments (with a one-case filter, so that a value that is wrongly accepted ends
@@ -64,14 +70,52 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args, want", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_argument_error_is_one_line_naming_the_flag(args, want):
+def _filtered(args: list) -> list:
     filt = []
     if not any(a.startswith("--collectives") for a in args):
         filt += ["--collectives", "broadcast"]
     if not any(a.startswith("--size") for a in args):
         filt += ["--sizes", "3"]
-    p = check(*args, *filt)
+    return [*args, *filt]
+
+
+BAD_IDS = [" ".join(a) for a, _ in BAD]
+#: the gloo summary's run (--json: d/gloo-summary.json) and the runs each test reads
+GLOO_SUMMARY = ("-n", "2", "--backend", "gloo", "--collectives", "broadcast", "--dtypes",
+                "float32", "--sizes", "3", "--json")
+NEEDS = {**{f"test_argument_error_is_one_line_naming_the_flag[{i}]": [f"bad-{i}"]
+            for i in BAD_IDS},
+         "test_counts_are_spelled_right_for_one": ["one-rank"],
+         "test_require_ncclpy_is_met_by_the_cpu_backend_and_contradicts_gloo": ["require"],
+         "test_gloo_summary_says_ncclpy_did_not_run": ["gloo-summary"]}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's runs (check_runs.py), started together as the first of their tests
+    begins, two at a time: the argument errors (a Python each, no rank) and the three small
+    real runs; each test reads its run's output as if it had started it."""
+    from ncclpy.check.cpu_side import unavailable
+    from ncclpy.info import no_gpu_reason
+    d = tmp_path_factory.mktemp("check_args")
+    t = {f"bad-{i}": _run(*_filtered(a)) for i, (a, _) in zip(BAD_IDS, BAD)}
+    t["one-rank"] = _run("-n", "1", "--collectives", "broadcast", "--dtypes", "int8",
+                         "--sizes", "3", "--backend", "gloo")
+    t["require"] = _run("--require-ncclpy", "-n", "2", "--collectives", "broadcast",
+                        "--dtypes", "i8", "--sizes", "3")
+    t["gloo-summary"] = _run(*GLOO_SUMMARY, str(d / "gloo-summary.json"))
+    needs = dict(NEEDS)
+    gpu = not no_gpu_reason()
+    if gpu or unavailable() or importlib.util.find_spec("torch") is None:
+        needs.pop("test_require_ncclpy_is_met_by_the_cpu_backend_and_contradicts_gloo")
+    if gpu:
+        needs.pop("test_gloo_summary_says_ncclpy_did_not_run")
+    yield from module_runs(request, t, needs, d)
+
+
+@pytest.mark.parametrize("args, want", BAD, ids=BAD_IDS)
+def test_argument_error_is_one_line_naming_the_flag(request, runs, args, want):
+    p = runs[f"bad-{request.node.callspec.id}"]       # ARGS and a one-case filter
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert p.stdout == ""                            # nothing started
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
@@ -126,7 +170,7 @@ def test_ops_select_the_reducing_collectives_only():
     assert bc and bc == [k for k in with_ops if k.startswith("broadcast/")]
 
 
-def test_counts_are_spelled_right_for_one():
+def test_counts_are_spelled_right_for_one(runs):
     """"1 case on 1 rank", "1 combination", never "1 ranks" / "1 combinations"."""
     g = ("--backend", "gloo")
     p = check("--list", "-n", "1", "--collectives", "broadcast", "--dtypes", "int8",
@@ -137,7 +181,7 @@ def test_counts_are_spelled_right_for_one():
     p = check("-n", "1", "--collectives", "gather", "--dtypes", "complex64", *g)
     assert p.returncode == 2
     assert "can run on 1 rank (1 combination skipped; see --list-skips)" in p.stderr, p.stderr
-    p = check("-n", "1", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3", *g)
+    p = runs["one-rank"]                # -n 1 --collectives broadcast --dtypes int8 --sizes 3, *g
     assert p.returncode == 0, p.stdout + p.stderr
     assert "ncclpy check: 1 rank, " in p.stdout and "  1 case, 0 combinations skipped" in p.stdout
     assert "ncclpy check: 1 case on 1 rank (gloo)" in p.stdout
@@ -176,7 +220,7 @@ def test_check_modules_import_no_circle():
     assert not cycles, {m: sorted(graph[m]) for m in cycles}
 
 
-def test_require_ncclpy_is_met_by_the_cpu_backend_and_contradicts_gloo():
+def test_require_ncclpy_is_met_by_the_cpu_backend_and_contradicts_gloo(runs):
     """Without a GPU, ``--backend auto`` runs ncclpy on its CPU backend, which meets
     ``--require-ncclpy``; with ``--backend gloo`` the flag is a contradiction (exit 2)."""
     from ncclpy.check.cpu_side import unavailable
@@ -186,24 +230,22 @@ def test_require_ncclpy_is_met_by_the_cpu_backend_and_contradicts_gloo():
     if unavailable():
         pytest.skip(unavailable())
     pytest.importorskip("torch")
-    p = check("--require-ncclpy", "-n", "2", "--collectives", "broadcast", "--dtypes", "i8",
-              "--sizes", "3")
+    p = runs["require"]        # --require-ncclpy -n 2 --collectives broadcast --dtypes i8 ...
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert " cases on 2 ranks (cpu vs gloo) " in p.stdout and " 0 failed" in p.stdout, p.stdout
     p = check("--require-ncclpy", "--backend", "gloo", "--collectives", "broadcast")
     assert p.returncode == 2 and "--require-ncclpy with --backend gloo" in p.stderr
 
 
-def test_gloo_summary_says_ncclpy_did_not_run(tmp_path):
+def test_gloo_summary_says_ncclpy_did_not_run(runs):
     """``--backend gloo`` (today's run without a GPU) passes (torch matches the reference) but
     never claims ncclpy passed: the summary and the JSON count torch's cases apart."""
     from ncclpy.info import no_gpu_reason
     why = no_gpu_reason()
     if not why:
         pytest.skip("a GPU is usable here: ncclpy runs")
-    out = tmp_path / "c.json"
-    p = check("-n", "2", "--backend", "gloo", "--collectives", "broadcast", "--dtypes",
-              "float32", "--sizes", "3", "--json", str(out))
+    out = runs.where / "gloo-summary.json"
+    p = runs["gloo-summary"]                    # GLOO_SUMMARY out
     assert p.returncode == 0, p.stderr[-2000:]
     tail = p.stdout.splitlines()[-4:]
     assert tail[0].endswith("ncclpy NOT run"), tail

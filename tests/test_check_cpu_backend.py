@@ -4,6 +4,7 @@ the matrix, the ``reference only`` status (what gloo cannot run is judged by the
 alone and never counted as passed), the report and the JSON."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from check_runs import module_runs, proc
 from check_util import cmp, parts
 from ncclpy.check import cases as C
 from ncclpy.check import compare as K
@@ -34,16 +36,52 @@ def _needs_torch() -> None:
 SUBSET = ("--sizes", "0,1,7")
 
 
-def run_check(*args: str, env: dict | None = None, timeout: float = 240.0
-              ) -> subprocess.CompletedProcess:
+def _env(extra: dict | None = None) -> dict:
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT", "NCCLPY_DEVICE"):
         e.pop(k, None)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ncclpy", "check", *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    e.update(extra or {})
+    return e
+
+
+def _check(*args: str, env: dict | None = None, timeout: float = 240.0):
+    """``ncclpy check ARGS``: the run, when called."""
+    return proc([sys.executable, "-m", "ncclpy", "check", *args], _env(env), timeout)
+
+
+def run_check(*args: str, env: dict | None = None, timeout: float = 240.0
+              ) -> subprocess.CompletedProcess:
+    return _check(*args, env=env, timeout=timeout)()
+
+
+#: the ncclpy side's corruptions (spec, collective) and the runs each test reads
+CORRUPT = [("broadcast:1:ncclpy:bit", "broadcast"), ("all_reduce:0:ncclpy:sign", "all_reduce")]
+NEEDS = {"test_cpu_backend_check_passes_bit_for_bit[2]": ["subset-2"],
+         "test_cpu_backend_check_passes_bit_for_bit[4]": ["subset-4"],
+         **{f"test_a_corrupted_ncclpy_output_fails_even_where_gloo_cannot_compare[{s}-{c}]":
+            [f"corrupt-{c}"] for s, c in CORRUPT},
+         "test_a_cpu_backend_that_does_not_start_fails_the_run": ["no-start"]}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's real runs (check_runs.py), started together as its tests begin, so that
+    the 4-rank matrix runs while the 2-rank one and the small runs do: a test reads its run's
+    output and JSON (``runs.json(name)``) as if it had started the run itself."""
+    d = tmp_path_factory.mktemp("check_cpu_backend")
+    t = {f"subset-{n}": _check("--backend", "cpu", "-n", str(n), *SUBSET, "-q", "--json",
+                               str(d / f"subset-{n}.json")) for n in (2, 4)}
+    t.update({f"corrupt-{c}": _check("--backend", "cpu", "-n", "2", "--collectives", c,
+                                     "--dtypes", "int8,uint32", "--ops", "sum", "--sizes", "5",
+                                     "--json", str(d / f"corrupt-{c}.json"),
+                                     env={"NCCLPY_CHECK_INJECT": s}) for s, c in CORRUPT})
+    t["no-start"] = _check("--backend", "cpu", "-n", "2", "--collectives", "broadcast",
+                           "--dtypes", "i8", "--sizes", "3", "--json", str(d / "no-start.json"),
+                           env={"NCCLPY_TRACE_BUFFER": "xyz"})
+    needs = NEEDS if importlib.util.find_spec("torch") else {}   # else: the tests skip
+    yield from module_runs(request, t, needs, d)
 
 
 # -- the matrix -----------------------------------------------------------------------------
@@ -131,16 +169,15 @@ def _summary(out: str) -> str:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_cpu_backend_check_passes_bit_for_bit(n, tmp_path):
+def test_cpu_backend_check_passes_bit_for_bit(n, runs):
     """Every collective x dtype x op (``SUBSET``'s sizes) through ncclpy's CPU backend and
     gloo: ncclpy bit for bit with the reference in every case, with gloo wherever gloo runs;
     what gloo cannot run is 'reference only', never 'pass'; the report and JSON say the
     ncclpy side ran on the CPU backend, not NCCL."""
     _needs_torch()
-    js = tmp_path / "check.json"
-    p = run_check("--backend", "cpu", "-n", str(n), *SUBSET, "-q", "--json", str(js))
+    p = runs[f"subset-{n}"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    doc = json.loads(js.read_text())
+    doc = runs.json(f"subset-{n}")
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(doc, json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text()))
     want, skipped = C.build_matrix(n, backend="cpu", sizes=SUBSET[1])
@@ -199,18 +236,14 @@ def test_cpu_backend_check_passes_bit_for_bit(n, tmp_path):
     assert "ncclpy ran on its CPU backend, not on NCCL (no GPU)" in summ
 
 
-@pytest.mark.parametrize("spec, coll", [("broadcast:1:ncclpy:bit", "broadcast"),
-                                        ("all_reduce:0:ncclpy:sign", "all_reduce")])
-def test_a_corrupted_ncclpy_output_fails_even_where_gloo_cannot_compare(spec, coll, tmp_path):
+@pytest.mark.parametrize("spec, coll", CORRUPT)
+def test_a_corrupted_ncclpy_output_fails_even_where_gloo_cannot_compare(spec, coll, runs):
     """The ncclpy side is really compared: one flipped bit of its output fails the case, both
     where gloo runs (int8) and where only the reference judges it (uint32)."""
     _needs_torch()
-    js = tmp_path / "inj.json"
-    p = run_check("--backend", "cpu", "-n", "2", "--collectives", coll, "--dtypes",
-                  "int8,uint32", "--ops", "sum", "--sizes", "5", "--json", str(js),
-                  env={"NCCLPY_CHECK_INJECT": spec})
+    p = runs[f"corrupt-{coll}"]                   # NCCLPY_CHECK_INJECT=spec
     assert p.returncode == 1, p.stdout + p.stderr
-    doc = json.loads(js.read_text())
+    doc = runs.json(f"corrupt-{coll}")
     assert doc["summary"]["passed_reference_only"] == 0 and doc["summary"]["failed"] == \
         len(doc["cases"]) > 0
     for c in doc["cases"]:
@@ -230,17 +263,15 @@ def test_cpu_backend_refusals_are_one_line():
     assert p.returncode == 0 and p.stdout.rstrip().endswith("(cpu)")
 
 
-def test_a_cpu_backend_that_does_not_start_fails_the_run(tmp_path):
+def test_a_cpu_backend_that_does_not_start_fails_the_run(runs):
     """ncclpy's side not starting (here: a bad NCCLPY_TRACE_BUFFER) is a failure (exit 1), never
     a run of torch alone that passes; the header and the summary say it did not start."""
     _needs_torch()
-    js = tmp_path / "f.json"
-    p = run_check("--backend", "cpu", "-n", "2", "--collectives", "broadcast", "--dtypes", "i8",
-                  "--sizes", "3", "--json", str(js), env={"NCCLPY_TRACE_BUFFER": "xyz"})
+    p = runs["no-start"]
     assert p.returncode == 1, p.stdout + p.stderr
     assert "ncclpy side: its CPU backend (ncclpy.init(device='cpu')) did not start" in p.stdout
     assert "ncclpy's CPU backend did not start: ArgumentError: NCCLPY_TRACE_BUFFER" in p.stdout
-    doc = json.loads(js.read_text())
+    doc = runs.json("no-start")
     assert doc["exit_code"] == 1 and doc["summary"]["ncclpy_cases"] == 0
     assert doc["problems"][0].startswith("ncclpy's CPU backend did not run: ArgumentError")
     assert doc["compared"] == "torch (gloo) vs numpy reference only; ncclpy (CPU backend) did " \

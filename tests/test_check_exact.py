@@ -11,6 +11,7 @@ injected corruption names the element and the predicted order; ``--backend gloo`
 The GPU side is tests/gpu/test_check_gpu.py."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,9 +23,10 @@ import pytest
 
 from ncclpy.order.ncclenv import forget_params
 
+from check_runs import module_runs, proc
 from check_util import cmp, parts
 from order_logs_util import call_line, comm_block, info, write_logs
-from ncclpy import numerics as nm
+from ncclpy.semantics import numerics as nm
 from ncclpy.check import cases as C
 from ncclpy.check import compare as K
 from ncclpy.check import exact as X
@@ -343,46 +345,81 @@ def test_the_header_says_which_reference_and_on_what_basis(monkeypatch):
                                "(from NCCL's source, not yet checked on a GPU)")
     assert lines[1] == ("  NCCL's order for all_reduce, reduce, reduce_scatter: ring/simple on "
                         "1 channel (why: the JSON's header.reference)")
-    assert lines[2] == "  torch is judged against rank-order (ncclpy.reference): gloo is not NCCL"
+    assert lines[2] == ("  torch is judged against rank-order (ncclpy.reference): "
+                        "gloo is not NCCL")
     assert H.header_lines({"reference": H.describe(_ctx("gloo"))}) == [
-        "  reference: rank order (ncclpy.reference); no exact reference: gloo is not NCCL and "
-        "ncclpy does not run"]
+        "  reference: rank order (ncclpy.reference); no exact reference: gloo is not "
+        "NCCL and ncclpy does not run"]
     gpu = H.describe(_ctx("nccl"))
     assert set(gpu["short"].values()) == {"no prediction"}
 
 
 # -- real runs -------------------------------------------------------------------------------
-def run_check(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _env(extra: dict | None = None) -> dict:
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT", "NCCLPY_DEVICE", *ONE_RING):
         e.pop(k, None)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ncclpy", "check", *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=200)
+    e.update(extra or {})
+    return e
+
+
+def _check(*args: str, env: dict | None = None):
+    """``ncclpy check ARGS``: the run, when called."""
+    return proc([sys.executable, "-m", "ncclpy", "check", *args], _env(env), 200)
+
+
+def run_check(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return _check(*args, env=env)()
+
+
+def _not_here() -> str:
+    """Why the default run is not the CPU backend here ('' when it is)."""
+    from ncclpy.check.cli import _gpu_available
+    from ncclpy.check.cpu_side import unavailable
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    if _gpu_available()[0]:
+        return "a GPU is visible: --backend auto is nccl here"
+    return unavailable()
 
 
 def _runs_here():
     pytest.importorskip("torch")
-    from ncclpy.check.cli import _gpu_available
-    from ncclpy.check.cpu_side import unavailable
-    if _gpu_available()[0]:
-        pytest.skip("a GPU is visible: --backend auto is nccl here")
-    if unavailable():
-        pytest.skip(unavailable())
+    why = _not_here()
+    if why:
+        pytest.skip(why)
 
 
 SMALL = ("-n", "3", "--collectives", "all_reduce,reduce_scatter,broadcast", "--dtypes",
          "f32,bf16,c64,i32", "--ops", "sum,max", "--sizes", "0,12,100")
+NEEDS = {"test_without_a_gpu_the_default_run_is_the_cpu_backend_exact_against_nccls_order":
+         ["small"], "test_an_injected_corruption_names_the_element_and_the_predicted_order":
+         ["inject"], "test_the_cpu_backend_is_the_default_under_a_launcher_too": ["launcher"]}
 
 
-def test_without_a_gpu_the_default_run_is_the_cpu_backend_exact_against_nccls_order(tmp_path):
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's three real runs (check_runs.py), started together as the first of their
+    tests begins: each test reads its run's output and JSON as if it had started it."""
+    d = tmp_path_factory.mktemp("check_exact")
+    t = {"small": _check(*SMALL, "--json", str(d / "small.json"), env=ONE_RING),
+         "inject": _check("-n", "3", "--collectives", "all_reduce", "--dtypes", "f32", "--ops",
+                          "sum", "--sizes", "24", "--inputs", "reveal", "--json",
+                          str(d / "inject.json"),
+                          env=dict(ONE_RING, NCCLPY_CHECK_INJECT="all_reduce:1:ncclpy:invert")),
+         "launcher": proc([sys.executable, "-m", "ncclpy", "run", "-n", "2", "-m", "ncclpy",
+                           "check", "--collectives", "reduce", "--dtypes", "f32", "--sizes",
+                           "5", "--ops", "sum", "-q"], _launcher_env(), 200)}
+    yield from module_runs(request, t, {} if _not_here() else NEEDS, d)
+
+
+def test_without_a_gpu_the_default_run_is_the_cpu_backend_exact_against_nccls_order(runs):
     _runs_here()
-    js = tmp_path / "c.json"
-    p = run_check(*SMALL, "--json", str(js), env=ONE_RING)
+    p = runs["small"]                           # SMALL, with ONE_RING in its environment
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    doc = json.loads(js.read_text())
+    doc = runs.json("small")
     import jsonschema
     jsonschema.validate(doc, SCHEMA)
     h, s = doc["header"], doc["summary"]
@@ -419,14 +456,11 @@ def test_without_a_gpu_the_default_run_is_the_cpu_backend_exact_against_nccls_or
     assert " cases on 3 ranks (cpu vs gloo) " in p.stdout
 
 
-def test_an_injected_corruption_names_the_element_and_the_predicted_order(tmp_path):
+def test_an_injected_corruption_names_the_element_and_the_predicted_order(runs):
     _runs_here()
-    js = tmp_path / "i.json"
-    p = run_check("-n", "3", "--collectives", "all_reduce", "--dtypes", "f32", "--ops", "sum",
-                  "--sizes", "24", "--inputs", "reveal", "--json", str(js),
-                  env=dict(ONE_RING, NCCLPY_CHECK_INJECT="all_reduce:1:ncclpy:invert"))
+    p = runs["inject"]          # all_reduce of 24 f32 (reveal), rank 1's ncclpy output inverted
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-    doc = json.loads(js.read_text())
+    doc = runs.json("inject")
     for c in doc["cases"]:
         assert c["status"] == "fail" and c["reference"] == "nccl-order", c
         assert c["exact_nccl_order"] is False and c["injected"] == "ncclpy:invert"
@@ -454,16 +488,17 @@ def test_backend_gloo_is_todays_run():
     assert any(k.endswith("/reveal") for k in q.stdout.splitlines())
 
 
-def test_the_cpu_backend_is_the_default_under_a_launcher_too():
-    _runs_here()
+def _launcher_env() -> dict:
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT", "NCCLPY_DEVICE"):
         e.pop(k, None)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", "-m", "ncclpy",
-                        "check", "--collectives", "reduce", "--dtypes", "f32", "--sizes", "5",
-                        "--ops", "sum", "-q"], cwd=ROOT, env=e, capture_output=True, text=True,
-                       timeout=200)
+    return e
+
+
+def test_the_cpu_backend_is_the_default_under_a_launcher_too(runs):
+    _runs_here()
+    p = runs["launcher"]    # ncclpy run -n 2 -m ncclpy check (reduce f32 5 sum, -q)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert " cases on 2 ranks (cpu vs gloo) " in p.stdout and " 0 failed" in p.stdout

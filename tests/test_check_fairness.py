@@ -51,7 +51,7 @@ def test_libnccl_identification():
     assert os.path.samefile(F.symbol_library(ext), lib.path)
     assert L._pick(["/x/libnccl.so.2", lib.path], F.symbol_library(ext)) == lib.path
     assert L._pick(["/x/libnccl.so.2", "/y/libnccl.so.2"], None) == "/x/libnccl.so.2"
-    from ncclpy.ops import format_version
+    from ncclpy.semantics.ops import format_version
     ver = format_version(lib.version)
     torch = pytest.importorskip("torch")         # loaded, as in a check's rank
     import torch.distributed as dist

@@ -2,16 +2,19 @@
 processes (2, 3 and 4 ranks), plus the harness's parts."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ncclpy import numerics as nm
+from ncclpy.semantics import numerics as nm
+from check_runs import module_runs, proc
 from check_util import cmp, parts
 from ncclpy.check import cases as C
 from ncclpy.check import compare as K
@@ -19,6 +22,8 @@ from ncclpy.check import report as Rp
 from ncclpy.check import runner as Rn   # imports no torch itself: torch is passed in
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the real runs' tests share ``runs`` (below): on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("test_check_gloo")
 
 
 def _torch():
@@ -27,26 +32,32 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-def run_check(*args: str, env: dict | None = None, timeout: float = 240.0,
-              launcher: bool = False) -> subprocess.CompletedProcess:
-    """``ncclpy check ARGS --backend gloo`` (this file checks the gloo run, which a machine
-    without a GPU no longer picks by itself: ``--backend auto`` is the CPU backend there)
-    unless ARGS name a backend."""
-    if "--backend" not in args:
-        args = (*args, "--backend", "gloo")
+def _env(extra: dict | None = None) -> dict:
     e = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
               "NCCLPY_CHECK_INJECT"):
         e.pop(k, None)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
+    e.update(extra or {})
+    return e
+
+
+def _cmd(args: tuple, launcher: bool = False) -> list:
+    """``ncclpy check ARGS --backend gloo`` (this file checks the gloo run, which a machine
+    without a GPU no longer picks by itself: ``--backend auto`` is the CPU backend there)
+    unless ARGS name a backend; ``launcher``: under ``ncclpy run -n N``."""
+    if "--backend" not in args:
+        args = (*args, "--backend", "gloo")
     cmd = [sys.executable, "-m", "ncclpy"]
     if launcher:
         n = args[args.index("-n") + 1]
-        cmd += ["run", "-n", n, "-m", "ncclpy", "check"] + [a for a in args]
-    else:
-        cmd += ["check", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+        return cmd + ["run", "-n", n, "-m", "ncclpy", "check", *args]
+    return cmd + ["check", *args]
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess:
+    """``ncclpy check ARGS`` (see :func:`_cmd`), at once (the runs without ranks)."""
+    return proc(_cmd(args), _env(), 240.0)()
 
 
 # -- the matrix and its tables --------------------------------------------------------------
@@ -118,9 +129,9 @@ def test_exactness_claims_and_divergences():
 def test_divergence_predictions():
     """Each divergence predicts torch's wrong output; the check calls a difference a divergence
     only when torch's bytes equal the prediction."""
-    from ncclpy import reference
+    from ncclpy.semantics import reference
     from ncclpy.check import divergences as D
-    from ncclpy.plan.scalars import float32_bits
+    from ncclpy.semantics.scalars import float32_bits
     # torch NCCL bf16 premul_sum(2.0): NCCL reads the float32's low 16 bits (0): zeros
     x = [nm.encode(np.array([1.5, -3.0, 0.25]), "bfloat16") for _ in range(3)]
     c = C.Case("all_reduce", "bfloat16", "premul_sum", 2.0, 3)
@@ -327,6 +338,64 @@ def test_inject_spec_parsing():
 
 
 # -- real runs ------------------------------------------------------------------------------
+INJ = ["-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes", "float32,int8",
+       "--sizes", "0,5"]
+INJ_SPECS = ["reduce_scatter:1", "reduce_scatter:*:torch:invert",
+             "reduce_scatter:0:reference:bit", "reduce_scatter:1:reference:sign"]
+#: the divergence cell (gloo's bool sum); its clean run is the full 2-rank matrix's
+DIV = ("-n", "2", "--collectives", "all_reduce", "--dtypes", "bool", "--ops", "sum",
+       "--sizes", "7")
+ONE = ("-n", "2", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3")
+#: the runs each test reads (check_runs.py): started together, each once
+NEEDS = {"test_full_gloo_matrix[2]": ["full-2"], "test_full_gloo_matrix[3]": ["full-3"],
+         "test_full_gloo_matrix[4]": ["full-4"],
+         **{f"test_injected_corruption_is_a_mismatch[{s}]": [f"inj-{i}"]
+            for i, s in enumerate(INJ_SPECS)},
+         "test_corrupted_torch_output_in_a_divergence_cell_is_a_mismatch": ["full-2", "div"],
+         "test_inject_needs_the_side_it_corrupts": ["inject-ncclpy", "inject-scramble"],
+         "test_json_to_stdout_keeps_the_table_on_stderr": ["json-stdout"],
+         "test_run_timeout_stops_the_ranks": ["run-timeout"],
+         "test_runs_under_the_launcher_with_rank_env": ["launcher"],
+         "test_runs_under_torchrun": ["torchrun"],
+         "test_gloo_avg_divergence_model_matches_real_gloo": ["avg"]}
+
+
+def _table(d: Path) -> dict:
+    """Every real run of this file: name -> its run (those given a JSON name write d/NAME)."""
+    def check(js: str, *args: str, env: dict | None = None, launcher: bool = False):
+        more = ("--json", str(d / f"{js}.json")) if js else ()
+        return proc(_cmd((*args, *more), launcher), _env(env), 240.0)
+    inj = "NCCLPY_CHECK_INJECT"
+    t = {f"full-{n}": check(f"full-{n}", "-n", str(n), "-q") for n in (2, 3, 4)}
+    t.update({f"inj-{i}": check(f"inj-{i}", *INJ, env={inj: s}) for i, s in enumerate(INJ_SPECS)})
+    t["div"] = check("div", *DIV, env={inj: "all_reduce:0:torch:sign"})
+    t["inject-ncclpy"] = check("", *ONE, env={inj: "broadcast:0:ncclpy"})
+    t["inject-scramble"] = check("", *ONE, env={inj: "broadcast:0:torch:scramble"})
+    t["json-stdout"] = check("", "-n", "2", "--collectives", "broadcast,barrier", "--dtypes",
+                             "int8", "--sizes", "3", "--json", "-")
+    t["run-timeout"] = check("", "-n", "2", "--run-timeout", "3")   # the matrix needs ~10 s
+    t["launcher"] = check("", "-n", "2", "--collectives", "all_to_all,send_recv,barrier",
+                          "--dtypes", "float16", "--sizes", "3", launcher=True)
+    e = _env()
+    e.pop("NCCLPY_DEVICE", None)
+    t["torchrun"] = proc([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--standalone", "-m", "ncclpy", "check", "--backend", "gloo",
+                          "--collectives", "all_reduce,scatter,barrier", "--dtypes", "float32",
+                          "--sizes", "5"], e, 120)
+    t["avg"] = partial(_run_avg_script, d, _env())
+    return t
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's real runs, started together as the module's tests begin (each a parent
+    and its ranks, each rank importing torch): a test reads its run's output as if it had
+    started it; the full 2-rank matrix also holds the divergence cell's clean run."""
+    needs = NEEDS if importlib.util.find_spec("torch") else {}   # else: the tests skip
+    d = tmp_path_factory.mktemp("check_gloo")
+    yield from module_runs(request, _table(d), needs, d)
+
+
 def _summary(out: str) -> str:
     """The summary (its lines, joined)."""
     lines = out.splitlines()
@@ -336,20 +405,19 @@ def _summary(out: str) -> str:
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_full_gloo_matrix(n, tmp_path):
+def test_full_gloo_matrix(n, runs):
     """The whole default CPU matrix (every collective, dtype gloo runs, op, size incl. 1 MiB,
     root 0 and n-1, in/out of place), bit for bit against the reference."""
     _torch()
-    js = tmp_path / "check.json"
-    p = run_check("-n", str(n), "-q", "--json", str(js))
+    p = runs[f"full-{n}"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = _summary(p.stdout)
     assert " 0 failed" in s and "(gloo)" in s and "0 within ULP" in s
     assert "ncclpy NOT run torch (gloo) vs numpy reference only:" in s
     jsonschema = pytest.importorskip("jsonschema")
     schema = json.loads((ROOT / "ncclpy" / "check" / "schema.json").read_text())
-    jsonschema.validate(json.loads(js.read_text()), schema)      # the documented schema
-    doc = json.loads(js.read_text())
+    doc = runs.json(f"full-{n}")
+    jsonschema.validate(doc, schema)      # the documented schema
     want, skipped = C.build_matrix(n, backend="gloo")
     assert doc["exit_code"] == 0 and doc["summary"]["failed"] == 0
     assert doc["summary"]["cases"] == len(want) and doc["summary"]["skipped"] == len(skipped)
@@ -373,21 +441,15 @@ def test_full_gloo_matrix(n, tmp_path):
     assert "ncclpy column: needs GPU" in p.stdout
 
 
-INJ = ["-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes", "float32,int8",
-       "--sizes", "0,5"]
-
-
-@pytest.mark.parametrize("spec", ["reduce_scatter:1", "reduce_scatter:*:torch:invert",
-                                  "reduce_scatter:0:reference:bit",
-                                  "reduce_scatter:1:reference:sign"])
-def test_injected_corruption_is_a_mismatch(spec, tmp_path):
+@pytest.mark.parametrize("spec", INJ_SPECS)
+def test_injected_corruption_is_a_mismatch(spec, runs):
     """Corrupting torch's output, or the reference the harness compares with, in different ways:
     each is a mismatch with exit status 1 (size 0 has no byte to corrupt and passes)."""
     _torch()
-    js = tmp_path / "inj.json"
-    p = run_check(*INJ, "--json", str(js), env={"NCCLPY_CHECK_INJECT": spec})
+    name = f"inj-{INJ_SPECS.index(spec)}"
+    p = runs[name]
     assert p.returncode == 1, p.stdout + p.stderr
-    doc = json.loads(js.read_text())
+    doc = runs.json(name)
     side, how = (spec.split(":") + ["torch", "bit"])[2:4]
     bad = [c for c in doc["cases"] if c["status"] == "fail"]
     assert bad and all(c["case"]["collective"] == "reduce_scatter" and c["case"]["count"] == 5
@@ -404,30 +466,29 @@ def test_injected_corruption_is_a_mismatch(spec, tmp_path):
     assert doc["summary"]["failed"] == len(bad) and doc["exit_code"] == 1
 
 
-def test_corrupted_torch_output_in_a_divergence_cell_is_a_mismatch(tmp_path):
-    """A documented divergence excuses only torch's predicted wrong output, nothing else."""
+def test_corrupted_torch_output_in_a_divergence_cell_is_a_mismatch(runs):
+    """A documented divergence excuses only torch's predicted wrong output, nothing else.
+    The clean cell is the full 2-rank matrix's case of the same key (the same inputs: they
+    depend on the seed, the case and the rank only), which that run found a divergence."""
     _torch()
-    args = ("-n", "2", "--collectives", "all_reduce", "--dtypes", "bool", "--ops", "sum",
-            "--sizes", "7")
-    clean = run_check(*args, "--json", str(tmp_path / "a.json"))
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert [c["status"] for c in json.loads((tmp_path / "a.json").read_text())["cases"]] == \
+    clean = runs["full-2"]
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    cell, _ = C.build_matrix(2, backend="gloo", collectives=["all_reduce"], dtypes=["bool"],
+                             ops=["sum"], sizes="7")
+    keys = {c.key for c in cell}
+    assert [c["status"] for c in runs.json("full-2")["cases"] if c["key"] in keys] == \
         ["torch divergence"]
-    p = run_check(*args, "--json", str(tmp_path / "b.json"),
-                  env={"NCCLPY_CHECK_INJECT": "all_reduce:0:torch:sign"})
+    p = runs["div"]
     assert p.returncode == 1, p.stdout + p.stderr
-    (c,) = json.loads((tmp_path / "b.json").read_text())["cases"]
+    (c,) = runs.json("div")["cases"]
     assert c["status"] == "fail" and "prediction" in c["reason"]
 
 
-def test_inject_needs_the_side_it_corrupts():
+def test_inject_needs_the_side_it_corrupts(runs):
     _torch()
-    p = run_check("-n", "2", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3",
-                  env={"NCCLPY_CHECK_INJECT": "broadcast:0:ncclpy"})
+    p, q = runs.results("inject-ncclpy", "inject-scramble")
     assert p.returncode == 2 and "no ncclpy column" in p.stderr, p.stdout + p.stderr
-    p = run_check("-n", "2", "--collectives", "broadcast", "--dtypes", "int8", "--sizes", "3",
-                  env={"NCCLPY_CHECK_INJECT": "broadcast:0:torch:scramble"})
-    assert p.returncode == 2 and "NCCLPY_CHECK_INJECT" in p.stderr, p.stdout + p.stderr
+    assert q.returncode == 2 and "NCCLPY_CHECK_INJECT" in q.stderr, q.stdout + q.stderr
 
 
 def test_zero_cases_is_an_error():
@@ -437,10 +498,9 @@ def test_zero_cases_is_an_error():
     assert p.returncode == 2 and "see --list-skips" in p.stderr
 
 
-def test_json_to_stdout_keeps_the_table_on_stderr():
+def test_json_to_stdout_keeps_the_table_on_stderr(runs):
     _torch()
-    p = run_check("-n", "2", "--collectives", "broadcast,barrier", "--dtypes", "int8",
-                  "--sizes", "3", "--json", "-")
+    p = runs["json-stdout"]
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(p.stdout)                 # nothing else on stdout
     assert doc["exit_code"] == 0 and doc["summary"]["passed_torch_only"] == \
@@ -450,33 +510,23 @@ def test_json_to_stdout_keeps_the_table_on_stderr():
     assert "by collective and dtype:" in p.stderr and " cases on 2 ranks" in p.stderr
 
 
-def test_run_timeout_stops_the_ranks():
+def test_run_timeout_stops_the_ranks(runs):
     _torch()
-    p = run_check("-n", "2", "--run-timeout", "3")       # the full matrix needs ~10 s
+    p = runs["run-timeout"]
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert "timeout=3 s passed" in p.stderr
 
 
-def test_runs_under_the_launcher_with_rank_env():
+def test_runs_under_the_launcher_with_rank_env(runs):
     _torch()
-    p = run_check("-n", "2", "--collectives", "all_to_all,send_recv,barrier", "--dtypes",
-                  "float16", "--sizes", "3", launcher=True)
+    p = runs["launcher"]
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[rank 0]" in p.stdout and " 0 failed" in _summary(p.stdout)
 
 
-def test_runs_under_torchrun():
+def test_runs_under_torchrun(runs):
     _torch()
-    e = dict(os.environ)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "NCCLPY_CHECK_INJECT", "NCCLPY_DEVICE"):
-        e.pop(k, None)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--standalone", "-m", "ncclpy", "check", "--backend", "gloo",
-                        "--collectives",
-                        "all_reduce,scatter,barrier", "--dtypes", "float32", "--sizes", "5"],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    p = runs["torchrun"]
     assert p.returncode == 0, p.stdout + p.stderr
     assert " 0 failed" in _summary(p.stdout) and " cases on 2 ranks (gloo)" in p.stdout
 
@@ -506,7 +556,7 @@ _GLOO_AVG_SCRIPT = r'''
 import json, os, sys, socket
 import numpy as np
 import torch, torch.distributed as dist, torch.multiprocessing as mp
-from ncclpy import numerics as nm
+from ncclpy.semantics import numerics as nm
 from ncclpy.check import cases as C, divergences as D, runner as Rn
 from ncclpy import reference
 
@@ -536,24 +586,28 @@ def work(rank, port, out):
 
 if __name__ == "__main__":
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-    mp.spawn(work, args=(port, sys.argv[1]), nprocs=3)
+    # forked: the ranks share this process's torch, imported once instead of four times
+    mp.start_processes(work, args=(port, sys.argv[1]), nprocs=3, start_method="fork")
 '''
 
 
-def test_gloo_avg_divergence_model_matches_real_gloo(tmp_path):
+def _run_avg_script(d: Path, env: dict) -> subprocess.CompletedProcess:
+    """The script above, its 3 ranks' verdicts in d/avg.json."""
+    script = d / "avg.py"
+    script.write_text(_GLOO_AVG_SCRIPT)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, str(script), str(d / "avg.json")], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_gloo_avg_divergence_model_matches_real_gloo(runs):
     """On inputs where the two semantics differ, real gloo's AVG output is exactly the
     divergence model's prediction (and not the reference's)."""
     _torch()
-    script = tmp_path / "avg.py"
-    script.write_text(_GLOO_AVG_SCRIPT)
-    out = tmp_path / "avg.json"
-    e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    p = subprocess.run([sys.executable, str(script), str(out)], env=e, capture_output=True,
-                       text=True, timeout=120)
+    p = runs["avg"]
     assert p.returncode == 0, p.stdout + p.stderr
-    rows = json.loads(out.read_text())
+    rows = runs.json("avg")
     assert len(rows) == 6
     assert all(matches_pred for _, _, matches_pred, _ in rows), rows
     assert not any(matches_ref for _, _, _, matches_ref in rows), rows

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from check_runs import module_runs, proc
 from ncclpy.check import cases as C
 from ncclpy.check import memory as M
 
@@ -29,12 +30,28 @@ def _env() -> dict:
     return e
 
 
+def _run(*args: str, env: dict = None):
+    """``ncclpy check ARGS``: the run, when called."""
+    return proc([sys.executable, "-m", "ncclpy", "check", *args], env or _env(), 200)
+
+
 def _check(*args: str, env: dict = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ncclpy", "check", *args], cwd=ROOT,
-                          env=env or _env(), capture_output=True, text=True, timeout=200)
+    return _run(*args, env=env)()
 
 
-@pytest.mark.parametrize("args, head", [
+def _peak(size: str, env: dict):
+    """A 2-rank run's (all_gather of float32 at ``size``) peak RSS of one process, in bytes,
+    as a Python that started it reads it: the run, when called."""
+    code = ("import resource, subprocess, sys\n"
+            "p = subprocess.run([sys.executable, '-m', 'ncclpy', 'check', '-n', '2', "
+            "'--collectives', 'all_gather', '--dtypes', 'float32', '--inplace', 'no', "
+            f"'-q', '--sizes', {size!r}], capture_output=True, text=True)\n"
+            "assert p.returncode == 0, p.stdout + p.stderr\n"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n")
+    return proc([sys.executable, "-c", code], env, 200)
+
+
+REFUSED = [
     (["--sizes", "1000GiB"], "--sizes 1000GiB: all_to_all of complex128 at 1000GiB "
                              "(67108864000 elements) per block needs at least "),
     (["--size=1,1000GiB", "--collectives", "all_gather", "--dtypes", "float64"],
@@ -44,10 +61,30 @@ def _check(*args: str, env: dict = None) -> subprocess.CompletedProcess:
     (["-n", "3", "--sizes", "200000000000", "--collectives", "broadcast", "--dtypes", "int8"],
      "--sizes 200000000000: broadcast of int8 at 200000000000 elements per block needs at "
      "least 558.8 GiB of host memory per rank, 1.6 TiB for the 3 ranks on this machine; "),
-], ids=["1000GiB", "typed-size=", "elements"])
-def test_a_size_that_cannot_fit_is_refused_before_any_rank_starts(tmp_path, args, head):
-    out = tmp_path / "r.json"
-    p = _check(*args, "--json", str(out))
+]
+REFUSED_IDS = ["1000GiB", "typed-size=", "elements"]
+NEEDS = {**{f"test_a_size_that_cannot_fit_is_refused_before_any_rank_starts[{i}]": [i]
+            for i in REFUSED_IDS},
+         "test_the_rule_is_a_lower_bound_of_what_a_run_uses": ["peak-64MiB", "peak-4"]}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's runs (check_runs.py), started together as the first of their tests begins:
+    the two 2-rank runs of the lower bound's test (the slow ones) run while the refusals are
+    checked; each test reads its run's output as if it had started it."""
+    d = tmp_path_factory.mktemp("check_memory")
+    t = {i: _run(*args, "--json", str(d / f"{i}.json")) for i, (args, _) in
+         zip(REFUSED_IDS, REFUSED)}
+    t.update({f"peak-{size}": _peak(size, _env()) for size in ("64MiB", "4")})
+    yield from module_runs(request, t, NEEDS, d)
+
+
+@pytest.mark.parametrize("args, head", REFUSED, ids=REFUSED_IDS)
+def test_a_size_that_cannot_fit_is_refused_before_any_rank_starts(request, runs, args, head):
+    name = request.node.callspec.id                  # its run: ARGS --json d/NAME.json
+    out = runs.where / f"{name}.json"
+    p = runs[name]
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert p.stdout == "" and "Traceback" not in p.stderr
     assert p.stderr.count("\n") == 1, p.stderr
@@ -116,20 +153,14 @@ def test_the_rule_against_given_host_and_gpu_sizes_without_a_gpu():
                        gpu_bytes=None, **kw) == ""                     # nothing known
 
 
-def test_the_rule_is_a_lower_bound_of_what_a_run_uses():
+def test_the_rule_is_a_lower_bound_of_what_a_run_uses(runs):
     """A real 2-rank run's peak RSS per rank grows by at least the rule's host need (the same
-    run at 4 elements is the baseline)."""
+    run at 4 elements is the baseline; the two run at once, each measured by its own parent)."""
     def peak(size: str) -> int:
-        code = ("import resource, subprocess, sys\n"
-                "p = subprocess.run([sys.executable, '-m', 'ncclpy', 'check', '-n', '2', "
-                "'--collectives', 'all_gather', '--dtypes', 'float32', '--inplace', 'no', "
-                f"'-q', '--sizes', {size!r}], capture_output=True, text=True)\n"
-                "assert p.returncode == 0, p.stdout + p.stderr\n"
-                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n")
-        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=200)
+        p = runs[f"peak-{size}"]                  # _peak(size)
         assert p.returncode == 0, p.stdout + p.stderr
         return int(p.stdout.split()[-1])
+    runs.start("peak-64MiB", "peak-4")
     cases, _ = C.build_matrix(2, backend="gloo", collectives=["all_gather"], dtypes=["float32"],
                               sizes="64MiB", in_place=[False])
     need = M.largest_need(cases, 2, 1, gpu=False)

@@ -4,17 +4,19 @@ within 100 columns; the full rows behind ``-v``; the JSON the same either way.  
 gloo check runs where CuPy is not installed at all."""
 from __future__ import annotations
 
+import importlib.util
 import io
-import json
 import os
 import pty
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from check_runs import module_runs, proc
 from ncclpy.check import overview as O
 from ncclpy.check import report as R
 
@@ -35,9 +37,91 @@ def _env(**kw: str) -> dict:
     return e
 
 
-def check(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ncclpy", "check", *args], cwd=ROOT,
-                          env=_env(**env), capture_output=True, text=True, timeout=200)
+def check(*args: str, **env: str):
+    """``ncclpy check ARGS``: the run, when called."""
+    return proc([sys.executable, "-m", "ncclpy", "check", *args], _env(**env), 200)
+
+
+def _progress_run(env: dict) -> tuple:
+    """SMALL with stderr a terminal (a pty) and stdout a pipe: the run and its stderr."""
+    master, slave = pty.openpty()
+    got = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            got.extend(chunk)
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    try:
+        p = subprocess.run([sys.executable, "-m", "ncclpy", "check", *SMALL], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=slave, text=True,
+                           timeout=200)
+    finally:
+        os.close(slave)
+    t.join(timeout=30)
+    os.close(master)
+    return p, got.decode(errors="replace")
+
+
+def _without_cupy(backend: str, d: Path) -> subprocess.CompletedProcess:
+    """The check run by an isolated Python (no site) that sees this venv's site-packages
+    through links, without cupy*, cuda* and nvidia* (see test_check_runs_without_cupy)."""
+    import site
+    sp = next(Path(x) for x in site.getsitepackages() if (Path(x) / "torch").is_dir())
+    view = d / "site"
+    view.mkdir()
+    for e in sp.iterdir():
+        if not e.name.startswith(("cupy", "cuda", "nvidia", "__editable__")) and \
+                not e.name.endswith(".pth"):
+            (view / e.name).symlink_to(e.resolve())
+    code = ("import sys; sys.path[:0] = [%r, %r]\n"
+            "import importlib.util as u; assert u.find_spec('cupy') is None\n"
+            "from ncclpy.cli import main\n"
+            "rc = main(['check', '--collectives', 'all_reduce,all_gather,barrier', '--dtypes',"
+            " 'float32,int8', '--sizes', '0,7', '-n', '2', '--backend', %r])\n"
+            "assert 'cupy' not in sys.modules\n"
+            "sys.exit(rc)\n") % (str(ROOT), str(view), backend)
+    return subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=d,
+                          capture_output=True, text=True, timeout=200)
+
+
+def _cpu_backend_unavailable() -> str:
+    from ncclpy.check.cpu_side import unavailable
+    return unavailable()
+
+
+NEEDS = {"test_default_report_is_a_matrix_and_a_list_within_100_columns": ["default", "-v"],
+         "test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix": ["failures"],
+         "test_progress_line_on_a_terminal_stderr": ["progress"],
+         "test_check_runs_without_cupy[gloo]": ["no-cupy-gloo"],
+         "test_check_runs_without_cupy[auto]": ["no-cupy-auto"]}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's real runs (check_runs.py), started together as the first of their tests
+    begins: each test reads its run's output (and JSON) as if it had started the run."""
+    d = tmp_path_factory.mktemp("check_report")
+    t = {"default": check(*SMALL, "--json", str(d / "default.json")),
+         "-v": check(*SMALL, "--json", str(d / "-v.json"), "-v"),
+         "failures": check("-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes",
+                           "int8", "--sizes", "0,5", "--ops", "sum", "-q", "--backend", "gloo",
+                           NCCLPY_CHECK_INJECT="reduce_scatter:1"),
+         "progress": partial(_progress_run, _env())}
+    for b in ("gloo", "auto"):
+        t[f"no-cupy-{b}"] = partial(_without_cupy, b, tmp_path_factory.mktemp(f"no-cupy-{b}"))
+    needs = dict(NEEDS)
+    if importlib.util.find_spec("torch") is None:        # those tests skip
+        needs = {k: v for k, v in needs.items() if "cupy" not in k}
+    elif _cpu_backend_unavailable():
+        needs.pop("test_check_runs_without_cupy[auto]")
+    yield from module_runs(request, t, needs, d)
 
 
 def _rec(coll, dtype, status, op=None, reason="", **case):
@@ -125,9 +209,8 @@ def test_progress_draws_only_on_a_terminal():
 
 
 # -- real runs --------------------------------------------------------------------------------
-def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
-    js = tmp_path / "a.json"
-    p = check(*SMALL, "--json", str(js))
+def test_default_report_is_a_matrix_and_a_list_within_100_columns(runs):
+    p, v = runs.results("default", "-v")      # SMALL --json a.json; the same with -v
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     assert all(len(ln) <= R.WIDTH for ln in lines), max(lines, key=len)
@@ -145,13 +228,11 @@ def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
     assert "d all_reduce bool sum (1 case: 7 ip): gloo adds bool bytes" in text
     assert "\r" not in p.stdout + p.stderr and "cases, " not in p.stderr    # no progress line
     # -v: the same run with every row; the JSON's cases are the same
-    jv = tmp_path / "v.json"
-    v = check(*SMALL, "--json", str(jv), "-v")
     assert v.returncode == 0, v.stderr
     assert "ncclpy==torch" in v.stdout and "by collective and dtype:" in v.stdout
     table = [ln for ln in v.stdout.splitlines() if ln.startswith(("all_reduce ", "broadcast "))
              and "needs GPU" in ln]
-    a, b = json.loads(js.read_text()), json.loads(jv.read_text())
+    a, b = runs.json("default"), runs.json("-v")
     assert len(table) == sum(c["case"]["collective"] in ("all_reduce", "broadcast")
                              for c in a["cases"])
     assert a["cases"] == b["cases"] and a["summary"] == b["summary"] and \
@@ -164,10 +245,9 @@ def test_default_report_is_a_matrix_and_a_list_within_100_columns(tmp_path):
     assert "ms per case on rank 0 (inputs" in " ".join(v.stdout.split())
 
 
-def test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix():
-    p = check("-n", "2", "--collectives", "reduce_scatter,broadcast", "--dtypes", "int8",
-              "--sizes", "0,5", "--ops", "sum", "-q", "--backend", "gloo",
-              NCCLPY_CHECK_INJECT="reduce_scatter:1")
+def test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix(runs):
+    # reduce_scatter,broadcast int8 sizes 0,5, -q, NCCLPY_CHECK_INJECT=reduce_scatter:1
+    p = runs["failures"]
     assert p.returncode == 1, p.stdout + p.stderr
     assert "by collective and dtype:" not in p.stdout
     assert all(len(ln) <= R.WIDTH for ln in p.stdout.splitlines())
@@ -177,32 +257,10 @@ def test_failures_are_listed_with_reasons_and_quiet_drops_the_matrix():
     assert "failed: 2 cases" in text and ": 6 passed bit for bit, 2 failed" in text
 
 
-def test_progress_line_on_a_terminal_stderr():
+def test_progress_line_on_a_terminal_stderr(runs):
     """stderr a terminal (a pty): the progress line is drawn in place and erased; stdout (a
     pipe here) holds the report alone."""
-    master, slave = pty.openpty()
-    got = bytearray()
-
-    def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:
-                return
-            if not chunk:
-                return
-            got.extend(chunk)
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
-    try:
-        p = subprocess.run([sys.executable, "-m", "ncclpy", "check", *SMALL], cwd=ROOT,
-                           env=_env(), stdout=subprocess.PIPE, stderr=slave, text=True,
-                           timeout=200)
-    finally:
-        os.close(slave)
-    t.join(timeout=30)
-    os.close(master)
-    err = got.decode(errors="replace")
+    p, err = runs["progress"]
     assert p.returncode == 0, p.stdout + err
     from ncclpy.check import cases as C
     n = len(C.build_matrix(2, backend="gloo", collectives=SMALL[3].split(","),
@@ -213,33 +271,16 @@ def test_progress_line_on_a_terminal_stderr():
 
 
 @pytest.mark.parametrize("backend", ["gloo", "auto"])
-def test_check_runs_without_cupy(backend, tmp_path):
+def test_check_runs_without_cupy(backend, runs):
     """``pip install -e .`` + torch (no CUDA extra): the check runs where CuPy, CUDA and the
     NCCL wheels are not installed: ``--backend gloo`` torch alone, ``auto`` (no GPU) ncclpy on
     its CPU backend, which needs none of them.  The subprocess sees this venv's site-packages
     through links, without cupy*, cuda* and nvidia* (isolated mode, no site: nothing else on its
     path); the spawned ranks inherit that path."""
-    import site
     pytest.importorskip("torch")
-    from ncclpy.check.cpu_side import unavailable
-    if backend == "auto" and unavailable():
-        pytest.skip(unavailable())
-    sp = next(Path(d) for d in site.getsitepackages() if (Path(d) / "torch").is_dir())
-    view = tmp_path / "site"
-    view.mkdir()
-    for e in sp.iterdir():
-        if not e.name.startswith(("cupy", "cuda", "nvidia", "__editable__")) and \
-                not e.name.endswith(".pth"):
-            (view / e.name).symlink_to(e.resolve())
-    code = ("import sys; sys.path[:0] = [%r, %r]\n"
-            "import importlib.util as u; assert u.find_spec('cupy') is None\n"
-            "from ncclpy.cli import main\n"
-            "rc = main(['check', '--collectives', 'all_reduce,all_gather,barrier', '--dtypes',"
-            " 'float32,int8', '--sizes', '0,7', '-n', '2', '--backend', %r])\n"
-            "assert 'cupy' not in sys.modules\n"
-            "sys.exit(rc)\n") % (str(ROOT), str(view), backend)
-    p = subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=200)
+    if backend == "auto" and _cpu_backend_unavailable():
+        pytest.skip(_cpu_backend_unavailable())
+    p = runs[f"no-cupy-{backend}"]             # _without_cupy(backend)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     from ncclpy.check import cases as C
     run = "gloo" if backend == "gloo" else "cpu"

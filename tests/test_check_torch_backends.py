@@ -5,6 +5,7 @@ torch says so; ``--torch-backend`` is parsed and refused in one line.  CPU only;
 ``--torch-backend nccl,nccl-legacy`` is tests/gpu/test_check_gpu.py's."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from check_runs import module_runs, proc
 from ncclpy.check import compare as K
 from ncclpy.check import divergences as D
 from ncclpy.check import torch_backends as TB
@@ -46,10 +48,28 @@ def _check(*args: str) -> subprocess.CompletedProcess:
                           env=_env(), capture_output=True, text=True, timeout=240)
 
 
-def _job(mode: str, js: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tests" / "torch_backends_job.py"), mode,
-                           str(js), *SMALL], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+def _job(mode: str, js: Path):
+    """tests/torch_backends_job.py MODE JS SMALL: the run, when called."""
+    return proc([sys.executable, str(ROOT / "tests" / "torch_backends_job.py"), mode, str(js),
+                 *SMALL], _env(), 300)
+
+
+NEEDS = {"test_header_and_json_record_torch_and_its_backend": ["header"],
+         "test_a_torch_the_tables_were_not_validated_with_is_said_in_the_summary":
+         ["unvalidated"],
+         "test_two_torch_groups_are_each_checked_against_the_reference": ["two"]}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """This file's three 2-rank runs (check_runs.py), started together as the first of their
+    tests begins: each test reads its run's output and JSON as if it had started the run."""
+    d = tmp_path_factory.mktemp("check_torch_backends")
+    t = {"header": proc([sys.executable, "-m", "ncclpy", "check", "-n", "2", *SMALL, "--json",
+                         str(d / "header.json")], _env(), 240),
+         "unvalidated": _job("unvalidated", d / "unvalidated.json"),
+         "two": _job("two", d / "two.json")}
+    yield from module_runs(request, t, NEEDS if importlib.util.find_spec("torch") else {}, d)
 
 
 def _validate(doc: dict) -> None:
@@ -93,12 +113,11 @@ def test_tables_are_keyed_by_the_torch_they_were_validated_with():
 
 
 # -- header and JSON of a real run ----------------------------------------------------------
-def test_header_and_json_record_torch_and_its_backend(tmp_path):
+def test_header_and_json_record_torch_and_its_backend(runs):
     torch, dist = _torch()
-    js = tmp_path / "c.json"
-    p = _check("-n", "2", *SMALL, "--json", str(js))
+    p = runs["header"]                              # -n 2 SMALL --json
     assert p.returncode == 0, p.stdout + p.stderr
-    doc = json.loads(js.read_text())
+    doc = runs.json("header")
     _validate(doc)
     h = doc["header"]
     assert h["torch"] == torch.__version__            # with the wheel's local tag
@@ -114,15 +133,14 @@ def test_header_and_json_record_torch_and_its_backend(tmp_path):
     assert doc["by_torch_backend"] == {"gloo": doc["summary"]}
 
 
-def test_a_torch_the_tables_were_not_validated_with_is_said_in_the_summary(tmp_path):
+def test_a_torch_the_tables_were_not_validated_with_is_said_in_the_summary(runs):
     """The tables' record names torch 2.11 for gloo: the run still reports (the bool sum is
     still recognised), but the header, the list of divergences and the summary's last line
     say that they were found on this torch, not known."""
     torch, _ = _torch()
-    js = tmp_path / "u.json"
-    p = _job("unvalidated", js)
+    p = runs["unvalidated"]
     assert p.returncode == 0, p.stdout + p.stderr
-    doc = json.loads(js.read_text())
+    doc = runs.json("unvalidated")
     _validate(doc)
     [tb] = doc["header"]["torch_backends"]
     minor = D.torch_minor(torch.__version__)
@@ -136,14 +154,13 @@ def test_a_torch_the_tables_were_not_validated_with_is_said_in_the_summary(tmp_p
     assert all(len(ln) <= 100 for ln in p.stdout.splitlines()), p.stdout
 
 
-def test_two_torch_groups_are_each_checked_against_the_reference(tmp_path):
+def test_two_torch_groups_are_each_checked_against_the_reference(runs):
     """The path of ``--torch-backend a,b`` on CPU: two gloo groups, every case through each,
     one record per case and group, a report section and a summary per group."""
     _torch()
-    js = tmp_path / "two.json"
-    p = _job("two", js)
+    p = runs["two"]
     assert p.returncode == 0, p.stdout + p.stderr
-    doc = json.loads(js.read_text())
+    doc = runs.json("two")
     _validate(doc)
     names = [tb["name"] for tb in doc["header"]["torch_backends"]]
     assert names == ["gloo", "gloo-again"]

@@ -22,9 +22,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from ncclpy import Buffer  # noqa: E402
-from ncclpy.checked import Checker, compare, fingerprint, format_table  # noqa: E402
+from ncclpy.debug.checked import Checker, compare, fingerprint, format_table  # noqa: E402
 from ncclpy.errors import CallCheckTimeout, CallMismatchError, NcclpyError  # noqa: E402
-from ncclpy.ops import premul_sum  # noqa: E402
+from ncclpy.semantics.ops import premul_sum  # noqa: E402
 from ncclpy.plan.types import PlanContext  # noqa: E402
 from ncclpy.comm.resolver import Resolver  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402

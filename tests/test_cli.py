@@ -12,6 +12,7 @@ import pytest
 
 import ncclpy
 from ncclpy.cli import build_parser, main
+from sigint_util import popen_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
@@ -163,5 +164,5 @@ def test_ctrl_c_in_a_command_is_one_line_and_130():
             "raise SystemExit(run_cli('prog', body))\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cp = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=60)
+                        timeout=60, **popen_kwargs())
     assert cp.returncode == 130 and cp.stderr == "prog: interrupted\n" and cp.stdout == "partial\n"

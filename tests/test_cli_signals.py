@@ -14,6 +14,8 @@ from typing import List
 
 import pytest
 
+from sigint_util import popen_kwargs
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,9 +36,10 @@ def _env() -> dict:
 
 
 def _start(cmd: List[str], stderr, **env: str) -> subprocess.Popen:
-    # a session of its own: a signal to its process group is what a terminal's Ctrl-C sends
+    # a session of its own: a signal to its process group is what a terminal's Ctrl-C sends;
+    # SIGINT's default disposition, however pytest was started (tests/sigint_util.py)
     return subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **env}, stdout=subprocess.PIPE,
-                            stderr=stderr, text=True, start_new_session=True)
+                            stderr=stderr, text=True, start_new_session=True, **popen_kwargs())
 
 
 def _group_alive(pgid: int) -> List[str]:

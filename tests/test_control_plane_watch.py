@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from ncclpy.checked import Checker, fingerprint, round_hashes
+from ncclpy.debug.checked import Checker, fingerprint, round_hashes
 from ncclpy.debug.deaths import EPOCH_KEY, RANKS_KEY, publish_deaths, read_deaths
 from ncclpy.errors import StoreError
 from ncclpy.store import StoreServer, TCPStore
 from ncclpy.store import tablewire as W
-from ncclpy.watchdog import Watchdog
+from ncclpy.debug.watchdog import Watchdog
 from store_util import env as _env, wait_until
 from watchdog_crowd import Work     # a call that waits until told done
 
@@ -232,7 +232,7 @@ def test_verdicts_reached_at_once_all_report_the_first_ones_suspects(server):
     """Two ranks decide at about the same time, naming different ranks: the table keeps the
     first verdict, and the second rank reports that one's cause and suspects, so that every
     survivor agrees (e.g. on whom comm.shrink(exclude=err.suspects) excludes)."""
-    from ncclpy.watchdog import Decision
+    from ncclpy.debug.watchdog import Decision
     a = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 0, 8)
     b = _watchdog(TCPStore("127.0.0.1", server.port, timeout=5), 1, 8)
     a.beat(time.monotonic())
@@ -250,7 +250,7 @@ def test_verdicts_reached_at_once_all_report_the_first_ones_suspects(server):
 def test_per_key_heartbeats_belong_to_one_generation(server):
     """On a store without the table (torch's), a verdict an earlier communicator of the same
     name left in its keys is never read as this one's: the keys carry the generation."""
-    from ncclpy.watchdog import Published
+    from ncclpy.debug.watchdog import Published
 
     class KeysOnly:
         supports_tables = False

@@ -13,7 +13,7 @@ import pytest
 
 import ncclpy
 from ncclpy.cpu.reduce import reduce as fast_reduce
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 
 import cpu_backend_jobs as J
 

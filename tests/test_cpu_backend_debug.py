@@ -6,6 +6,10 @@ each: the watchdog's verdict (the call, the suspected ranks), checked mode, the 
 recorder's dumps and ``ncclpy trace``, and ``ncclpy status`` (the launcher's table when a rank
 fails; live, for a job that hangs).  NCCLPY_TIMEOUT=3 ends each job in seconds; nothing waits
 for a fixed time: the tests wait for processes, files and status rows, each under a deadline.
+
+The seven jobs are independent and mostly wait (for NCCLPY_TIMEOUT, the grace, a status row):
+:func:`jobs` runs them three at a time, each ``ncclpy run`` with its ``ncclpy trace``, and each
+test checks its own.
 """
 from __future__ import annotations
 
@@ -16,13 +20,14 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
 from forensics_util import ROOT, cli, dumps_named, findings, trace
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("cpu_backend_debug")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "cpu_debug_job.py")
@@ -66,6 +71,32 @@ def _run(scenario: str, tmp_path, checked: bool = False) -> Tuple[int, str, str]
     return p.returncode, p.stderr, d
 
 
+#: the jobs of this file: (scenario, checked mode) -> whether its test reads ``ncclpy trace``
+_JOBS = {("skip", False): True, ("skip", True): True, ("unpaired", False): True,
+         ("unpaired", True): True, ("mismatch", False): True, ("mismatch", True): False}
+
+
+def _job(scenario: str, checked: bool, traced: bool, tmp) -> Tuple[int, str, str, Any]:
+    """:func:`_run`, then (if ``traced``) ``ncclpy trace`` of its dumps: (exit code, stderr,
+    dumps, trace's (exit code, JSON, text) or None)."""
+    rc, err, d = _run(scenario, tmp, checked)
+    return rc, err, d, (trace(d) if traced else None)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Iterator[Dict[Any, Future]]:
+    """Every job of this file (the spawned job's status first, then the ``ncclpy run`` ones),
+    three at a time (see the module docstring); a test waits for its own (whose errors it
+    raises)."""
+    tmps = {k: tmp_path_factory.mktemp(f"{k[0]}-{'checked' if k[1] else 'plain'}")
+            for k in _JOBS}
+    status = tmp_path_factory.mktemp("status")
+    with ThreadPoolExecutor(3) as pool:
+        out: Dict[Any, Future] = {"status": pool.submit(_live_status, status)}
+        out.update({k: pool.submit(_job, *k, traced, tmps[k]) for k, traced in _JOBS.items()})
+        yield out
+
+
 def _table(err: str) -> List[Tuple[int, int, int, str]]:
     """The launcher's status table: (rank, issued, done, the rest of the row), in its order
     (laggards first)."""
@@ -87,8 +118,8 @@ def _both_dumps(d: str, err: str) -> None:
 
 
 # ------------------------------------------------------------------ (a) a skipped collective
-def test_a_skipped_collective_the_watchdog_names_rank_1_and_trace_the_call(tmp_path):
-    rc, err, d = _run("skip", tmp_path)
+def test_a_skipped_collective_the_watchdog_names_rank_1_and_trace_the_call(jobs):
+    rc, err, d, traced = jobs[("skip", False)].result()
     assert rc == 1, err
     assert ("[rank 0] ncclpy watchdog: communicator 'job' rank 0/2: all_reduce (sequence 1) "
             "did not complete within the communicator's timeout of 3 s; suspected: rank(s) 1, "
@@ -103,7 +134,7 @@ def test_a_skipped_collective_the_watchdog_names_rank_1_and_trace_the_call(tmp_p
     assert ("rank 0 aborted: timeout: all_reduce (sequence 1) did not complete within the "
             "communicator's timeout of 3 s (suspected: rank(s) 1)") in err
     _both_dumps(d, err)
-    code, doc, text = trace(d)
+    code, doc, text = traced
     assert code == 1 and text.startswith("ncclpy trace: PROBLEMS FOUND on 1 of 1 communicator")
     first = findings(doc)[0]
     assert first["kind"] == "never_issued" and first["ranks"] == [1], first
@@ -115,8 +146,8 @@ def test_a_skipped_collective_the_watchdog_names_rank_1_and_trace_the_call(tmp_p
     assert body.endswith(_at("first")), body
 
 
-def test_a_skipped_collective_in_checked_mode_names_the_rank_that_never_arrived(tmp_path):
-    rc, err, d = _run("skip", tmp_path, checked=True)
+def test_a_skipped_collective_in_checked_mode_names_the_rank_that_never_arrived(jobs):
+    rc, err, d, traced = jobs[("skip", True)].result()
     assert rc == 1, err
     assert ("[rank 0] ncclpy.errors.CallCheckTimeout: checked mode: rank 0 timed out after 3 s "
             "waiting for every rank to compare on communicator 'job' (check 1, sequence 1); "
@@ -128,7 +159,7 @@ def test_a_skipped_collective_in_checked_mode_names_the_rank_that_never_arrived(
     # the refused call never reached NCCL: rank 0's row names the last call it issued
     assert rows[0][1:3] == (1, 1) and rows[0][3].endswith(_at("first")), rows
     _both_dumps(d, err)
-    code, doc, _ = trace(d)
+    code, doc, _ = traced
     first = findings(doc)[0]
     assert code == 1 and first["kind"] == "never_issued" and first["ranks"] == [1], first
     assert any(re.search(rf"rank 0 issued it at \S+{re.escape(_at('skipped'))} \(failed\)", t)
@@ -136,8 +167,8 @@ def test_a_skipped_collective_in_checked_mode_names_the_rank_that_never_arrived(
 
 
 # ------------------------------------------------------------------ (b) a send without its recv
-def test_an_unpaired_send_blocks_inside_nccl_and_every_tool_names_it(tmp_path):
-    rc, err, d = _run("unpaired", tmp_path)
+def test_an_unpaired_send_blocks_inside_nccl_and_every_tool_names_it(jobs):
+    rc, err, d, traced = jobs[("unpaired", False)].result()
     # the pair's first send connects it on the host, inside the launch (as NCCL does): the
     # watchdog times the blocked launch, the abort waits for it, the rank exits with 70
     assert rc == 70, err
@@ -152,15 +183,15 @@ def test_an_unpaired_send_blocks_inside_nccl_and_every_tool_names_it(tmp_path):
     assert "#1 send BLOCKED inside NCCL on the host at " in rows[1][3], rows
     assert rows[1][3].endswith(_at("unpaired-send")), rows
     _both_dumps(d, err)
-    code, doc, _ = trace(d)
+    code, doc, _ = traced
     p2p = [f for f in findings(doc) if f["kind"] == "unmatched_p2p"]
     assert code == 1 and p2p and p2p[0]["ranks"] == [0], findings(doc)
     assert any("rank 0: send #0 to rank 1 (8xfloat32, at " in t and _at("unpaired-send") in t
                and "has no matching recv on rank 1" in t for t in p2p[0]["text"]), p2p
 
 
-def test_an_unpaired_send_in_checked_mode_says_what_the_peer_posted(tmp_path):
-    rc, err, d = _run("unpaired", tmp_path, checked=True)
+def test_an_unpaired_send_in_checked_mode_says_what_the_peer_posted(jobs):
+    rc, err, d, traced = jobs[("unpaired", True)].result()
     assert rc == 1, err
     assert ("[rank 0] ncclpy.errors.CallCheckTimeout: checked mode: send/recv on communicator "
             "'job' do not pair up (rank 0); nothing of this round was given to NCCL") in err, err
@@ -168,15 +199,15 @@ def test_an_unpaired_send_in_checked_mode_says_what_the_peer_posted(tmp_path):
             "s; rank 1 posted nothing for rank 0") in err, err
     assert "BLOCKED" not in err and "ncclpy watchdog:" not in err   # never reached NCCL
     _both_dumps(d, err)
-    code, doc, _ = trace(d)
+    code, doc, _ = traced
     p2p = [f for f in findings(doc) if f["kind"] == "unmatched_p2p"]
     assert code == 1 and p2p and p2p[0]["ranks"] == [0], findings(doc)
     assert any("has no matching recv on rank 1" in t for t in p2p[0]["text"]), p2p
 
 
 # ------------------------------------------------------------ (c) a collective of another count
-def test_a_mismatched_count_waits_as_nccl_would_and_trace_marks_the_count(tmp_path):
-    rc, err, d = _run("mismatch", tmp_path)
+def test_a_mismatched_count_waits_as_nccl_would_and_trace_marks_the_count(jobs):
+    rc, err, d, traced = jobs[("mismatch", False)].result()
     assert rc == 1, err
     assert "they do not match, and wait (NCCL would hang" in err, err    # the engine says so
     said = re.findall(r"CPU backend: collective #\d+ on this communicator is (ncclAllReduce\("
@@ -195,15 +226,15 @@ def test_a_mismatched_count_waits_as_nccl_would_and_trace_marks_the_count(tmp_pa
     assert all("#1 all_reduce at " in r[3] and r[3].endswith(_at("mismatched"))
                for r in rows), rows
     _both_dumps(d, err)
-    code, doc, text = trace(d)
+    code, doc, text = traced
     first = findings(doc)[0]
     assert code == 1 and first["kind"] == "differs" and first["ranks"] == [1], first
     assert "collective #1: the ranks' calls differ (in count); compared with rank 0's:" in text
     assert re.search(r"rank +1 +#1 all_reduce \*count=4\* dtype=float32", text), text
 
 
-def test_a_mismatched_count_in_checked_mode_is_refused_on_both_ranks(tmp_path):
-    rc, err, _d = _run("mismatch", tmp_path, checked=True)
+def test_a_mismatched_count_in_checked_mode_is_refused_on_both_ranks(jobs):
+    rc, err, _d, _ = jobs[("mismatch", True)].result()
     assert rc == 1, err
     for r in (0, 1):
         assert (f"[rank {r}] ncclpy.errors.CallMismatchError: checked mode: the ranks' calls "
@@ -215,7 +246,12 @@ def test_a_mismatched_count_in_checked_mode_is_refused_on_both_ranks(tmp_path):
 
 
 # ------------------------------------------------------- ncclpy status of a live, spawned job
-def test_status_of_a_live_spawned_job_shows_the_laggard_and_a_signal_dumps(tmp_path):
+def test_status_of_a_live_spawned_job_shows_the_laggard_and_a_signal_dumps(jobs):
+    jobs["status"].result()
+
+
+def _live_status(tmp_path) -> None:
+    """The spawned job's status table, then its dumps on SIGUSR1 (asserted as it goes)."""
     import ncclpy
     import cpu_debug_job
     d = str(tmp_path / "dumps")

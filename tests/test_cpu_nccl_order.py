@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 import ncclpy
-from ncclpy import numerics as nm
-from ncclpy import reference as R
+from ncclpy.semantics import numerics as nm
+from ncclpy.semantics import reference as R
 from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator
 from ncclpy.cpu.algo import comm_choice, nccl_type_name
 from ncclpy.cpu.folds import reduce_outputs
 from ncclpy.order import Pins, PinError, predict
 from ncclpy.order.ncclenv import forget_params
-from ncclpy.ops import RedOp
+from ncclpy.semantics.ops import RedOp
 
 from nccl_standin import DevArray, run_ranks, standin
 

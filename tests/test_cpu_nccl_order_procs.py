@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ncclpy
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 from ncclpy.order import Pins, predict
 
 import cpu_order_jobs as J

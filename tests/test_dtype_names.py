@@ -17,8 +17,8 @@ import pytest
 
 from ncclpy import errors
 from ncclpy.check.overview import matrix_lines
-from ncclpy.dtypes import (C_NAMES, DTYPES, LOGICAL, NAME_TABLE, SHORT_NAMES, TESTS_NAMES,
-                           accepted_names, dtype_name)
+from ncclpy.semantics.dtypes import (C_NAMES, DTYPES, LOGICAL, NAME_TABLE, SHORT_NAMES, TESTS_NAMES,
+                                     accepted_names, dtype_name)
 from ncclpy.plan import cli as plan_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,8 @@ def test_short_names_count_bits_like_nccl_and_torch():
     ("f4", "float32", "write float32 or f32"), ("i4", "int32", "write int32 or i32"),
     ("u4", "uint32", "write uint32 or u32"), ("f2", "float16", "write float16 or f16"),
     ("i1", "int8", "write int8 or i8"), ("u1", "uint8", "write uint8 or u8"),
-    ("c8", "complex64", "write complex64 or c64"), ("c16", "complex128", "write complex128 or c128"),
+    ("c8", "complex64", "write complex64 or c64"),
+    ("c16", "complex128", "write complex128 or c128"),
     ("b1", "bool", "write bool"), ("f8", "float64", "write float64 or f64 (an 8-bit float is "
                                                     "float8_e4m3 = e4m3")])
 def test_numpy_byte_codes_are_refused_naming_what_to_write(code, meant, write):

@@ -1,12 +1,12 @@
-"""Contracts of ncclpy.dtypes the mutation run found unpinned (docs/testing.md): the logical
-size of complex types, the names each dtype accepts, numpy's scalar types and aliases by their
-numpy meaning, and the NCCL version in a refusal."""
+"""Contracts of ncclpy.dtypes the mutation run found unpinned (docs/testing.md): the
+logical size of complex types, the names each dtype accepts, numpy's scalar types and aliases by
+their numpy meaning, and the NCCL version in a refusal."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ncclpy import dtypes as D
+from ncclpy.semantics import dtypes as D
 from ncclpy.errors import UnsupportedError
 
 

@@ -8,13 +8,13 @@ import random
 import numpy as np
 import pytest
 
-from ncclpy.buffers import Buffer, as_buffer
-from ncclpy.dtypes import DTYPES, LOGICAL
+from ncclpy.buffers.buffer import Buffer, as_buffer
+from ncclpy.semantics.dtypes import DTYPES, LOGICAL
 from ncclpy.errors import ArgumentError, UnsupportedError
-from ncclpy.ops import NCCL_OPS, premul_sum
+from ncclpy.semantics.ops import NCCL_OPS, premul_sum
 from ncclpy.plan.collectives import plan_all_reduce, plan_reduce, plan_reduce_scatter
-from ncclpy.plan.scalars import (encode_scalar, float_to_bf16_bits, float_to_e4m3fn_bits,
-                                 float_to_e5m2_bits)
+from ncclpy.semantics.scalars import (encode_scalar, float_to_bf16_bits, float_to_e4m3fn_bits,
+                                      float_to_e5m2_bits)
 from ncclpy.plan.types import PREMUL_OP, PlanContext
 
 PTR = 0x7F00_0000_0000

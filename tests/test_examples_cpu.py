@@ -1,7 +1,7 @@
-"""examples/ without a GPU: the inputs each example builds, pushed through ncclpy.reference (and
-through the example's own layout steps), give the values the seed tutorials show
-(ncclpy.check.seed_examples); every E-id has a script; scripts compile, import without CuPy and
-answer --help; the output format round-trips."""
+"""examples/ without a GPU: the inputs each example builds, pushed through
+ncclpy.reference (and through the example's own layout steps), give the values the seed
+tutorials show (ncclpy.check.seed_examples); every E-id has a script; scripts compile, import
+without CuPy and answer --help; the output format round-trips."""
 from __future__ import annotations
 
 import os
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from seed_util import seeds_dir  # noqa: E402  (tests/ is on sys.path via conftest)
-from ncclpy import reference as R
-from ncclpy import registry
-from ncclpy.buffers import as_buffer
+from ncclpy.semantics import reference as R
+from ncclpy.semantics import registry
+from ncclpy.buffers.buffer import as_buffer
 from ncclpy.check import seed_examples as S
 from ncclpy.errors import ArgumentError, UnsupportedError
-from ncclpy.ops import parse_op
+from ncclpy.semantics.ops import parse_op
 from ncclpy.plan.types import PlanContext
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,18 +3,24 @@
 ``python examples/x.py --cpu`` (it spawns its own ranks) -- and every value it prints (results,
 inputs, errors) is compared with what tests/test_examples_cpu.py derives from the example's own
 input builders, the seed table and the numpy reference.  Nothing printed goes unchecked: a
-result, input or error line that no expectation accounts for fails the test."""
+result, input or error line that no expectation accounts for fails the test.
+
+The runs are independent and spend part of their time waiting (ranks starting, rendezvous, the
+barrier's sleeps): :func:`runs` starts the selected tests' commands three at a time, in the
+tests' order, and each test checks its own runs' output."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pytest
 
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 from ncclpy.check import seed_examples as S
 from test_examples_cpu import (INPUTS, MODULES, ROOT, SCRIPTS, _common, _env as _plain_env,
                                _example_inputs)
@@ -23,7 +29,10 @@ from wait_util import HANG
 #: one script run is bounded by RUN_TIMEOUT_S (the slowest, 02_all_gather.py, takes ~6-10 s on 2
 #: cores); the file's 36 runs take 2 to 2.5 minutes there, other jobs running beside
 RUN_TIMEOUT_S = 120
-pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+pytestmark = [pytest.mark.timeout(4 * RUN_TIMEOUT_S),
+              pytest.mark.xdist_group("examples_on_cpu_backend")]
+#: how many of this file's runs go at once (each is several processes)
+AT_ONCE = 3
 #: the errors the examples show on purpose: (label, ranks that print it, a word it must say)
 ERRORS = {"E2": ([0], "contiguous"), "E4": (range(4), "contiguous"),
           "E10": (range(4), "contiguous"), "E12": (range(4), "contiguous"),
@@ -37,9 +46,12 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list) -> subprocess.CompletedProcess:
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=RUN_TIMEOUT_S)
+def _exec(cmd: list, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env or _env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+
+
+def _ok(cmd: list, res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert res.returncode == 0, (f"{' '.join(map(str, cmd))} exited {res.returncode}\n--- stdout\n"
                                  f"{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-4000:]}")
     assert "Traceback" not in res.stderr, res.stderr
@@ -161,11 +173,73 @@ def _check_run(script: Path, text: str, worlds: dict) -> None:
 
 # --------------------------------------------------------------------------- the runs
 
+def _spawned_cmd(script: Path) -> list:
+    return [sys.executable, str(script.relative_to(ROOT)), "--cpu"]
+
+
+def _run_cpu_cmd(script: Path, n: int, ids: list) -> list:
+    return [sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", str(n), sys.executable,
+            str(script.relative_to(ROOT)), "--only", ",".join(ids)]
+
+
+_SKIPPED_CMD = [sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", "3", sys.executable,
+                "examples/08_broadcast.py"]
+_REFUSED_CMD = [sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable,
+                "examples/09_send_recv.py", "--cpu"]
+
+
+def _no_cupy_env(tmp: Path) -> dict:
+    """This file's environment with a ``cupy`` that cannot be imported first on the path."""
+    fake = tmp / "cupy"
+    fake.mkdir(exist_ok=True)
+    (fake / "__init__.py").write_text("raise ImportError('no CuPy on this machine (test)')\n")
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp}{os.pathsep}{env['PYTHONPATH']}"
+    return env
+
+
+def _no_cupy_cmds() -> list:
+    rel = str(SCRIPTS[8].relative_to(ROOT))
+    return [[sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", "2", sys.executable, rel],
+            [sys.executable, rel, "--cpu"]]
+
+
+def _commands(test: str, script: Optional[Path], tmp: Path) -> List[Tuple[Any, list, Any]]:
+    """(key, command, environment or None) of every run of one test, in its order."""
+    if test == "test_example_spawned_with_cpu_flag":
+        return [(("spawned", script.name), _spawned_cmd(script), None)]
+    if test == "test_example_under_ncclpy_run_cpu":
+        return [(("run", script.name, n), _run_cpu_cmd(script, n, ids), None)
+                for n, ids in _sizes(script).items()]
+    if test == "test_skipped_sections_name_the_cpu_command":
+        return [("skipped", _SKIPPED_CMD, None)]
+    if test == "test_cpu_flag_under_a_launcher_that_chose_a_gpu_is_refused_in_one_line":
+        return [("refused", _REFUSED_CMD, None)]
+    if test == "test_the_cpu_backend_needs_no_cupy":
+        env = _no_cupy_env(tmp)
+        return [(("no-cupy", i), cmd, env) for i, cmd in enumerate(_no_cupy_cmds())]
+    return []
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Iterator[Dict[Any, Future]]:
+    """The runs of this file's selected tests, started :data:`AT_ONCE` at a time in the tests'
+    order (see the module docstring): key -> the finished process, when it is."""
+    tmp = tmp_path_factory.mktemp("examples-runs")
+    todo = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            script = getattr(item, "callspec", None) and item.callspec.params.get("script")
+            todo += _commands(item.originalname, script, tmp)
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        yield {key: pool.submit(_exec, cmd, env or _env()) for key, cmd, env in todo}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_example_spawned_with_cpu_flag(script):
+def test_example_spawned_with_cpu_flag(script, runs):
     """``python examples/x.py --cpu``: one group of ranks per world size, on the CPU backend."""
     worlds = _sizes(script)
-    res = _run([sys.executable, str(script.relative_to(ROOT)), "--cpu"])
+    res = _ok(_spawned_cmd(script), runs[("spawned", script.name)].result())
     spawned = [ln for ln in res.stdout.splitlines() if ln.startswith("# ncclpy.spawn:")]
     assert spawned == [f"# ncclpy.spawn: {n} ranks on the CPU backend for {', '.join(ids)}"
                        for n, ids in worlds.items()], res.stdout
@@ -173,22 +247,19 @@ def test_example_spawned_with_cpu_flag(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_example_under_ncclpy_run_cpu(script):
+def test_example_under_ncclpy_run_cpu(script, runs):
     """``ncclpy run --cpu -n N python examples/x.py --only <ids>`` for every world size."""
-    rel = str(script.relative_to(ROOT))
     for n, ids in _sizes(script).items():
-        res = _run([sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", str(n),
-                    sys.executable, rel, "--only", ",".join(ids)])
+        res = _ok(_run_cpu_cmd(script, n, ids), runs[("run", script.name, n)].result())
         assert (f"ncclpy run: placement: {n} ranks on the CPU backend (NCCLPY_DEVICE=cpu; no "
                 f"GPU used, not NCCL)") in res.stderr.splitlines(), res.stderr
         _check_run(script, res.stdout, {n: ids})
 
 
-def test_skipped_sections_name_the_cpu_command():
+def test_skipped_sections_name_the_cpu_command(runs):
     """Under ``ncclpy run --cpu`` a section for another world size names the command (with
     --cpu) that runs it."""
-    res = _run([sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", "3", sys.executable,
-                "examples/08_broadcast.py"])
+    res = _ok(_SKIPPED_CMD, runs["skipped"].result())
     for eid in ("E13", "E16"):
         assert (f"# {eid} skipped: the seed runs it with 4 ranks, this run has 3: ncclpy run "
                 f"--cpu -n 4 python examples/08_broadcast.py --only {eid}") in res.stdout
@@ -196,12 +267,10 @@ def test_skipped_sections_name_the_cpu_command():
     _check_run(SCRIPTS[7], res.stdout, {3: ["E22"]})
 
 
-def test_cpu_flag_under_a_launcher_that_chose_a_gpu_is_refused_in_one_line():
+def test_cpu_flag_under_a_launcher_that_chose_a_gpu_is_refused_in_one_line(runs):
     """``ncclpy run -n 2 python examples/09_send_recv.py --cpu``: the launcher decides; rank 0
     says how to start the job on the CPU backend, no rank starts a communicator."""
-    res = subprocess.run([sys.executable, "-m", "ncclpy", "run", "-n", "2", sys.executable,
-                          "examples/09_send_recv.py", "--cpu"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    res = runs["refused"].result()
     assert res.returncode == 2, res.stdout + res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("[rank")]
     assert lines == ["[rank 0] python examples/09_send_recv.py: --cpu: under a launcher the "
@@ -211,20 +280,12 @@ def test_cpu_flag_under_a_launcher_that_chose_a_gpu_is_refused_in_one_line():
     assert _common.collect(res.stdout) == {}
 
 
-def test_the_cpu_backend_needs_no_cupy(tmp_path):
+def test_the_cpu_backend_needs_no_cupy(runs):
     """``pip install -e .`` without the CUDA extra is enough: with a ``cupy`` that cannot be
     imported first on the path, an example still runs on the CPU backend both ways."""
-    fake = tmp_path / "cupy"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('no CuPy on this machine (test)')\n")
-    env = _env()
-    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     script = SCRIPTS[8]
     assert script.name == "09_send_recv.py" and _sizes(script) == {2: ["E14", "E15"]}
-    for cmd in ([sys.executable, "-m", "ncclpy", "run", "--cpu", "-n", "2", sys.executable,
-                 str(script.relative_to(ROOT))],
-                [sys.executable, str(script.relative_to(ROOT)), "--cpu"]):
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=RUN_TIMEOUT_S)
+    for i in range(len(_no_cupy_cmds())):
+        res = runs[("no-cupy", i)].result()
         assert res.returncode == 0 and "CuPy" not in res.stderr, res.stdout + res.stderr
         _check_run(script, res.stdout, {2: ["E14", "E15"]})

@@ -286,7 +286,7 @@ def test_a_call_an_abort_waited_for_raises_the_abort(monkeypatch, tmp_path):
     says which call it waits for (the all_reduce, not the op's creation that came first);
     when the call returns it raises the verdict, never a Work as if nothing happened, and
     the abort then runs."""
-    from ncclpy.watchdog import Decision
+    from ncclpy.debug.watchdog import Decision
     monkeypatch.setenv("NCCLPY_TRACE_DIR", str(tmp_path))    # the verdict's dump
     with standin() as eng:
         c0, c1 = _pair()

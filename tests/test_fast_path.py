@@ -27,7 +27,7 @@ from ncclpy import errors
 from ncclpy._nccl.cuda import CapturedEventError
 from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator
-from ncclpy.comm.reaper import reaper
+from ncclpy.debug.reaper import reaper
 from ncclpy.comm.work import Work, event_pool, new_work, release_done
 
 from nccl_standin import DevArray, inside, run_ranks, standin, wait_inside
@@ -128,7 +128,7 @@ def test_calls_in_a_group_take_the_general_path_and_are_recorded_at_its_end():
 def test_an_abort_waits_for_a_fast_call_inside_nccl_and_the_watchdog_times_it(monkeypatch):
     import threading
     from ncclpy.comm import lifecycle
-    from ncclpy.watchdog import Watchdog
+    from ncclpy.debug.watchdog import Watchdog
     monkeypatch.setattr(lifecycle, "ABORT_GRACE", HANG)   # outlasts the call whatever the load
     with standin() as eng:
         c0, c1 = _pair()

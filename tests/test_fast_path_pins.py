@@ -176,7 +176,7 @@ def test_a_plan_that_fails_after_its_copies_keeps_its_buffers_with_a_work():
     """A list form copies its blocks into scratch, then calls NCCL: when that call fails, the
     copies are already on the stream, reading the user's buffers -- a Work keeps them until
     the stream passed them."""
-    from ncclpy.comm.reaper import reaper
+    from ncclpy.debug.reaper import reaper
     with standin() as eng:
         c0, c1 = _pair()
         blocks = [_arr([1.0], 0), _arr([2.0], 0)]

@@ -8,7 +8,7 @@ import pytest
 
 import ncclpy
 from ncclpy import Buffer
-from ncclpy.buffers import BufferSpec
+from ncclpy.buffers.buffer import BufferSpec
 from ncclpy.comm.resolver import Resolver
 from ncclpy.errors import ArgumentError, ArgumentTypeError, CudaUnavailableError
 from ncclpy.plan.types import PlanContext

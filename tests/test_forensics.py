@@ -15,6 +15,7 @@ import pytest
 
 from forensics_util import (cli, dumps_named, findings, line_of, run_job, start_job,
                             trace)
+from sigint_util import popen_kwargs
 
 pytestmark = pytest.mark.timeout(180)
 FAST = {"NCCLPY_TIMEOUT": "3", "JOB_IDLE": "40"}
@@ -119,7 +120,7 @@ def test_status_watch_ends_quietly_on_ctrl_c(tmp_path):
         env = dict(os.environ, PYTHONPATH=ROOT, NCCLPY_STORE_TOKEN="t0k", PYTHONUNBUFFERED="1")
         q = subprocess.Popen([sys.executable, "-m", "ncclpy", "status", "--master-port",
                               str(srv.port), "--watch", "0.2"], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kwargs())
         seen = []                                   # two frames shown: then Ctrl-C
         while sum(x.startswith("--- ") for x in seen) < 2:
             line = q.stdout.readline()

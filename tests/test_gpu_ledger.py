@@ -9,10 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+import proc_speed
 from ncclpy.selftest import debt as D, ledger as L, record
 from ncclpy.selftest.stages import TIMED
 
@@ -32,7 +34,7 @@ def _python312():
 
 PY312 = _python312()
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("gpu_ledger")]
 
 
 def _trace_env(root: Path, folder: Path, context: str = "base") -> dict:
@@ -46,7 +48,7 @@ def _trace_env(root: Path, folder: Path, context: str = "base") -> dict:
 
 _PROG = """
 import sys
-import ncclpy.dtypes
+import ncclpy.semantics.dtypes
 ft = sys.modules["ncclpy.selftest.filetrace"]
 ft.begin("inner")
 import ncclpy.launch.limits
@@ -66,8 +68,9 @@ def test_a_process_records_what_it_executes_per_context(tmp_path, python):
     assert set(recs) == {"base", "inner"}
     inner, base = recs["inner"]["files"], recs["base"]["files"]
     assert "ncclpy/launch/limits.py" in inner and "ncclpy/launch/__init__.py" in inner
-    assert "ncclpy/dtypes.py" in inner                     # called again: seen again
-    assert "ncclpy/__init__.py" in base and "ncclpy/dtypes.py" in base   # module bodies count
+    assert "ncclpy/semantics/dtypes.py" in inner                     # called again: seen again
+    assert ("ncclpy/__init__.py" in base
+            and "ncclpy/semantics/dtypes.py" in base)   # module bodies count
     assert recs["base"]["base"] is True and "base" not in recs["inner"]
     assert not any(f.startswith("ncclpy/selftest/") for f in inner + base)
     assert all(not os.path.isabs(f) and f.endswith(".py") for f in inner + base)
@@ -137,18 +140,36 @@ def _repo(tmp_path: Path) -> Path:
 
 
 def _pytest_run(root: Path, folder: Path) -> None:
-    env = _trace_env(root, folder, context="pytest:gpu2")
+    env = proc_speed.pytest_env(_trace_env(root, folder, context="pytest:gpu2"))
     env["NCCLPY_SELFTEST_STAGE"] = "gpu2"
     subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider",
                     "-p", "ncclpy.selftest.ledger_plugin"], cwd=root, env=env, timeout=120,
                    capture_output=True)
 
 
-def test_each_test_gets_its_outcome_and_the_files_it_and_its_fixtures_executed(tmp_path):
-    root = _repo(tmp_path)
-    work = tmp_path / "work"
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory) -> tuple:
+    """The sample repository and the records of one traced pytest run in it: (root, work).
+    The same run for the two tests that read it (each copies it before changing anything)."""
+    base = tmp_path_factory.mktemp("sample-run")
+    root = _repo(base)
+    work = base / "work"
     (work / "trace").mkdir(parents=True)
     _pytest_run(root, work / "trace")
+    return root, work
+
+
+def _copy_run(sample_run: tuple, tmp_path: Path) -> tuple:
+    """A copy of the sample run (repository with its git, records) under ``tmp_path``."""
+    root, work = tmp_path / "repo", tmp_path / "work"
+    shutil.copytree(sample_run[0], root, symlinks=True)
+    shutil.copytree(sample_run[1], work, symlinks=True)
+    return root, work
+
+
+def test_each_test_gets_its_outcome_and_the_files_it_and_its_fixtures_executed(sample_run,
+                                                                                  tmp_path):
+    _, work = _copy_run(sample_run, tmp_path)
     res = record.results_of_run(record.RunRecord("d", "c", 1, []), str(work))
     t = {k.split("::")[1]: v for k, v in res.items()}
     assert {k: v["outcome"] for k, v in t.items()} == {
@@ -172,11 +193,8 @@ def test_each_test_gets_its_outcome_and_the_files_it_and_its_fixtures_executed(t
     assert "tests/gpu/conftest.py" in both                  # the pytest process's start-up
 
 
-def test_a_change_to_a_file_a_passing_test_executed_makes_it_debt(tmp_path):
-    root = _repo(tmp_path)
-    work = tmp_path / "work"
-    (work / "trace").mkdir(parents=True)
-    _pytest_run(root, work / "trace")
+def test_a_change_to_a_file_a_passing_test_executed_makes_it_debt(sample_run, tmp_path):
+    root, work = _copy_run(sample_run, tmp_path)
     rec = record.RunRecord("2026-11-27 10:00", "cmd", 480, [])
     path = tmp_path / "ledger.json"
     doc, n = record.update_ledger(rec, str(work), str(root), str(path), "abc1234",
@@ -249,36 +267,43 @@ def test_the_debt_command_reports_and_exits_0_only_without_debt(tmp_path):
     def run(ledger: Path, *extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ncclpy.selftest", "--debt", "--ledger",
                                str(ledger), *extra], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
+                              timeout=120, env=proc_speed.pytest_env())
     empty = tmp_path / "empty.json"
     L.save(L.empty(), str(empty))
-    p = run(empty, "--json")
-    assert p.returncode == 1, p.stderr
-    doc = json.loads(p.stdout)
-    assert doc["debt"] == doc["items"] > 90 and doc["proven"] == 0
-    assert {e["why"] for e in doc["entries"]} == {"never run"}
-    tests = D.collect_tests(str(ROOT))
-    full = L.empty()
-    L.update(full, "all", {"files": L.tree_hashes(str(ROOT))},
-             {**{t["id"]: {"stage": t["stage"], "outcome": "passed", "files": []}
-                 for t in tests},
-              **{f"stage:{s}": {"stage": s, "outcome": "passed", "files": []}
-                 for s in TIMED}})         # bench, overhead, nccl-tests
-    good = tmp_path / "good.json"
-    L.save(full, str(good))
-    p = run(good)
-    assert p.returncode == 0, p.stdout + p.stderr
-    n = len(tests) + len(TIMED)
-    assert p.stdout.startswith(f"GPU debt of this tree against {good}: {n} GPU "
-                               f"tests and timed stages; {n} proven, 0 skipped")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    p = run(bad)
-    assert p.returncode == 2 and "not a readable GPU ledger" in p.stderr
-    assert "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "ncclpy.selftest", "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "--json: only with --debt" in p.stderr
+    # the commands that need nothing of each other, started together (each collects tests/gpu
+    # with pytest, bytecode cached: proc_speed)
+    with ThreadPoolExecutor(3) as pool, proc_speed.pytest_environ():
+        tests = D.collect_tests(str(ROOT))          # alone while the bytecode cache is empty
+        on_empty, on_bad = pool.submit(run, empty, "--json"), pool.submit(run, bad)
+        json_alone = pool.submit(subprocess.run, [sys.executable, "-m", "ncclpy.selftest",
+                                                  "--json"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60)
+        full = L.empty()
+        L.update(full, "all", {"files": L.tree_hashes(str(ROOT))},
+                 {**{t["id"]: {"stage": t["stage"], "outcome": "passed", "files": []}
+                     for t in tests},
+                  **{f"stage:{s}": {"stage": s, "outcome": "passed", "files": []}
+                     for s in TIMED}})         # bench, overhead, nccl-tests
+        good = tmp_path / "good.json"
+        L.save(full, str(good))
+        p_good = run(good)
+        p = on_empty.result()
+        assert p.returncode == 1, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["debt"] == doc["items"] > 90 and doc["proven"] == 0
+        assert {e["why"] for e in doc["entries"]} == {"never run"}
+        p = p_good
+        assert p.returncode == 0, p.stdout + p.stderr
+        n = len(tests) + len(TIMED)
+        assert p.stdout.startswith(f"GPU debt of this tree against {good}: {n} GPU "
+                                   f"tests and timed stages; {n} proven, 0 skipped")
+        p = on_bad.result()
+        assert p.returncode == 2 and "not a readable GPU ledger" in p.stderr
+        assert "Traceback" not in p.stderr
+        p = json_alone.result()
+        assert p.returncode == 2 and "--json: only with --debt" in p.stderr
 
 
 def test_pooled_ranks_record_each_task_and_their_start_up(tmp_path):
@@ -312,13 +337,15 @@ def test_pooled_ranks_record_each_task_and_their_start_up(tmp_path):
 def test_a_run_adds_its_results_to_the_ledger_and_says_the_debt_after(tmp_path):
     from ncclpy.selftest import cli, stages as S
     root = _repo(tmp_path)
-    tests = D.collect_tests(str(root))
-    assert {t["stage"] for t in tests} == {"gpu2"} and len(tests) == 5
-    st = S.Stage("gpu2", "the sample's GPU tests", "pytest", 120, 1, paths=("tests/gpu",))
-    ledger, out, said = tmp_path / "ledger.json", tmp_path / "out", []
-    rc = cli.execute([st], str(out), 120, command="PYTHONPATH=. python3 -m ncclpy.selftest $OUT",
-                     root=str(root), ledger=str(ledger), commit="abc1234", tests=tests,
-                     out=said.append)
+    with proc_speed.pytest_environ():            # its pytest processes: bytecode cached
+        tests = D.collect_tests(str(root))
+        assert {t["stage"] for t in tests} == {"gpu2"} and len(tests) == 5
+        st = S.Stage("gpu2", "the sample's GPU tests", "pytest", 120, 1, paths=("tests/gpu",))
+        ledger, out, said = tmp_path / "ledger.json", tmp_path / "out", []
+        rc = cli.execute([st], str(out), 120,
+                         command="PYTHONPATH=. python3 -m ncclpy.selftest $OUT",
+                         root=str(root), ledger=str(ledger), commit="abc1234", tests=tests,
+                         out=said.append)
     assert rc == 1                                           # test_fails failed
     doc = L.load(str(ledger))
     assert json.loads((out / "gpu-ledger.json").read_text()) == doc

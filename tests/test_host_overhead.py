@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ncclpy.buffers import Buffer
+from ncclpy.buffers.buffer import Buffer
 from ncclpy.comm.prepared import PreparedCall, bind_call
 from ncclpy.comm.resolver import Resolver
 from ncclpy.errors import ArgumentError

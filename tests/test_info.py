@@ -13,7 +13,7 @@ import pytest
 
 from gpu_util import cuda_reason
 from ncclpy.info import collect, format_info, loaded_library_path, rendezvous_env
-from ncclpy.ops import format_version
+from ncclpy.semantics.ops import format_version
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)

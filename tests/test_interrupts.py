@@ -25,7 +25,7 @@ import ncclpy
 
 from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator
-from ncclpy.comm.reaper import reaper
+from ncclpy.debug.reaper import reaper
 from ncclpy.comm.work import event_pool
 from ncclpy.debug import recorder as _recorder
 

@@ -16,6 +16,7 @@ import pytest
 
 from ncclpy.launch.launcher import build_command, launch
 from ncclpy.rendezvous import free_port
+from sigint_util import sigint_handled
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)   # a deadline for a hang (the tests wait for events)
@@ -324,12 +325,13 @@ def test_bad_mps_mode(tmp_path, args, env, message):
 def test_launch_in_process_to_binary_streams(tmp_path):
     prog = _script(tmp_path, "import os; print('hi', os.environ['NCCLPY_RANK'])")
     out, err = io.BytesIO(), io.BytesIO()
-    rc = launch(build_command([str(prog)]), 2, stdout=out, stderr=err, env=_env())
-    assert rc == 0
-    assert sorted(out.getvalue().decode().splitlines()) == ["[rank 0] hi 0", "[rank 1] hi 1"]
-    assert b"placement:" in err.getvalue()
-    # the launcher restored the test process's own signal handlers
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with sigint_handled():            # the handler an interactive start gives, not pytest's own
+        rc = launch(build_command([str(prog)]), 2, stdout=out, stderr=err, env=_env())
+        assert rc == 0
+        assert sorted(out.getvalue().decode().splitlines()) == ["[rank 0] hi 0", "[rank 1] hi 1"]
+        assert b"placement:" in err.getvalue()
+        # the launcher restored the test process's own signal handlers
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_build_command():
@@ -395,7 +397,8 @@ def test_timeout_not_reached_exits_zero(tmp_path):
 
 
 def test_checked_flag_sets_the_variable_for_every_rank(tmp_path):
-    prog = _script(tmp_path, "import os; print('checked=' + str(os.environ.get('NCCLPY_CHECKED')))\n")
+    prog = _script(tmp_path, "import os; print('checked=' + "
+                             "str(os.environ.get('NCCLPY_CHECKED')))\n")
     on = run(["-n", "2", "--checked", prog])
     off = run(["-n", "2", prog], env=_env())
     assert on.returncode == 0 and on.stdout.count("checked=1") == 2, on.stdout

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sigint_util import popen_kwargs
 from test_launcher import HANG, _env, _script, run, summary_lines
 
 pytestmark = pytest.mark.timeout(240)
@@ -125,7 +126,7 @@ def _start_and_wait_ready(tmp_path, body, n, sig_extra=()):
     prog = _script(tmp_path, body)
     p = subprocess.Popen([sys.executable, "-m", "ncclpy", "run", "-n", str(n), *sig_extra,
                           str(prog)], env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, **popen_kwargs())
     lines = []
     while len([x for x in lines if x.endswith("ready")]) < n:
         line = p.stdout.readline()

@@ -202,7 +202,7 @@ def test_a_call_on_another_stream_during_a_global_capture_keeps_the_capture_and_
 def test_the_reaper_keeps_what_it_cannot_query():
     """An event query that fails (a capture, anything) proves nothing: the reaper keeps the
     Work and its buffers, and releases them at a later look once the query says done."""
-    from ncclpy.comm.reaper import reaper
+    from ncclpy.debug.reaper import reaper
     gc.collect()
     with standin() as eng:
         c0, c1 = run_ranks(2, lambda r: _comm(r))

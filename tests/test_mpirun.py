@@ -154,7 +154,8 @@ def test_store_is_the_default_and_the_env_chooses():
     assert choose_uid_exchange(None, info, {"NCCLPY_UID_EXCHANGE": "store"})[0] == "store"
     with pytest.raises(ArgumentError, match=r"NCCLPY_UID_EXCHANGE='bcast'"):
         choose_uid_exchange(None, info, {"NCCLPY_UID_EXCHANGE": "bcast"})
-    with pytest.raises(ArgumentError, match=r"expected one of store, mpi, auto, got argument uid_exchange=3"):
+    with pytest.raises(ArgumentError,
+                       match=r"expected one of store, mpi, auto, got argument uid_exchange=3"):
         choose_uid_exchange(3, info, {})
 
 
@@ -201,7 +202,7 @@ def test_mpi_without_mpi4py_is_a_precise_error():
 
 
 def test_checked_mode_without_a_store_is_a_precise_error():
-    from ncclpy.checked import Checker
+    from ncclpy.debug.checked import Checker
     with pytest.raises(UnsupportedError, match="no rendezvous store .* uid_exchange='mpi'"):
         Checker(None, 0, 2, name="x")
 

@@ -19,7 +19,7 @@ import ncclpy
 from ncclpy import errors
 from ncclpy._nccl.collconfig import CollConfig, CollConfigStruct, coll_struct_size
 from ncclpy._nccl.config import Config
-from ncclpy.checked import compare, fingerprint
+from ncclpy.debug.checked import compare, fingerprint
 from ncclpy.comm import Communicator
 from ncclpy.comm.resolver import Resolver
 from ncclpy.plan.types import PlanContext

@@ -48,7 +48,8 @@ def _run_py(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_import_ncclpy_loads_nothing_heavy():
     r = _run_py("""
         import sys, json
-        import ncclpy, ncclpy.comm, ncclpy.comm.work, ncclpy.comm.streams, ncclpy.comm.execute, ncclpy._nccl
+        import ncclpy, ncclpy.comm, ncclpy.comm.work, ncclpy.comm.streams
+        import ncclpy.comm.execute, ncclpy._nccl
         maps = open('/proc/self/maps').read()
         print(json.dumps({'cupy': 'cupy' in sys.modules, 'torch': 'torch' in sys.modules,
                           'nccl': 'libnccl' in maps, 'loaded': ncclpy._nccl.is_loaded()}))
@@ -155,7 +156,8 @@ def test_version_codes_and_gating():
         with pytest.raises(errors.VersionError) as ei:
             L.require_version(name, loaded)
         msg = str(ei.value)
-        assert name in msg and f">= {need}" in msg and ncclpy.ops.format_version(loaded) in msg
+        assert (name in msg and f">= {need}" in msg
+                and ncclpy.ops.format_version(loaded) in msg)
     with pytest.raises(KeyError):
         L.require_version("ncclBogus", 23000)
 

@@ -164,7 +164,7 @@ def test_nccls_rma_refusals_are_said_before_nccl():
 
 
 def test_rma_calls_are_one_sided_for_checked_mode_and_the_recorder():
-    from ncclpy.checked import P2P_CALLS
+    from ncclpy.debug.checked import P2P_CALLS
     from ncclpy.debug.recorder import _P2P
     assert {"put_signal", "signal", "wait_signal"} <= P2P_CALLS & _P2P
     assert NCCL_FUNCTIONS["PutSignal"][4] == "peerWin" and NCCL_FUNCTIONS["WaitSignal"] == (

@@ -21,6 +21,7 @@ from bench import nccl_tests_run as R
 from bench import nccl_tests_side as SD
 from nccl_tests_fakes import ROOT, run_side, side_argv
 from ncclpy.selftest import report as RP, runner as RN, stages as S
+from sigint_util import popen_kwargs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,10 +51,12 @@ def test_nccl_tests_failing_at_every_run_is_failed_with_its_own_words(tmp_path):
 
 
 def test_a_hang_stops_that_program_in_that_mode_only_and_its_ranks_are_gone(tmp_path):
+    """(``--run-timeout 12``: the cputime runs' bound is half of it, 6 s, which the CPU
+    backend's real bench must fit in on a loaded 2-core machine; 2 s did not.)"""
     pids = tmp_path / "pids"
     t0 = time.monotonic()
     p, doc, _ = run_side(tmp_path, "--rounds", "2", "--collectives", "all_reduce", "--modes",
-                         "eager,cputime", "--run-timeout", "4", FAKE_NT_HANG=str(pids),
+                         "eager,cputime", "--run-timeout", "12", FAKE_NT_HANG=str(pids),
                          FAKE_NT_HANG_ON="-C", FAKE_NT_SETSID="1")
     assert time.monotonic() - t0 < 150                        # not the stand-in's 120 s
     nt = {(r["round"], r["mode"]): r for r in doc["runs"] if r["tool"] == "nccl-tests"}
@@ -78,7 +81,8 @@ def test_sigint_mid_round_keeps_the_figures_of_the_runs_that_completed(tmp_path)
                                    "--modes", "eager,cputime"),
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
                                         "FAKE_NT_HANG": str(pids), "FAKE_NT_HANG_ON": "-C"},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         **popen_kwargs())
     deadline = time.monotonic() + 120
     while not (pids.exists() and len(pids.read_text().split()) == 2):
         assert time.monotonic() < deadline and p.poll() is None
@@ -101,7 +105,7 @@ def test_sigint_mid_round_keeps_the_figures_of_the_runs_that_completed(tmp_path)
 def test_a_device_fault_after_a_stopped_run_ends_the_rounds_and_names_the_stop(tmp_path):
     pids = tmp_path / "pids"
     p, doc, _ = run_side(tmp_path, "--rounds", "2", "--collectives", "all_reduce", "--modes",
-                         "eager,cputime", "--run-timeout", "4", FAKE_NT_HANG=str(pids),
+                         "eager,cputime", "--run-timeout", "12", FAKE_NT_HANG=str(pids),
                          FAKE_NT_HANG_ON="-C", FAKE_NT_FAULT_AFTER=str(pids))
     assert p.returncode == 1 and doc["status"] == "failed", p.stderr
     assert doc["reason"] == (

@@ -1,4 +1,5 @@
-"""ncclpy.numerics: bit-exact conversions checked against torch, ULPs, verifiable inputs."""
+"""ncclpy.semantics.numerics: bit-exact conversions checked against torch, ULPs, verifiable
+inputs."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ncclpy import numerics as nm
+from ncclpy.semantics import numerics as nm
 from ncclpy.errors import ArgumentError
 
 SMALL = ("bfloat16", "float16", "float8_e4m3", "float8_e5m2")
@@ -155,7 +156,7 @@ def test_ulp_distance():
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_verifiable_inputs_reduce_exactly_in_any_order(dtype, op, n):
     """Every order of the fold gives the same bits (so NCCL's order does not matter)."""
-    from ncclpy.reference import reduce_arrays
+    from ncclpy.semantics.reference import reduce_arrays
     ins = [nm.verifiable_input(dtype, 64, op=op, world_size=n, seed=3, rank=r, tag="t")
            for r in range(n)]
     base = reduce_arrays(ins, op, dtype)
@@ -200,8 +201,8 @@ def _representable(v: np.ndarray, wire: str) -> np.ndarray:
 def _terms(ins, dtype, op, scalar, n):
     """Per rank, the float64 values NCCL folds (premultiplied terms rounded once, exactly)."""
     from fractions import Fraction
-    from ncclpy.dtypes import LOGICAL
-    from ncclpy.reference import avg_scalar_bits, premul_scalar_bits
+    from ncclpy.semantics.dtypes import LOGICAL
+    from ncclpy.semantics.reference import avg_scalar_bits, premul_scalar_bits
     wire = LOGICAL[dtype].wire.name
     vals = np.stack([nm.decode(nm.as_bits(x, dtype).reshape(-1), wire) for x in ins])
     if op in ("avg", "premul_sum"):
@@ -227,10 +228,10 @@ def test_claimed_exact_inputs_give_exactly_representable_results(dtype):
     """For every dtype x op x n in 1..16 that ``ncclpy check`` claims bit for bit: every term and
     every partial result in several fold orders is exactly representable in the dtype, and the
     reference's left fold equals that exact value (checked in float64 with TwoSum / in ints)."""
-    from ncclpy import ops
+    from ncclpy.semantics import ops
     from ncclpy.check.cases import Case, exact_claim
-    from ncclpy.dtypes import LOGICAL
-    from ncclpy.reference import reduce_arrays
+    from ncclpy.semantics.dtypes import LOGICAL
+    from ncclpy.semantics.reference import reduce_arrays
     lg = LOGICAL[dtype]
     checked = 0
     for op, scalar in EXACT_OPS:
@@ -239,7 +240,7 @@ def test_claimed_exact_inputs_give_exactly_representable_results(dtype):
         if lg.wire.kind != "float" and op == "premul_sum" and scalar != 2.0:
             continue                                  # the library refuses those scalars
         if op == "premul_sum" and lg.wire.kind == "float":
-            from ncclpy.plan.scalars import encode_scalar
+            from ncclpy.semantics.scalars import encode_scalar
             try:
                 encode_scalar(scalar, lg.wire.name)
             except ArgumentError as e:                # e.g. 2**-12 becomes 0 in float8_e4m3
@@ -279,7 +280,7 @@ def test_claimed_exact_inputs_give_exactly_representable_results(dtype):
 
 
 def _check_ints(ins, dtype, op, n, got):
-    from ncclpy.dtypes import LOGICAL
+    from ncclpy.semantics.dtypes import LOGICAL
     w = LOGICAL[dtype].wire
     bits = 8 * w.itemsize
     signed = w.kind == "int"

@@ -1,6 +1,6 @@
-"""Contracts of ncclpy.numerics the mutation run found unpinned (docs/testing.md), on literal
-bit patterns: the precision of each format, float8 e4m3's NaN (no infinity), and ULP distances
-across negative numbers and zero in both the <= 32-bit and the 64-bit paths."""
+"""Contracts of ncclpy.semantics.numerics the mutation run found unpinned (docs/testing.md), on
+literal bit patterns: the precision of each format, float8 e4m3's NaN (no infinity), and ULP
+distances across negative numbers and zero in both the <= 32-bit and the 64-bit paths."""
 from __future__ import annotations
 
 import warnings
@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from ncclpy import numerics as nm
+from ncclpy.semantics import numerics as nm
 
 
 @pytest.mark.parametrize("dtype,p", [("float64", 53), ("float32", 24), ("float16", 11),

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from ncclpy.buffers import Buffer, as_buffer
-from ncclpy.dtypes import LOGICAL
+from ncclpy.buffers.buffer import Buffer, as_buffer
+from ncclpy.semantics.dtypes import LOGICAL
 from ncclpy.errors import UnsupportedError
-from ncclpy.ops import premul_sum
+from ncclpy.semantics.ops import premul_sum
 from ncclpy.plan.collectives import plan_all_reduce, plan_reduce, plan_reduce_scatter
 from ncclpy.plan.types import PlanContext
 

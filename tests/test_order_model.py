@@ -9,15 +9,15 @@ import random
 import numpy as np
 import pytest
 
-from ncclpy import numerics as nm
-from ncclpy.ops import premul_sum
+from ncclpy.semantics import numerics as nm
+from ncclpy.semantics.ops import premul_sum
 from ncclpy.order import (CannotPredict, OrderConfig, judge, observed_masks, predict,
                           reveal_plan, revealing_inputs, signature)
 from ncclpy.order.reveal import consistent_left_folds
 from ncclpy.order.split import align_up, cbd_split, chunk_bytes, tuned_channels
 from ncclpy.order.topology import normalize_ring, tree_expr
 from ncclpy.order.versions import PORTS, port_for
-from ncclpy.reference import reduce_arrays
+from ncclpy.semantics.reference import reduce_arrays
 
 
 def _fold_of(cfg: OrderConfig, rank: int, e: int):

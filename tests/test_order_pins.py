@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from ncclpy import numerics as nm
+from ncclpy.semantics import numerics as nm
 from ncclpy.order import Choice, OrderConfig, PinError, Pins, predict
 from ncclpy.order.arith import Arith, native_fold
 from ncclpy.order.pins import NCCL_ALGOS, NCCL_PROTOS, c_strtoll, no_algorithm_text, parse_list
-from ncclpy.reference import reduce_arrays
+from ncclpy.semantics.reference import reduce_arrays
 
 
 def _config(rng: random.Random) -> OrderConfig:

@@ -10,16 +10,16 @@ import itertools
 import pytest
 
 import ncclpy
-from ncclpy import registry
-from ncclpy.buffers import Buffer, BufferSpec, as_buffer
-from ncclpy.dtypes import DTYPES, LOGICAL
+from ncclpy.semantics import registry
+from ncclpy.buffers.buffer import Buffer, BufferSpec, as_buffer
+from ncclpy.semantics.dtypes import DTYPES, LOGICAL
 from ncclpy.errors import UnsupportedError
-from ncclpy.ops import NCCL_OPS, premul_sum
+from ncclpy.semantics.ops import NCCL_OPS, premul_sum
 from ncclpy.plan.collectives import (plan_all_gather, plan_all_reduce, plan_all_to_all,
                                      plan_barrier, plan_broadcast, plan_call, plan_gather,
                                      plan_recv, plan_reduce, plan_reduce_scatter, plan_scatter,
                                      plan_send, plan_send_recv)
-from ncclpy.plan.scalars import encode_scalar
+from ncclpy.semantics.scalars import encode_scalar
 from ncclpy.plan.types import PREMUL_OP, Copy, NcclCall, Plan, PlanContext, Scratch
 
 DTYPE_NAMES = list(DTYPES) + ["bool", "complex32", "complex64", "complex128"]

@@ -44,7 +44,7 @@ def test_each_rank_gets_the_plan_the_communicator_would_issue(coll, kw, version)
                           kw.get("in_place", False))
         op = kw.get("op", "sum")
         if op.startswith("premul_sum:"):
-            from ncclpy.ops import premul_sum
+            from ncclpy.semantics.ops import premul_sum
             op = premul_sum(float(op.split(":")[1]))
         params = X._params(coll, rp.rank, n, op, kw.get("root", 0))
         want = Resolver(ctx).resolve(coll, 0, a, b, params).plan      # the communicator's path
@@ -153,8 +153,8 @@ def test_refusals_speak_of_the_plan_and_the_cli(args, words):
 
 def test_the_library_still_names_the_loaded_nccl():
     from ncclpy import errors
-    from ncclpy.dtypes import nccl_dtype
-    from ncclpy.ops import effective_op
+    from ncclpy.semantics.dtypes import nccl_dtype
+    from ncclpy.semantics.ops import effective_op
     with pytest.raises(errors.UnsupportedError, match="needs NCCL >= 2.24.0; the loaded NCCL is "
                                                       "2.10.0$"):
         nccl_dtype("float8_e4m3", 21000)
@@ -165,11 +165,12 @@ def test_the_library_still_names_the_loaded_nccl():
 
 
 @pytest.mark.parametrize("nccl_name, coll", [
-    ("ncclAllGather", "all_gather"), ("ncclAllReduce", "all_reduce"), ("ncclAlltoAll", "all_to_all"),
-    ("NCCLREDUCESCATTER", "reduce_scatter"), ("ncclBroadcast", "broadcast"), ("AllGather", "all_gather"),
+    ("ncclAllGather", "all_gather"), ("ncclAllReduce", "all_reduce"),
+    ("ncclAlltoAll", "all_to_all"), ("NCCLREDUCESCATTER", "reduce_scatter"),
+    ("ncclBroadcast", "broadcast"), ("AllGather", "all_gather"),
     ("all_gather_perf", "all_gather"), ("ncclSend", "send_recv")])
 def test_nccl_names_work_as_the_help_says(nccl_name, coll):
-    from ncclpy import registry
+    from ncclpy.semantics import registry
     assert registry.get(nccl_name).name == coll
     assert X.rank_plans(nccl_name, 2, 4)[0].plan.collective == coll
     cp = plan_cli(nccl_name, "--count", "4", "--list")

@@ -8,7 +8,7 @@ import pytest
 
 import ncclpy
 from ncclpy import errors
-from ncclpy.buffers import Buffer
+from ncclpy.buffers.buffer import Buffer
 from ncclpy.plan.types import PlanContext
 from ncclpy.comm.prepared import SIGNATURES, PreparedCall, _memory_owners, bind_call
 from ncclpy.comm.resolver import PLANNERS, Resolver

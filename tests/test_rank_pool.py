@@ -1,12 +1,18 @@
 """The rank pool the GPU tests share (tests/rank_pool.py), on CPU with real processes: reuse
 (one start-up, many tasks, a fresh rendezvous each, torch gloo and ncclpy on its CPU
 backend), crash recovery (the task that broke the pool is reported, the next one runs on new
-processes), and isolation (nothing a task changes reaches the next)."""
+processes), and isolation (nothing a task changes reaches the next).
+
+Each scenario has a pool of its own; those that need neither this process's signals nor its
+environment run side by side on threads (:func:`scenarios`: they spend much of their time
+waiting, on a timeout, a rank's death, a pool's start), and their tests check how each went."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, Iterator
 
 import pytest
 
@@ -16,7 +22,7 @@ ROOT = os.path.dirname(HERE)
 import pool_tasks as T  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("rank_pool")]
 
 
 def _env() -> dict:
@@ -28,14 +34,78 @@ def _read(d, n):
     return [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(n)]
 
 
+def _pool() -> RankPool:
+    return RankPool(2, env=_env(), abandon_s=2.0)
+
+
 @pytest.fixture
 def pool():
-    p = RankPool(2, env=_env(), abandon_s=2.0)
+    p = _pool()
     yield p
     p.close()
 
 
-def test_one_start_up_many_tasks_each_with_its_own_rendezvous(pool, tmp_path):
+#: the scenarios that run on threads (test name -> its body, given a pool and a folder)
+_THREADED: Dict[str, Callable[..., None]] = {}
+
+
+def _threaded(body: Callable[..., None]) -> Callable[..., None]:
+    _THREADED[body.__name__] = body
+    return body
+
+
+def _in_own_pool(body: Callable[..., None], tmp_path) -> None:
+    p = _pool()
+    try:
+        body(p, tmp_path)
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> Iterator[Dict[str, Future]]:
+    """The threaded scenarios, three at a time, each with its own pool and folder (see the
+    module docstring); a test waits for its own, whose assertion errors it raises."""
+    tmps = {name: tmp_path_factory.mktemp(name[:30]) for name in _THREADED}
+    with ThreadPoolExecutor(3) as workers:
+        yield {name: workers.submit(_in_own_pool, body, tmps[name])
+               for name, body in _THREADED.items()}
+
+
+class _Cut(BaseException):
+    """What pytest-timeout raises into a test that ran out of time."""
+
+
+def test_a_caller_cut_off_mid_task_leaves_no_rank_running_the_task(scenarios, pool, tmp_path):
+    """(Here first: on this thread, whose signals it uses, while the scenarios run.)"""
+    import signal
+
+    def cut(signum, frame):
+        raise _Cut()
+    old = signal.signal(signal.SIGALRM, cut)
+    try:
+        pool.run(T.report, [str(tmp_path)], timeout=60)      # started, warm
+        pids = pool.pids
+        signal.alarm(2)
+        with pytest.raises(_Cut):
+            pool.run(T.sleep, [str(tmp_path), 60], timeout=120)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert not pool.alive
+    for pid in pids:                    # stopped, not left sleeping in the old task
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().split(") ")[1][0] in "ZX"
+    res = pool.run(T.report, [str(tmp_path)], timeout=60)
+    assert res.ok and res.started
+
+
+def test_one_start_up_many_tasks_each_with_its_own_rendezvous(scenarios):
+    scenarios["_one_start_up_many_tasks_each_with_its_own_rendezvous"].result()
+
+
+@_threaded
+def _one_start_up_many_tasks_each_with_its_own_rendezvous(pool, tmp_path):
     runs = []
     for i, fn in enumerate((T.report, T.gloo_sum, T.cpu_all_reduce, T.report)):
         d = tmp_path / f"t{i}"
@@ -58,7 +128,12 @@ def test_one_start_up_many_tasks_each_with_its_own_rendezvous(pool, tmp_path):
     assert [r["task_var"] for r in first] == ["0", "0"] and last[0]["task_var"] == "3"
 
 
-def test_a_dead_rank_is_reported_and_the_next_task_gets_new_processes(pool, tmp_path):
+def test_a_dead_rank_is_reported_and_the_next_task_gets_new_processes(scenarios):
+    scenarios["_a_dead_rank_is_reported_and_the_next_task_gets_new_processes"].result()
+
+
+@_threaded
+def _a_dead_rank_is_reported_and_the_next_task_gets_new_processes(pool, tmp_path):
     res = pool.run(T.report, [str(tmp_path)], timeout=60)
     before = res.pids
     res = pool.run(T.die, [str(tmp_path)], timeout=60)
@@ -72,7 +147,12 @@ def test_a_dead_rank_is_reported_and_the_next_task_gets_new_processes(pool, tmp_
     assert [r["pid"] for r in _read(str(d), 2)] == res.pids
 
 
-def test_an_exception_ends_the_blocked_peers_and_carries_the_traceback(pool, tmp_path):
+def test_an_exception_ends_the_blocked_peers_and_carries_the_traceback(scenarios):
+    scenarios["_an_exception_ends_the_blocked_peers_and_carries_the_traceback"].result()
+
+
+@_threaded
+def _an_exception_ends_the_blocked_peers_and_carries_the_traceback(pool, tmp_path):
     res = pool.run(T.raise_one, [str(tmp_path)], timeout=60)
     assert not res.ok and not res.outcomes[0].ok
     assert "ValueError: boom on rank 0" in res.outcomes[0].error
@@ -82,13 +162,23 @@ def test_an_exception_ends_the_blocked_peers_and_carries_the_traceback(pool, tmp
     assert res.ok and res.started
 
 
-def test_a_task_past_its_timeout_is_stopped(pool, tmp_path):
+def test_a_task_past_its_timeout_is_stopped(scenarios):
+    scenarios["_a_task_past_its_timeout_is_stopped"].result()
+
+
+@_threaded
+def _a_task_past_its_timeout_is_stopped(pool, tmp_path):
     res = pool.run(T.sleep, [str(tmp_path), 60], timeout=3)
     assert not res.ok and "timeout=3 s passed" in res.broken and res.seconds < 20
     assert pool.run(T.sleep, [str(tmp_path), 0], timeout=30).ok
 
 
-def test_what_a_task_changes_does_not_reach_the_next(pool, tmp_path):
+def test_what_a_task_changes_does_not_reach_the_next(scenarios):
+    scenarios["_what_a_task_changes_does_not_reach_the_next"].result()
+
+
+@_threaded
+def _what_a_task_changes_does_not_reach_the_next(pool, tmp_path):
     pytest.importorskip("torch")
     d = tmp_path / "mess"
     d.mkdir()
@@ -105,39 +195,17 @@ def test_what_a_task_changes_does_not_reach_the_next(pool, tmp_path):
     assert pool.run(T.gloo_sum, [str(d2)], timeout=120).ok       # a new group can start
 
 
-def test_a_task_that_leaves_a_communicator_running_passes_and_retires_its_pool(pool, tmp_path):
+def test_a_task_that_leaves_a_communicator_running_passes_and_retires_its_pool(scenarios):
+    scenarios["_a_task_that_leaves_a_communicator_running_passes_and_retires_its_pool"].result()
+
+
+@_threaded
+def _a_task_that_leaves_a_communicator_running_passes_and_retires_its_pool(pool, tmp_path):
     res = pool.run(T.leave_a_thread, [str(tmp_path)], timeout=60)
     assert res.ok and all(o.unclean == ["ncclpy-watchdog-left"] for o in res.outcomes)
     assert not pool.alive and pool.retired == [
         "pool_tasks:leave_a_thread: left ncclpy-watchdog-left running"]
     assert pool.run(T.report, [str(tmp_path)], timeout=60).started
-
-
-class _Cut(BaseException):
-    """What pytest-timeout raises into a test that ran out of time."""
-
-
-def test_a_caller_cut_off_mid_task_leaves_no_rank_running_the_task(pool, tmp_path):
-    import signal
-
-    def cut(signum, frame):
-        raise _Cut()
-    old = signal.signal(signal.SIGALRM, cut)
-    try:
-        pool.run(T.report, [str(tmp_path)], timeout=60)      # started, warm
-        pids = pool.pids
-        signal.alarm(2)
-        with pytest.raises(_Cut):
-            pool.run(T.sleep, [str(tmp_path), 60], timeout=120)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    assert not pool.alive
-    for pid in pids:                    # stopped, not left sleeping in the old task
-        assert not os.path.exists(f"/proc/{pid}") or \
-            open(f"/proc/{pid}/stat").read().split(") ")[1][0] in "ZX"
-    res = pool.run(T.report, [str(tmp_path)], timeout=60)
-    assert res.ok and res.started
 
 
 def test_only_module_level_functions_and_json_arguments(pool, tmp_path):

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import ncclpy
-from ncclpy import numerics as nm
-from ncclpy import reference as R
-from ncclpy import registry
+from ncclpy.semantics import numerics as nm
+from ncclpy.semantics import reference as R
+from ncclpy.semantics import registry
 from ncclpy.errors import ArgumentError, UnsupportedError
 
 
@@ -110,7 +110,7 @@ def test_premul_sum_scalar_is_rounded_to_the_dtype():
 
 def test_premul_scalar_is_the_library_encoding():
     """The reference encodes the scalar with the very function the library hands NCCL."""
-    from ncclpy.plan.scalars import encode_scalar
+    from ncclpy.semantics.scalars import encode_scalar
     # 1 + 2**-8 + 2**-40: one rounding from the double gives bfloat16 0x3F81, but the library
     # goes through float32 (1 + 2**-8 exactly: a tie) and rounds to even: 0x3F80
     x = 1 + 2.0 ** -8 + 2.0 ** -40
@@ -131,7 +131,7 @@ def test_premul_scalar_is_the_library_encoding():
 
 
 def test_integer_premul_scalar_is_refused_like_the_library():
-    from ncclpy.plan.scalars import encode_scalar
+    from ncclpy.semantics.scalars import encode_scalar
     for wire, bad in (("int8", 2.9), ("int32", -1.5), ("uint8", -1.0), ("int8", 128.0),
                       ("uint64", float("nan"))):
         with pytest.raises(ArgumentError) as lib_err:

@@ -1,12 +1,12 @@
-"""Contracts of ncclpy.reference the mutation run found unpinned (docs/testing.md), on literal
-values: its documented tie rule for MIN/MAX, the default axis of all_gather, and the refusals of
-the data-movement collectives (an op they take none of, ranks with different shapes)."""
+"""Contracts of ncclpy.reference the mutation run found unpinned (docs/testing.md), on
+literal values: its documented tie rule for MIN/MAX, the default axis of all_gather, and the
+refusals of the data-movement collectives (an op they take none of, ranks with different shapes)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 from ncclpy.errors import ArgumentError
 
 

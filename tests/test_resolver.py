@@ -11,9 +11,9 @@ import pytest
 
 import ncclpy
 from ncclpy import errors
-from ncclpy.buffers import Buffer, as_buffer
-from ncclpy.bufkey import Uncacheable, buffer_key
-from ncclpy.ops import premul_sum
+from ncclpy.buffers.buffer import Buffer, as_buffer
+from ncclpy.buffers.key import Uncacheable, buffer_key
+from ncclpy.semantics.ops import premul_sum
 from ncclpy.plan import collectives as pc
 from ncclpy.plan.types import PlanContext
 from ncclpy.comm.resolver import PLANNERS, Resolved, Resolver, first_buffer

@@ -22,10 +22,10 @@ import pytest
 
 import ncclpy
 from ncclpy import errors
-from ncclpy.buffers import Buffer
+from ncclpy.buffers.buffer import Buffer
 from ncclpy.comm.execute import Resources
 from ncclpy.comm.resolver import Resolved, Resolver
-from ncclpy.ops import MAX, RedOp, premul_sum
+from ncclpy.semantics.ops import MAX, RedOp, premul_sum
 from ncclpy.plan.types import PREMUL_OP, NcclCall, Plan, PlanContext, Scratch
 
 S, R, O = 0x7F00_0000_0000, 0x7F10_0000_0000, 0x7F20_0000_0000

@@ -73,7 +73,7 @@ def test_a_run_that_fails_with_a_communicator_prints_its_table(tmp_path):
 
 # ------------------------------------------------------------ item 16: ncclpy status and the token
 def test_status_without_the_token_says_it_once_and_where_the_token_is():
-    from ncclpy.launch.jobfile import jobs_dir
+    from ncclpy.debug.jobfile import jobs_dir
     from ncclpy.store import StoreServer
     srv = StoreServer("127.0.0.1", 0, token="the-job-token").start()
     try:

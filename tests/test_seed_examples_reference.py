@@ -12,8 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from ncclpy import reference as R
-from ncclpy import registry
+from ncclpy.semantics import reference as R
+from ncclpy.semantics import registry
 from ncclpy.check import seed_examples as S
 
 DATA = [e for e in S.EXAMPLES if not e.extra.get("benchmark") and e.collective != "barrier"]

@@ -20,6 +20,7 @@ import pytest
 from gpu_util import cuda_reason
 from ncclpy.selftest import cli, report as R, runner as RN, schedule as SC
 from ncclpy.selftest import stages as S
+from sigint_util import sigint_handled
 from wait_util import HANG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,11 +271,12 @@ def test_ctrl_c_stops_the_stage_writes_the_report_and_returns_130(tmp_path):
         _pids(tmp_path, "long")
         os.kill(os.getpid(), signal.SIGINT)
 
-    th = threading.Thread(target=interrupt, daemon=True)
-    th.start()
-    rc = cli.execute(stages, str(out), 120, command="PYTHONPATH=. python3 -m ncclpy.selftest "
-                     "$OUT", python=sys.executable, out=said.append, grace_s=2)
-    th.join(5)
+    with sigint_handled():            # SIGINT raises KeyboardInterrupt, however pytest started
+        th = threading.Thread(target=interrupt, daemon=True)
+        th.start()
+        rc = cli.execute(stages, str(out), 120, command="PYTHONPATH=. python3 -m ncclpy.selftest "
+                         "$OUT", python=sys.executable, out=said.append, grace_s=2)
+        th.join(5)
     assert rc == 130
     for pid in _pids(tmp_path, "long"):
         assert not _alive(pid)
@@ -333,10 +335,19 @@ def test_pytest_stage_counts_come_from_its_junit_file(tmp_path):
     assert "00-sample.xml" in r.files and "00-sample.log" in r.files
 
 
-def test_pytest_stage_stopped_at_its_bound_keeps_the_counts_of_what_finished(tmp_path):
+@pytest.mark.parametrize("parent_sigint", ["default", "ignored (nohup)"])
+def test_pytest_stage_stopped_at_its_bound_keeps_the_counts_of_what_finished(tmp_path,
+                                                                             parent_sigint):
+    """A stage is stopped by SIGINT at its bound and keeps what finished, also when the selftest
+    itself runs with SIGINT ignored (started under nohup): the stage must not inherit that."""
     ctx = _ctx(tmp_path)
-    res, _ = SC.run_stages([_pytest_stage(tmp_path, "partial", 60, 5)], ctx, str(ROOT), 120,
-                           say=lambda s: None, grace_s=5)
+    prev = signal.signal(signal.SIGINT, signal.SIG_IGN if parent_sigint != "default"
+                         else signal.default_int_handler)
+    try:
+        res, _ = SC.run_stages([_pytest_stage(tmp_path, "partial", 60, 5)], ctx, str(ROOT),
+                               120, say=lambda s: None, grace_s=5)
+    finally:
+        signal.signal(signal.SIGINT, prev)
     r = res[0]
     assert r.status == "did not finish"
     assert (r.counts["passed"], r.counts["failed"], r.counts["skipped"]) == (1, 1, 1)

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import pytest
+
+import proc_speed
 from ncclpy.selftest import parse as P
 from ncclpy.selftest import stages as S
 
 ROOT = Path(__file__).resolve().parents[1]
+#: one worker for the file: its tests share their collections (_collect_all)
+pytestmark = pytest.mark.xdist_group("selftest_gpu_tests")
 
 
 def _env() -> dict:
@@ -20,22 +26,40 @@ def _env() -> dict:
     return env
 
 
+#: what each (arguments, extra environment) collected, for the tests after it in this process:
+#: the collection of the stages' shards is the same command for every test that looks at it
+_COLLECTED: Dict[Tuple[Tuple[str, ...], Tuple[Tuple[str, str], ...]], List[str]] = {}
+
+
+def _collect_all(*runs: Tuple[Sequence[str], Optional[dict]]) -> List[List[str]]:
+    """The test ids each of ``runs`` (pytest arguments, variables added to the environment)
+    collects: one ``pytest --collect-only`` process each, as one would type it, the ones not
+    collected yet in this process started together (their bytecode cached: proc_speed)."""
+    keys = [(tuple(args), tuple(sorted((extra or {}).items()))) for args, extra in runs]
+    todo = list(dict.fromkeys(k for k in keys if k not in _COLLECTED))
+    cmds = []
+    for args, extra in todo:
+        env = _env()
+        env.update(extra)
+        cmds.append(([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                      "-p", "no:cacheprovider", *args], proc_speed.pytest_env(env)))
+    for key, p in zip(todo, proc_speed.run_together(cmds, cwd=str(ROOT), timeout=120,
+                                                    warm_first=True)):
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        _COLLECTED[key] = [ln for ln in p.stdout.splitlines() if "::" in ln]
+    return [list(_COLLECTED[k]) for k in keys]
+
 
 def _collect(*args: str, env_extra: dict = None) -> list:
-    env = _env()
-    env.update(env_extra or {})
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                        "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [ln for ln in p.stdout.splitlines() if "::" in ln]
+    return _collect_all((args, env_extra))[0]
 
 
 def test_gpu_worlds_selects_by_largest_world_size():
     base = ["tests/gpu", "-m", "gpu"]
-    one_two = _collect(*base, "--gpu-worlds", "1,2")
-    three_four = _collect(*base, env_extra={"NCCLPY_GPU_WORLDS": "3,4"})
-    everything = _collect(*base)
+    one_two, three_four, everything, one_to_six, six = _collect_all(
+        ([*base, "--gpu-worlds", "1,2"], None), (base, {"NCCLPY_GPU_WORLDS": "3,4"}),
+        (base, None), ([*base, "--gpu-worlds", "1,2,3,4,5,6"], None),
+        ([*base, "--gpu-worlds", "6"], None))
     assert "tests/gpu/test_comm_gpu.py::test_collective_matrix[2]" in one_two
     assert "tests/gpu/test_comm_gpu.py::test_collective_matrix[3]" not in one_two
     assert "tests/gpu/test_comm_gpu.py::test_register_same_buffer_twice" in one_two
@@ -46,20 +70,22 @@ def test_gpu_worlds_selects_by_largest_world_size():
     assert "tests/gpu/test_fixes_gpu.py::test_nonblocking_split[4]" in three_four
     assert not set(one_two) & set(three_four)
     # every GPU test has a world size: the union over 1..6 is everything
-    assert sorted(_collect(*base, "--gpu-worlds", "1,2,3,4,5,6")) == sorted(everything)
+    assert sorted(one_to_six) == sorted(everything)
     # the examples that spawn 6 ranks belong to 6
-    assert "tests/gpu/test_examples_gpu.py::test_example_standalone_spawn[02_all_gather.py]" in \
-        _collect(*base, "--gpu-worlds", "6")
+    assert "tests/gpu/test_examples_gpu.py::test_example_standalone_spawn[02_all_gather.py]" \
+        in six
+
+
+def _shard_args(name: str) -> List[List[str]]:
+    """Each shard's command of stage ``name``: its pytest arguments, minus the output files."""
+    ctx = S.Ctx(python=sys.executable, work="/tmp/w", tmp="/tmp/t")
+    return [[a for a in cmd.argv[3:] if not a.startswith(("--junitxml", "--basetemp", "-q"))]
+            for (cmd,) in S.shard_commands(S.by_name(name), ctx)]
 
 
 def _stage_ids(name: str) -> list:
     """What each shard of stage ``name`` collects (its own command, minus the output files)."""
-    ctx = S.Ctx(python=sys.executable, work="/tmp/w", tmp="/tmp/t")
-    out = []
-    for (cmd,) in S.shard_commands(S.by_name(name), ctx):
-        args = [a for a in cmd.argv[3:] if not a.startswith(("--junitxml", "--basetemp", "-q"))]
-        out.append(_collect(*args))
-    return out
+    return _collect_all(*((args, None) for args in _shard_args(name)))
 
 
 def test_stage_commands_select_what_they_say():
@@ -80,14 +106,18 @@ def test_every_gpu_test_runs_in_exactly_the_stage_stage_of_names():
     """stage_of (the ledger's and the debt's idea of a test's stage) agrees with what the
     stages' own commands collect, and every GPU test is in one stage."""
     from ncclpy.selftest import debt
-    tests = debt.collect_tests(str(ROOT))
+    stages = [s.name for s in S.STAGES if s.kind == "pytest"]
+    runs = [(name, args) for name in stages for args in _shard_args(name)]
+    with ThreadPoolExecutor(1) as pool, proc_speed.pytest_environ():
+        _collect(*runs[0][1])                  # alone while the bytecode cache is empty
+        tests_f = pool.submit(debt.collect_tests, str(ROOT))    # beside the shards' own
+        ids = _collect_all(*((args, None) for _, args in runs))
+        tests = tests_f.result()
     by_stage: dict = {}
-    for s in S.STAGES:
-        if s.kind == "pytest":
-            for shard in _stage_ids(s.name):
-                for i in shard:
-                    assert i not in by_stage, (i, by_stage.get(i), s.name)
-                    by_stage[i] = s.name
+    for (name, _), shard in zip(runs, ids):
+        for i in shard:
+            assert i not in by_stage, (i, by_stage.get(i), name)
+            by_stage[i] = name
     assert {t["id"]: t["stage"] for t in tests} == by_stage
     assert len(by_stage) == len(tests) > 90
 

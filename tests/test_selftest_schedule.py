@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ncclpy.selftest import gpuenv, order, schedule as SC, stages as S
+from sigint_util import sigint_handled
 from wait_util import HANG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,12 +144,13 @@ def test_ctrl_c_stops_every_stage_that_runs(tmp_path):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
-    th = threading.Thread(target=interrupt, daemon=True)
-    th.start()
-    t0 = time.monotonic()
-    res, interrupted = SC.run_stages(stages, _ctx(tmp_path), str(ROOT), 120,
-                                     say=lambda s: None, jobs=2, grace_s=2)
-    th.join(5)
+    with sigint_handled():            # SIGINT raises KeyboardInterrupt, however pytest started
+        th = threading.Thread(target=interrupt, daemon=True)
+        th.start()
+        t0 = time.monotonic()
+        res, interrupted = SC.run_stages(stages, _ctx(tmp_path), str(ROOT), 120,
+                                         say=lambda s: None, jobs=2, grace_s=2)
+        th.join(5)
     assert interrupted and time.monotonic() - t0 < HANG      # not the stages' 60 s
     assert [r.status for r in res] == ["interrupted", "interrupted", "not run"]
     assert res[2].reason == "the run was interrupted first"

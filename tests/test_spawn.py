@@ -14,6 +14,7 @@ import ncclpy
 from ncclpy.errors import ArgumentError, ArgumentTypeError, LaunchError, ProcessRaisedException
 from ncclpy.launch import spawn as spawn_mod
 from ncclpy.launch.spawn import spawn
+from sigint_util import popen_kwargs
 from wait_util import HANG
 
 SLEEP = 300  # children that should be stopped sleep this long: far past any bound (HANG)
@@ -259,7 +260,8 @@ def _start_parent(tmp_path):
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     parent = subprocess.Popen([sys.executable, str(script), str(outdir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              **popen_kwargs())   # SIGINT: KeyboardInterrupt, however we started
     deadline = time.monotonic() + 120
     while len(_pids(outdir, 2)) < 2:   # both children run, with their SIGTERM handler set
         assert parent.poll() is None, parent.communicate()

@@ -14,6 +14,7 @@ import pytest
 
 from ncclpy.errors import LaunchError, ProcessRaisedException
 from ncclpy.launch.spawn import spawn
+from sigint_util import popen_kwargs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -161,7 +162,8 @@ def test_ctrl_c_ends_the_ranks_and_their_subprocesses(tmp_path, to_group):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     parent = subprocess.Popen([sys.executable, str(script), str(outdir)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)   # its own foreground-like group
+                              start_new_session=True,   # its own foreground-like group
+                              **popen_kwargs())         # SIGINT: KeyboardInterrupt
     try:
         deadline = time.monotonic() + 120
         while len(_read_pids(outdir, "sleep", 2)) < 2:

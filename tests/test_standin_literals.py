@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ncclpy
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 from ncclpy._nccl.config import Config
 from ncclpy.comm import Communicator
 

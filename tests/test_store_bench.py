@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import store_bench
+from sigint_util import popen_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(600)
@@ -134,11 +135,16 @@ def test_closed_pipe_and_ctrl_c_end_quietly():
     assert p.wait(timeout=120) == 141 and "Traceback" not in err, err
     # Ctrl-C while it runs
     p = subprocess.Popen(cmd + ["--ops", "20000"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
-    assert p.stdout is not None and p.stdout.readline()
-    time.sleep(0.5)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+                         stderr=subprocess.PIPE, **popen_kwargs())
+    try:
+        assert p.stdout is not None and p.stdout.readline()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:        # not stopped: it would run on long after the test
+            p.kill()
+            p.communicate()
     assert p.returncode == 130, err.decode()
     assert err.decode().strip().splitlines()[-1] == "python -m bench.store_bench: interrupted"
     assert "Traceback" not in err.decode()

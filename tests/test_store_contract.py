@@ -143,7 +143,7 @@ class _Kind:
         s = self.dist.TCPStore("127.0.0.1", self.master.port, is_master=False,
                                timeout=datetime.timedelta(seconds=HANG))
         if self.name == "adapter":
-            from ncclpy.torch_store import TorchStoreAdapter
+            from ncclpy.rendezvous.torch_store import TorchStoreAdapter
             return TorchStoreAdapter(s, f"127.0.0.1:{self.master.port}", timeout=HANG)
         return s
 

@@ -4,22 +4,26 @@ that store cannot be reached, a broadcast in the group; rank r of the group is r
 communicator; subgroups and several communicators never share keys.  The object collectives
 (``broadcast_object`` / ``all_gather_object``) over both stores, with the writer hosting the store
 and leaving at once.  Real processes, real torch.distributed (gloo), real libnccl unique ids.
-Run as a script, this file is one rank."""
+Each rank is a process of its own, forked from one interpreter that imported torch and ncclpy
+once (tests/proc_speed.py); the three torch jobs run one after another in one such interpreter,
+shared by their tests.  Run as a script, this file is one rank."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
+from typing import Dict
 
 import pytest
+
+import proc_speed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("torch_interop")]
 
 
 def _torch_dist():
@@ -94,6 +98,9 @@ def _rank_main(mode: str, portfile: str, rank: int, world: int) -> None:
             out["unpicklable"] = f"{type(e).__name__}: {e}"
         out["fail_s"] = time.monotonic() - t0
         out["after"] = ex.all_gather(rank)          # the ranks still agree on the sequence
+    # rank 0 hosts the job's store: it leaves only once no rank needs it (the others may still
+    # be in an exchange, or in gloo, when rank 0 is done; not this test's subject)
+    dist.barrier()
     print(json.dumps(out), flush=True)
     if mode != "objects":
         dist.destroy_process_group()
@@ -123,27 +130,41 @@ def _env() -> dict:
     return env
 
 
-def _job(mode: str, tmp: str, world: int = 3) -> list:
-    env = _env()
-    portfile = os.path.join(tmp, f"port-{mode}")
-    ps = [subprocess.Popen([sys.executable, __file__, mode, portfile, str(r), str(world)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-          for r in range(world)]
+#: what the ranks import before they start, once, in the interpreter they fork from
+_PRELOAD = ("ncclpy", "ncclpy.comm.objects", "ncclpy.store", "port_file")
+_PRELOAD_TORCH = ("torch.distributed", "ncclpy.rendezvous.torch_group")
+
+
+def _outs(job: proc_speed.JobRun) -> list:
+    """Every rank exited 0; what each printed last (its JSON line), in rank order."""
     outs = []
-    for p in ps:
-        o, e = p.communicate(timeout=240)
-        assert p.returncode == 0, e.decode()[-3000:]
-        outs.append(json.loads(o.decode().strip().splitlines()[-1]))
+    for p in job.ranks:
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     return outs
 
 
+@pytest.fixture(scope="module")
+def torch_jobs(tmp_path_factory) -> Dict[str, proc_speed.JobRun]:
+    """The 3-rank torch jobs of this file (the uid's two paths where libnccl can make a uid,
+    the object collectives through torch's store), one after another: one import of torch
+    for the three, shared by the tests that read them."""
+    _torch_dist()
+    modes = (["store", "broadcast"] if not _uid_available() else []) + ["objects"]
+    tmp = tmp_path_factory.mktemp("torch-jobs")
+    jobs = [[[mode, str(tmp / f"port-{mode}"), r, 3] for r in range(3)] for mode in modes]
+    runs = proc_speed.forked_jobs("test_torch_interop:_rank_main", jobs, str(tmp / "ranks"),
+                                  preload=_PRELOAD + _PRELOAD_TORCH, env=_env(), timeout=240)
+    return dict(zip(modes, runs))
+
+
 @pytest.mark.parametrize("mode", ["store", "broadcast"])
-def test_from_torch_shares_one_uid_per_group_and_generation(mode, tmp_path):
+def test_from_torch_shares_one_uid_per_group_and_generation(mode, torch_jobs):
     _torch_dist()
     why = _uid_available()
     if why:
         pytest.skip(f"libnccl cannot make a unique id here: {why}")
-    outs = _job(mode, str(tmp_path))
+    outs = _outs(torch_jobs[mode])
     a = [o["a"] for o in outs]
     assert [x[:3] for x in a] == [[0, 3, 1], [1, 3, 1], [2, 3, 1]]      # group rank = rank
     assert len({x[3] for x in a}) == 1 and {x[4] for x in a} == {
@@ -157,9 +178,9 @@ def test_from_torch_shares_one_uid_per_group_and_generation(mode, tmp_path):
     assert outs[0]["source"].startswith("torch.distributed group ")
 
 
-def test_object_collectives_through_torchs_store(tmp_path):
+def test_object_collectives_through_torchs_store(torch_jobs):
     _torch_dist()
-    outs = _job("objects", str(tmp_path))
+    outs = _outs(torch_jobs["objects"])
     for o in outs:
         assert o["b"] == {"from": 1, "x": [1.5, 1]}
         assert o["g"] == [["rank", 0, ""], ["rank", 1, "y"], ["rank", 2, "yy"]]
@@ -178,18 +199,14 @@ def test_object_collectives_through_torchs_store(tmp_path):
 
 
 def test_object_collectives_when_the_writer_hosts_the_store_and_leaves_at_once(tmp_path):
-    env = _env()
-    for attempt in range(4):
-        portfile, t0 = str(tmp_path / f"port{attempt}"), time.monotonic()
-        ps = [subprocess.Popen([sys.executable, __file__, "hosted", portfile, str(r), "3"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-              for r in range(3)]
-        for p in ps:
-            o, e = p.communicate(timeout=120)
-            assert p.returncode == 0, e.decode()[-3000:]
-            got = json.loads(o.decode().strip().splitlines()[-1])
+    jobs = [[[str(tmp_path / f"port{attempt}"), r, 3] for r in range(3)] for attempt in range(4)]
+    runs = proc_speed.forked_jobs("test_torch_interop:_objects_hosted", jobs,
+                                  str(tmp_path / "ranks"), preload=_PRELOAD, env=_env(),
+                                  timeout=120)
+    for attempt, job in enumerate(runs):
+        for got in _outs(job):
             assert got == {"g": [{"r": 0}, {"r": 1}, {"r": 2}], "b": ["root", 0]}, got
-        assert time.monotonic() - t0 < 25, attempt    # nobody waited out its 30 s bound
+        assert job.seconds < 25, attempt        # nobody waited out its 30 s bound
 
 
 def test_from_torch_errors_come_before_any_gpu_or_store(monkeypatch):

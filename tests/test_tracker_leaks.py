@@ -14,8 +14,8 @@ from typing import Any, Iterable, List
 import pytest
 
 from ncclpy._nccl import cuda as cudamod
-from ncclpy.comm import reaper as reaper_mod
-from ncclpy.comm.reaper import GIVE_UP, Reaper
+from ncclpy.debug import reaper as reaper_mod
+from ncclpy.debug.reaper import GIVE_UP, Reaper
 from ncclpy.comm.work import Work, event_pool, new_work
 from ncclpy.debug import watchdog as watchdog_mod
 from ncclpy.debug.verdicts import Decision

@@ -23,7 +23,7 @@ from ncclpy.comm import default_timeout, env_flag  # noqa: E402
 from ncclpy.errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from ncclpy.store import StoreServer, TCPStore  # noqa: E402
 from ncclpy.debug.deaths import publish_deaths  # noqa: E402
-from ncclpy.watchdog import Peer, Published, Watchdog, WatchState  # noqa: E402
+from ncclpy.debug.watchdog import Peer, Published, Watchdog, WatchState  # noqa: E402
 from ncclpy.debug.verdicts import CONFIRM, waits_on  # noqa: E402
 from wait_util import HANG, wait_until  # noqa: E402
 from watchdog_crowd import Work  # noqa: E402  (a call that waits until told done)

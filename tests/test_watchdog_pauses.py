@@ -14,6 +14,10 @@ process (tests/watchdog_crowd.py), the last rank alone in another, SIGSTOPped an
 
 How soon the verdicts come is a speed (``python -m bench.scale``), not asserted here: the reads
 that wait for them are bounded by :data:`wait_util.HANG`, a hang's bound.
+
+The three jobs (the pauses at 16 and 256 ranks, the kill) are independent and spend their time
+waiting (pauses, silences), not on the CPU: they run at once, each on a thread of its own
+(:func:`jobs`), and each test checks its own.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
@@ -34,7 +39,7 @@ from ncclpy.store import StoreLimits, StoreServer, TCPStore
 from store_util import env as _env
 from wait_util import HANG
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("watchdog_pauses")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT = 3.0                    # the default silence limit
@@ -97,10 +102,10 @@ class Job:
         self.srv.close()
 
 
-@pytest.mark.parametrize("world", [16, 256])
-def test_a_paused_rank_comes_back_to_a_working_job_unless_a_call_waits_on_it(world):
+def _pauses(world: int) -> Dict[str, Any]:
+    """Pauses while nothing waits (no verdict), a short one while a call waits (none), then for
+    good while a call waits; what every rank said after that."""
     job = Job(world)
-    victim = world - 1
     try:
         job.read(1.5)                                  # heartbeats flow
         for gap in (1.5, 2.5, LONG):                   # nothing waits on it
@@ -126,20 +131,11 @@ def test_a_paused_rank_comes_back_to_a_working_job_unless_a_call_waits_on_it(wor
         job.read(HANG, lambda: job.lines[job.victim])
     finally:
         job.close()
-    assert sorted(v["rank"] for v in crowd) == list(range(world - 1)), len(crowd)
-    for v in crowd:
-        assert v["suspects"] == [victim], v
-        assert v["reason"] in ("peer_silent", "peer_aborted"), v
-        m = re.search(rf"rank {victim} silent (\d+\.\d) s", v["message"])
-        assert m and float(m.group(1)) >= LIMIT, v          # silent past the limit, not before
-    named = [v for v in crowd if v["reason"] == "peer_silent"]
-    assert named and all("read afresh from the store" in v["message"] for v in named)
-    assert idle == []
-    (back,) = job.lines[job.victim]                     # the victim follows, naming itself
-    assert back["reason"] == "peer_aborted" and back["suspects"] == [victim], back
+    return {"crowd": crowd, "idle": idle, "victim": job.lines[job.victim]}
 
 
-def test_a_killed_rank_is_named_by_every_rank_from_the_launchers_notice():
+def _killed() -> List[Dict[str, Any]]:
+    """Rank 15 of 16 killed, the launcher's notice published: what the others said."""
     job = Job(16)
     try:
         job.read(1.5)
@@ -150,7 +146,38 @@ def test_a_killed_rank_is_named_by_every_rank_from_the_launchers_notice():
         job.read(HANG, lambda: len(job.lines[job.crowd]) >= 15)
     finally:
         job.close()
-    crowd = job.lines[job.crowd]
+    return job.lines[job.crowd]
+
+
+@pytest.fixture(scope="module")
+def jobs() -> Iterator[Dict[Any, Future]]:
+    """This file's three jobs, started together (see the module docstring); each test waits
+    for its own, whose assertion errors it raises."""
+    with ThreadPoolExecutor(3) as pool:
+        yield {16: pool.submit(_pauses, 16), 256: pool.submit(_pauses, 256),
+               "killed": pool.submit(_killed)}
+
+
+@pytest.mark.parametrize("world", [16, 256])
+def test_a_paused_rank_comes_back_to_a_working_job_unless_a_call_waits_on_it(world, jobs):
+    victim = world - 1
+    got = jobs[world].result()
+    crowd, idle = got["crowd"], got["idle"]
+    assert sorted(v["rank"] for v in crowd) == list(range(world - 1)), len(crowd)
+    for v in crowd:
+        assert v["suspects"] == [victim], v
+        assert v["reason"] in ("peer_silent", "peer_aborted"), v
+        m = re.search(rf"rank {victim} silent (\d+\.\d) s", v["message"])
+        assert m and float(m.group(1)) >= LIMIT, v          # silent past the limit, not before
+    named = [v for v in crowd if v["reason"] == "peer_silent"]
+    assert named and all("read afresh from the store" in v["message"] for v in named)
+    assert idle == []
+    (back,) = got["victim"]                             # the victim follows, naming itself
+    assert back["reason"] == "peer_aborted" and back["suspects"] == [victim], back
+
+
+def test_a_killed_rank_is_named_by_every_rank_from_the_launchers_notice(jobs):
+    crowd = jobs["killed"].result()
     assert sorted(v["rank"] for v in crowd) == list(range(15))
     assert all(v["suspects"] == [15] for v in crowd), crowd[:2]
     # from the notice (peer_dead, or following the first such verdict): never its silence

@@ -23,7 +23,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from ncclpy.store import TCPStore  # noqa: E402
-from ncclpy.watchdog import Watchdog  # noqa: E402
+from ncclpy.debug.watchdog import Watchdog  # noqa: E402
 
 _OUT = threading.Lock()
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 import numpy as np
 
-from ncclpy import registry
-from ncclpy.dtypes import DTYPES
+from ncclpy.semantics import registry
+from ncclpy.semantics.dtypes import DTYPES
 from ncclpy.errors import ArgumentError
 
 __all__ = ["Layout", "layout", "Buffers", "Backend", "get_backend", "host_dtype", "BACKEND_MODULES",

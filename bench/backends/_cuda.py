@@ -7,9 +7,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ncclpy.dtypes import DTYPES
+from ncclpy.semantics.dtypes import DTYPES
 from ncclpy.errors import MissingDependencyError, NcclpyError, UnsupportedError
-from ncclpy.ops import format_version
+from ncclpy.semantics.ops import format_version
 
 from . import Backend, Buffers, host_dtype, layout
 
@@ -60,7 +60,7 @@ class CupyStreamBackend(Backend):
               master_addr: str = "127.0.0.1", timeout: float = 300.0) -> None:
         super().setup(rank, world, device, store, master_addr=master_addr, timeout=timeout)
         self._setup_device(device)
-        from ncclpy.bootstrap import exchange_uid
+        from ncclpy.rendezvous.bootstrap import exchange_uid
         uid, self.generation = exchange_uid(store, rank, name=f"bench-{self.name}",
                                             timeout=timeout, world_size=world)
         self.comm = self.open_comm(uid)

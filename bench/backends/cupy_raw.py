@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ContextManager, Iterator, List, Tuple
 
-from ncclpy.dtypes import DTYPES
-from ncclpy.ops import NCCL_OPS
+from ncclpy.semantics.dtypes import DTYPES
+from ncclpy.semantics.ops import NCCL_OPS
 
 from . import Buffers
 from ._cuda import CupyStreamBackend

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from ncclpy.dtypes import DTYPES
+from ncclpy.semantics.dtypes import DTYPES
 
 from . import Buffers
 from ..combos import environ
@@ -172,7 +172,7 @@ class NcclpyDefaultsBackend(NcclpyBackend):
 
     def open_comm(self, uid: bytes) -> Any:
         import ncclpy
-        from ncclpy.bootstrap import Bootstrap
+        from ncclpy.rendezvous.bootstrap import Bootstrap
         self.ncclpy = ncclpy
         bs = Bootstrap(rank=self.rank, world_size=self.world, local_rank=self.rank,
                        device=int(self.device), uid=uid, name=f"bench-{self.name}",

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from ncclpy.dtypes import DTYPES
+from ncclpy.semantics.dtypes import DTYPES
 
 from . import Backend, Buffers, host_dtype
 from ._cuda import StreamTimeout
@@ -74,7 +74,7 @@ class NcclpyCpuBackend(NcclpyBackend):
 
     def models(self) -> str:
         """The NCCL version whose semantics the engine models (e.g. ``2.28.9``)."""
-        from ncclpy.ops import format_version
+        from ncclpy.semantics.ops import format_version
         return format_version(int(self.comm.nccl_version)) if self.comm is not None else "?"
 
     def device_info(self) -> Dict[str, str]:

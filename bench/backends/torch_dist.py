@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ncclpy.dtypes import DTYPES
+from ncclpy.semantics.dtypes import DTYPES
 from ncclpy.errors import MissingDependencyError
 
 from . import Backend, Buffers, host_dtype

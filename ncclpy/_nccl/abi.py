@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
-from ..dtypes import C_NAMES, DTYPES
+from ..semantics.dtypes import C_NAMES, DTYPES
 from ..errors import NCCL_RESULT_NAMES
-from ..ops import NCCL_OPS
+from ..semantics.ops import NCCL_OPS
 from . import collconfig, config, encryption, flags, group, lib
 from .functions import UNIQUE_ID_BYTES, UniqueId, WaitSignalDescStruct
 

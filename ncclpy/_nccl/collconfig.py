@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError
-from ..ops import format_version
+from ..semantics.ops import format_version
 from .config import (CONFIG_MAGIC, CONFIG_UNDEF_INT, MAX_CGA_CLUSTER_SIZE, _is_bool, as_index,
                      cta_policy_value)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError
-from ..ops import format_version
+from ..semantics.ops import format_version
 
 __all__ = ["Config", "NcclConfigStruct", "CONFIG_FIELDS", "CONFIG_MAGIC", "CONFIG_VERSION",
            "CONFIG_UNDEF_INT", "BLOCKING_UNDEF_FROM", "MAX_CTAS_FILL", "COMM_BLOCKING_ENV_FROM",

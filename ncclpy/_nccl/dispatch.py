@@ -14,7 +14,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import ArgumentError, ArgumentTypeError, VersionError, as_int
-from ..plan.types import NCCL_FUNCTIONS
+from .functions import NCCL_FUNCTIONS
 from .cuda import cuda, cupy_stream_for
 from .lib import NCCL_IN_PROGRESS, CudaUnavailableError
 

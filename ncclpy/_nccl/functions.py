@@ -13,7 +13,7 @@ import ctypes
 from typing import Dict, Tuple
 
 __all__ = ["FUNCTIONS", "UniqueId", "WaitSignalDescStruct", "nccl_version_code",
-           "COLL_CONFIG_FUNCTIONS", "PARAM_GETTERS", "UNIQUE_ID_BYTES"]
+           "COLL_CONFIG_FUNCTIONS", "PARAM_GETTERS", "UNIQUE_ID_BYTES", "NCCL_FUNCTIONS"]
 
 UNIQUE_ID_BYTES = 128
 
@@ -142,3 +142,30 @@ for _fn, _cfn in COLL_CONFIG_FUNCTIONS.items():
     _rt, _args, _ = FUNCTIONS["nccl" + _fn]
     FUNCTIONS["nccl" + _cfn] = (_rt, _args + (_P,), COLL_CONFIG_API)
 del _kind, _name, _ctype, _fn, _cfn, _rt, _args
+
+
+#: NCCL functions a plan may name (without the ``nccl`` prefix) and their arguments' names, in
+#: C order up to but excluding ``comm`` and ``stream`` (:class:`ncclpy.plan.types.NcclCall`;
+#: the dispatch table is built from it).
+NCCL_FUNCTIONS = {
+    "AllReduce": ("sendbuff", "recvbuff", "count", "datatype", "op"),
+    "Reduce": ("sendbuff", "recvbuff", "count", "datatype", "op", "root"),
+    "Broadcast": ("sendbuff", "recvbuff", "count", "datatype", "root"),
+    "ReduceScatter": ("sendbuff", "recvbuff", "recvcount", "datatype", "op"),
+    "AllGather": ("sendbuff", "recvbuff", "sendcount", "datatype"),
+    "AlltoAll": ("sendbuff", "recvbuff", "count", "datatype"),
+    "Gather": ("sendbuff", "recvbuff", "count", "datatype", "root"),
+    "Scatter": ("sendbuff", "recvbuff", "count", "datatype", "root"),
+    "Send": ("sendbuff", "count", "datatype", "peer"),
+    "Recv": ("recvbuff", "count", "datatype", "peer"),
+    # one-sided RMA (NCCL 2.29; ncclpy.comm.rma)
+    "PutSignal": ("localbuff", "count", "datatype", "peer", "peerWin", "peerWinOffset",
+                  "sigIdx", "ctx", "flags"),
+    "Signal": ("peer", "sigIdx", "ctx", "flags"),
+    "WaitSignal": ("nDesc", "signalDescs"),
+}
+#: each collective's per-call-config variant (NCCL 2.31): the same arguments, then the
+#: ``const ncclCollConfig_t*`` (which NCCL takes after comm and stream)
+NCCL_FUNCTIONS.update({fn + "Config": NCCL_FUNCTIONS[fn] + ("config",) for fn in (
+    "AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather", "AlltoAll", "Gather",
+    "Scatter")})

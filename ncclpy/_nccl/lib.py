@@ -20,17 +20,17 @@ import logging
 import os
 import re
 import threading
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import (CudaUnavailableError, MissingDependencyError, NcclError, NcclpyError,
                       VersionError, nccl_error_from_code)
-from ..ops import format_version
+from ..semantics.ops import format_version
 from .functions import FUNCTIONS, UniqueId, nccl_version_code
 
-__all__ = ["NcclLib", "CPU_BACKEND_PATH", "get_lib", "loaded_nccl_paths", "nccl_version_code", "FUNCTIONS",
-           "UniqueId", "require_version", "CudaUnavailableError", "INSTALL_HINT",
-           "NCCL_SUCCESS", "is_loaded", "use_lib", "NCCL_IN_PROGRESS", "NCCL_SPLIT_NOCOLOR",
-           "SCALAR_HOST_IMMEDIATE"]
+__all__ = ["NcclLib", "CPU_BACKEND_PATH", "get_lib", "loaded_nccl_paths", "nccl_version_code",
+           "FUNCTIONS", "UniqueId", "require_version", "CudaUnavailableError", "INSTALL_HINT",
+           "NCCL_SUCCESS", "is_loaded", "use_lib", "cpu_backend", "NCCL_IN_PROGRESS",
+           "NCCL_SPLIT_NOCOLOR", "SCALAR_HOST_IMMEDIATE"]
 
 log = logging.getLogger(__name__)
 
@@ -366,6 +366,15 @@ class NcclLib:
 
 _lock = threading.Lock()
 _lib: Optional[NcclLib] = None
+#: the CPU engine when this process runs on the CPU backend (:func:`ncclpy.cpu.backend.install`
+#: puts it here with its libnccl): "which backend is this process on" is asked at the bottom
+#: (memory, the unique id, a rank's device label), so it lives with the library itself
+_cpu_engine: Optional[Any] = None
+
+
+def cpu_backend() -> bool:
+    """Whether this process runs on the CPU backend (``ncclpy.init(device="cpu")``)."""
+    return _cpu_engine is not None
 
 
 def get_lib() -> NcclLib:

@@ -59,8 +59,8 @@ class NcclMemory:
 def _not_on_cpu(what: str) -> None:
     """These make CuPy / torch GPU memory: refused in one line on the CPU backend, whose
     communicators take host memory (its own ``ncclMemAlloc`` is ``comm.mem_alloc``)."""
-    from ..cpu.backend import installed
-    if installed():
+    from .lib import cpu_backend
+    if cpu_backend():
         from ..errors import UnsupportedError
         raise UnsupportedError(f"{what}: makes CuPy/torch arrays in NCCL's GPU memory, and this "
                                f"process runs on the CPU backend (no GPU); allocate with "
@@ -90,7 +90,7 @@ def nccl_empty(shape: Union[int, Sequence[int]], dtype: Any = "float32", *,
     dims = tuple(as_int(f"nccl_empty: shape[{i}]", d, 0) for i, d in enumerate(dims))
     _not_on_cpu("nccl_empty")
     import cupy
-    from ..dtypes import dtype_name, logical
+    from ..semantics.dtypes import dtype_name, logical
     name = dtype_name(dtype)
     np_dtype = None
     if framework == "cupy":

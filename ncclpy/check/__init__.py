@@ -1,9 +1,10 @@
 """``ncclpy check``: every collective through torch.distributed and ncclpy on identical seeded
 inputs, compared byte for byte with each other and with a reference: for all_reduce, reduce and
 reduce_scatter on float types, wherever the reduction-order model predicts the call, its
-prediction of NCCL's bits (bit for bit, for any input); elsewhere :mod:`ncclpy.reference`'s
-fold in rank order, with the reason (docs: concepts/check-reference).  Without a GPU, ncclpy
-runs on its CPU backend ("CPU backend: NCCL's semantics and order, not NCCL").
+prediction of NCCL's bits (bit for bit, for any input); elsewhere
+:mod:`ncclpy.reference`'s fold in rank order, with the reason (docs:
+concepts/check-reference).  Without a GPU, ncclpy runs on its CPU backend ("CPU backend: NCCL's
+semantics and order, not NCCL").
 
 Modules: :mod:`.cases` (the matrix and what gloo supports), :mod:`.runner` (one case on one rank),
 :mod:`.inputs` (the input kinds: verifiable, normal, order-revealing), :mod:`.exact` (a rank's

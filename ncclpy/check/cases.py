@@ -17,8 +17,8 @@ send_recv move ``count`` elements per rank, all_gather and gather send ``count``
 ``count`` per peer.
 
 A case's ``inputs`` says what its inputs are (:data:`INPUT_KINDS`): ``verifiable`` (every
-partial result exact in any order, :func:`ncclpy.numerics.verifiable_input`; random bits for
-data movement), ``normal`` (seeded standard normals, per rank) or ``reveal`` (the
+partial result exact in any order, :func:`ncclpy.semantics.numerics.verifiable_input`; random bits
+for data movement), ``normal`` (seeded standard normals, per rank) or ``reveal`` (the
 order-revealing inputs of :mod:`ncclpy.order.reveal`).  The last two join the matrix for the
 float sum reductions (:data:`ORDER_INPUTS_OPS`), where the order of the fold shows in the bits.
 """
@@ -29,9 +29,9 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .. import numerics as nm
-from .. import registry
-from ..dtypes import ALL_DTYPE_NAMES, LOGICAL, dtype_name
+from ..semantics import numerics as nm
+from ..semantics import registry
+from ..semantics.dtypes import ALL_DTYPE_NAMES, LOGICAL, dtype_name
 from ..errors import ArgumentError, NcclpyError
 from .divergences import DIVERGENCES, Divergence, divergence
 
@@ -47,7 +47,7 @@ __all__ = ["Case", "build_matrix", "parse_sizes", "exact_claim", "gloo_skip_reas
 ALL_DTYPES: Tuple[str, ...] = ALL_DTYPE_NAMES + ("bool", "complex32", "complex64", "complex128")
 REDUCING_OPS = ("sum", "prod", "min", "max", "avg", "premul_sum")
 #: the premul_sum scalar of the default matrix (any finite scalar gives exact results, see
-#: :func:`ncclpy.numerics.exact_plan`; a power of two lets the inputs use more values)
+#: :func:`ncclpy.semantics.numerics.exact_plan`; a power of two lets the inputs use more values)
 PREMUL_SCALAR = 2.0
 DEFAULT_SIZES_CPU = "0,1,7,1024,1MiB"
 DEFAULT_SIZES_GPU = "0,1,7,1024,65537,1MiB"
@@ -116,7 +116,7 @@ class Case:
         """The ncclpy RedOp of this case (None for data movement)."""
         if self.op is None:
             return None
-        from ..ops import RedOp
+        from ..semantics.ops import RedOp
         return RedOp(self.op, self.scalar if self.op == "premul_sum" else None)
 
 
@@ -222,11 +222,11 @@ def exact_claim(case: Case, world_size: int) -> bool:
     """Whether the reference's result is claimed bit for bit for this case's verifiable inputs
     (otherwise the ULP distance is reported and compared with :func:`ulp_tolerance`).
 
-    Integers and data movement: always.  Floats: whenever :func:`ncclpy.numerics.exact_plan`
-    has a plan that makes every term and partial result exact in any order (all finite
-    scalars); a non-finite premul_sum scalar is the one exception.  Normal and revealing
-    inputs are never exact in any order: against the rank-order reference they are judged by
-    the order-free bound (:mod:`ncclpy.check.exact`)."""
+    Integers and data movement: always.  Floats: whenever
+    :func:`ncclpy.semantics.numerics.exact_plan` has a plan that makes every term and partial result
+    exact in any order (all finite scalars); a non-finite premul_sum scalar is the one exception.
+    Normal and revealing inputs are never exact in any order: against the rank-order reference they
+    are judged by the order-free bound (:mod:`ncclpy.check.exact`)."""
     if case.op is None or case.dtype is None:
         return True
     if case.inputs != "verifiable":
@@ -302,7 +302,7 @@ def _skip_reason(backend: str, coll: str, dt: str, op: Optional[str], scalar: fl
         if why:
             return why
     if op == "premul_sum":
-        from ..plan.scalars import encode_scalar
+        from ..semantics.scalars import encode_scalar
         try:
             encode_scalar(scalar, LOGICAL[dt].wire.name)
         except NcclpyError as e:

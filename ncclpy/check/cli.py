@@ -246,8 +246,8 @@ def _torch_backends(parser: OneLineParser, ns: argparse.Namespace, backend: str,
 def _config(parser: OneLineParser, ns: argparse.Namespace, n: int, backend: str,
             no_gpu: str) -> Dict[str, Any]:
     """The run's configuration, every list argument checked (one-line errors)."""
-    from .. import registry
-    from ..dtypes import dtype_name
+    from ..semantics import registry
+    from ..semantics.dtypes import dtype_name
     from .session import verdict_batch
     ops = _names(parser, "ops", ns.ops, "op", lambda s: s.lower(), C.REDUCING_OPS)
     sizes = ns.sizes

@@ -1,7 +1,7 @@
 """Byte-for-byte and ULP comparison of collective outputs (numpy, no torch).
 
-Outputs are compared as their wire bits (:func:`ncclpy.numerics.as_bits`): equal means the bytes
-are identical; where they differ, the largest ULP distance says by how much (integers: the
+Outputs are compared as their wire bits (:func:`ncclpy.semantics.numerics.as_bits`): equal means the
+bytes are identical; where they differ, the largest ULP distance says by how much (integers: the
 largest absolute difference).  ``None`` on either side means "nothing to compare" (the reference
 leaves that rank's output undefined, or that side produced no output there).
 
@@ -40,8 +40,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .. import numerics as nm
-from ..dtypes import dtype_name
+from ..semantics import numerics as nm
+from ..semantics.dtypes import dtype_name
 from . import cases as C
 from .refs import NCCL_ORDER, RANK_ORDER, choose, record_fields, side_name
 
@@ -342,7 +342,7 @@ def _reference_only(backend: str, parts: List[Dict[str, Any]]) -> bool:
 
 
 def _merge_barrier(rec: Dict[str, Any], parts: List[Dict[str, Any]], gpu: bool) -> Dict[str, Any]:
-    from .. import reference
+    from ..semantics import reference
     for side in ("torch", "ncclpy"):
         if side == "ncclpy" and not gpu:
             continue

@@ -46,7 +46,7 @@ def setup(ctx: Dict[str, Any], header: Dict[str, Any], timeout: float) -> None:
     try:
         import ncclpy
         from .._nccl.lib import get_lib
-        from ..ops import format_version
+        from ..semantics.ops import format_version
         # no watchdog: every wait of the check is bounded by --timeout already, and its
         # 3 s heartbeat silence limit misfires where ranks outnumber cores (4 ranks on 2
         # cores computing 1 MiB references aborted a healthy run)

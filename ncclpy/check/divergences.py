@@ -42,8 +42,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .. import numerics as nm
-from ..dtypes import LOGICAL
+from ..semantics import numerics as nm
+from ..semantics.dtypes import LOGICAL
 
 __all__ = ["Divergence", "DIVERGENCES", "divergence", "predicted_outputs", "Refusal",
            "KNOWN_REFUSALS", "known_refusal", "NOT_CALLED", "not_called",
@@ -120,8 +120,8 @@ def _div_in(dtype_name: str, total: np.ndarray, n: int, by_reciprocal: bool) -> 
 
 def _model(d: Divergence, case: Any, arrs: Sequence[np.ndarray], n: int) -> np.ndarray:
     """torch's (wrong) reduction of equally shaped arrays under divergence ``d``."""
-    from ..plan.scalars import float32_bits
-    from ..reference import reduce_arrays
+    from ..semantics.scalars import float32_bits
+    from ..semantics.reference import reduce_arrays
     name = case.dtype
     shape = np.asarray(arrs[0]).shape
     if d.model == "bf16_premul_low16":

@@ -36,8 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
-from ..dtypes import C_NAMES, DTYPES, LOGICAL
+from ..semantics import numerics as nm
+from ..semantics.dtypes import C_NAMES, DTYPES, LOGICAL
 from . import cases as C
 from .compare import Comparison, compare
 from .inputs import from_wire, to_wire, wire_name

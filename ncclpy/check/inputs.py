@@ -1,8 +1,8 @@
 """The inputs of a ``ncclpy check`` case, by kind (:data:`ncclpy.check.cases.INPUT_KINDS`), and
 the conversions between a case's logical arrays and the float arrays NCCL reduces.
 
-* ``verifiable``: :func:`ncclpy.numerics.verifiable_input` (every partial result exact in any
-  order; random bit patterns for data movement);
+* ``verifiable``: :func:`ncclpy.semantics.numerics.verifiable_input` (every partial result exact in
+  any order; random bit patterns for data movement);
 * ``normal``: seeded standard normals, rounded to the type (per rank and block, from
   (seed, case, rank, block) like the verifiable ones);
 * ``reveal``: :func:`ncclpy.order.reveal.revealing_inputs`, laid out per block, so that each
@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import numerics as nm
-from ..dtypes import LOGICAL
+from ..semantics import numerics as nm
+from ..semantics.dtypes import LOGICAL
 
 __all__ = ["block_input", "to_wire", "from_wire", "wire_name"]
 

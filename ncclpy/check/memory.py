@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
-from ..dtypes import LOGICAL
+from ..semantics.dtypes import LOGICAL
 from . import cases as C
 
 __all__ = ["case_bytes", "Need", "largest_need", "shortfall", "host_memory", "gpu_memory",

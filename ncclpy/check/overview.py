@@ -14,7 +14,7 @@ import textwrap
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, TextIO, Tuple
 
-from ..dtypes import SHORT_NAMES
+from ..semantics.dtypes import SHORT_NAMES
 from .cases import ALL_DTYPES, COLLECTIVES
 from .report import WIDTH, plural
 
@@ -35,8 +35,8 @@ LEGEND = ("legend: . passed bit for bit   d torch divergence (predicted, not a f
 #: the legend's line for ``r`` (printed only where a cell shows it: ``--backend cpu``)
 LEGEND_REFERENCE_ONLY = ("        r ncclpy == reference bit for bit; torch not compared (gloo "
                          "cannot run it)")
-#: short column titles of the matrix: the dtypes' short names (:data:`ncclpy.dtypes.SHORT_NAMES`,
-#: each accepted by ``--dtypes`` as the same dtype)
+#: short column titles of the matrix: the dtypes' short names
+#: (:data:`ncclpy.dtypes.SHORT_NAMES`, each accepted by ``--dtypes`` as the same dtype)
 DTYPE_ABBREV: Dict[str, str] = dict(SHORT_NAMES)
 _LABEL = 15          # width of the collective column
 _CELL = 5            # width of a dtype column

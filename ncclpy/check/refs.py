@@ -4,8 +4,8 @@ comparisons with both are :mod:`ncclpy.check.exact`'s).
 * NCCL's order (``nccl-order``): every rank had the model's prediction, and on a GPU rank 0's
   log shows the call the model predicted (algorithm, protocol, channel range); ncclpy's side,
   and torch's on a GPU, are then compared with the prediction bit for bit.
-* rank order (``rank-order``): today's :mod:`ncclpy.reference`, exact where the inputs make
-  every order give the same bits, else within ULP or the order-free bound; with the reason
+* rank order (``rank-order``): today's :mod:`ncclpy.reference`, exact where the inputs
+  make every order give the same bits, else within ULP or the order-free bound; with the reason
   (the first rank's).  torch's gloo is always judged against it ("gloo: not NCCL").
 
 :func:`choose` returns the parts with ``n_ref`` / ``t_ref`` holding the comparison with the
@@ -24,7 +24,8 @@ from .nccl_log import call_problem
 __all__ = ["RefChoice", "choose", "record_fields", "side_name", "NCCL_ORDER", "RANK_ORDER",
            "GLOO_REASON", "TORCH_GLOO_REASON"]
 
-#: the two references: the model's prediction of NCCL's fold, and ncclpy.reference's rank order
+#: the two references: the model's prediction of NCCL's fold, and
+#: ncclpy.reference's rank order
 NCCL_ORDER, RANK_ORDER = "nccl-order", "rank-order"
 #: why a ``--backend gloo`` run has no exact reference
 GLOO_REASON = "gloo: not NCCL (ncclpy does not run)"

@@ -1,12 +1,12 @@
 """The per-rank worker of ``ncclpy check``: one case at a time, torch side and ncclpy side.
 
 Every rank walks the same case list.  For each case it builds every rank's seeded input
-(:func:`ncclpy.numerics.verifiable_input`, so each rank can compute the whole reference
+(:func:`ncclpy.semantics.numerics.verifiable_input`, so each rank can compute the whole reference
 locally), runs the collective through torch.distributed and, with a GPU (or on ncclpy's CPU
 backend, ``--backend cpu``: torch CPU tensors, ``ncclpy.init(device="cpu")``), through ncclpy on
 copies of the same input, and compares its own outputs byte for byte with each other and with
-:mod:`ncclpy.reference`.  The rank's whole run (rank 0 gathering the verdicts, the report, the
-JSON) is :mod:`ncclpy.check.session`, which imports this module; this module never imports it.
+:mod:`ncclpy.reference`.  The rank's whole run (rank 0 gathering the verdicts, the report,
+the JSON) is :mod:`ncclpy.check.session`, which imports this module; this module never imports it.
 
 Test-only corruption: ``NCCLPY_CHECK_INJECT="collective:rank[:side[:how]][,...]"`` (rank may be
 ``*``; side ``torch`` (default), ``ncclpy`` or ``reference``; how ``bit`` (default), ``invert`` or
@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
-from .. import registry
-from ..dtypes import LOGICAL
+from ..semantics import numerics as nm
+from ..semantics import registry
+from ..semantics.dtypes import LOGICAL
 from . import cases as C
 from . import divergences as D
 from .compare import INJECT_ENV, INJECT_KINDS, INJECT_SIDES, compare, corrupt, with_side

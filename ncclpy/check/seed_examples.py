@@ -3,9 +3,9 @@
 One table, :data:`EXAMPLES`, so the reference's unit tests, ``examples/`` and anything else can
 prove they reproduce exactly what ``shared/seeds`` prints.  Each :class:`SeedExample` gives the
 per-rank inputs (``inputs()``), the registry collective and keyword arguments for
-:mod:`ncclpy.reference` (``reference_outputs()`` runs it), and ``expected``: per rank, the array
-the tutorial shows (None where it shows nothing / the buffer is undefined).  ``view`` maps a raw
-reference output to the layout the tutorial prints (e.g. a torch list of n tensors stacked, or a
+:mod:`ncclpy.reference` (``reference_outputs()`` runs it), and ``expected``: per rank, the
+array the tutorial shows (None where it shows nothing / the buffer is undefined).  ``view`` maps a
+raw reference output to the layout the tutorial prints (e.g. a torch list of n tensors stacked, or a
 ``(1, 5)`` block shown as ``(5,)``).
 
 Two entries are not plain data:
@@ -63,7 +63,7 @@ class SeedExample:
 
     def reference_outputs(self, inputs: Optional[List[Any]] = None) -> List[Any]:
         """Per-rank outputs of :mod:`ncclpy.reference`, mapped through ``view``."""
-        from .. import registry
+        from ..semantics import registry
         ins = self.inputs() if inputs is None else inputs
         kw = dict(self.kwargs)
         kw.setdefault("dtype", self.dtype)

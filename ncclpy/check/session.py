@@ -151,7 +151,7 @@ def _setup_torch(rank: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     try:
         import ncclpy
         from .._nccl.lib import get_lib
-        from ..ops import format_version
+        from ..semantics.ops import format_version
         ctx["comm"] = ncclpy.init(timeout=tmo)
         npath, nver = get_lib().path, format_version(ctx["comm"].nccl_version)
         if cfg.get("window"):         # --window: a precise refusal, not a column of errors

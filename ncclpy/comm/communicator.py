@@ -52,7 +52,7 @@ from ..debug.nvtx import ranges as nvtx_ranges
 from ..debug.recorder import trace_signal, buffer_size, for_comm
 from ..debug.watchdog import default_timeout, env_flag
 from .hot import make_hot
-from .reaper import reaper
+from ..debug.reaper import reaper
 from .work import Work
 
 __all__ = ["Communicator", "Config", "Registration", "group"]
@@ -556,14 +556,14 @@ class Communicator(CommExtras, CommWindows, CommRMA, CommMembership, CommMemory,
 def _parse(obj: Any, name: str) -> Any:
     if obj is None:
         return None
-    from ..buffers import as_buffer
+    from ..buffers.buffer import as_buffer
     if isinstance(obj, (list, tuple)):
         return [as_buffer(o, f"{name}[{i}]") for i, o in enumerate(obj)]
     return as_buffer(obj, name)
 
 
 def _itemsize(dtype: Any) -> int:
-    from ..dtypes import logical
+    from ..semantics.dtypes import logical
     return logical(dtype).itemsize
 
 

@@ -173,7 +173,7 @@ class CommExtras:
         self._check_usable("register")
         if isinstance(buf, (list, tuple)):
             raise ArgumentTypeError("register: expected one buffer, got a list")
-        from ..buffers import as_buffer
+        from ..buffers.buffer import as_buffer
         spec = as_buffer(buf, "buf")
         nbytes = int(spec.count) * _itemsize(spec.dtype)
         h = ctypes.c_void_p(0)
@@ -208,8 +208,8 @@ class CommExtras:
     def mem_alloc(self, count: int, dtype: Any = "uint8") -> Any:
         """``ncclMemAlloc`` ``count`` elements of ``dtype`` on this device -> ncclpy.Buffer."""
         self._check_usable("mem_alloc")
-        from ..buffers import Buffer
-        from ..dtypes import dtype_name
+        from ..buffers.buffer import Buffer
+        from ..semantics.dtypes import dtype_name
         count = int_arg("count", count, 0)
         name = dtype_name(dtype)
         nbytes = count * _itemsize(name)
@@ -218,7 +218,7 @@ class CommExtras:
             self._lib.check(self._lib.ncclMemAlloc(ctypes.byref(p), max(nbytes, 1)),
                             "ncclMemAlloc")
         self._allocations[p.value] = nbytes
-        from ..buffers import host_memory
+        from ..buffers.buffer import host_memory
         # the CPU backend's ncclMemAlloc is host memory: a Buffer of device 'cpu' (a CUDA
         # ordinal would make this communicator refuse its own allocation as GPU memory)
         return Buffer(p.value, count, name, "cpu" if host_memory() else self._device)
@@ -295,5 +295,5 @@ class _Ptr:
 
 
 def _itemsize(dtype: Any) -> int:
-    from ..dtypes import logical
+    from ..semantics.dtypes import logical
     return logical(dtype).itemsize

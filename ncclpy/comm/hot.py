@@ -4,16 +4,17 @@ Each communicator method tries its fast path first (``comm._hot``, made here per
 communicator).  A call is *hot* when it was seen before with the same objects: the entry is
 found by the identity of the buffer objects and the plain arguments (name, ``id(sendbuf)``,
 ``id(recvbuf)``, op/root/peer), then checked by reading again everything its plan depends on
--- each buffer's key (:mod:`ncclpy.bufkey`: pointer, count, dtype, device, layout), the
+-- each buffer's key (:mod:`ncclpy.buffers.key`: pointer, count, dtype, device, layout), the
 stream handle (``stream=None``: the current stream of the first buffer's framework, as
 :func:`ncclpy.comm.streams.default_stream_of` resolves it), and that an int argument is still
 an int (``1.0`` and ``True`` equal ``1``; the general path refuses them) -- so a reused id, a
 re-pointed tensor or another current stream is a miss, never a stale plan, and the fast path
 refuses exactly what the general path refuses.  An entry planned while another thread
-cleared the cache (``force_fallback``) is used once and not kept.  A miss resolves the call (:class:`~ncclpy.comm.resolver.Resolver`, every
-check) and keeps an entry when the call is one final NCCL call; anything else (a group, checked
-mode, scratch, copies, a PreMulSum op, several NCCL calls, a nonblocking communicator, NVTX
-ranges asked for) takes the general path (:func:`ncclpy.comm.execute.issue`).
+cleared the cache (``force_fallback``) is used once and not kept.  A miss resolves the call
+(:class:`~ncclpy.comm.resolver.Resolver`, every check) and keeps an entry when the call is one final
+NCCL call; anything else (a group, checked mode, scratch, copies, a PreMulSum op, several NCCL
+calls, a nonblocking communicator, NVTX ranges asked for) takes the general path
+(:func:`ncclpy.comm.execute.issue`).
 
 A hot call, with the defaults (watchdog and flight recorder on): the recorder's ring slot, the
 API lock with the in-call marker (``life.hot``, what an abort and the watchdog see), the NCCL
@@ -31,9 +32,9 @@ A Ctrl-C may arrive wherever CPython checks for signals (tests/interrupt_util.py
 lock is taken inside the ``try`` whose handler gives it back if this call holds it (the fast
 path never holds it re-entrantly), the in-call marker is set and cleared with nothing
 interruptible between it and the lock, and once the NCCL call may have been made the Work
-reaches its tracker whatever is interrupted (:func:`_fault`, :func:`_interrupted`).  Torch tensors' storages are kept
-with the Work, and a call on a stream other than torch's current one records them with
-torch's caching allocator (:func:`ncclpy.comm.streams.torch_keep`).
+reaches its tracker whatever is interrupted (:func:`_fault`, :func:`_interrupted`).  Torch tensors'
+storages are kept with the Work, and a call on a stream other than torch's current one records them
+with torch's caching allocator (:func:`ncclpy.comm.streams.torch_keep`).
 """
 from __future__ import annotations
 
@@ -44,12 +45,12 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
-from .. import buffers as _buffers
+from ..buffers import buffer as _buffers
 from .._nccl import cuda as _cudamod
 from .._nccl.dispatch import CUPY_METHODS, cupy_status
 from .._nccl.group import OPEN
-from ..buffers import type_kind
-from ..bufkey import _KEYERS, keyer
+from ..buffers.buffer import type_kind
+from ..buffers.key import _KEYERS, keyer
 from ..errors import NcclError
 from .execute import _aborted, issue
 from ..debug.recorder import interrupted

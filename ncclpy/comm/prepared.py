@@ -69,7 +69,7 @@ def _call_name(name: Any) -> str:
     bare = name.strip().lower().removeprefix("nccl")
     if bare in ("send", "recv"):   # ncclSend / ncclRecv: the one call, not the registry's
         return bare                # send_recv test (which both names mean there)
-    from .. import registry
+    from ..semantics import registry
     try:
         coll = registry.get(name)
     except Exception:

@@ -12,7 +12,7 @@ buffers are parsed and it is planned in full, every check included.  The result 
 key made of everything that decides it:
 
 * the call's name, its stream handle, and whether it is made inside a user group;
-* each buffer's key (:mod:`ncclpy.bufkey`): the values its pointer, count, dtype, device and
+* each buffer's key (:mod:`ncclpy.buffers.key`): the values its pointer, count, dtype, device and
   layout come from, read again on every call, never the object's identity;
 * the other arguments (op, root, peer, counts), only when they are of a type whose equality is
   its value (str, int, None, RedOp with its scalar's exact bits, lists of ints).
@@ -25,7 +25,7 @@ cached: a bad call is refused, by the planner, every time.
 
 A first buffer that exports ``__cuda_array_interface__`` (and is not a CuPy or torch object) has
 its export read once per call: the default stream, its key and, on a miss, its parse
-(:func:`ncclpy.buffers.from_cai`, every check) all come from that one dict.
+(:func:`ncclpy.buffers.buffer.from_cai`, every check) all come from that one dict.
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ import dataclasses
 import struct
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
-from .. import registry as _registry
-from ..buffers import as_buffer, from_cai
-from ..bufkey import _KEYERS, Uncacheable, _cai, cai_key, keyer
+from ..semantics import registry as _registry
+from ..buffers.buffer import as_buffer, from_cai
+from ..buffers.key import _KEYERS, Uncacheable, _cai, cai_key, keyer
 from .execute import group_depth
-from ..ops import RedOp
+from ..semantics.ops import RedOp
 from ..plan import collectives as _c
 from ..plan.collconfig import check_config_arg, with_config
 from ..plan.types import NcclCall, Plan, PlanContext
@@ -265,7 +265,7 @@ class Resolver:
                      in_group: bool) -> Resolved:
         """:meth:`resolve` when ``a`` exports ``__cuda_array_interface__`` (type kind
         'other'): the export is read once and gives the default stream, ``a``'s key and, on
-        a miss, ``a``'s parse (every check of :func:`ncclpy.buffers.from_cai`)."""
+        a miss, ``a``'s parse (every check of :func:`ncclpy.buffers.buffer.from_cai`)."""
         try:
             cai = a.__cuda_array_interface__
             if type(cai) is not dict:
@@ -327,7 +327,7 @@ class Resolver:
         return r
 
     def parse(self, name: str, a: Any, b: Any = None) -> Tuple[Any, ...]:
-        """The call's buffers parsed (:func:`ncclpy.buffers.as_buffer`), named as the
+        """The call's buffers parsed (:func:`ncclpy.buffers.buffer.as_buffer`), named as the
         communicator's method names them."""
         try:
             names = PLANNERS[name][1]

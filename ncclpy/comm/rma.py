@@ -96,7 +96,7 @@ class CommRMA:
     def _check_source(self, spec: Any) -> None:
         """NCCL reads a put's source through a symmetric window of this communicator
         (enqueue.cc rmaTaskAppend: "srcWinHost is not in a valid symmetric window")."""
-        from ..dtypes import logical
+        from ..semantics.dtypes import logical
         nbytes = int(spec.count) * logical(spec.dtype).itemsize
         wins = [w for w in self.windows() if w.registered]      # type: ignore[attr-defined]
         # (every registered window: NCCL looks the address up among all of them)

@@ -55,7 +55,7 @@ def init(name: str = "default", config: Optional[Config] = None,
     timeout = default_timeout(timeout)
     checked = env_flag("checked", checked, "NCCLPY_CHECKED", False)
     watchdog = env_flag("watchdog", watchdog, "NCCLPY_WATCHDOG", True)
-    from ..bootstrap import _check_device_arg, bootstrap
+    from ..rendezvous.bootstrap import _check_device_arg, bootstrap
     from ..cpu.backend import install
     _check_init_args(name, config, resolve_kwargs)  # the caller's own mistakes come first
     _check_device_arg(resolve_kwargs.get("device"), cpu_ok=True)
@@ -116,7 +116,7 @@ def _check_init_args(name: Any, config: Any, kwargs: Dict[str, Any]) -> None:
                                     + f" (expected one of name, config, timeout, checked, "
                                       f"watchdog, from_torch, unique_ids, "
                                       f"{', '.join(INIT_KEYWORDS)})")
-    from ..bootstrap import UID_EXCHANGES
+    from ..rendezvous.bootstrap import UID_EXCHANGES
     env = kwargs.get("env")
     env = os.environ if env is None else env
     choice = kwargs.get("uid_exchange")

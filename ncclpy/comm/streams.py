@@ -6,7 +6,7 @@
 framework: torch's current stream for torch tensors (torch is only touched when a buffer is a
 tensor), the ``stream`` of a ``__cuda_array_interface__`` v3 export when it carries one, and
 CuPy's current stream otherwise (CuPy arrays, raw :class:`ncclpy.Buffer` pointers).  In host
-memory mode (the CPU backend, :func:`ncclpy.buffers.set_host_memory`) every buffer is host
+memory mode (the CPU backend, :func:`ncclpy.buffers.buffer.set_host_memory`) every buffer is host
 memory and runs on the CPU runtime's current stream (``ncclpy._nccl.cuda.cuda()``'s): torch is
 not asked.
 Inside ``with group():`` each call keeps its own stream; Works are recorded at the outermost
@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from .. import buffers as _buffers
+from ..buffers import buffer as _buffers
 from .._nccl.cuda import cuda
-from ..buffers import type_kind
+from ..buffers.buffer import type_kind
 from ..errors import ArgumentTypeError
 
 __all__ = ["as_stream_handle", "default_stream", "resolve_stream", "cupy_stream",

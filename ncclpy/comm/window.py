@@ -162,8 +162,8 @@ class CommWindows:
         if isinstance(buf, (list, tuple)):
             raise ArgumentTypeError("register_window: buf: expected one buffer, got a "
                                     f"{type(buf).__name__}")
-        from ..buffers import as_buffer
-        from ..dtypes import logical
+        from ..buffers.buffer import as_buffer
+        from ..semantics.dtypes import logical
         spec = as_buffer(buf, "buf", self._device)
         nbytes = int(spec.count) * logical(spec.dtype).itemsize
         if nbytes <= 0:

@@ -7,7 +7,7 @@ it captures: the two CUDA runtime calls a steady-state call makes besides NCCL's
 block), ``is_completed()`` queries it.
 
 Who releases what (docs/reference/concepts/streams.rst): every Work goes to a tracker -- the
-communicator's watchdog, or the process's reaper (:mod:`ncclpy.comm.reaper`) when the watchdog
+communicator's watchdog, or the process's reaper (:mod:`ncclpy.debug.reaper`) when the watchdog
 is off -- which queries it from its own thread (in the thread-local stream-capture mode) and,
 once it completed, drops the buffers and scratch the call kept alive and gives the event back
 to its device's pool.  So the memory a call uses stays referenced until the GPU ran the call,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Tuple, Union
 
-from ..dtypes import C_NAMES, DTYPES
+from ..semantics.dtypes import C_NAMES, DTYPES
 from ..order.ncclenv import nccl_environ
 from ..order.config import DEFAULT_VERSION
 from ..order.pins import Choice, PinError, Pins, no_algorithm_text

@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Any, Mapping, Optional
 
+from .._nccl import lib as _lib
 from ..errors import ArgumentError, UnsupportedError
 
 __all__ = ["install", "installed", "get_engine", "wants_cpu", "cannot_run", "MODELLED_VERSION",
@@ -26,7 +27,6 @@ DEVICE_COUNT = 1024
 MACHINES = ("x86_64", "amd64")
 
 _lock = threading.Lock()
-_engine: Optional[Any] = None
 
 
 def cannot_run(machine: Optional[str] = None, system: Optional[str] = None,
@@ -62,26 +62,25 @@ def wants_cpu(device: Any, env: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def installed() -> bool:
-    """Whether this process runs on the CPU backend."""
-    return _engine is not None
+    """Whether this process runs on the CPU backend (the fact lives in
+    :func:`ncclpy._nccl.lib.cpu_backend`, below everything that asks it)."""
+    return _lib.cpu_backend()
 
 
 def get_engine() -> Any:
     """The process's CPU engine (:func:`install` first)."""
-    if _engine is None:
+    if _lib._cpu_engine is None:
         raise UnsupportedError("the CPU backend is not installed in this process; "
                                "ncclpy.init(device='cpu') installs it")
-    return _engine
+    return _lib._cpu_engine
 
 
 def install() -> Any:
     """Make this process's communicators CPU ones (idempotent); the engine."""
-    global _engine
     with _lock:
-        if _engine is not None:
-            return _engine
+        if _lib._cpu_engine is not None:
+            return _lib._cpu_engine
         from .._nccl import cuda as _cuda
-        from .._nccl import lib as _lib
         if type(_cuda._backend).__name__ == "CupyRuntime":
             raise ArgumentError("device='cpu': this process already uses the CUDA runtime (a "
                                 "GPU communicator or buffer); a process runs either on the "
@@ -99,8 +98,8 @@ def install() -> Any:
             _lib._lib = eng.nccl
         with _cuda._backend_lock:
             _cuda._set(eng.cuda)
-        from .. import buffers
+        from ..buffers import buffer as buffers
         if hasattr(buffers, "set_host_memory"):
             buffers.set_host_memory(True)
-        _engine = eng
+        _lib._cpu_engine = eng
         return eng

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from ..dtypes import DTYPES, DType
+from ..semantics.dtypes import DTYPES, DType
 
 __all__ = ["SUCCESS", "UNHANDLED_CUDA", "SYSTEM", "INTERNAL", "INVALID_ARG", "INVALID_USAGE",
            "REMOTE", "IN_PROGRESS", "BY_ENUM", "OPS", "_BY_ENUM", "_OPS"]

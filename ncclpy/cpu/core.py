@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
-from ..ops import RedOp
+from ..semantics import numerics as nm
+from ..semantics.ops import RedOp
 from .codes import BY_ENUM as _BY_ENUM, OPS as _OPS, SUCCESS
 from .folds import reduce_outputs
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..dtypes import DTYPES
+from ..semantics.dtypes import DTYPES
 from ..errors import CannotPredict
 from ..order.model import Prediction, predict
 from ..order.pins import Choice

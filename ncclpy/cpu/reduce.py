@@ -1,7 +1,7 @@
-"""The CPU engine's rank-order reductions: :func:`ncclpy.reference.reduce_arrays`'s results, bit
-for bit, with a native fast path where that is provably the same computation.  The engine folds
-in NCCL's order where the order can change the bits (:mod:`ncclpy.cpu.folds`); it comes here
-where it cannot (integers, min/max, two ranks) and for each rank's PreMulSum/AVG leaf.
+"""The CPU engine's rank-order reductions: :func:`ncclpy.reference.reduce_arrays`'s
+results, bit for bit, with a native fast path where that is provably the same computation.  The
+engine folds in NCCL's order where the order can change the bits (:mod:`ncclpy.cpu.folds`); it comes
+here where it cannot (integers, min/max, two ranks) and for each rank's PreMulSum/AVG leaf.
 
 For float32 and float64 sum and prod the reference folds left in float64 and rounds once to
 the wire type per step; for float32 that is float32 arithmetic (double rounding through
@@ -18,7 +18,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from .. import reference as R
+from ..semantics import reference as R
 
 __all__ = ["reduce"]
 

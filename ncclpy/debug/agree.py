@@ -73,7 +73,7 @@ def _config_text(config: Any) -> Optional[str]:
 
 def facts(config: Any = None, env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """This process's facts: ``{"behaviour": {...}, "noted": {...}}`` (JSON-able)."""
-    from .. import __version__
+    from .._version import __version__
     env = os.environ if env is None else env
     beh: Dict[str, Any] = {"ncclpy": __version__, "config": _config_text(config)}
     noted: Dict[str, Any] = {"python": sys.version.split()[0], "cupy": _dist("cupy-cuda13x")
@@ -221,7 +221,7 @@ def compare_all_ranks(timeout: float = 120.0) -> Tuple[int, int, Comparison]:
     """``ncclpy info --all-ranks`` in one rank of a launched job: compare every rank's facts
     through the job's store; (this rank, world size, the Comparison every rank gets).
     RendezvousError when not under a launcher, StoreError when the store fails."""
-    from ..bootstrap import connect_store
+    from ..rendezvous.bootstrap import connect_store
     from ..rendezvous import resolve
     info = resolve()
     store = connect_store(info, timeout=timeout)

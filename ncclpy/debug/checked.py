@@ -38,7 +38,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..dtypes import NCCL_DTYPE_NAMES
+from ..semantics.dtypes import NCCL_DTYPE_NAMES
 from ..errors import CallCheckTimeout, CallMismatchError, StoreError, UnsupportedError
 from ..store import tablewire as _TW
 from ..store.sync import count_out, delete_key, wait_counted_out

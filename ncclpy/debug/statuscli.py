@@ -6,7 +6,7 @@ It reads the progress every rank's watchdog publishes with its heartbeat
 ``NCCLPY_MASTER_PORT``/``MASTER_PORT``); without a port, the job of this user's running
 ``ncclpy run`` (``--job PID`` when there are several).  The token: ``NCCLPY_STORE_TOKEN``, else
 the one a running single-node ``ncclpy run`` of this user recorded for that store (its job
-file, :mod:`ncclpy.launch.jobfile`); a store that wants one and got none is one line saying
+file, :mod:`ncclpy.debug.jobfile`); a store that wants one and got none is one line saying
 where a job's token is.  ``--watch SECONDS`` refreshes it until Ctrl-C.  A wrong address, port
 or token is one line (exit 2).
 """
@@ -70,7 +70,7 @@ def build_parser() -> OneLineParser:
 
 def _token_hint() -> str:
     """Where a job's store token is, for the errors about it."""
-    from ..launch.jobfile import jobs_dir
+    from .jobfile import jobs_dir
     return (f"the job's token is in every rank's environment as NCCLPY_STORE_TOKEN (multi-node: "
             f"the value exported on every node); a single-node ncclpy run records it in its job "
             f"file in {jobs_dir()}, which {PROG} reads by itself")
@@ -78,7 +78,7 @@ def _token_hint() -> str:
 
 def _job_token(addr: str, port: int) -> Optional[str]:
     """The token of this user's running ``ncclpy run`` whose store is ``addr:port``, if any."""
-    from ..launch.jobfile import live_jobs
+    from .jobfile import live_jobs
     for j in live_jobs():
         if int(j.get("port", -1)) == port and str(j.get("addr")) in (addr, "127.0.0.1",
                                                                        "localhost"):
@@ -105,7 +105,7 @@ def _target(p: OneLineParser, ns: Any) -> Tuple[str, int, Optional[str], str]:
                       f"1..65535, got {port_txt!r}\n")
         addr = addr or "127.0.0.1"
         return addr, port, token or _job_token(addr, port), "the environment"
-    from ..launch.jobfile import jobs_dir, live_jobs
+    from .jobfile import jobs_dir, live_jobs
     jobs = live_jobs()
     if ns.job is not None:
         jobs = [j for j in jobs if int(j["pid"]) == ns.job]

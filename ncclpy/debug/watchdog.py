@@ -29,7 +29,7 @@ Two parts:
   ranks, leaving the table) is :mod:`ncclpy.debug.watchbeat`, a mixin it inherits.
 
 When it stops, the Works it still holds and its deque (the call path keeps appending to it)
-go to the process's reaper (:mod:`ncclpy.comm.reaper`), exactly once, and only once the
+go to the process's reaper (:mod:`ncclpy.debug.reaper`), exactly once, and only once the
 thread drains no more: :meth:`Watchdog.stop` joins the thread for at most :data:`STOP_JOIN`
 seconds; one lock orders the thread's end (its loop returned) against stop's look at it, so
 that either stop hands over (the loop had ended) or the thread does, at its end (stop asked
@@ -202,7 +202,7 @@ class Watchdog(HeartbeatMixin):
         """The Works this watchdog still holds, and its deque (the communicator keeps
         appending to it), go to the process's reaper, which releases them once complete
         (once: a second call does nothing)."""
-        from ..comm.reaper import reaper
+        from .reaper import reaper
         with self._exit_lock:
             if self._handed:
                 return

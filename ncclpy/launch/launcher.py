@@ -61,7 +61,7 @@ from ._pdeath import PR_SET_PDEATHSIG, prctl_function
 from .mps import MPS_ENV, resolve_mode, setup_mps
 from .placement import Placement, cpu_requested, place, plan_cpu, summary_line, with_mps
 from .forensics import Forensics
-from .jobfile import remove_job, write_job
+from ..debug.jobfile import remove_job, write_job
 from .output import pump as _pump
 
 __all__ = ["launch", "build_command", "DEFAULT_GRACE",

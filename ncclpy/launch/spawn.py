@@ -1,8 +1,8 @@
 """``ncclpy.spawn``: run ``fn(rank, *args)`` in N local processes with the rendezvous env set.
 
 The in-script counterpart of ``ncclpy run`` (and of ``torch.multiprocessing.spawn``): inside
-``fn``, ``ncclpy.bootstrap()`` / ``ncclpy.init()`` just work.  Fail-fast: the first child that
-raises, exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after
+``fn``, ``ncclpy.bootstrap()`` / ``ncclpy.init()`` just work.  Fail-fast: the first child
+that raises, exits non-zero or dies by a signal stops the others (SIGTERM, then SIGKILL after
 :data:`TERM_GRACE_S`) and is reported in the parent, an exception as
 :class:`~ncclpy.errors.ProcessRaisedException` with the child's rank and traceback text.
 Only strings cross the pipe back; nothing is unpickled from a child's exception.
@@ -436,21 +436,22 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, join
     is hosted here, in the calling process, from before the first child starts until the last
     one ended (see the module docstring); a port it cannot bind is a :class:`LaunchError`.
     ``env`` adds variables for every child (the rendezvous variables always win).
-    ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R ranks share each GPU (see :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode
-    chosen is stated in one line on stderr.  ``mps`` is ``ncclpy run --mps`` (``"auto"``,
-    ``"on"``, ``"off"``; None: ``NCCLPY_MPS``, else ``"auto"``): a CUDA MPS daemon for children
-    sharing a GPU, stopped when they have all ended.  ``checked`` is ``ncclpy run --checked``:
-    True sets ``NCCLPY_CHECKED=1`` in every child (False: ``0``; None: inherited).  ``timeout``
-    is ``ncclpy run --timeout``: children still running after it are stopped and named in the
-    :class:`LaunchError`.  ``device`` is ``ncclpy run --cpu``: ``"cpu"`` (or None with
-    ``NCCLPY_DEVICE=cpu`` in this process's environment or in ``env``) sets
-    ``NCCLPY_DEVICE=cpu`` in every child, the CPU backend (:mod:`ncclpy.cpu`): no GPU placement,
-    no MPS (so not with ``ranks_per_gpu`` or ``mps="on"``).  ``join=False`` returns a
-    :class:`SpawnContext`; with ``join=True`` this returns None when every child exited 0 and
-    raises otherwise (:class:`ProcessRaisedException` for an exception, :class:`LaunchError` for
-    a non-zero exit, a signal, or ``timeout`` seconds passing; the other children are stopped in
-    every case).  A rank placed on a GPU that finds none (no ``device="cpu"``) raises it in one
-    line naming the remedy, ``spawn(..., device="cpu")`` (its traceback stays in ``.traceback``).
+    ``ranks_per_gpu`` is ``ncclpy run --ranks-per-gpu``: R ranks share each GPU (see
+    :mod:`ncclpy.launch.placement`); when ranks share a GPU the mode chosen is stated in one line on
+    stderr.  ``mps`` is ``ncclpy run --mps`` (``"auto"``, ``"on"``, ``"off"``; None: ``NCCLPY_MPS``,
+    else ``"auto"``): a CUDA MPS daemon for children sharing a GPU, stopped when they have all
+    ended.  ``checked`` is ``ncclpy run --checked``: True sets ``NCCLPY_CHECKED=1`` in every child
+    (False: ``0``; None: inherited).  ``timeout`` is ``ncclpy run --timeout``: children still
+    running after it are stopped and named in the :class:`LaunchError`.  ``device`` is
+    ``ncclpy run --cpu``: ``"cpu"`` (or None with ``NCCLPY_DEVICE=cpu`` in this process's
+    environment or in ``env``) sets ``NCCLPY_DEVICE=cpu`` in every child, the CPU backend
+    (:mod:`ncclpy.cpu`): no GPU placement, no MPS (so not with ``ranks_per_gpu`` or ``mps="on"``).
+    ``join=False`` returns a :class:`SpawnContext`; with ``join=True`` this returns None when every
+    child exited 0 and raises otherwise (:class:`ProcessRaisedException` for an exception,
+    :class:`LaunchError` for a non-zero exit, a signal, or ``timeout`` seconds passing; the other
+    children are stopped in every case).  A rank placed on a GPU that finds none (no
+    ``device="cpu"``) raises it in one line naming the remedy, ``spawn(..., device="cpu")`` (its
+    traceback stays in ``.traceback``).
 
     The children die with the parent (SIGTERM via ``PR_SET_PDEATHSIG``, Linux): with
     ``join=False``, call this from a thread that outlives them (e.g. the main thread).  SIGINT

@@ -152,7 +152,7 @@ def _op(p: OneLineParser, text: str) -> tuple:
 
 def config_from_args(p: OneLineParser, ns: argparse.Namespace) -> OrderConfig:
     """The checked config the flags describe (usage errors name the flag)."""
-    from ..dtypes import DTYPES, dtype_name
+    from ..semantics.dtypes import DTYPES, dtype_name
     from ..errors import NcclpyError
     if ns.ranks is None:
         p.error("--ranks: required (the world size)")

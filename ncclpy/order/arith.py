@@ -21,9 +21,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..dtypes import DTYPES
-from ..ops import RedOp, premul_sum
-from ..reference import reduce_arrays
+from ..semantics.dtypes import DTYPES
+from ..semantics.ops import RedOp, premul_sum
+from ..semantics.reference import reduce_arrays
 from .topology import Expr
 
 __all__ = ["Arith", "BLOCK", "native_fold"]
@@ -37,8 +37,8 @@ _NATIVE = {"float32": np.float32, "float64": np.float64}
 
 def native_fold(items: Sequence[np.ndarray], op: str, t: type) -> Optional[np.ndarray]:
     """The left fold of ``items`` in numpy's own float32/float64 arithmetic: the bits
-    :func:`~ncclpy.reference.reduce_arrays` gives (it adds exactly in float64 and rounds once
-    per step; for float32 a double rounding through float64 is innocuous for + and x, as
+    :func:`~ncclpy.reference.reduce_arrays` gives (it adds exactly in float64 and rounds
+    once per step; for float32 a double rounding through float64 is innocuous for + and x, as
     53 >= 2*24 + 2), or None where a NaN appears (its payload is then the reference's, on the
     same arrays).  The CPU's flush-to-zero mode (``torch.set_flush_denormal(True)``) would
     change subnormal results: NCCL's kernels keep them."""

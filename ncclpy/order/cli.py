@@ -124,7 +124,7 @@ def _print_text(pred: Prediction, rank: int, elements: Optional[List[int]]) -> N
     whose = "the output" if cfg.collective == "all_reduce" else f"rank {rank}'s output"
     step = {"prod": "one rounded multiply", "min": "their min", "max": "their max"}.get(
         cfg.op, "one rounded add")
-    from ..dtypes import DTYPES
+    from ..semantics.dtypes import DTYPES
     if cfg.op in ("min", "max") or DTYPES[cfg.dtype].kind != "float":
         print(f"the order does not change the bits of {cfg.op} on {cfg.dtype} (shown anyway)")
     print(f"folds of {whose} (a + b: {step} of those ranks' inputs):")
@@ -207,7 +207,7 @@ def _sweep_header(sw: Sweep) -> List[str]:
     else:
         lines.append(f"chunk: {sw.chunk} elements; a {cfg.algo} {cfg.collective} folds every "
                      f"element of a channel the same way, so only the channels decide folds")
-    from ..dtypes import DTYPES
+    from ..semantics.dtypes import DTYPES
     if cfg.op in ("min", "max") or DTYPES[cfg.dtype].kind != "float":
         lines.append(f"the order does not change the bits of {cfg.op} on {cfg.dtype} (shown "
                      f"anyway)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from ..dtypes import DTYPES
+from ..semantics.dtypes import DTYPES
 from .split import (ALGOS, COLLECTIVES, DEFAULT_BUFFSIZES, DEFAULT_MAX_THREADS, PROTOS,
                     default_thresholds)
 from .topology import Tree, check_tree, default_trees, parse_ring
@@ -104,7 +104,7 @@ class OrderConfig:
         if o != "premul_sum" and scalar is not None:
             raise ValueError(f"scalar: only premul_sum takes a scalar (op is {o})")
         if o == "premul_sum":
-            from ..reference import premul_scalar_bits
+            from ..semantics.reference import premul_scalar_bits
             try:
                 premul_scalar_bits(str(dtype), scalar)
             except Exception as e:  # noqa: BLE001 - ncclpy's own refusal, said as the field's

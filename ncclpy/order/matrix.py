@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ..dtypes import DTYPES
+from ..semantics.dtypes import DTYPES
 from .split import DEFAULT_BUFFSIZES, cbd_split, chunk_bytes, tuned_channels
 from .split import DEFAULT_MAX_THREADS, default_thresholds
 from .versions import PORTS

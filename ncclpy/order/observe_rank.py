@@ -18,8 +18,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
-from ..dtypes import DTYPES
+from ..semantics import numerics as nm
+from ..semantics.dtypes import DTYPES
 from .config import OrderConfig
 from .logs import CallLine, CommLog, LogError, merge_rings, merge_trees, parse_log
 from .matrix import Case, Group, Job

@@ -24,7 +24,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
+from ..semantics import numerics as nm
 from .topology import Expr
 
 __all__ = ["RevealPlan", "reveal_plan", "revealing_inputs", "observed_masks", "signature",

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import numerics as nm
-from ..dtypes import DTYPES
+from ..semantics import numerics as nm
+from ..semantics.dtypes import DTYPES
 from .model import Prediction
 from .reveal import RevealPlan, consistent_left_folds, observed_masks, signature
 from .topology import Expr, expr_to_json, format_expr

@@ -9,13 +9,13 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .. import buffers as _buffers
-from ..buffers import DEVICE_HOST, DEVICE_UNKNOWN, HOST_HINT, BufferSpec, as_buffer
-from ..dtypes import DType, Logical, LOGICAL, nccl_dtype
+from ..buffers import buffer as _buffers
+from ..buffers.buffer import DEVICE_HOST, DEVICE_UNKNOWN, HOST_HINT, BufferSpec, as_buffer
+from ..semantics.dtypes import DType, Logical, LOGICAL, nccl_dtype
 from ..errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
                       as_int)
-from ..ops import NCCL_OPS, RedOp, effective_op
-from .scalars import encode_scalar
+from ..semantics.ops import NCCL_OPS, RedOp, effective_op
+from ..semantics.scalars import encode_scalar
 from .types import PREMUL_OP, NcclCall, Plan, PlanContext, PremulSpec, Step
 
 _ADDRESS_END = U64_MAX + 1

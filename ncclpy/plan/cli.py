@@ -136,8 +136,8 @@ def _main(argv: List[str]) -> int:
                 msg = msg[len(dest) + 2:]
                 p.error(msg if dest == "collective" else f"{p.flag(dest)}: {msg}")
         p.error(msg)
-    from ..dtypes import dtype_name
-    from ..ops import format_version
+    from ..semantics.dtypes import dtype_name
+    from ..semantics.ops import format_version
     coll = plans[0].plan.collective
     if coll == "barrier":       # NCCL's 1-element float32 all_reduce, whatever was asked
         count, dtype, op = 1, "float32", "sum"

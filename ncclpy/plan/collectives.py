@@ -1,8 +1,8 @@
 """Pure planners: user arguments -> the exact NCCL calls, one planner per registry entry.
 
 Each ``plan_<name>(ctx, ...)`` takes a :class:`~ncclpy.plan.types.PlanContext` and parsed
-buffers (:class:`~ncclpy.buffers.BufferSpec`, lists of them for list forms, or None; anything
-else is parsed with :func:`~ncclpy.buffers.as_buffer`) and returns a
+buffers (:class:`~ncclpy.buffers.buffer.BufferSpec`, lists of them for list forms, or None; anything
+else is parsed with :func:`~ncclpy.buffers.buffer.as_buffer`) and returns a
 :class:`~ncclpy.plan.types.Plan`.  Nothing here touches a GPU.
 
 Counts are in elements of the logical dtype; NCCL counts are wire elements (x2 for complex).
@@ -296,5 +296,5 @@ def plan_call(name: str, ctx: PlanContext, *args: Any, **kw: Any) -> Plan:
     and 'recv')."""
     if name in ("send", "recv"):
         return {"send": plan_send, "recv": plan_recv}[name](ctx, *args, **kw)
-    from .. import registry
+    from ..semantics import registry
     return registry.get(name).plan(ctx, *args, **kw)

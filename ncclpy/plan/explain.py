@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..buffers import Buffer
-from ..dtypes import C_NAMES, LOGICAL, NCCL_DTYPE_NAMES, dtype_name
+from ..buffers.buffer import Buffer
+from ..semantics.dtypes import C_NAMES, LOGICAL, NCCL_DTYPE_NAMES, dtype_name
 from ..errors import ArgumentError, NcclpyError, UnsupportedError, as_int
-from ..ops import NCCL_OPS, format_version, parse_op, premul_sum
+from ..semantics.ops import NCCL_OPS, format_version, parse_op, premul_sum
 from .types import PREMUL_OP, Copy, NcclCall, Plan, PlanContext, Scratch
 
 __all__ = ["SEND_BASE", "RECV_BASE", "RankPlan", "rank_plans", "format_plans", "list_lines",
@@ -106,7 +106,7 @@ def rank_plans(collective: str, world_size: int, count: int, dtype: Any = "float
     what a refusal calls that version, ``{}`` its number).  ``op`` may be a premul_sum
     spelled ``premul_sum:X``.  Planning errors are the communicator's own.  A barrier is
     NCCL's 1-element float32 all_reduce whatever ``count``, ``dtype`` and ``op``."""
-    from .. import registry
+    from ..semantics import registry
     n = as_int("world_size", world_size, 1)
     count = as_int("count", count, 0, (1 << 63) - 1)
     root = as_int("root", root, 0)

@@ -10,7 +10,7 @@ import itertools
 import logging
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..buffers import BufferSpec
+from ..buffers.buffer import BufferSpec
 from ..errors import ArgumentError
 from .checks import Wire
 from .checks import buf as _buf

@@ -10,33 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
+from .._nccl.functions import NCCL_FUNCTIONS
+
 __all__ = ["NcclCall", "Copy", "Scratch", "PremulSpec", "PREMUL_OP", "Plan", "PlanContext",
            "Step", "NCCL_FUNCTIONS", "nccl_call", "one_call_plan"]
-
-#: NCCL functions a plan may name (without the ``nccl`` prefix) and their arguments.
-NCCL_FUNCTIONS = {
-    "AllReduce": ("sendbuff", "recvbuff", "count", "datatype", "op"),
-    "Reduce": ("sendbuff", "recvbuff", "count", "datatype", "op", "root"),
-    "Broadcast": ("sendbuff", "recvbuff", "count", "datatype", "root"),
-    "ReduceScatter": ("sendbuff", "recvbuff", "recvcount", "datatype", "op"),
-    "AllGather": ("sendbuff", "recvbuff", "sendcount", "datatype"),
-    "AlltoAll": ("sendbuff", "recvbuff", "count", "datatype"),
-    "Gather": ("sendbuff", "recvbuff", "count", "datatype", "root"),
-    "Scatter": ("sendbuff", "recvbuff", "count", "datatype", "root"),
-    "Send": ("sendbuff", "count", "datatype", "peer"),
-    "Recv": ("recvbuff", "count", "datatype", "peer"),
-    # one-sided RMA (NCCL 2.29; ncclpy.comm.rma)
-    "PutSignal": ("localbuff", "count", "datatype", "peer", "peerWin", "peerWinOffset",
-                  "sigIdx", "ctx", "flags"),
-    "Signal": ("peer", "sigIdx", "ctx", "flags"),
-    "WaitSignal": ("nDesc", "signalDescs"),
-}
-#: each collective's per-call-config variant (NCCL 2.31): the same arguments, then the
-#: ``const ncclCollConfig_t*`` (which NCCL takes after comm and stream)
-NCCL_FUNCTIONS.update({fn + "Config": NCCL_FUNCTIONS[fn] + ("config",) for fn in (
-    "AllReduce", "Reduce", "Broadcast", "ReduceScatter", "AllGather", "AlltoAll", "Gather",
-    "Scatter")})
-
 
 @dataclass(frozen=True)
 class Scratch:

@@ -47,7 +47,7 @@ def check_unique_ids(k: Any, world_size: int = 0) -> int:
 def exchange_unique_ids(bs: Any, k: int, timeout: float) -> List[bytes]:
     """The ``k`` ids of the bootstrap ``bs`` (its own uid first), the same list on every
     rank; see the module docstring.  Store failures raise RendezvousError."""
-    from ..bootstrap import _as_uid, _store_call, _store_get, get_unique_id
+    from .bootstrap import _as_uid, _store_call, _store_get, get_unique_id
     check_unique_ids(k, bs.world_size)
     if k == 1:
         return [bs.uid]

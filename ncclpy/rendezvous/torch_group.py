@@ -77,7 +77,7 @@ def _group_store(dist: Any, gname: str, timeout: float) -> Any:
         log.debug("from_torch: no default store (%s: %s); the uid goes by broadcast",
                   type(e).__name__, e)
         return None
-    from ..torch_store import TorchStoreAdapter
+    from .torch_store import TorchStoreAdapter
     return TorchStoreAdapter(dist.PrefixStore(f"{GROUP_PREFIX}/{gname}/", base),
                              f"torch.distributed's store (group {gname})", timeout)
 
@@ -91,16 +91,16 @@ def _device(info: RendezvousInfo, device: Optional[int]) -> int:
             return int(torch.cuda.current_device())   # the device torch's ranks work on
     except Exception:  # noqa: BLE001 - no CUDA build: the local rank decides below
         pass
-    from ..bootstrap import _pick_device
+    from .bootstrap import _pick_device
     return _pick_device(info, explicit=False)
 
 
 def bootstrap_from_torch(group: Any = None, name: str = "default", *, timeout: float = 300.0,
                          generation: Optional[int] = None, device: Optional[int] = None) -> Any:
-    """A :class:`~ncclpy.bootstrap.Bootstrap` for the ranks of torch ``group`` (see the module
-    docstring): the uid shared through the group's prefix of torch's store (or a broadcast in
+    """A :class:`~ncclpy.bootstrap.Bootstrap` for the ranks of torch ``group`` (see the
+    module docstring): the uid shared through the group's prefix of torch's store (or a broadcast in
     the group), the device torch's CUDA current device (else the local rank's)."""
-    from ..bootstrap import Bootstrap, exchange_uid
+    from .bootstrap import Bootstrap, exchange_uid
     dist, g, rank, size, gname = torch_group(group)
     local = int(os.environ.get("LOCAL_RANK", rank))
     info = RendezvousInfo(rank=rank, world_size=size, local_rank=local,
@@ -136,7 +136,7 @@ def _broadcast_uid(dist: Any, g: Any, gname: str, rank: int, name: str,
     _BCAST_GENERATIONS[key] = gen
     box: list = [None]
     if rank == 0:
-        from ..bootstrap import get_unique_id
+        from .bootstrap import get_unique_id
         box[0] = (get_unique_id(), gen)
     dist.broadcast_object_list(box, src=dist.get_global_rank(g, 0), group=g)
     uid, root_gen = box[0]

@@ -36,6 +36,10 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux
 
 def _child_setup() -> None:  # pragma: no cover - runs in the forked child
     os.setpgrp()
+    # a stage is stopped at its bound by SIGINT (pytest then writes what finished): give it
+    # the default disposition even when the selftest itself was started with SIGINT ignored
+    # (nohup, a background job without job control), which exec would otherwise hand on
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 

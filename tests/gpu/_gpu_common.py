@@ -42,7 +42,7 @@ def need_nccl(s: Any, code: int, what: str) -> None:
     """Skip the check where the session's NCCL predates ``code``, in the words the GPU ledger
     reads as "skipped for its NCCL version" (``NCCL 2.28.9 < 2.29.2: ...``)."""
     if s.comm.nccl_version < code:
-        from ncclpy.ops import format_version as fmt
+        from ncclpy.semantics.ops import format_version as fmt
         raise Skip(f"NCCL {fmt(s.comm.nccl_version)} < {fmt(code)}: {what} needs it")
 
 

@@ -21,7 +21,7 @@ def chk_config_fields(s: Session) -> None:
     v = s.comm.nccl_version
     usable = {k: x for k, x in values.items() if CONFIG_FIELDS[k][2] <= v}
     if not usable:
-        from ncclpy.ops import format_version as fmt
+        from ncclpy.semantics.ops import format_version as fmt
         raise Skip(f"NCCL {fmt(v)} < 2.29.0: no 2.29+ Config field is read by it")
     import cupy
     for i, (field, value) in enumerate(list(usable.items()) + [("all", None)]):

@@ -14,7 +14,7 @@ import pytest
 
 from gpu_util import gpu_count, requires_gpu
 
-from ncclpy import registry
+from ncclpy.semantics import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 #: each bench run is bounded by SUBPROCESS_S, each test by its mark (TEST_S), both below the

@@ -1,7 +1,8 @@
 """examples/ on a GPU (marker ``gpu``): every script runs both ways the seeds launch -- plainly
 (it spawns its own ranks with ncclpy.spawn) and under ``ncclpy run -n N`` -- with several ranks
 on one GPU, and the values it prints (parsed, not compared as text) equal the tutorial's
-(ncclpy.check.seed_examples) or, for the lessons beyond the seed table, ncclpy.reference's."""
+(ncclpy.check.seed_examples) or, for the lessons beyond the seed table,
+ncclpy.reference's."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpu_util import requires_gpu
-from ncclpy import reference as R
+from ncclpy.semantics import reference as R
 from ncclpy.check import seed_examples as S
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,15 +21,15 @@ class Target:
 
 
 TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
-    ("reference", Target("ncclpy/reference.py",
+    ("reference", Target("ncclpy/semantics/reference.py",
                          ("tests/test_reference_contract.py", "tests/test_reference.py",
                           "tests/test_numerics.py"),
                          why="the oracle every result is judged against")),
-    ("numerics", Target("ncclpy/numerics.py",
+    ("numerics", Target("ncclpy/semantics/numerics.py",
                         ("tests/test_numerics_contract.py", "tests/test_numerics.py",
                          "tests/test_reference.py"),
                         why="reduction order, ULP distances, tolerances")),
-    ("dtypes", Target("ncclpy/dtypes.py",
+    ("dtypes", Target("ncclpy/semantics/dtypes.py",
                       ("tests/test_dtypes_contract.py", "tests/test_dtype_names.py",
                        "tests/test_dtypes_ops.py"),
                       why="names, aliases and NCCL enums of every dtype")),
@@ -107,7 +107,7 @@ TARGETS: Dict[str, Target] = {t[0]: t[1] for t in [
                                          "summarise", "status_of"),
                                   why="ncclpy's bench beside nccl-tests: the figures, ratios "
                                       "and verdicts against the targets")),
-    ("bandwidth", Target("ncclpy/registry.py", ("tests/test_bandwidth.py",),
+    ("bandwidth", Target("ncclpy/semantics/registry.py", ("tests/test_bandwidth.py",),
                          funcs=("Collective.bandwidths", "<lambda>", "_ring", "_part",
                                 "_whole", "Collective.sizes", "Collective.divisor"),
                          why="algbw and busbw as nccl-tests defines them")),

@@ -161,7 +161,7 @@ def get(name: str) -> Collective:
         if key in (c.tests_name, c.nccl.lower(), c.tests_name + "_perf") or \
                 (bare is not None and bare == c.nccl.lower()):
             return c
-    from .errors import ArgumentError
+    from ..errors import ArgumentError
     raise ArgumentError(f"collective {name!r} is unknown; expected one of {', '.join(COLLECTIVES)} "
                         f"(or an nccl-tests stem such as all_reduce_perf, or an NCCL name such "
                         f"as ncclAllReduce)")

@@ -1,8 +1,9 @@
 """From "who am I" to "every rank holds the same NCCL unique id": the hand-over to the communicator.
 
-:func:`bootstrap` resolves the rendezvous (:func:`ncclpy.rendezvous.resolve`), connects to the store
-(rank 0 hosts it, or ``ncclpy run``'s launcher), exchanges the 128-byte ``ncclUniqueId``
-(:func:`exchange_uid`) and picks the device.  The result, :class:`Bootstrap`, is a plain dataclass the communicator consumes.
+:func:`bootstrap` resolves the rendezvous (:func:`ncclpy.rendezvous.resolve`), connects to the
+store (rank 0 hosts it, or ``ncclpy run``'s launcher), exchanges the 128-byte ``ncclUniqueId``
+(:func:`exchange_uid`; made and checked in :mod:`ncclpy.rendezvous.uid`) and picks the device.
+The result, :class:`Bootstrap`, is a plain dataclass the communicator consumes.
 
 The uid lives under ``ncclpy/uid/{name}/{generation}``, so several communicators (different
 names) and re-inits (new generations) never read each other's id.  With ``generation=None`` every
@@ -33,7 +34,6 @@ import os
 import sys
 import types
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,17 +41,14 @@ from ncclpy.errors import (ArgumentError, ArgumentTypeError, MissingDependencyEr
                            RendezvousError, StoreError, StoreTimeout)
 from ncclpy.rendezvous import RendezvousInfo, resolve
 
+from .uid import (UID_BYTES, UID_EXCHANGES, _as_uid, _check_int, choose_uid_exchange,
+                  exchange_uid_mpi, get_unique_id)
+
 __all__ = ["Bootstrap", "bootstrap", "exchange_uid", "get_unique_id", "UID_BYTES",
            "uid_key", "generation_key", "ack_key", "connect_store", "UID_EXCHANGES",
            "choose_uid_exchange"]
 
 log = logging.getLogger(__name__)
-
-#: sizeof(ncclUniqueId)
-UID_BYTES = 128
-
-_INSTALL_HINT = ("install CuPy with NCCL: pip install 'ncclpy[cu12]' (CUDA 12) or "
-                 "pip install 'ncclpy[cu13]' (CUDA 13)")
 
 
 @dataclass
@@ -74,11 +71,6 @@ class Bootstrap:
     info: RendezvousInfo
     #: how the uid was shared: "store" or "mpi"
     uid_exchange: str = "store"
-
-
-#: the values of ``uid_exchange`` / ``$NCCLPY_UID_EXCHANGE``
-UID_EXCHANGES = ("store", "mpi", "auto")
-_MPI_SOURCES = ("openmpi", "mpich")
 
 
 def uid_key(name: str, generation: int) -> str:
@@ -113,43 +105,6 @@ def ack_key(name: str, generation: int) -> str:
     """Store counter of the ranks that have read the uid of ``name``, ``generation``; the last
     reader sets ``ack_key(...) + "/all"``, which rank 0 waits for."""
     return f"ncclpy/uid-ack/{name}/{generation}"
-
-
-def _as_uid(raw: Any, what: str) -> bytes:
-    """Normalise a uid to 128 bytes: bytes (CuPy >= 14) or signed ints (CuPy <= 13)."""
-    if isinstance(raw, (bytes, bytearray, memoryview)):
-        out = bytes(raw)
-    elif isinstance(raw, str):
-        raise RendezvousError(f"{what}: expected {UID_BYTES} bytes, got a str")
-    else:
-        try:
-            vals = list(raw)
-        except TypeError as e:
-            raise RendezvousError(f"{what}: expected {UID_BYTES} bytes or ints, got "
-                                  f"{type(raw).__name__}") from e
-        if not all(isinstance(v, numbers.Integral) and -128 <= v <= 255 for v in vals):
-            raise RendezvousError(f"{what}: expected {UID_BYTES} ints in -128..255 (signed or "
-                                  f"unsigned chars)")
-        out = bytes(int(v) & 0xFF for v in vals)
-    if len(out) != UID_BYTES:
-        raise RendezvousError(f"{what}: expected {UID_BYTES} bytes, got {len(out)}")
-    return out
-
-
-def get_unique_id() -> bytes:
-    """``ncclGetUniqueId`` through CuPy, as 128 bytes. Needs no GPU.  On the CPU backend, its
-    own ``ncclGetUniqueId`` (no CuPy needed there)."""
-    from .cpu.backend import installed
-    if installed():
-        from ._nccl.lib import get_lib
-        return _as_uid(get_lib().get_unique_id(), "ncclGetUniqueId")
-    try:
-        from cupy.cuda import nccl
-    except ImportError as e:
-        raise MissingDependencyError(f"CuPy is not installed ({e}); {_INSTALL_HINT}") from e
-    if not getattr(nccl, "available", True) or not hasattr(nccl, "get_unique_id"):
-        raise MissingDependencyError(f"CuPy cannot load libnccl; {_INSTALL_HINT}")
-    return _as_uid(nccl.get_unique_id(), "ncclGetUniqueId")
 
 
 def _ncclpy_store_type():
@@ -209,14 +164,6 @@ def _store_call(store: Any, rank: int, doing: str, key: str, fn: Any, *args: Any
         else:
             msg = f"rank {rank} could not {doing} (key {key!r}) on {where}"
         raise RendezvousError(f"{msg}: {type(e).__name__}: {e}{hint}") from e
-
-
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"{'None or ' if allow_none else ''}an int >= {minimum}"
-        raise ArgumentError(f"{name}: expected {expected}, got {value!r}")
 
 
 def exchange_uid(store: Any, rank: int, *, name: str = "default",
@@ -354,7 +301,7 @@ def _torchrun_store(info: RendezvousInfo, timeout: float) -> Any:
                               f"{info.master_port} within {timeout:g} s ({type(e).__name__}: "
                               f"{e}); set NCCLPY_MASTER_PORT to use ncclpy's own store "
                               f"instead") from e
-    from ncclpy.torch_store import TorchStoreAdapter
+    from ncclpy.rendezvous.torch_store import TorchStoreAdapter
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return TorchStoreAdapter(dist.PrefixStore(f"ncclpy/attempt-{attempt}", client),
                              f"{info.master_addr}:{info.master_port} (torchrun)", timeout)
@@ -413,12 +360,9 @@ def _open_ncclpy_store(store_type: Any, info: RendezvousInfo, token: Optional[st
 
 
 def _gpu_count() -> int:
-    from ncclpy.cpu.backend import installed
-    if installed():         # the CPU backend: a rank's device label is its local rank
-        return 0
-    try:
-        from ncclpy.launch.placement import visible_gpu_count
-    except ImportError:  # pragma: no cover - placement ships with ncclpy
+    from .._nccl.devices import visible_gpu_count
+    from .._nccl.lib import cpu_backend
+    if cpu_backend():       # the CPU backend: a rank's device label is its local rank
         return 0
     return visible_gpu_count()
 
@@ -452,100 +396,6 @@ def _pick_device(info: RendezvousInfo, explicit: bool) -> int:
                 + f"; rank {info.rank} did not join the rendezvous")
         return info.device
     return info.local_rank % n if n > 0 else info.local_rank
-
-
-def _mpi_launched(info: RendezvousInfo, env: Any) -> Optional[str]:
-    """The MPI launcher this process was started by (rank from its variables), else None."""
-    if info.source in _MPI_SOURCES:
-        return info.source
-    return None
-
-
-def _import_mpi() -> Any:
-    """mpi4py's MPI module (initialises MPI), or None when mpi4py is not importable."""
-    try:
-        from mpi4py import MPI
-    except Exception as e:   # ImportError; RuntimeError when the wheel finds no libmpi
-        log.debug("bootstrap: mpi4py is not importable: %s: %s", type(e).__name__, e)
-        return None
-    return MPI
-
-
-def choose_uid_exchange(choice: Optional[str], info: RendezvousInfo,
-                        env: Any = None, *, store_given: bool = False) -> tuple[str, str]:
-    """("store" | "mpi", why): the uid exchange for ``choice`` (None: ``$NCCLPY_UID_EXCHANGE``,
-    else "store").  "mpi" that cannot work raises :class:`ArgumentError` naming what is missing."""
-    env = os.environ if env is None else env
-    src = "argument uid_exchange"
-    if choice is None:
-        raw = env.get("NCCLPY_UID_EXCHANGE", "").strip()
-        choice, src = (raw.lower(), "NCCLPY_UID_EXCHANGE") if raw else ("store", "default")
-    if not isinstance(choice, str) or choice.lower() not in UID_EXCHANGES:
-        what = f"{src}={choice!r}" if src != "default" else repr(choice)
-        raise ArgumentError(f"uid_exchange: expected one of {', '.join(UID_EXCHANGES)}, got "
-                            f"{what}")
-    choice = choice.lower()
-    if choice == "store":
-        return "store", f"{src} says store"
-    launcher = _mpi_launched(info, env)
-    problem = None
-    if store_given:
-        problem = "a store= was passed, which the MPI exchange would not use"
-    elif launcher is None:
-        problem = (f"this process was not started by an MPI launcher (its rank came from "
-                   f"{info.source})")
-    elif _import_mpi() is None:
-        problem = "mpi4py is not importable (pip install mpi4py; it needs an MPI library)"
-    if problem is None:
-        return "mpi", f"{src} says {choice}; started by {launcher}, mpi4py importable"
-    if choice == "auto":
-        return "store", f"{src} says auto and {problem}"
-    raise ArgumentError(f"uid_exchange: {src}='mpi' cannot be used: {problem}; use "
-                        f"uid_exchange='store' (the default) or 'auto'")
-
-
-_MPI_GENERATIONS: dict[str, int] = {}
-_MPI_LOCK = threading.Lock()
-
-
-def exchange_uid_mpi(info: RendezvousInfo, *, name: str = "default",
-                     generation: Optional[int] = None, timeout: float = 300.0,
-                     mpi: Any = None) -> tuple[bytes, int]:
-    """Share the uid by ``MPI_Bcast`` from rank 0 over ``COMM_WORLD`` (nonblocking, polled, so
-    a rank that never joins is a :class:`RendezvousError` after ``timeout``, not a hang)."""
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ArgumentError(f"timeout: expected seconds > 0, got {timeout!r}")
-    _check_int("generation", generation, 0, allow_none=True)
-    MPI = mpi if mpi is not None else _import_mpi()
-    if MPI is None:
-        raise MissingDependencyError("uid_exchange='mpi' needs mpi4py: pip install mpi4py")
-    world = MPI.COMM_WORLD
-    if (world.Get_rank(), world.Get_size()) != (info.rank, info.world_size):
-        raise RendezvousError(
-            f"uid_exchange='mpi': MPI_COMM_WORLD says rank {world.Get_rank()} of "
-            f"{world.Get_size()}, the rendezvous says rank {info.rank} of {info.world_size} "
-            f"(from {info.source}); the MPI exchange needs the ranks to be MPI's own")
-    with _MPI_LOCK:
-        if generation is None:
-            generation = _MPI_GENERATIONS.get(name, 0) + 1
-        _MPI_GENERATIONS[name] = max(generation, _MPI_GENERATIONS.get(name, 0))
-    buf = bytearray(get_unique_id() if info.rank == 0 else bytes(UID_BYTES))
-    req = world.Ibcast([buf, MPI.BYTE], root=0)
-    deadline = time.monotonic() + timeout
-    pause = 0.0005
-    while not req.Test():
-        if time.monotonic() >= deadline:
-            raise RendezvousError(
-                f"rank {info.rank} waited {timeout:g} s for the MPI_Bcast of the NCCL unique id "
-                f"of communicator {name!r} generation {generation} (uid_exchange='mpi'); are all "
-                f"{info.world_size} ranks running, with the same communicator names in the same "
-                f"order?")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-    uid = _as_uid(buf, f"uid received by MPI_Bcast (communicator {name!r})")
-    log.debug("bootstrap: rank %d %s the uid of %r generation %d over MPI_Bcast", info.rank,
-              "sent" if info.rank == 0 else "got", name, generation)
-    return uid, generation
 
 
 def bootstrap(name: str = "default", *, store: Any = None, timeout: float = 300.0,

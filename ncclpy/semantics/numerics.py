@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .dtypes import DTYPES, LOGICAL, dtype_name
-from .errors import ArgumentError
+from ..errors import ArgumentError
 
 __all__ = ["FloatFormat", "FORMATS", "encode", "decode", "round_to", "ulp_distance", "max_ulp",
            "as_bits", "from_bits", "is_nan_bits", "mantissa_bits", "verifiable_values",

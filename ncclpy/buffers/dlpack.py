@@ -1,15 +1,16 @@
 """DLPack capsules, read without being consumed: the ctypes layout of ``dlpack.h`` (legacy
 ``dltensor`` and versioned ``dltensor_versioned`` capsules), what a capsule describes
-(:class:`DLPackInfo`) and its dtype as a logical ncclpy dtype.  :func:`ncclpy.buffers.as_buffer`
-uses them for objects that offer only ``__dlpack__``; the names are re-exported there."""
+(:class:`DLPackInfo`) and its dtype as a logical ncclpy dtype.
+:func:`ncclpy.buffers.buffer.as_buffer` uses them for objects that offer only ``__dlpack__``; the
+names are re-exported there."""
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from .dtypes import LOGICAL
-from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
+from ..semantics.dtypes import LOGICAL
+from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 __all__ = ["DLDevice", "DLDataType", "DLTensor", "DLManagedTensor", "DLPackVersion",
            "DLManagedTensorVersioned", "DLPackInfo", "parse_dlpack_capsule", "dlpack_dtype",

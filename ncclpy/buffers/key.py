@@ -1,12 +1,12 @@
 """Cheap per-call keys of buffer arguments, for the resolver's cache.
 
-A key is a tuple of the values that decide what :func:`ncclpy.buffers.as_buffer` makes of an
+A key is a tuple of the values that decide what :func:`ncclpy.buffers.buffer.as_buffer` makes of an
 object, read again on every call: never the object's identity (an id is reused once an object
 is freed, a torch tensor can be re-pointed in place with ``set_``/``resize_``, a
 ``__cuda_array_interface__`` dict can change).  Two objects with equal keys parse to buffers
 with the same pointer, element count, dtype, device and layout, so they plan to the same NCCL
 calls.  How a type is keyed is decided once per type (like the parser's kind, see
-:func:`ncclpy.buffers.type_kind`):
+:func:`ncclpy.buffers.buffer.type_kind`):
 
 * ``Buffer`` / ``BufferSpec``: their fields;
 * ``cupy.ndarray`` (exactly): pointer, size, dtype, C-contiguity, device (plus shape and strides
@@ -29,8 +29,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, Hashable
 
-from . import buffers as _buffers
-from .buffers import DEVICE_UNKNOWN, device_of, type_kind
+from . import buffer as _buffers
+from .buffer import DEVICE_UNKNOWN, device_of, type_kind
 
 __all__ = ["Uncacheable", "buffer_key", "keyer", "cai_key"]
 

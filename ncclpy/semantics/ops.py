@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .dtypes import Logical, format_version, logical
-from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
+from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 __all__ = ["RedOp", "SUM", "PROD", "MAX", "MIN", "AVG", "premul_sum", "parse_op", "NCCL_OPS",
            "effective_op", "OP_NAMES", "op_min_version", "format_version"]

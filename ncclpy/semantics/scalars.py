@@ -19,7 +19,7 @@ import math
 import struct
 from typing import Any
 
-from ..dtypes import DTYPES
+from .dtypes import DTYPES
 from ..errors import ArgumentError, UnsupportedError
 
 __all__ = ["encode_scalar", "float_to_bf16_bits", "float_to_e4m3fn_bits",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import re
 from typing import Any, Dict, Optional, Tuple
 
-from .errors import ArgumentTypeError, NcclpyError, UnsupportedError
+from ..errors import ArgumentTypeError, NcclpyError, UnsupportedError
 
 __all__ = ["DType", "DTYPES", "LOGICAL", "Logical", "NCCL_DTYPE_NAMES", "dtype_name",
            "logical", "nccl_dtype", "ALL_DTYPE_NAMES", "C_NAMES", "NAME_TABLE", "SHORT_NAMES",

@@ -1,15 +1,15 @@
 """The parsed buffer, and the checks and lookups every buffer parser shares.
 
-:class:`BufferSpec` (what :func:`ncclpy.buffers.as_buffer` returns) and ``_spec``, its fast
-constructor; what both the device parsers (:mod:`ncclpy.buffers`) and the host memory mode
-parsers (:mod:`ncclpy.hostbuf`) run: C-contiguity (``_check_layout``), shapes (``_shape``), the
+:class:`BufferSpec` (what :func:`ncclpy.buffers.buffer.as_buffer` returns) and ``_spec``, its fast
+constructor; what both the device parsers (:mod:`ncclpy.buffers.buffer`) and the host memory mode
+parsers (:mod:`ncclpy.buffers.host`) run: C-contiguity (``_check_layout``), shapes (``_shape``), the
 logical dtype of a typestr (``_cai_dtype``), a numpy or torch dtype (each name cached in a dict
 on first sight: ``_TYPESTRS``, ``_NP_NAMES``, ``_TORCH_NAMES``) and a torch tensor's checks
 (:func:`torch_spec`); the device constants DEVICE_HOST and DEVICE_UNKNOWN.
 
-Why a module of its own: so the imports point down.  :mod:`ncclpy.buffers` (entry point, device
-parsers, the host memory switch) imports :mod:`ncclpy.hostbuf`; both import this module, which
-imports neither.  ``ncclpy.buffers`` re-exports the public names.
+Why a module of its own: so the imports point down.  :mod:`ncclpy.buffers.buffer` (entry point,
+device parsers, the host memory switch) imports :mod:`ncclpy.buffers.host`; both import this module,
+which imports neither.  ``ncclpy.buffers.buffer`` re-exports the public names.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from .dtypes import LOGICAL, dtype_name
-from .errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError
+from ..semantics.dtypes import LOGICAL, dtype_name
+from ..errors import ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError
 
 __all__ = ["BufferSpec", "DEVICE_HOST", "DEVICE_UNKNOWN", "torch_spec"]
 

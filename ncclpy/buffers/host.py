@@ -1,11 +1,11 @@
-"""Host buffers: what :func:`ncclpy.buffers.as_buffer` makes of a buffer in host memory mode.
+"""Host buffers: what :func:`ncclpy.buffers.buffer.as_buffer` makes of a buffer in host memory mode.
 
 When this process's communicators run on the CPU backend (``ncclpy.init(device="cpu")``, which
-switches :func:`ncclpy.buffers.set_host_memory` on), buffers live in host memory: numpy arrays
-and any object exposing ``__array_interface__`` (v3), torch CPU tensors, DLPack buffers on
+switches :func:`ncclpy.buffers.buffer.set_host_memory` on), buffers live in host memory: numpy
+arrays and any object exposing ``__array_interface__`` (v3), torch CPU tensors, DLPack buffers on
 kDLCPU or kDLCUDAHost (pinned host memory is host memory) and
 ``ncclpy.Buffer(ptr, count, dtype, device="cpu")``.  Each parses into a
-:class:`~ncclpy.buffers.BufferSpec` with ``device`` DEVICE_UNKNOWN (the executor takes the
+:class:`~ncclpy.buffers.buffer.BufferSpec` with ``device`` DEVICE_UNKNOWN (the executor takes the
 communicator's) and every check of the device parsers: contiguity, negative strides, dtypes NCCL
 cannot carry, NULL pointers of non-empty buffers, the read-only flag.
 
@@ -13,20 +13,20 @@ GPU memory (CuPy arrays, torch CUDA tensors, ``__cuda_array_interface__`` object
 kDLCUDA / kDLCUDAManaged, a Buffer on a CUDA device) is refused in one line naming the argument
 and what is expected instead.  Like the device parsers, nothing here dereferences a pointer.
 
-Imports point down: :mod:`ncclpy.buffers` imports this module (its host memory mode dispatches
-here); this module takes the checks it shares with the device parsers from
-:mod:`ncclpy.bufspec` and never imports :mod:`ncclpy.buffers`.
+Imports point down: :mod:`ncclpy.buffers.buffer` imports this module (its host memory mode
+dispatches here); this module takes the checks it shares with the device parsers from
+:mod:`ncclpy.buffers.spec` and never imports :mod:`ncclpy.buffers.buffer`.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any, Dict, Tuple
 
-from .bufspec import (_NP_NAMES, _TYPESTRS, DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, _cai_dtype,
-                      _check_layout, _dtype, _prod, _shape, _spec, torch_spec)
+from .spec import (_NP_NAMES, _TYPESTRS, DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec, _cai_dtype,
+                   _check_layout, _dtype, _prod, _shape, _spec, torch_spec)
 from .dlpack import DL_DEVICE_NAMES, dlpack_dtype, parse_dlpack_capsule
-from .dtypes import LOGICAL
-from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
+from ..semantics.dtypes import LOGICAL
+from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 __all__ = ["as_host_buffer", "from_array_interface", "gpu_refusal", "cai_refusal",
            "HOST_ACCEPTED"]
@@ -58,7 +58,7 @@ def cai_refusal(obj: Any, cai: Any, name: str) -> ArgumentError:
 
 
 def as_host_buffer(obj: Any, name: str, kind: str) -> BufferSpec:
-    """Parse ``obj`` (of :func:`~ncclpy.buffers.type_kind` ``kind``) as a host buffer, or
+    """Parse ``obj`` (of :func:`~ncclpy.buffers.buffer.type_kind` ``kind``) as a host buffer, or
     refuse it (see the module docstring)."""
     if kind == "numpy":
         return _from_numpy(obj, name)

@@ -27,7 +27,7 @@ import time
 from typing import Any, Deque, List, Optional
 
 from .._nccl.cuda import cuda
-from .work import release_done, take
+from ..comm.work import release_done, take
 
 __all__ = ["Reaper", "reaper", "TICK", "GIVE_UP", "BUSY"]
 

@@ -1,4 +1,5 @@
-"""A numpy definition of every collective in :mod:`ncclpy.registry`, matching NCCL's semantics.
+"""A numpy definition of every collective in :mod:`ncclpy.registry`, matching NCCL's
+semantics.
 
 Every function maps per-rank inputs to per-rank outputs: ``outputs[r]`` is what rank r's output
 buffer holds after the call, or ``None`` where NCCL leaves it undefined or never writes it (each
@@ -16,7 +17,8 @@ Reductions (the contract :mod:`ncclpy.check` compares against):
   ``__NV_SATFINITE`` kernels).  NCCL's real order depends on the algorithm (ring, tree, NVLS) and
   the protocol, so a bitwise equality with NCCL is claimed only for inputs whose every partial
   result is exact (integers; floats built from small integer mantissas at a shared exponent, see
-  :func:`ncclpy.numerics.verifiable_input`).  For other inputs compare with a ULP tolerance.
+  :func:`ncclpy.semantics.numerics.verifiable_input`).  For other inputs compare with a ULP
+  tolerance.
 * Integers wrap (two's complement / unsigned modular arithmetic), as the C kernels do.
 * MIN/MAX (NCCL ``FuncMinMax``, src/device/reduce_kernel.h): integers compare as their type;
   float/double use ``fminf``/``fmaxf``/``fmin``/``fmax``, half and bfloat16 ``__hmin``/``__hmax``
@@ -25,14 +27,14 @@ Reductions (the contract :mod:`ncclpy.check` compares against):
   claim for them: a NaN against a NaN (CUDA may return a canonical NaN, the reference keeps the
   accumulator's payload) and a tie of +0 against -0 (the sign CUDA's min/max picks is not
   documented for every type; the reference keeps the accumulator).  ``ncclpy check``'s inputs
-  never contain NaN or -0 for MIN/MAX (:func:`ncclpy.numerics.verifiable_values`).
+  never contain NaN or -0 for MIN/MAX (:func:`ncclpy.semantics.numerics.verifiable_values`).
 * AVG: integers: the wrapped sum, then division by n truncating toward zero (NCCL's
   ``FuncSumPostDiv``).  Floats: ``ncclDevPreMulSum`` with ``1/n`` computed in double, converted to
   float, then to the dtype (``__float2half(float(1.0/n))`` etc.): each input is multiplied by that
   rounded scalar (rounded again), then the products are summed.  (This is what NCCL <= 2.32 does:
   its device code has SumPostDiv kernels for integers only.)
 * PREMUL_SUM(s): the scalar is converted to the dtype exactly as ncclpy hands it to NCCL
-  (:func:`ncclpy.plan.scalars.encode_scalar`: floats narrower than float32 go through float32;
+  (:func:`ncclpy.semantics.scalars.encode_scalar`: floats narrower than float32 go through float32;
   integer dtypes take only an integral, in-range scalar and refuse others with the library's
   ArgumentError), each input is multiplied by it in the dtype, and the products are summed.
 * bool (torch's mapping): the bytes are reduced as uint8 with SUM -> MAX and PROD -> MIN;
@@ -46,9 +48,9 @@ import numpy as np
 
 from . import numerics as nm
 from .dtypes import DTYPES, LOGICAL, dtype_name
-from .errors import ArgumentError, UnsupportedError
+from ..errors import ArgumentError, UnsupportedError
 from .ops import RedOp, effective_op
-from .plan.scalars import encode_scalar
+from .scalars import encode_scalar
 
 __all__ = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
            "gather", "scatter", "send_recv", "barrier", "reduce_arrays", "avg_scalar_bits",
@@ -150,8 +152,8 @@ def avg_scalar_bits(wire: str, n: int) -> np.ndarray:
 
 def premul_scalar_bits(wire: str, scalar: float) -> np.ndarray:
     """The bits of the premul_sum scalar in wire type ``wire``: exactly the element ncclpy passes
-    to ``ncclRedOpCreatePreMulSum`` (:func:`ncclpy.plan.scalars.encode_scalar`, so the two agree
-    by construction).  Raises the library's ArgumentError for a scalar it refuses (a
+    to ``ncclRedOpCreatePreMulSum`` (:func:`ncclpy.semantics.scalars.encode_scalar`, so the two
+    agree by construction).  Raises the library's ArgumentError for a scalar it refuses (a
     non-integral or out-of-range value on an integer type, a finite value that overflows)."""
     w = DTYPES[wire]
     raw = encode_scalar(scalar, wire)

@@ -11,7 +11,7 @@ DLPack CPU/pinned buffers), non-contiguous or negative strides, CAI masks, dtype
 carry, NULL pointers of non-empty buffers.
 
 Host memory mode (:func:`set_host_memory`: the CPU backend, ``ncclpy.init(device="cpu")``):
-the other way round, host memory parsed by :mod:`ncclpy.hostbuf` (every check above applies)
+the other way round, host memory parsed by :mod:`ncclpy.buffers.host` (every check above applies)
 and GPU memory refused.  One module-global read per parse decides which.
 
 Cheap by type: what kind of object a buffer is (raw, CuPy array, torch tensor, numpy, something
@@ -20,9 +20,9 @@ CuPy arrays (exactly ``cupy.ndarray``) are read directly (pointer, size, dtype, 
 through ``__cuda_array_interface__``, whose export costs a stream lookup; dtype names are looked
 up in dicts filled on first sight.  Every check still runs on every parse.
 The parsed form (:class:`BufferSpec`), the device constants and the checks the host parsers
-share with these live in :mod:`ncclpy.bufspec` and are re-exported here.  Imports point down:
-this module imports :mod:`ncclpy.hostbuf` (the host memory parsers), which imports only
-:mod:`ncclpy.bufspec`, never this module.
+share with these live in :mod:`ncclpy.buffers.spec` and are re-exported here.  Imports point down:
+this module imports :mod:`ncclpy.buffers.host` (the host memory parsers), which imports only
+:mod:`ncclpy.buffers.spec`, never this module.
 """
 from __future__ import annotations
 
@@ -31,16 +31,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
-from . import hostbuf as _hostbuf
-from .bufspec import (_GPU_COPY, _NP_NAMES, _TYPESTRS, DEVICE_HOST, DEVICE_UNKNOWN,
-                      BufferSpec, _cai_dtype, _check_layout, _dtype, _prod, _shape, _spec,
-                      torch_spec)
+from . import host as _hostbuf
+from .spec import (_GPU_COPY, _NP_NAMES, _TYPESTRS, DEVICE_HOST, DEVICE_UNKNOWN, BufferSpec,
+                   _cai_dtype, _check_layout, _dtype, _prod, _shape, _spec, torch_spec)
 from .dlpack import (DL_DEVICE_NAMES, DLDataType, DLDevice, DLManagedTensor,  # noqa: F401
-                     DLManagedTensorVersioned, DLPackInfo, DLPackVersion, DLTensor,
-                     dlpack_dtype, parse_dlpack_capsule)
-from .dtypes import LOGICAL, dtype_name
-from .errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
-                     as_int)
+                     DLManagedTensorVersioned, DLPackInfo, DLPackVersion, DLTensor, dlpack_dtype,
+                     parse_dlpack_capsule)
+from ..semantics.dtypes import LOGICAL, dtype_name
+from ..errors import (U64_MAX, ArgumentError, ArgumentTypeError, NcclpyError, UnsupportedError,
+                      as_int)
 
 #: the largest CUDA device ordinal (a C int)
 I32_MAX = (1 << 31) - 1
@@ -292,7 +291,7 @@ def _from_cupy(obj: Any, name: str) -> BufferSpec:
     return _spec(ptr, count, dt, mem.device_id, shape, "cupy", obj)
 
 
-# -- DLPack (the capsule layout and reader live in ncclpy.dlpack) -------------------------------
+# -- DLPack (the capsule layout and reader live in ncclpy.buffers.dlpack) ----------------------
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_ROCM_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 11, 13
 
 
@@ -337,7 +336,7 @@ def as_buffer(obj: Any, name: str = "buffer", device: Optional[int] = None) -> B
     ``device`` is a hint for objects that do not say where they live (pure
     ``__cuda_array_interface__`` objects); without it such buffers get ``device`` -2 and the
     executor resolves it.  Objects that do say (CuPy, torch, DLPack) keep their own device.
-    In host memory mode (:func:`set_host_memory`) :func:`ncclpy.hostbuf.as_host_buffer`
+    In host memory mode (:func:`set_host_memory`) :func:`ncclpy.buffers.host.as_host_buffer`
     parses instead: host buffers get ``device`` -2, GPU buffers are refused.
     """
     t = type(obj)

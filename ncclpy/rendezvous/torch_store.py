@@ -14,7 +14,7 @@ import datetime
 import time
 from typing import Any, Iterable, Optional, Union
 
-from .errors import StoreError, StoreTimeout
+from ..errors import StoreError, StoreTimeout
 
 __all__ = ["TorchStoreAdapter"]
 
