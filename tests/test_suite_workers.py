@@ -1,5 +1,6 @@
 """Which runs of the suite are spread over the cores (tests/suite_workers.py, from
-tests/conftest.py): only the whole CPU suite, only when nobody chose, never a collection or a run that selects GPU tests."""
+tests/conftest.py): only the whole CPU suite, only when nobody chose, never a collection or a
+run that selects GPU tests."""
 from __future__ import annotations
 
 import pytest
