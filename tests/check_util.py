@@ -1,4 +1,4 @@
-"""Helpers the check's merge tests share (tests/test_check_gloo.py, test_check_cpu_backend.py):
+"""Helpers the check's merge tests share (tests/test_check_harness.py, test_check_cpu_backend.py):
 per-rank result parts and comparisons as the ranks report them."""
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Test configuration: make ``gpu_util`` importable from every test directory; the store
-fixtures (``server``, ``store``) the store test files share; the whole suite on every core."""
+fixtures (``server``, ``store``) the store test files share; the whole suite on every core,
+and the run's processes with a bytecode cache of their own."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -12,7 +16,7 @@ _root = os.path.dirname(_here)
 if _root not in sys.path:
     sys.path.insert(0, _root)
 
-from suite_workers import whole_suite_workers  # noqa: E402  (tests/ is on the path now)
+from suite_workers import bytecode_cache_env, whole_suite_workers  # noqa: E402 (on the path)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -20,7 +24,10 @@ def pytest_cmdline_main(config):
     """Spread the whole suite over the cores when pytest-xdist is installed (the README's
     ``[test]`` extra installs it); without it, or for anything but the whole suite, nothing
     changes.  Groups (``xdist_group``) keep a module's shared expensive runs on one worker."""
-    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):          # a worker inherits the controller's choices
+        return
+    _bytecode_cache()
+    if not config.pluginmanager.hasplugin("xdist"):
         return
     where = config.invocation_params.dir
     whole = all(os.path.realpath(os.path.join(where, a)) == os.path.realpath(_here)
@@ -31,6 +38,25 @@ def pytest_cmdline_main(config):
     if n:
         config.option.numprocesses = n
         config.option.dist = "loadgroup"
+
+
+def _bytecode_cache() -> None:
+    """Give this run and the processes it starts a bytecode cache of their own, removed at the
+    end, where ``PYTHONDONTWRITEBYTECODE`` would make each of them compile ncclpy again
+    (:func:`suite_workers.bytecode_cache_env`)."""
+    folder = tempfile.mkdtemp(prefix="ncclpy-test-pyc-")
+    change = bytecode_cache_env(os.environ, folder)
+    if not change:
+        os.rmdir(folder)
+        return
+    atexit.register(shutil.rmtree, folder, True)
+    for k, v in change.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = folder
 
 
 @pytest.fixture

@@ -7,7 +7,9 @@ changing what those processes do.
   test module again in each process, ~1.3 s of CPU per start; with a bytecode cache of this
   process's own (``PYTHONPYCACHEPREFIX``, removed at exit: nothing is written beside the
   sources) a pytest after the first starts in about half that.  Bytecode caching is
-  transparent: a cached file is used only while its source is unchanged.
+  transparent: a cached file is used only while its source is unchanged.  Where the run has
+  its own cache already (tests/conftest.py gives every process of a pytest run one), that one
+  is kept and shared.
 * :func:`run_together`: independent commands started together, each waited for with its own
   bound (instead of one after another).
 * :func:`forked_jobs`: multi-rank jobs whose ranks are real processes forked from one
@@ -57,6 +59,8 @@ def pytest_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """``env`` (default: this process's) for a pytest subprocess, bytecode cached (see the
     module docstring)."""
     out = dict(os.environ if env is None else env)
+    if out.get("PYTHONPYCACHEPREFIX") and not out.get("PYTHONDONTWRITEBYTECODE"):
+        return out                  # the run's own cache (tests/conftest.py): shared already
     out.pop("PYTHONDONTWRITEBYTECODE", None)
     out["PYTHONPYCACHEPREFIX"] = pycache_dir()
     return out
@@ -67,8 +71,9 @@ def pytest_environ() -> Iterator[None]:
     """This process's environment as :func:`pytest_env` makes it, for the duration: for code
     under test that starts pytest with ``os.environ`` (``debt.collect_tests``)."""
     saved = {k: os.environ.get(k) for k in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    env = pytest_env()
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    os.environ["PYTHONPYCACHEPREFIX"] = pycache_dir()
+    os.environ["PYTHONPYCACHEPREFIX"] = env["PYTHONPYCACHEPREFIX"]
     try:
         yield
     finally:
