@@ -272,7 +272,9 @@ def test_backend_nccl_needs_a_gpu():
 
 _GLOO_AVG_SCRIPT = r'''
 import json, os, sys, socket
+import numpy as np
 import torch, torch.distributed as dist, torch.multiprocessing as mp
+from ncclpy.semantics import numerics as nm
 from ncclpy.check import cases as C, divergences as D, runner as Rn
 from ncclpy import reference
 
