@@ -26,12 +26,13 @@ def pytest_cmdline_main(config):
     changes.  Groups (``xdist_group``) keep a module's shared expensive runs on one worker."""
     if hasattr(config, "workerinput"):          # a worker inherits the controller's choices
         return
-    _bytecode_cache()
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
     where = config.invocation_params.dir
     whole = all(os.path.realpath(os.path.join(where, a)) == os.path.realpath(_here)
                 for a in config.args)
+    if whole:
+        _bytecode_cache()
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     n = whole_suite_workers(whole, config.option.numprocesses,
                             config.option.collectonly, config.option.markexpr, os.environ,
                             len(os.sched_getaffinity(0)))
@@ -41,9 +42,12 @@ def pytest_cmdline_main(config):
 
 
 def _bytecode_cache() -> None:
-    """Give this run and the processes it starts a bytecode cache of their own, removed at the
-    end, where ``PYTHONDONTWRITEBYTECODE`` would make each of them compile ncclpy again
-    (:func:`suite_workers.bytecode_cache_env`)."""
+    """Give the whole suite's run and the processes it starts a bytecode cache of their own,
+    removed at the end, where ``PYTHONDONTWRITEBYTECODE`` would make each of them compile ncclpy
+    again (:func:`suite_workers.bytecode_cache_env`).  Only the whole suite: the cache holds
+    every module's bytecode, torch's and numpy's too (a cache folder replaces their
+    ``__pycache__``), which a run compiles once (~4 s of CPU for torch); the suite's ~2,000
+    processes repay that, a run of some files (a mutation run's, say) would not."""
     folder = tempfile.mkdtemp(prefix="ncclpy-test-pyc-")
     change = bytecode_cache_env(os.environ, folder)
     if not change:

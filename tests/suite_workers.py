@@ -40,7 +40,8 @@ def bytecode_cache_env(env: Mapping[str, str], folder: str) -> Dict[str, Optiona
     variable asked; a cached file is used only while its source is unchanged (Python checks
     the source's size and modification time), so no test runs other code than its sources.
     Nothing changes where bytecode is written anyway, or where a cache folder is already
-    chosen."""
+    chosen.  The folder stands in for every ``__pycache__``, site-packages' too, so a run
+    compiles torch once into it: worth it for the whole suite only, which the caller decides."""
     if not env.get("PYTHONDONTWRITEBYTECODE") or env.get("PYTHONPYCACHEPREFIX"):
         return {}
     return {"PYTHONDONTWRITEBYTECODE": None, "PYTHONPYCACHEPREFIX": folder}

@@ -3,6 +3,7 @@ tests/conftest.py): only the whole CPU suite, only when nobody chose, never a co
 run that selects GPU tests."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,33 +48,43 @@ def test_bytecode_cache_only_where_no_process_would_write_bytecode(tmp_path):
                               d) == {}
 
 
-def test_a_run_under_dontwritebytecode_caches_outside_the_tree_and_removes_the_cache(tmp_path):
-    """A real pytest run (this conftest) under PYTHONDONTWRITEBYTECODE=1: its child processes
-    see the run's cache folder instead of the variable; the folder holds bytecode during the
-    run and is gone after it; nothing is written beside the sources."""
-    probe = tmp_path / "test_probe.py"
-    pkg = tmp_path / "probe_mod.py"
-    pkg.write_text("X = 1\n")
-    child = (f"import json, os, sys; sys.path.insert(0, {str(tmp_path)!r}); import probe_mod; "
+def test_the_whole_suite_under_dontwritebytecode_caches_outside_the_tree_and_removes_it(tmp_path):
+    """A real pytest run of a whole suite (this conftest, copied with a probe test into a folder
+    of its own, run without paths as the README runs it) under PYTHONDONTWRITEBYTECODE=1: its
+    child processes see the run's cache folder instead of the variable; the folder holds their
+    bytecode during the run and is gone after it; nothing is written beside the sources.  The
+    same probe run by path (some files, not the whole suite) gets no cache."""
+    import shutil
+    here = os.path.dirname(os.path.abspath(__file__))
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name in ("conftest.py", "suite_workers.py"):
+        shutil.copy(os.path.join(here, name), suite / name)
+    (suite / "probe_mod.py").write_text("X = 1\n")
+    child = (f"import json, os, sys; sys.path.insert(0, {str(suite)!r}); import probe_mod; "
              "print(json.dumps([os.environ.get('PYTHONDONTWRITEBYTECODE'), "
              "os.environ.get('PYTHONPYCACHEPREFIX')]))")
-    probe.write_text(
+    (suite / "test_probe.py").write_text(
         "import json, os, subprocess, sys\n"
         "def test_env():\n"
         f"    out = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True,\n"
         "                         text=True, check=True).stdout\n"
         "    dwb, prefix = json.loads(out)\n"
-        "    assert dwb is None and prefix and os.path.isdir(prefix)\n"
-        "    assert [f for _, _, fs in os.walk(prefix) for f in fs if 'probe_mod' in f]\n"
-        f"    open({str(tmp_path / 'prefix.txt')!r}, 'w').write(prefix)\n")
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        "    if prefix:\n"
+        "        assert dwb is None and os.path.isdir(prefix)\n"
+        "        assert [f for _, _, fs in os.walk(prefix) for f in fs if 'probe_mod' in f]\n"
+        f"    open({str(tmp_path / 'seen.json')!r}, 'w').write(json.dumps([dwb, prefix]))\n")
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", NCCLPY_TEST_WORKERS="0")
     env.pop("PYTHONPYCACHEPREFIX", None)
-    here = os.path.dirname(os.path.abspath(__file__))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--rootdir", str(tmp_path), "-c", os.devnull,
-                          "--confcutdir", here, "-p", "conftest", str(probe)],
-                         cwd=here, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    prefix = (tmp_path / "prefix.txt").read_text()
-    assert not os.path.exists(prefix)
-    assert not (tmp_path / "__pycache__").exists()
+
+    def run(*args: str) -> list:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              "-c", os.devnull, "--rootdir", str(suite), *args],
+                             cwd=suite, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return json.loads((tmp_path / "seen.json").read_text())
+
+    dwb, prefix = run()
+    assert dwb is None and prefix and not os.path.exists(prefix)
+    assert not (suite / "__pycache__").exists()
+    assert run("test_probe.py") == ["1", None]
