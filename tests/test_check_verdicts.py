@@ -433,3 +433,38 @@ def test_a_barrier_that_raised_is_an_error():
     ps[0]["torch_error"] = "RuntimeError: gone"
     r = K.merge(BAR, ps, GLOO)
     assert (r["status"], r["reason"]) == ("error", "torch_error rank 0: RuntimeError: gone")
+
+
+# -- within ULP: each side's own words; which sides are exact ------------------------------------
+BOUND = {**cmp(False, 5), "bound_ok": True}     # normal/revealing inputs: within the bound
+
+
+def test_within_ulp_by_the_order_free_bound_names_each_side_that_ran_and_only_those():
+    """A side with nothing compared, and ncclpy where it did not run, say nothing; a side
+    exact against rank order says so; one within the bound says that, not a ULP count."""
+    gloo = K.merge(LOOSE, parts(2, t_ref=BOUND, n_ref=cmp(True)), GLOO)   # ncclpy did not run
+    assert (gloo["status"], gloo["reason"]) == (
+        "within ULP", "torch within the order-free bound of the rank-order reference (not "
+                      "claimed exact: verifiable inputs)")
+    both = K.merge(LOOSE, parts(2, t_ref=BOUND, n_ref=cmp(True), n_t=cmp(False, 1)), NCCL)
+    assert (both["status"], both["reason"]) == (
+        "within ULP", "ncclpy == the rank-order reference bit for bit; torch within the "
+                      "order-free bound of the rank-order reference (not claimed exact: "
+                      "verifiable inputs)")
+    unseen = K.merge(LOOSE, parts(2, t_ref=BOUND, n_t=cmp(False, 1)), NCCL)   # no n_ref at all
+    assert unseen["reason"] == gloo["reason"]
+
+
+def test_ncclpy_in_nccls_order_and_gloo_in_rank_order_are_not_held_to_each_other():
+    """CPU backend, a case not claimed exact: ncclpy is judged against NCCL's order and gloo
+    against rank order, so ncclpy vs torch is not compared (they fold differently on
+    purpose); the case is exact only where torch was not called at all."""
+    ps = parts(2, ref_kind="nccl-order", ref_config="x", n_nccl=cmp(True), n_ref=cmp(False, 1),
+               t_ref=cmp(True), n_t=cmp(False, 50))
+    r = K.merge(LOOSE, ps, CPU)
+    assert (r["status"], r["ncclpy_torch"], r["exact"]) == ("pass", None, False)
+    ps = parts(2, ref_kind="nccl-order", ref_config="x", n_nccl=cmp(True), n_ref=cmp(True),
+               torch_not_called="gloo cannot", n_t=cmp(None))
+    r = K.merge(LOOSE, ps, CPU)
+    assert (r["status"], r["exact"]) == ("reference only", True)
+    assert r["reason"] == "ncclpy == NCCL's order; torch not compared: gloo cannot"

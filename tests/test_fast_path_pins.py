@@ -242,3 +242,51 @@ def test_the_fast_record_and_capture_query_keep_the_pool_and_mark_what_they_must
         assert w0._owned, "a failing capture query must count as captured"
         c0.abort(), c1.abort()
     assert eng.violations == []
+
+
+def test_a_prepared_call_waits_for_the_communicators_lock_that_another_thread_holds():
+    """A prepared call takes the communicator's one lock around its NCCL call, as every other
+    call does: made while another thread holds it (an abort, a close, another call), it waits
+    until that thread lets go."""
+    import time
+    with standin() as eng:
+        c0, c1 = _pair()
+        x0, x1 = _arr([1.0], 0), _arr([2.0], 1)
+        p = c0.prepare("all_reduce", x0, stream=0)
+        held, order = threading.Event(), []
+
+        def holder() -> None:
+            with c0._life.api:
+                held.set()
+                time.sleep(0.5)
+                order.append("let go")
+        t = threading.Thread(target=holder)
+        t.start()
+        assert held.wait(30)
+        w0 = p()                              # issued after the holder let go
+        order.append("called")
+        t.join(30)
+        _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+        w0.wait()
+        assert order == ["let go", "called"] and x0.a.tolist() == [3.0]
+        c0.abort(), c1.abort()
+    assert eng.violations == []
+
+
+def test_a_streams_handle_is_read_directly_only_from_cupys_and_torchs_own_types():
+    """CuPy's ``.ptr`` and torch's ``.cuda_stream`` are read directly by the module the type
+    comes from (its top-level package); any other type, one from a module of one name
+    included, through ncclpy.comm.streams.stream_handle."""
+    from ncclpy.comm import hot
+    from ncclpy.comm.streams import stream_handle
+
+    def kind(module: str, attr: str) -> type:
+        return type("S", (), {"__module__": module, attr: 7})
+    cupy_like = kind("cupy.cuda.stream", "ptr")
+    f = hot._handle_of(cupy_like)
+    assert f is not stream_handle and f(cupy_like()) == 7
+    torch_like = kind("torch.cuda.streams", "cuda_stream")
+    f = hot._handle_of(torch_like)
+    assert f is not stream_handle and f(torch_like()) == 7
+    for other in (kind("mystreams", "ptr"), kind("cuda.cupy", "ptr"), kind("cupy", "handle")):
+        assert hot._handle_of(other) is stream_handle

@@ -309,3 +309,25 @@ def test_the_process_environment_reads_the_conf_file_under_it_once(tmp_path, mon
         assert Pins.from_env().cpu_choice("all_reduce").algo == "ring"
     finally:
         ncclenv.forget_params()
+
+
+def test_the_no_algorithm_warning_is_worded_anew_from_2_30_3_exactly():
+    """v2.30.3-1 reworded the WARN (enqueue.cc:2063 in v2.30.7-1): that version says "No
+    algorithm", the one before it "Error : no algorithm"."""
+    new = no_algorithm_text("reduce", "ncclInt8", "tree", None, version=23003)
+    old = no_algorithm_text("reduce", "ncclInt8", "tree", None, version=23002)
+    assert new == ("No algorithm/protocol available for function Reduce with datatype "
+                   "ncclInt8. NCCL_ALGO was set to tree.")
+    assert old == "Error : no" + new[2:]
+
+
+def test_ctas_default_to_one_and_every_channel_unless_set_to_a_positive_number():
+    """NCCL_MIN_CTAS / NCCL_MAX_CTAS unset, 0 or negative: NCCL's defaults, 1 and MAXCHANNELS
+    (init.cc:1661-1680); a positive value is taken (the maximum capped at MAXCHANNELS)."""
+    p = Pins.from_env({})
+    assert (p.min_ctas, p.max_ctas) == (1, p.max_channels) == (1, 64)
+    for bad in ("0", "-3"):
+        p = Pins.from_env({"NCCL_MIN_CTAS": bad, "NCCL_MAX_CTAS": bad})
+        assert (p.min_ctas, p.max_ctas) == (1, 64)
+    p = Pins.from_env({"NCCL_MIN_CTAS": "2", "NCCL_MAX_CTAS": "500"})
+    assert (p.min_ctas, p.max_ctas) == (2, 64)
