@@ -456,8 +456,11 @@ def test_checked_mode_stops_a_mismatch_before_nccl_sees_it():
     def rank(r):
         c = _init(r, 2, port, timeout=10.0, checked=True, watchdog=False)
         c.all_reduce(_arr([1.0, 2.0], r)).wait()
+        x = _arr([1.0], r)
         with c.group():                                       # deferred to the group end
-            c.all_reduce(_arr([1.0], r))
+            w = c.all_reduce(x)
+        w.wait()                    # the Work returned in the group follows the call made
+        assert w.is_completed() and x.a.tolist() == [2.0]    # at its end
         with pytest.raises(errors.CallMismatchError):
             c.all_reduce(_arr(np.ones(3 + r), r))
         c.abort()

@@ -290,3 +290,50 @@ def test_a_streams_handle_is_read_directly_only_from_cupys_and_torchs_own_types(
     assert f is not stream_handle and f(torch_like()) == 7
     for other in (kind("mystreams", "ptr"), kind("cuda.cupy", "ptr"), kind("cupy", "handle")):
         assert hot._handle_of(other) is stream_handle
+
+
+def test_a_premul_sum_that_fails_inside_a_group_keeps_its_op_until_the_group_ends():
+    """NCCL may still launch what a group enqueued before a call of it failed: the failed
+    call's PreMulSum op is kept until the group ends, then destroyed, never left behind."""
+    from ncclpy.cpu.nccl import live_ops
+
+    def ops() -> list:
+        return [op for op, h in live_ops(eng).items() if h == c0._handle]
+    with standin() as eng:
+        c0, c1 = _pair()
+        x0 = _arr([1.0], 0)
+        eng.fail["ncclAllReduce"] = 5         # ncclInvalidUsage, once
+        with pytest.raises(errors.NcclError, match="ncclAllReduce"):
+            with c0.group():
+                try:
+                    c0.all_reduce(x0, op=ncclpy.premul_sum(2.0))
+                finally:
+                    held = ops()              # inside the group: still there
+        assert len(held) == 1 and ops() == []
+        c0.abort(), c1.abort()
+    assert eng.violations == []
+
+
+def test_a_call_on_a_torch_tensor_on_the_general_path_is_in_the_flight_recorder(monkeypatch):
+    """A general-path call whose buffer is a torch tensor (here a BufferSpec of one) keeps
+    the tensor's storage and is recorded in the flight recorder like any other call."""
+    torch = pytest.importorskip("torch")
+    from ncclpy.comm import streams as _streams
+    monkeypatch.setattr(_streams, "torch_stream", lambda device: 0)   # torch's current: 0
+    with standin() as eng:
+        c0, c1 = _pair()
+        c0._hot = None                        # the general path
+        x0, x1 = _arr([1.0], 0), _arr([2.0], 1)
+        spec = ncclpy.buffers.buffer.as_buffer(x0)
+        t = torch.zeros(1)
+        spec = ncclpy.buffers.buffer.BufferSpec(spec.ptr, spec.count, spec.dtype, spec.device,
+                                                spec.shape, framework="torch", obj=t)
+        before = len(c0._recorder.entries())
+        w0 = c0.all_reduce(spec)
+        _on(eng, 1, lambda: c1.all_reduce(x1).wait())
+        w0.wait()
+        entries = c0._recorder.entries()
+        assert len(entries) == before + 1 and entries[-1]["coll"] == "all_reduce"
+        assert x0.a.tolist() == [3.0]
+        c0.abort(), c1.abort()
+    assert eng.violations == []

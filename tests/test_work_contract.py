@@ -98,6 +98,28 @@ def test_a_look_at_a_captured_or_released_work_never_queries_it(monkeypatch):
         assert w._query(3) is True and cu.queries == 0
 
 
+def test_a_look_at_a_done_or_captured_work_never_gives_it_a_later_communicator_error():
+    """A nonblocking communicator's async error reaches the Works still in flight; a Work
+    already completed or captured into a graph is left as it is (its tracker lets go of it
+    without asking the communicator)."""
+    class Failed(_C):
+        _nonblocking = True
+        asked = 0
+
+        def _raise_async_error(self) -> None:
+            Failed.asked += 1
+            raise RuntimeError("ncclRemoteError")
+    cu = _Cu(done=100)
+    with cudamod.use(cu):
+        for state in ("_owned", "_done"):
+            w = new_work(Failed(), 0, 5, None, (), 3)
+            setattr(w, state, True)
+            assert w._reap() is True and w._error is None and cu.queries == 0
+        assert Failed.asked == 0
+        w = new_work(Failed(), 0, 5, None, (), 3)        # in flight: it takes the error
+        assert w._reap() is True and isinstance(w._error, RuntimeError) and Failed.asked == 1
+
+
 def test_a_look_whose_query_fails_lets_go_or_raises_as_asked():
     with cudamod.use(_Cu(fail=RuntimeError("cudaErrorLaunchFailure"))):
         w = new_work(_C(), 0, 5, None, ("buf",), 3)
