@@ -321,3 +321,13 @@ def test_the_overflow_branch_of_the_split_is_reached_and_ported():
     s = predict(OrderConfig.make("all_reduce", 2, 131073, dtype="int8", channels=4)).split
     assert [p.count for p in s.parts] == [32768, 32768, 32768, 32769]
     assert (s.count_lo, s.count_mid, s.count_hi) == (32768, 32768, 32769)
+
+
+def test_a_prediction_equals_another_of_its_config_whether_its_maps_were_built_or_not():
+    """The maps are a cache built on first use: they never make two predictions of one
+    configuration differ, in equality or in print."""
+    cfg = OrderConfig.make("all_reduce", 3, 40)
+    a, b = predict(cfg), predict(cfg)
+    assert a.maps is not None and a == b and b == predict(cfg)
+    assert repr(a) == repr(b) and "maps" not in repr(a)      # nor what they print
+    assert a != predict(OrderConfig.make("all_reduce", 3, 41))
