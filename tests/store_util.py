@@ -135,7 +135,10 @@ class ScriptedServer:
         for step in script:
             while len(buf) < P.HEADER_SIZE or len(buf) < P.HEADER_SIZE + P.REQ_HEADER.unpack_from(
                     buf)[1]:
-                chunk = conn.recv(4096)
+                try:
+                    chunk = conn.recv(4096)
+                except OSError:     # closed under it (close(): the test is over)
+                    return
                 if not chunk:
                     return
                 buf += chunk
