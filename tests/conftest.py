@@ -1,6 +1,6 @@
 """Test configuration: make ``gpu_util`` importable from every test directory; the store
 fixtures (``server``, ``store``) the store test files share; the whole suite on every core,
-and the run's processes with a bytecode cache of their own."""
+its processes with a bytecode cache of their own."""
 import atexit
 import os
 import shutil
@@ -23,7 +23,8 @@ from suite_workers import bytecode_cache_env, whole_suite_workers  # noqa: E402 
 def pytest_cmdline_main(config):
     """Spread the whole suite over the cores when pytest-xdist is installed (the README's
     ``[test]`` extra installs it); without it, or for anything but the whole suite, nothing
-    changes.  Groups (``xdist_group``) keep a module's shared expensive runs on one worker."""
+    changes.  Groups (``xdist_group``) keep a module's shared expensive runs on one worker.
+    The whole suite also gets its bytecode cache (:func:`_bytecode_cache`)."""
     if hasattr(config, "workerinput"):          # a worker inherits the controller's choices
         return
     where = config.invocation_params.dir

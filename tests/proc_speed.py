@@ -8,7 +8,7 @@ changing what those processes do.
   process's own (``PYTHONPYCACHEPREFIX``, removed at exit: nothing is written beside the
   sources) a pytest after the first starts in about half that.  Bytecode caching is
   transparent: a cached file is used only while its source is unchanged.  Where the run has
-  its own cache already (tests/conftest.py gives every process of a pytest run one), that one
+  its own cache already (tests/conftest.py gives the whole suite's processes one), that one
   is kept and shared.
 * :func:`run_together`: independent commands started together, each waited for with its own
   bound (instead of one after another).
